@@ -13,6 +13,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
 }
+MODEL_TYPE_TO_ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -54,6 +55,8 @@ class ModelConfig:
     def from_dict(cls, hf: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         architectures = hf.get("architectures") or []
         architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if architecture is None and not architectures:
+            architecture = MODEL_TYPE_TO_ARCHITECTURE.get(hf.get("model_type", ""))
         if architecture is None:
             raise ValueError(
                 f"{source}: unsupported architecture {architectures or hf.get('model_type')!r}; "

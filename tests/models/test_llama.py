@@ -1,0 +1,116 @@
+"""The decoder against transformers' own implementation, on tiny random models of each
+supported family, through the paged runner: whole prefill, chunked prefill, decode steps
+over a shuffled block table, and a mixed batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tokenway.engine.request import Request, SamplingParams  # noqa: E402
+from tokenway.engine.runner import ModelRunner  # noqa: E402
+from tokenway.engine.scheduler import SchedulerOutput  # noqa: E402
+from tokenway.models.config import ModelConfig  # noqa: E402
+from tokenway.models.llama import LlamaForCausalLM  # noqa: E402
+
+BLOCK_SIZE = 4
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def tiny(kind: str):
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**COMMON, rope_theta=10000.0)
+    elif kind == "llama3-rope":
+        cfg = transformers.LlamaConfig(**COMMON, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    elif kind == "linear-rope":
+        cfg = transformers.LlamaConfig(**COMMON, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                                  "factor": 2.0})
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(**COMMON, tie_word_embeddings=True)
+    elif kind == "mistral":
+        cfg = transformers.MistralConfig(**COMMON, sliding_window=None)
+    else:
+        raise AssertionError(kind)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    # Make biases non-zero so a forgotten bias shows.
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    config = ModelConfig.from_dict(cfg.to_dict())
+    ours = LlamaForCausalLM(config, torch.float32)
+    ours.load_weights(hf.state_dict().items())
+    return hf, ours
+
+
+def hf_logits(hf, token_ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([token_ids])).logits[0]
+
+
+def run_step(runner: ModelRunner, requests, chunks, tables) -> torch.Tensor:
+    out = SchedulerOutput(list(requests), list(chunks), [list(t) for t in tables])
+    logits = runner.execute(out)
+    for request, num_new in zip(requests, chunks):
+        request.num_computed_tokens += num_new
+    return logits
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3-rope", "linear-rope", "qwen2", "mistral"])
+def test_prefill_chunks_and_decode_match_transformers(kind):
+    hf, ours = tiny(kind)
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 96, (40,)).tolist()
+    expected = hf_logits(hf, tokens)  # (40, vocab)
+
+    runner = ModelRunner(ours, num_blocks=32, block_size=BLOCK_SIZE, device=torch.device("cpu"))
+    table = list(range(31, 31 - 10, -1))  # blocks out of order: paging must not matter
+    request = Request("r", tokens[:25], SamplingParams(temperature=0))
+    # A 25-token prompt in chunks of 7, 7 and 11: only the last chunk yields logits.
+    assert run_step(runner, [request], [7], [table]).shape[0] == 0
+    assert run_step(runner, [request], [7], [table]).shape[0] == 0
+    got = run_step(runner, [request], [11], [table])
+    torch.testing.assert_close(got[0], expected[24], atol=1e-4, rtol=1e-4)
+    for position in range(25, 40):
+        request.append_output_token_ids(tokens[position])
+        got = run_step(runner, [request], [1], [table])
+        torch.testing.assert_close(got[0], expected[position], atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_batch_matches_each_alone():
+    hf, ours = tiny("llama")
+    torch.manual_seed(2)
+    a_tokens = torch.randint(0, 96, (18,)).tolist()
+    b_tokens = torch.randint(0, 96, (9,)).tolist()
+    c_tokens = torch.randint(0, 96, (13,)).tolist()
+    runner = ModelRunner(ours, num_blocks=32, block_size=BLOCK_SIZE, device=torch.device("cpu"))
+    a = Request("a", a_tokens[:17], SamplingParams(temperature=0))
+    b = Request("b", b_tokens[:8], SamplingParams(temperature=0))
+    c = Request("c", c_tokens, SamplingParams(temperature=0))
+    tables = {"a": [0, 1, 2, 3, 4], "b": [10, 11, 12], "c": [20, 21, 22, 23]}
+    run_step(runner, [a, b], [17, 8], [tables["a"], tables["b"]])
+    a.append_output_token_ids(a_tokens[17])
+    b.append_output_token_ids(b_tokens[8])
+    # Two decodes and a fresh prefill in one step.
+    logits = run_step(runner, [a, c, b], [1, 13, 1], [tables["a"], tables["c"], tables["b"]])
+    torch.testing.assert_close(logits[0], hf_logits(hf, a_tokens)[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[1], hf_logits(hf, c_tokens)[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[2], hf_logits(hf, b_tokens)[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_missing_and_misshapen_weights_are_named():
+    hf, ours = tiny("llama")
+    state = dict(hf.state_dict())
+    del state["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match="layers.1.mlp.gate_up_weight"):
+        LlamaForCausalLM(ours.config).load_weights(state.items())
+    state = dict(hf.state_dict())
+    state["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        LlamaForCausalLM(ours.config).load_weights(state.items())

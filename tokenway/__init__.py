@@ -1,0 +1,40 @@
+"""tokenway: the whole path of an LLM API call, as software you run yourself.
+
+    client ── HTTP ──► 1 gateway      ChatCompletionRequest (pydantic), Principal
+                       2 routing      model name → pool → replica
+                       3 frontend     Tokenizer: chat template → prompt_token_ids; SamplingParams
+                       4 engine       Request → Scheduler → SchedulerOutput → ModelRunner → logits
+                                      → Sampler → EngineOutput (new token ids per request)
+                       6 postprocess  RequestState: detokenize, stop strings → RequestOutput
+                       7 billing      usage (prompt, cached, completion tokens)
+    client ◄── JSON or SSE ──
+
+Request is owned by the Scheduler from arrival to finish; KV blocks and the prefix-cache
+hash map by the KV cache manager's BlockPool; SamplingParams is immutable.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+if TYPE_CHECKING:
+    from tokenway.engine.llm import LLM
+    from tokenway.engine.request import SamplingParams
+    from tokenway.frontend.output import CompletionOutput, RequestOutput
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so `import tokenway.kv_cache` does not load torch models and tokenizers.
+    if name == "LLM":
+        from tokenway.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from tokenway.engine.request import SamplingParams
+
+        return SamplingParams
+    if name in ("RequestOutput", "CompletionOutput"):
+        from tokenway.frontend import output
+
+        return getattr(output, name)
+    raise AttributeError(f"module 'tokenway' has no attribute {name!r}")

@@ -1,0 +1,56 @@
+"""Typed settings. The engine reads EngineConfig; the server (later) wraps it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+def parse_bytes(value: int | str, field_name: str = "size") -> int:
+    """'2GiB', '512MiB', '1.5G', 1048576 -> bytes."""
+    if isinstance(value, int):
+        number = value
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            raise ValueError(f"{field_name}: cannot read {value!r} as a size; use e.g. 2GiB, 512MiB or bytes")
+        number = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if number <= 0:
+        raise ValueError(f"{field_name}: must be positive, got {value!r}")
+    return number
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    # Longest prompt + output, in tokens; None: the model's own context length.
+    max_model_len: int | None = None
+    # Memory for the KV cache, in bytes (or a string like "2GiB"); becomes a block count.
+    kv_cache_memory: int | str = 2 * 2**30
+    block_size: int = 16
+    # Token budget of one engine step: decode tokens plus prefill chunks.
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 128
+    enable_prefix_caching: bool = True
+    # "auto": bfloat16 where the CPU has bf16 dot products (AVX512-BF16 / AMX), else float32.
+    dtype: str = "auto"
+    device: str = "auto"  # "auto": cuda when present, else cpu
+    cache_dir: str | None = None  # converted models; default $TOKENWAY_CACHE_DIR or ~/.cache/tokenway
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

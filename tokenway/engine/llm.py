@@ -1,0 +1,120 @@
+"""The offline API, in vLLM's shape:
+
+    from tokenway import LLM, SamplingParams
+    llm = LLM(model="smollm2-135m-instruct")
+    outputs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import Any, Sequence
+
+from tokenway.config import EngineConfig
+from tokenway.engine.core import EngineCore
+from tokenway.engine.request import SamplingParams
+from tokenway.frontend.output import RequestOutput, RequestState
+
+PromptLike = str | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str = EngineConfig.model, **engine_options: Any) -> None:
+        self.engine = EngineCore(EngineConfig(model=model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+        self._request_counter = itertools.count()
+
+    def generate(
+        self,
+        prompts: PromptLike | Sequence[PromptLike],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. A prompt is a string or
+        {"prompt_token_ids": [...]}; every prompt is checked before any runs."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params_list = self._params_list(sampling_params, len(prompts))
+        encoded = []
+        for prompt, params in zip(prompts, params_list):
+            if isinstance(prompt, str):
+                token_ids = self.tokenizer.encode(prompt)
+                text = prompt
+            elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+                token_ids, text = [int(t) for t in prompt["prompt_token_ids"]], None
+            else:
+                raise ValueError(f"prompt: expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+            self.engine.validate_prompt(token_ids, params)
+            encoded.append((text, token_ids, params))
+        return self._run(encoded)
+
+    def chat(
+        self,
+        conversations: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # a single conversation
+        prompts = [
+            {
+                "prompt_token_ids": self.tokenizer.encode(
+                    self.tokenizer.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt, tools=tools),
+                    add_special_tokens=False,
+                )
+            }
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+    @staticmethod
+    def _params_list(sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if len(sampling_params) != count:
+            raise ValueError(f"sampling_params: got {len(sampling_params)} for {count} prompts")
+        return list(sampling_params)
+
+    def _run(self, encoded: list[tuple[str | None, list[int], SamplingParams]]) -> list[RequestOutput]:
+        # n > 1 fans out into n engine requests that share the prompt (and so its cached blocks).
+        states: dict[str, RequestState] = {}
+        parents: list[list[str]] = []
+        for text, token_ids, params in encoded:
+            parent_id = str(next(self._request_counter))
+            child_ids = []
+            for index in range(params.n):
+                request_id = parent_id if params.n == 1 else f"{parent_id}-{index}"
+                child_params = params
+                if params.n > 1 and params.seed is not None:
+                    child_params = replace(params, seed=params.seed + index)
+                states[request_id] = RequestState(request_id, text, token_ids, child_params, self.tokenizer, index)
+                child_ids.append(request_id)
+            parents.append(child_ids)
+        try:
+            for request_id, state in states.items():
+                self.engine.add_request(request_id, state.prompt_token_ids, state.params)
+            finals: dict[str, RequestOutput] = {}
+            while self.engine.has_unfinished_requests():
+                for engine_output in self.engine.step():
+                    state = states[engine_output.request_id]
+                    if state.finished:
+                        continue
+                    result = state.process(engine_output)
+                    if result.finished:
+                        finals[engine_output.request_id] = result
+                        if not engine_output.finished:  # a stop string matched
+                            self.engine.finish_request(engine_output.request_id, result.outputs[0].stop_reason)
+        except BaseException:
+            self.engine.abort_requests(list(states))
+            raise
+        results = []
+        for child_ids in parents:
+            first = finals[child_ids[0]]
+            first.outputs = [finals[c].outputs[0] for c in child_ids]
+            first.request_id = child_ids[0].split("-")[0]
+            results.append(first)
+        return results

@@ -1,0 +1,232 @@
+"""Scheduler: which requests run this step, and how many tokens each.
+
+Continuous batching with a token budget per step (vLLM v1's design): running requests go
+first, each taking the tokens it still has to compute (1 for a decode, a chunk for a long
+prompt); waiting requests then join with whatever budget is left. No prefill/decode
+phase: everything is num_computed_tokens against num_tokens. When the KV cache has no
+free block, the newest running request is preempted: its blocks are freed and it restarts
+later by recomputing its tokens (mostly from the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenway.engine.request import Request, RequestStatus, TokenLogprob
+from tokenway.kv_cache.manager import KVCacheManager
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What runs in one step. Built by the Scheduler; the runner only reads it."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)  # per request, same order
+    block_tables: list[list[int]] = field(default_factory=list)  # per request, same order
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def sampling_requests(self) -> list[Request]:
+        """Requests whose scheduled tokens reach their last known token: they get a new one."""
+        return [
+            request
+            for request, num_new in zip(self.requests, self.num_scheduled_tokens)
+            if request.num_computed_tokens + num_new == request.num_tokens
+        ]
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """New tokens for one request from one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.kv_manager = kv_manager
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already running")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
+        """Finish the requests now and free their blocks; unknown ids are ignored."""
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            outputs.append(self._finish(request, RequestStatus.FINISHED_ABORTED, []))
+        return outputs
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        kv = self.kv_manager
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, "a running request always has a token to compute"
+            while kv.allocate_slots(request, num_new) is None:
+                # Out of blocks: preempt the newest running request (possibly this one).
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_request_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                self._add_to_output(out, request, num_new)
+                budget -= num_new
+                index += 1
+                continue
+            break  # the request itself was preempted; everything after it already was
+
+        # New or resumed requests join only when this step preempted nobody.
+        while not out.preempted_request_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            computed_block_ids, num_computed = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_computed, budget)
+            if kv.allocate_slots(request, num_new, computed_block_ids) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._add_to_output(out, request, num_new)
+            budget -= num_new
+        return out
+
+    def _add_to_output(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        out.requests.append(request)
+        out.num_scheduled_tokens.append(num_new)
+        out.block_tables.append(self.kv_manager.get_block_ids(request.request_id))
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        sampled_token_ids: list[int],
+        logprobs: list[TokenLogprob | None],
+    ) -> list[EngineOutput]:
+        """Advance the counters, append sampled tokens (one per sampling request, in order),
+        check stop conditions and free finished requests."""
+        outputs: list[EngineOutput] = []
+        sample_index = 0
+        for request, num_new in zip(out.requests, out.num_scheduled_tokens):
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prompt chunk: nothing sampled yet
+            token_id = sampled_token_ids[sample_index]
+            token_logprob = logprobs[sample_index]
+            sample_index += 1
+            request.append_output_token_ids(token_id)
+            status = self._check_stop(request, token_id)
+            new_logprobs = [token_logprob] if token_logprob is not None else None
+            if status is None:
+                outputs.append(self._output(request, [token_id], new_logprobs))
+            else:
+                self.running.remove(request)
+                outputs.append(self._finish(request, status, [token_id], new_logprobs))
+        assert sample_index == len(sampled_token_ids)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: str | None = None) -> None:
+        """Finish a request from outside the step (e.g. a stop string the frontend matched)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.stop_reason = stop_reason
+        self._finish(request, status, [])
+
+    def _finish(
+        self,
+        request: Request,
+        status: RequestStatus,
+        new_token_ids: list[int],
+        new_logprobs: list[TokenLogprob] | None = None,
+    ) -> EngineOutput:
+        request.status = status
+        self.kv_manager.free(request)
+        del self.requests[request.request_id]
+        return self._output(request, new_token_ids, new_logprobs)
+
+    def _output(self, request: Request, new_token_ids: list[int], new_logprobs) -> EngineOutput:
+        return EngineOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=new_logprobs,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0,
+        )

@@ -1,0 +1,133 @@
+"""Turn engine token ids into what a caller sees: text, stop strings, logprobs.
+
+One RequestState per request, fed each step's EngineOutput. The detokenizer is the
+tokenizers library's DecodeStream, which never yields half a UTF-8 character. Stop
+strings are matched on the decoded text; text that could still be the start of a stop
+string is held back, so a stop string is never emitted, even across tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from tokenizers.decoders import DecodeStream
+
+from tokenway.engine.request import SamplingParams, TokenLogprob
+from tokenway.engine.scheduler import EngineOutput
+from tokenway.frontend.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str  # everything released so far
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[TokenLogprob] | None = None
+    delta_text: str = ""  # released by the latest step
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+def hold_back_length(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of some stop string."""
+    longest = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:length]):
+                longest = length
+                break
+    return longest
+
+
+class RequestState:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.tokenizer = tokenizer
+        self.stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        self.decoded = ""  # all text decoded so far
+        self.num_released = 0  # chars of `decoded` handed to the caller
+        self.output = CompletionOutput(index, "", [], logprobs=[] if params.logprobs is not None else None)
+        self.num_cached_tokens = 0
+        self.finished = False
+
+    def process(self, engine_output: EngineOutput) -> RequestOutput:
+        """Fold in one step. If a stop string matched, the result is finished with
+        finish_reason "stop" and the caller must finish the request in the engine."""
+        out = self.output
+        self.num_cached_tokens = engine_output.num_cached_tokens
+        out.delta_token_ids = list(engine_output.new_token_ids)
+        out.token_ids.extend(engine_output.new_token_ids)
+        if out.logprobs is not None and engine_output.new_logprobs:
+            out.logprobs.extend(engine_output.new_logprobs)
+        for token_id in engine_output.new_token_ids:
+            if token_id in self.params.stop_token_ids and not self.params.include_stop_str_in_output:
+                continue
+            piece = self.stream.step(self.tokenizer.hf, token_id)
+            if piece:
+                self.decoded += piece
+
+        stops = self.params.stop
+        releasable = len(self.decoded)
+        finish_reason, stop_reason = engine_output.finish_reason, engine_output.stop_reason
+        if stops:
+            # Search only where a new match can start: the unreleased tail plus overlap.
+            search_from = max(0, self.num_released - max(len(s) for s in stops) + 1)
+            match = min(
+                ((position, stop) for stop in stops if (position := self.decoded.find(stop, search_from)) >= 0),
+                default=None,
+            )
+            if match is not None:
+                position, stop = match
+                releasable = position + (len(stop) if self.params.include_stop_str_in_output else 0)
+                self.decoded = self.decoded[:releasable]
+                finish_reason, stop_reason = "stop", stop
+            elif finish_reason is None:
+                releasable -= hold_back_length(self.decoded, stops)
+        releasable = max(releasable, self.num_released)
+        out.delta_text = self.decoded[self.num_released : releasable]
+        self.num_released = releasable
+        out.text = self.decoded[:releasable]
+        if finish_reason is not None:
+            out.finish_reason, out.stop_reason = finish_reason, stop_reason
+            self.finished = True
+        # A snapshot: the caller may read it on another thread while the next step runs.
+        snapshot = replace(
+            out,
+            token_ids=list(out.token_ids),
+            logprobs=list(out.logprobs) if out.logprobs is not None else None,
+            delta_token_ids=list(out.delta_token_ids),
+        )
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [snapshot],
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+        )

@@ -1,0 +1,289 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+
+One forward runs a flat batch of T tokens from many requests: chunks of prompts and
+single decode tokens alike. The runner orders it as [decode tokens | prefill tokens]:
+the Bd decode requests (one query token each) come first so their attention is one
+padded, batched call; each prefill chunk then attends on its own.
+
+Activations and the residual stream stay float32; linear weights and the KV cache use
+`dtype` (bfloat16 where the CPU has bf16 dot-product instructions; see engine config).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenway.models.config import ModelConfig
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One request's run of query tokens that attends to its own context."""
+
+    token_start: int  # first index in the flat batch
+    num_tokens: int  # query tokens in this chunk
+    context_slot_ids: torch.Tensor | None  # (ctx_len,) long; None when the chunk is the whole context
+    attn_mask: torch.Tensor | None  # (num_tokens, ctx_len) bool, True = may attend; None = plain causal
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) long: cache slot each new token's K/V goes to
+    num_decode_tokens: int = 0  # Bd: the first Bd tokens are single-token decodes
+    decode_slot_ids: torch.Tensor | None = None  # (Bd, L) long, padded
+    decode_mask: torch.Tensor | None = None  # (Bd, 1, 1, L) bool, True = valid key
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """(head_dim/2,) float32 inverse frequencies, with the config's rope scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    if config.rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif config.rope_type == "llama3":
+        # Llama 3.1: leave high frequencies, divide low ones by factor, blend in between.
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+        high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+        old_context_len = float(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (float32) @ weight.T in the weight's dtype, back to float32."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        # q, k and v projections fused: one matmul instead of three. (q+2kv, hidden)
+        self.qkv_weight = nn.Parameter(
+            torch.empty(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.qkv_bias = (
+            nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size, dtype=dtype), requires_grad=False)
+            if config.attention_bias
+            else None
+        )
+        self.o_weight = nn.Parameter(torch.empty(config.hidden_size, self.q_size, dtype=dtype), requires_grad=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (T, hidden)
+        cos: torch.Tensor,  # (T, 1, head_dim)
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x (num_slots, kv_heads, head_dim)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k_cache, v_cache = kv_cache
+        cache_dtype = k_cache.dtype
+        # Attention runs in the cache's dtype, so fresh and cached keys are the same numbers.
+        q = q.to(cache_dtype)
+        k = k.to(cache_dtype)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim).to(cache_dtype)
+        # Every token's K/V is written before anyone reads: a request may attend to blocks
+        # another request in this same step is filling (a prefix-cache hit).
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+
+        out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=cache_dtype)
+        num_decodes = meta.num_decode_tokens
+        if num_decodes:
+            group = self.num_heads // self.num_kv_heads
+            # GQA without copying K/V: the query heads sharing a KV head act as that
+            # head's query "positions", none of them causal. (Bd, kv_heads, group, head_dim)
+            dq = q[:num_decodes].view(num_decodes, self.num_kv_heads, group, self.head_dim)
+            dk = k_cache[meta.decode_slot_ids].transpose(1, 2)  # (Bd, kv_heads, L, head_dim)
+            dv = v_cache[meta.decode_slot_ids].transpose(1, 2)
+            attn = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=meta.decode_mask, scale=self.scale)
+            out[:num_decodes] = attn.reshape(num_decodes, self.num_heads, self.head_dim)
+        for chunk in meta.prefills:
+            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            pq = q[rows].transpose(0, 1).unsqueeze(0)  # (1, heads, n, head_dim)
+            if chunk.context_slot_ids is None:
+                pk, pv = k[rows], v[rows]
+            else:
+                pk, pv = k_cache[chunk.context_slot_ids], v_cache[chunk.context_slot_ids]
+            pk = pk.transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx, head_dim)
+            pv = pv.transpose(0, 1).unsqueeze(0)
+            attn = F.scaled_dot_product_attention(
+                pq,
+                pk,
+                pv,
+                attn_mask=chunk.attn_mask,
+                is_causal=chunk.attn_mask is None,
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            out[rows] = attn.squeeze(0).transpose(0, 1)
+        return linear(out.view(num_tokens, self.q_size).to(x.dtype), self.o_weight)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        # gate and up fused: (2 * intermediate, hidden)
+        self.gate_up_weight = nn.Parameter(
+            torch.empty(2 * config.intermediate_size, config.hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.down_weight = nn.Parameter(
+            torch.empty(config.hidden_size, config.intermediate_size, dtype=dtype), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(x, self.gate_up_weight).split(self.intermediate_size, dim=-1)
+        return linear(F.silu(gate) * up, self.down_weight)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        # The embedding is a lookup, not a matmul: keep it float32 for the residual stream.
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
+        # (max_positions, head_dim) cos/sin tables, computed as HF does (fp32 outer product).
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
+        freqs = torch.outer(positions, rope_inv_freq(config))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", emb.cos(), persistent=False)
+        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens[input_ids]  # (T, hidden)
+        cos = self.rope_cos[positions].unsqueeze(1)  # (T, 1, head_dim)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) float32; the final norm runs only on the N rows that sample."""
+        return linear(self.norm(hidden), self.lm_head).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be filled."""
+        config = self.config
+        q_size = config.num_attention_heads * config.head_dim
+        kv_size = config.num_key_value_heads * config.head_dim
+        inter = config.intermediate_size
+        hidden = config.hidden_size
+        # HF name suffix -> (our parameter suffix, row offset into the fused tensor, rows)
+        fused = {
+            "self_attn.q_proj.weight": ("self_attn.qkv_weight", 0, q_size),
+            "self_attn.k_proj.weight": ("self_attn.qkv_weight", q_size, kv_size),
+            "self_attn.v_proj.weight": ("self_attn.qkv_weight", q_size + kv_size, kv_size),
+            "self_attn.q_proj.bias": ("self_attn.qkv_bias", 0, q_size),
+            "self_attn.k_proj.bias": ("self_attn.qkv_bias", q_size, kv_size),
+            "self_attn.v_proj.bias": ("self_attn.qkv_bias", q_size + kv_size, kv_size),
+            "mlp.gate_proj.weight": ("mlp.gate_up_weight", 0, inter),
+            "mlp.up_proj.weight": ("mlp.gate_up_weight", inter, inter),
+            "self_attn.o_proj.weight": ("self_attn.o_weight", 0, hidden),
+            "mlp.down_proj.weight": ("mlp.down_weight", 0, hidden),
+            "input_layernorm.weight": ("input_layernorm.weight", 0, hidden),
+            "post_attention_layernorm.weight": ("post_attention_layernorm.weight", 0, hidden),
+        }
+        params = dict(self.named_parameters())
+        # target -> {row offset: rows}; a tied lm_head may arrive twice, which is fine.
+        filled: dict[str, dict[int, int]] = {}
+        for name, tensor in weights:
+            if name == "model.embed_tokens.weight":
+                vocab = config.vocab_size
+                targets = [("embed_tokens", 0, vocab)] + ([("lm_head", 0, vocab)] if config.tie_word_embeddings else [])
+            elif name == "lm_head.weight":
+                targets = [("lm_head", 0, config.vocab_size)]
+            elif name == "model.norm.weight":
+                targets = [("norm.weight", 0, hidden)]
+            elif name.startswith("model.layers."):
+                _, _, index, suffix = name.split(".", 3)
+                if suffix not in fused:
+                    if "rotary_emb" in suffix:
+                        continue
+                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                target, offset, rows = fused[suffix]
+                targets = [(f"layers.{index}.{target}", offset, rows)]
+            else:
+                continue  # e.g. rotary inv_freq buffers some checkpoints carry
+            for target, offset, rows in targets:
+                param = params[target]
+                if tensor.shape[0] != rows or tuple(tensor.shape[1:]) != tuple(param.shape[1:]):
+                    raise ValueError(
+                        f"weight {name!r} has shape {tuple(tensor.shape)}, which does not fit {target} "
+                        f"rows {offset}:{offset + rows} of shape {tuple(param.shape)}"
+                    )
+                param.data[offset : offset + rows].copy_(tensor)
+                filled.setdefault(target, {})[offset] = rows
+        missing = [n for n, p in params.items() if sum(filled.get(n, {}).values()) != p.shape[0]]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for {missing[:5]}{'...' if len(missing) > 5 else ''}")
