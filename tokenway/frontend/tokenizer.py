@@ -1,0 +1,172 @@
+"""Text <-> token ids, and chat messages -> prompt text, for one model directory.
+
+The BPE itself is the `tokenizers` library's (`Tokenizer.hf`); this class adds what a model
+directory says around it: special tokens and BOS (tokenizer_config.json), extra stop ids
+(generation_config.json) and the chat template, rendered the way HuggingFace transformers does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.meta
+import tokenizers
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        hf: tokenizers.Tokenizer,
+        tokenizer_config: dict[str, Any],
+        generation_config: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+        source: str = "tokenizer",
+    ) -> None:
+        self.hf = hf
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        # Special token strings a chat template may use, e.g. {{ bos_token }}.
+        tokens = {name: _token_content(tokenizer_config.get(name)) for name in _SPECIAL_TOKEN_NAMES}
+        self._special_tokens = {name: token for name, token in tokens.items() if token is not None}
+        generation_config = generation_config or {}
+        self.bos_token_id = self._token_id("bos_token", generation_config.get("bos_token_id"))
+        generation_eos_ids = _as_id_list(generation_config.get("eos_token_id"))
+        self.eos_token_id = self._token_id("eos_token", generation_eos_ids[0] if generation_eos_ids else None)
+        # Chat models often stop on an end-of-turn token too, which only generation_config.json lists.
+        self.eos_token_ids = frozenset(generation_eos_ids + ([] if self.eos_token_id is None else [self.eos_token_id]))
+        self._special_ids = frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special)
+        # A tokenizer.json post-processor may already insert BOS; then add_bos_token must not add a second.
+        post_processor = hf.post_processor
+        adds_special = post_processor is not None and post_processor.num_special_tokens_to_add(False) > 0
+        self._prepend_bos = (
+            bool(tokenizer_config.get("add_bos_token", False)) and self.bos_token_id is not None and not adds_special
+        )
+        self.chat_template = chat_template
+        self._template: jinja2.Template | None = None
+        self._template_supports_tools = False
+        if chat_template is not None:
+            env = _chat_template_env()
+            try:
+                self._template = env.from_string(chat_template)
+                variables = jinja2.meta.find_undeclared_variables(env.parse(chat_template))
+            except jinja2.TemplateSyntaxError as exc:
+                raise ValueError(f"{source}: chat template is not valid jinja ({exc})") from None
+            self._template_supports_tools = "tools" in variables
+        self._source = source
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"{path}: not found; tokenway needs a fast-tokenizer tokenizer.json")
+        try:
+            hf = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust side raises a bare Exception
+            raise ValueError(f"{path}: not a valid tokenizer.json ({exc})") from None
+        tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
+        chat_template = tokenizer_config.get("chat_template")
+        if isinstance(chat_template, list):  # older format: named templates
+            templates = {t.get("name"): t.get("template") for t in chat_template}
+            chat_template = templates.get("default", next(iter(templates.values()), None))
+        template_path = model_dir / "chat_template.jinja"
+        if template_path.is_file():  # transformers >= 4.50 saves the template here, and it wins
+            chat_template = template_path.read_text()
+        return cls(
+            hf,
+            tokenizer_config,
+            generation_config=_read_json(model_dir / "generation_config.json"),
+            chat_template=chat_template,
+            source=str(model_dir),
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        token_ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._prepend_bos:
+            return [self.bos_token_id, *token_ids]
+        return token_ids
+
+    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        if self._template is None:
+            raise ValueError(f"{self._source}: the model has no chat template; send a plain-text prompt instead")
+        variables = {
+            **self._special_tokens,
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "tools": tools,
+            **kwargs,
+        }
+        try:
+            return self._template.render(**variables)
+        except (jinja2.TemplateError, TypeError) as exc:
+            # Templates index and concatenate message fields; a malformed message fails in here.
+            raise ValueError(f"chat template failed on these messages: {exc}") from None
+
+    @property
+    def template_supports_tools(self) -> bool:
+        return self._template_supports_tools
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def _token_id(self, config_name: str, fallback: int | None) -> int | None:
+        token = self._special_tokens.get(config_name)
+        token_id = None if token is None else self.hf.token_to_id(token)
+        return fallback if token_id is None else token_id
+
+
+def _chat_template_env() -> ImmutableSandboxedEnvironment:
+    """The environment transformers renders chat templates in, so prompts match byte for byte."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
+    # Jinja's own tojson escapes <, >, & and ' for HTML, which would change tool schemas in prompts.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(message)
+
+
+def _token_content(token: Any) -> str | None:
+    # tokenizer_config.json writes a special token as a string or as a serialized AddedToken.
+    if isinstance(token, dict):
+        return token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None

@@ -1,0 +1,306 @@
+"""Converting a llama.cpp GGUF file into a HuggingFace model directory.
+
+A GGUF keeps the weights quantized and in llama.cpp's layout, and the tokenizer as metadata. The
+rest of tokenway reads HF directories, so loader.py converts a GGUF once and caches the result:
+
+    blk.{i}.attn_q.weight  GGUF dims (hidden, n_head * head_dim), Q4_1, rows permuted for RoPE
+      -> model.layers.{i}.self_attn.q_proj.weight  float32 (n_head * head_dim, hidden), HF row order
+    tokenizer.ggml.{tokens,merges,token_type,pre}  -> tokenizer.json (byte-level BPE)
+    {arch}.{block_count,embedding_length,...}      -> config.json, generation_config.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+from tqdm import tqdm
+
+from tokenway.models.config import ModelConfig
+
+# Bump whenever the output for the same GGUF changes: it is part of the cache key.
+CONVERTER_VERSION = 1
+
+GGUF_ARCH_TO_HF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_GLOBAL_TENSOR_TO_HF = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSOR_TO_HF = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# llama.cpp's split regexes (llama-vocab.cpp), as HF tokenizer.json files spell them.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SUPPORTED_PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama-bpe", "llama3", "qwen2")
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+
+@dataclass(frozen=True, slots=True)
+class _TensorPlan:
+    source: gguf.ReaderTensor
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    unpermute_num_heads: int | None  # set for llama's q/k, whose rows llama.cpp reordered
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write config.json, generation_config.json, tokenizer files and model.safetensors into out_dir."""
+    try:
+        reader = gguf.GGUFReader(gguf_path, "r")
+    except Exception as exc:  # the reader fails with whatever numpy/struct raised on a bad header
+        raise ValueError(f"{gguf_path}: not a valid GGUF file ({type(exc).__name__}: {exc})") from None
+    meta = _Metadata(reader, gguf_path)
+    hf_config = _hf_config(meta, reader)
+    # Reject what the model code cannot run now, not after the slow tensor pass.
+    ModelConfig.from_dict(hf_config, source=str(gguf_path))
+    tokenizer, tokenizer_config = _tokenizer(meta)
+    plans = _tensor_plans(reader, hf_config, meta)
+
+    out_dir.mkdir(parents=True)
+    _write_json(out_dir / "config.json", hf_config)
+    generation = {"bos_token_id": hf_config["bos_token_id"], "eos_token_id": hf_config["eos_token_id"]}
+    _write_json(out_dir / "generation_config.json", generation)
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    _write_safetensors(out_dir / "model.safetensors", plans, desc=f"Converting {gguf_path.name}")
+
+
+class _Metadata:
+    def __init__(self, reader: gguf.GGUFReader, path: Path) -> None:
+        self._fields = reader.fields
+        self.path = path
+        field = self._fields.get("general.architecture")
+        self.arch = "" if field is None else field.contents()
+        if self.arch not in GGUF_ARCH_TO_HF:
+            raise ValueError(
+                f"{path}: unsupported GGUF architecture {self.arch!r}; expected one of {sorted(GGUF_ARCH_TO_HF)}"
+            )
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._fields.get(key.format(arch=self.arch))
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"{self.path}: missing GGUF metadata key {key.format(arch=self.arch)!r}")
+        return value
+
+
+def _hf_config(meta: _Metadata, reader: gguf.GGUFReader) -> dict[str, Any]:
+    tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        # Llama 3.1-style per-frequency RoPE factors: HF needs the llama3 parameters they came from.
+        raise ValueError(f"{meta.path}: per-frequency RoPE factors (rope_freqs.weight) are not supported")
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise ValueError(f"{meta.path}: missing tensor 'token_embd.weight'")
+    hidden_size = int(meta.require("{arch}.embedding_length"))
+    num_heads = int(meta.require("{arch}.attention.head_count"))
+    head_dim = int(meta.get("{arch}.attention.key_length", hidden_size // num_heads))
+    rotary_dim = int(meta.get("{arch}.rope.dimension_count", head_dim))
+    if rotary_dim != head_dim:
+        raise ValueError(f"{meta.path}: partial rotary embeddings ({rotary_dim} of {head_dim} dims) are not supported")
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    config: dict[str, Any] = {
+        "architectures": [GGUF_ARCH_TO_HF[meta.arch]],
+        "model_type": meta.arch,
+        "vocab_size": int(embed.shape[1]),  # GGUF dims are reversed: (hidden, vocab)
+        "hidden_size": hidden_size,
+        "intermediate_size": int(meta.require("{arch}.feed_forward_length")),
+        "num_hidden_layers": int(meta.require("{arch}.block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(meta.get("{arch}.attention.head_count_kv", num_heads)),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(meta.require("{arch}.context_length")),
+        "rms_norm_eps": float(meta.require("{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(meta.get("{arch}.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": None if eos is None else int(eos),
+        "torch_dtype": "float32",
+    }
+    rope_scaling = _rope_scaling(meta)
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+def _rope_scaling(meta: _Metadata) -> dict[str, Any] | None:
+    kind = meta.get("{arch}.rope.scaling.type")
+    factor = meta.get("{arch}.rope.scaling.factor")
+    if kind is None and meta.get("{arch}.rope.scale_linear") is not None:  # pre-2024 files
+        kind, factor = "linear", meta.get("{arch}.rope.scale_linear")
+    if kind in (None, "none") or factor in (None, 1.0):
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+    original = meta.get("{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def _tensor_plans(reader: gguf.GGUFReader, hf_config: dict[str, Any], meta: _Metadata) -> list[_TensorPlan]:
+    plans = []
+    for tensor in reader.tensors:
+        hf_name = _hf_tensor_name(tensor.name)
+        if hf_name is None:
+            raise ValueError(f"{meta.path}: unexpected tensor {tensor.name!r} for architecture {meta.arch!r}")
+        hf_shape = tuple(int(d) for d in reversed(tensor.shape))
+        num_heads = None
+        # llama.cpp reorders llama's q/k rows (and biases) so its RoPE can rotate adjacent pairs;
+        # its qwen2 converter leaves them alone.
+        if meta.arch == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
+            is_q = hf_name.split(".")[-2] == "q_proj"
+            num_heads = hf_config["num_attention_heads" if is_q else "num_key_value_heads"]
+            if hf_shape[0] % (2 * num_heads):
+                raise ValueError(
+                    f"{meta.path}: {tensor.name} has {hf_shape[0]} rows, not a multiple of 2 * {num_heads} heads"
+                )
+        plans.append(_TensorPlan(tensor, hf_name, hf_shape, num_heads))
+    return plans
+
+
+def _hf_tensor_name(name: str) -> str | None:
+    if name in _GLOBAL_TENSOR_TO_HF:
+        return _GLOBAL_TENSOR_TO_HF[name]
+    parts = name.split(".")  # blk.{i}.{kind}.{weight|bias}
+    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in _LAYER_TENSOR_TO_HF:
+        return None
+    return f"model.layers.{parts[1]}.{_LAYER_TENSOR_TO_HF[parts[2]]}.{parts[3]}"
+
+
+def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    # llama.cpp applied w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2); undo it.
+    return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_safetensors(path: Path, plans: list[_TensorPlan], desc: str) -> None:
+    """Stream float32 tensors into a safetensors file, so peak memory is one tensor, not the model."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for plan in plans:
+        num_bytes = 4 * math.prod(plan.hf_shape)
+        header[plan.hf_name] = {
+            "dtype": "F32",
+            "shape": list(plan.hf_shape),
+            "data_offsets": [offset, offset + num_bytes],
+        }
+        offset += num_bytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format wants the data 8-byte aligned
+    with open(path, "wb") as f, tqdm(total=offset, unit="B", unit_scale=True, desc=desc, disable=None) as bar:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for plan in plans:
+            w = gguf.quants.dequantize(plan.source.data, plan.source.tensor_type).reshape(plan.hf_shape)
+            if plan.unpermute_num_heads is not None:
+                w = _unpermute(w, plan.unpermute_num_heads)
+            np.ascontiguousarray(w, dtype="<f4").tofile(f)
+            bar.update(w.size * 4)
+
+
+def _tokenizer(meta: _Metadata) -> tuple[HFTokenizer, dict[str, Any]]:
+    kind = meta.require("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{meta.path}: unsupported tokenizer.ggml.model {kind!r}; expected 'gpt2' (byte-level BPE)")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in SUPPORTED_PRE_TOKENIZERS:
+        raise ValueError(
+            f"{meta.path}: unsupported tokenizer.ggml.pre {pre!r}; expected one of {list(SUPPORTED_PRE_TOKENIZERS)}"
+        )
+    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
+    token_types: list[int] = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
+    # Normal tokens are spelled in the byte-level alphabet; control and user-defined ones as plain
+    # text. Keeping the plain spelling in the vocab makes each added token map to its GGUF id.
+    vocab = {token: token_id for token_id, token in reversed(list(enumerate(tokens)))}
+    tokenizer = HFTokenizer(models.BPE(vocab, merges, ignore_merges=pre in ("llama-bpe", "llama3")))
+    if pre in ("default", "gpt2"):
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif pre == "smollm":  # as SmolLM's own tokenizer.json: every digit is its own word
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    else:
+        split = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    if pre == "qwen2":
+        tokenizer.normalizer = normalizers.NFC()  # Qwen2's own tokenizer.json normalizes; llama.cpp does not
+    tokenizer.decoder = decoders.ByteLevel()
+    added = [
+        AddedToken(token, special=token_type == _TOKEN_TYPE_CONTROL, normalized=False)
+        for token, token_type in zip(tokens, token_types)
+        if token_type in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
+    ]
+    tokenizer.add_special_tokens([t for t in added if t.special])
+    tokenizer.add_tokens([t for t in added if not t.special])
+
+    def token(key: str) -> str | None:
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        return None if token_id is None or not 0 <= token_id < len(tokens) else tokens[token_id]
+
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    config = {
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "chat_template": meta.get("tokenizer.chat_template"),
+        "model_max_length": int(meta.require("{arch}.context_length")),
+        "clean_up_tokenization_spaces": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    # BOS/EOS insertion lives in tokenizer.json too, so it encodes like llama.cpp on its own.
+    bos = [config["bos_token"]] if add_bos and config["bos_token"] else []
+    eos = [config["eos_token"]] if add_eos and config["eos_token"] else []
+    if bos or eos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=bos + ["$A"] + eos,
+            pair=bos + ["$A"] + eos + bos + ["$B"] + eos,
+            special_tokens=[(t, vocab[t]) for t in set(bos + eos)],
+        )
+    return tokenizer, {k: v for k, v in config.items() if v is not None}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
