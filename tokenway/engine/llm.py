@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from tokenway.config import EngineConfig
+from tokenway.models.loader import DEFAULT_MODEL
 from tokenway.engine.core import EngineCore
 from tokenway.engine.request import SamplingParams
 from tokenway.frontend.output import RequestOutput, RequestState
@@ -20,7 +21,7 @@ PromptLike = str | dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str = EngineConfig.model, **engine_options: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_options: Any) -> None:
         self.engine = EngineCore(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._request_counter = itertools.count()

