@@ -33,7 +33,6 @@ class ModelRunner:
             (torch.zeros(shape, dtype=model.dtype, device=device), torch.zeros(shape, dtype=model.dtype, device=device))
             for _ in range(config.num_hidden_layers)
         ]
-        self._block_offsets = torch.arange(block_size, device=device)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -70,34 +69,30 @@ class ModelRunner:
             if num_new == 1:
                 decode_context_lens.append(end)
             elif start == 0:
-                prefills.append(PrefillChunk(token_start, num_new, None, None))
+                prefills.append(PrefillChunk(token_start, num_new, end, None, None))
             else:
                 # A later chunk (or the tail after a prefix-cache hit) attends to the whole context.
-                context_slot_ids = torch.tensor(self._slots(block_ids, 0, end), device=self.device)
+                context_block_ids = torch.tensor(block_ids[: (end + bs - 1) // bs], device=self.device)
                 query_pos = torch.arange(start, end, device=self.device).unsqueeze(1)
                 key_pos = torch.arange(end, device=self.device).unsqueeze(0)
-                prefills.append(PrefillChunk(token_start, num_new, context_slot_ids, key_pos <= query_pos))
+                prefills.append(PrefillChunk(token_start, num_new, end, context_block_ids, key_pos <= query_pos))
 
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, device=self.device),
+            block_size=bs,
             num_decode_tokens=len(decode_rows),
             prefills=prefills,
         )
         if decode_rows:
             max_len = max(decode_context_lens)
             max_blocks = (max_len + bs - 1) // bs
-            table = torch.zeros(len(decode_rows), max_blocks, dtype=torch.long)
-            for i, row in enumerate(decode_rows):
-                block_ids = out.block_tables[row][:max_blocks]
-                table[i, : len(block_ids)] = torch.tensor(block_ids)
-            table = table.to(self.device)
-            # (Bd, max_blocks * bs) -> (Bd, L); padding points at block 0 and is masked out.
-            meta.decode_slot_ids = (table.unsqueeze(-1) * bs + self._block_offsets).view(len(decode_rows), -1)[
-                :, :max_len
-            ]
+            # Padding points at block 0 and is masked out.
+            table = [out.block_tables[row][:max_blocks] for row in decode_rows]
+            table = [block_ids + [0] * (max_blocks - len(block_ids)) for block_ids in table]
+            meta.decode_block_table = torch.tensor(table, device=self.device)
             context_lens = torch.tensor(decode_context_lens, device=self.device)
-            valid = torch.arange(max_len, device=self.device).unsqueeze(0) < context_lens.unsqueeze(1)
-            meta.decode_mask = valid.view(len(decode_rows), 1, 1, max_len)
+            key_pos = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0)
+            meta.decode_mask = (key_pos < context_lens.unsqueeze(1)).view(len(decode_rows), 1, 1, max_blocks * bs)
 
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),

@@ -28,16 +28,18 @@ class PrefillChunk:
 
     token_start: int  # first index in the flat batch
     num_tokens: int  # query tokens in this chunk
-    context_slot_ids: torch.Tensor | None  # (ctx_len,) long; None when the chunk is the whole context
+    context_len: int  # keys to attend to: computed tokens + this chunk
+    block_ids: torch.Tensor | None  # (ceil(ctx_len / block_size),) long; None when the chunk is the whole context
     attn_mask: torch.Tensor | None  # (num_tokens, ctx_len) bool, True = may attend; None = plain causal
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # (T,) long: cache slot each new token's K/V goes to
+    slot_mapping: torch.Tensor  # (T,) long: cache slot (block_id * block_size + offset) of each new token
+    block_size: int = 16
     num_decode_tokens: int = 0  # Bd: the first Bd tokens are single-token decodes
-    decode_slot_ids: torch.Tensor | None = None  # (Bd, L) long, padded
-    decode_mask: torch.Tensor | None = None  # (Bd, 1, 1, L) bool, True = valid key
+    decode_block_table: torch.Tensor | None = None  # (Bd, max_blocks) long, padded with block 0
+    decode_mask: torch.Tensor | None = None  # (Bd, 1, 1, max_blocks * block_size) bool, True = valid key
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -65,6 +67,17 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(num_slots, kv_heads, head_dim) cache, (*, nb) block ids -> (*, nb * block_size, kv_heads, head_dim).
+
+    Whole blocks are copied as contiguous rows (index_select), several times faster than
+    gathering slot by slot with advanced indexing."""
+    num_slots, kv_heads, head_dim = cache.shape
+    rows = cache.view(num_slots // block_size, block_size * kv_heads * head_dim)
+    gathered = rows.index_select(0, block_ids.reshape(-1))
+    return gathered.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, kv_heads, head_dim)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -77,15 +90,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(variance + self.eps))
+        # One fused op; bitwise equal to weight * x * rsqrt(mean(x^2) + eps) in float32.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (float32) @ weight.T in the weight's dtype, back to float32."""
-    if weight.dtype == x.dtype:
-        return F.linear(x, weight, bias)
-    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+    """x @ weight.T computed in the weight's dtype; the result is float32 (the residual stream's)."""
+    return F.linear(x.to(weight.dtype), weight, bias).to(torch.float32)
 
 
 class LlamaAttention(nn.Module):
@@ -118,40 +129,40 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        # RoPE on q and k in one go: (T, heads + kv_heads, head_dim), in float32 as HF does.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = qk * cos + rotate_half(qk) * sin
         k_cache, v_cache = kv_cache
         cache_dtype = k_cache.dtype
         # Attention runs in the cache's dtype, so fresh and cached keys are the same numbers.
-        q = q.to(cache_dtype)
-        k = k.to(cache_dtype)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim).to(cache_dtype)
+        qk = qk.to(cache_dtype)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].reshape(num_tokens, self.num_kv_heads, self.head_dim).to(cache_dtype)
         # Every token's K/V is written before anyone reads: a request may attend to blocks
         # another request in this same step is filling (a prefix-cache hit).
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
 
-        out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=cache_dtype)
+        out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=cache_dtype, device=x.device)
         num_decodes = meta.num_decode_tokens
         if num_decodes:
             group = self.num_heads // self.num_kv_heads
             # GQA without copying K/V: the query heads sharing a KV head act as that
             # head's query "positions", none of them causal. (Bd, kv_heads, group, head_dim)
             dq = q[:num_decodes].view(num_decodes, self.num_kv_heads, group, self.head_dim)
-            dk = k_cache[meta.decode_slot_ids].transpose(1, 2)  # (Bd, kv_heads, L, head_dim)
-            dv = v_cache[meta.decode_slot_ids].transpose(1, 2)
+            table = meta.decode_block_table
+            dk = gather_blocks(k_cache, table, meta.block_size).transpose(1, 2)  # (Bd, kv_heads, L, head_dim)
+            dv = gather_blocks(v_cache, table, meta.block_size).transpose(1, 2)
             attn = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=meta.decode_mask, scale=self.scale)
             out[:num_decodes] = attn.reshape(num_decodes, self.num_heads, self.head_dim)
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             pq = q[rows].transpose(0, 1).unsqueeze(0)  # (1, heads, n, head_dim)
-            if chunk.context_slot_ids is None:
+            if chunk.block_ids is None:
                 pk, pv = k[rows], v[rows]
             else:
-                pk, pv = k_cache[chunk.context_slot_ids], v_cache[chunk.context_slot_ids]
+                pk = gather_blocks(k_cache, chunk.block_ids, meta.block_size)[: chunk.context_len]
+                pv = gather_blocks(v_cache, chunk.block_ids, meta.block_size)[: chunk.context_len]
             pk = pk.transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx, head_dim)
             pv = pv.transpose(0, 1).unsqueeze(0)
             attn = F.scaled_dot_product_attention(
@@ -164,7 +175,7 @@ class LlamaAttention(nn.Module):
                 enable_gqa=True,
             )
             out[rows] = attn.squeeze(0).transpose(0, 1)
-        return linear(out.view(num_tokens, self.q_size).to(x.dtype), self.o_weight)
+        return linear(out.view(num_tokens, self.q_size), self.o_weight)
 
 
 class LlamaMLP(nn.Module):
