@@ -140,6 +140,8 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    # time.monotonic() when the scheduler first gave it tokens to compute (queue time ends).
+    first_scheduled_time: float | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

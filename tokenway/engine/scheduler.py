@@ -10,6 +10,7 @@ later by recomputing its tokens (mostly from the prefix cache).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -51,6 +52,8 @@ class EngineOutput:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    arrival_time: float = 0.0  # time.monotonic() clock, as on the Request
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -135,6 +138,7 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._add_to_output(out, request, num_new)
@@ -229,4 +233,6 @@ class Scheduler:
             stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens or 0,
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
         )
