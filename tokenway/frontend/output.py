@@ -8,6 +8,7 @@ string is held back, so a stop string is never emitted, even across tokens.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 from tokenizers.decoders import DecodeStream
@@ -34,6 +35,16 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class RequestMetrics:
+    """time.monotonic() stamps, taken in the engine thread as things happen."""
+
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -41,6 +52,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None
 
 
 def hold_back_length(text: str, stops: tuple[str, ...]) -> int:
@@ -75,12 +87,21 @@ class RequestState:
         self.output = CompletionOutput(index, "", [], logprobs=[] if params.logprobs is not None else None)
         self.num_cached_tokens = 0
         self.finished = False
+        self.metrics = RequestMetrics()
 
     def process(self, engine_output: EngineOutput) -> RequestOutput:
         """Fold in one step. If a stop string matched, the result is finished with
         finish_reason "stop" and the caller must finish the request in the engine."""
         out = self.output
         self.num_cached_tokens = engine_output.num_cached_tokens
+        metrics = self.metrics
+        metrics.arrival_time = engine_output.arrival_time
+        metrics.first_scheduled_time = engine_output.first_scheduled_time
+        if engine_output.new_token_ids:
+            now = time.monotonic()
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
         out.delta_token_ids = list(engine_output.new_token_ids)
         out.token_ids.extend(engine_output.new_token_ids)
         if out.logprobs is not None and engine_output.new_logprobs:
@@ -130,4 +151,5 @@ class RequestState:
             [snapshot],
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
+            metrics=replace(metrics),
         )

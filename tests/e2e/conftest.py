@@ -1,0 +1,73 @@
+"""A real tokenway server on loopback, started the way a user starts it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *extra_args: str) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(os.environ.get("TOKENWAY_CACHE_DIR", "/tmp")) / f"server-{self.port}.log"
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tokenway.cli", "serve", "--port", str(self.port),
+             "--kv-cache-memory", "512MiB", *extra_args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+        )
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.read_log()}")
+            try:
+                if httpx.get(f"{self.base_url}/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not become ready:\n{self.read_log()}")
+
+    def read_log(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def stats(self) -> dict:
+        return httpx.get(f"{self.base_url}/engine/stats", timeout=5).json()
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        return self.process.returncode
+
+
+@pytest.fixture(scope="session")
+def server(default_model_dir):
+    server = Server()
+    yield server
+    assert server.stop() == 0, server.read_log()[-3000:]

@@ -1,0 +1,165 @@
+"""The official openai SDK, unchanged, against a real tokenway server on loopback."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def ask(content: str) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def test_models_list(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_chat_completion(client):
+    response = client.chat.completions.create(model=MODEL, messages=ask("What is the capital of France?"),
+                                              max_tokens=20, temperature=0)
+    choice = response.choices[0]
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == "stop" and choice.message.role == "assistant"
+    usage = response.usage
+    assert usage.prompt_tokens > 10 and usage.completion_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_streaming_matches_non_streaming(client):
+    kwargs = dict(model=MODEL, messages=ask("Name three colours."), max_tokens=24, temperature=0)
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    stream = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"] or finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_n_choices(client):
+    response = client.chat.completions.create(model=MODEL, messages=ask("Suggest a name for a cat."),
+                                              n=2, max_tokens=12, temperature=1.0, seed=3)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert all(c.message.content for c in response.choices)
+    assert response.choices[0].message.content != response.choices[1].message.content
+    assert response.usage.completion_tokens >= 2
+
+
+def test_stop_string_is_never_emitted(client):
+    base = client.chat.completions.create(model=MODEL, messages=ask("Count from 1 to 10, separated by commas."),
+                                          max_tokens=40, temperature=0).choices[0].message.content
+    assert "5" in base
+    for stream in (False, True):
+        kwargs = dict(model=MODEL, messages=ask("Count from 1 to 10, separated by commas."), max_tokens=40,
+                      temperature=0, stop=["5"])
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)
+                           if c.choices)
+        else:
+            response = client.chat.completions.create(**kwargs)
+            assert response.choices[0].finish_reason == "stop"
+            text = response.choices[0].message.content
+        assert "5" not in text and base.startswith(text) and text
+
+
+def test_seed_repeats(client):
+    kwargs = dict(model=MODEL, messages=ask("Write one sentence about the moon."), max_tokens=20,
+                  temperature=1.0, seed=42)
+    first = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert client.chat.completions.create(**kwargs).choices[0].message.content == first
+    other = client.chat.completions.create(**{**kwargs, "seed": 43}).choices[0].message.content
+    assert other != first
+
+
+def test_logprobs(client):
+    response = client.chat.completions.create(model=MODEL, messages=ask("Say yes."), max_tokens=5, temperature=0,
+                                              logprobs=True, top_logprobs=3)
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token  # greedy picks the most likely
+
+
+class City(BaseModel):
+    name: str
+    country: str
+    population_millions: float
+
+
+def test_structured_output_with_parse(client):
+    completion = client.chat.completions.parse(
+        model=MODEL, messages=ask("Describe Paris as JSON with name, country and population_millions."),
+        response_format=City, max_tokens=80, temperature=0)
+    city = completion.choices[0].message.parsed
+    assert isinstance(city, City) and city.name
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+
+
+def test_tool_round_trip(client):
+    messages = ask("What is the weather in Paris? Use the tool.")
+    first = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL],
+                                           tool_choice="required", max_tokens=60, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    assert call.id and call.type == "function" and call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL],
+                                            tool_choice="none", max_tokens=40, temperature=0)
+    assert second.choices[0].finish_reason in ("stop", "length")
+    assert second.choices[0].message.content
+
+
+def test_completions_endpoint(client):
+    response = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                         temperature=0, logprobs=2)
+    choice = response.choices[0]
+    assert choice.text and choice.finish_reason in ("stop", "length")
+    assert len(choice.logprobs.tokens) == response.usage.completion_tokens
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert streamed == choice.text
+
+
+def test_typed_errors(client):
+    with pytest.raises(openai.BadRequestError) as excinfo:
+        client.chat.completions.create(model=MODEL, messages=ask("hi " * 9000), max_tokens=10)
+    assert excinfo.value.code == "context_length_exceeded"
+    assert "8192" in excinfo.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=ask("hi"), max_tokens=5)
+    with pytest.raises(openai.BadRequestError) as excinfo:
+        client.chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=5, temperature=7)
+    assert excinfo.value.param == "temperature"

@@ -1,0 +1,169 @@
+"""POST /v1/messages: the Anthropic Messages API over the same engine and chat path."""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tokenway.frontend.chat import build_chat_prompt
+from tokenway.frontend.tools import parse_tool_reply
+from tokenway.gateway import sse
+from tokenway.gateway.http import ClientDisconnected, EventStreamResponse, unless_disconnected
+from tokenway.gateway.serving import (
+    Generation,
+    ServerState,
+    make_sampling_params,
+    new_id,
+    resolve_max_tokens,
+    structured_output_spec,
+)
+from tokenway.gateway.stages import StageClock
+from tokenway.protocol.anthropic import map_stop_reason, to_chat_messages
+from tokenway.protocol.errors import TokenwayError, anthropic_error_body
+
+logger = logging.getLogger(__name__)
+
+
+def openai_tools(body) -> tuple[list[dict] | None, object]:
+    if not body.tools:
+        return None, "auto"
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                               "parameters": t.input_schema}} for t in body.tools]
+    choice = body.tool_choice
+    kind = getattr(choice, "type", None) if choice is not None else "auto"
+    tool_choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    if kind == "tool":
+        tool_choice = {"type": "function", "function": {"name": choice.name}}
+    return tools, tool_choice or "auto"
+
+
+def prepare(state: ServerState, body, clock: StageClock) -> tuple[Generation, bool]:
+    model = state.resolve_model(body.model)
+    clock.mark("validated")
+    tools, tool_choice = openai_tools(body)
+    prompt = build_chat_prompt(state.tokenizer, to_chat_messages(body), tools, tool_choice)
+    max_tokens = resolve_max_tokens(state, len(prompt.prompt_token_ids), body.max_tokens, "max_tokens")
+    fields = SimpleNamespace(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=None,
+                             presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None)
+    params = make_sampling_params(fields, max_tokens, structured_output_spec(prompt.json_schema, False), None,
+                                  body.stop_sequences)
+    return Generation(state, clock, model, new_id("msg_"), prompt.prompt_token_ids, [params]), prompt.generic_tools
+
+
+def content_blocks(text: str, generic_tools: bool) -> tuple[list[dict], bool]:
+    if generic_tools:
+        content, calls = parse_tool_reply(text)
+        if calls:
+            return [{"type": "tool_use", "id": c.id.replace("call_", "toolu_"), "name": c.name,
+                     "input": json.loads(c.arguments)} for c in calls], True
+        text = content or ""
+    return [{"type": "text", "text": text}], False
+
+
+def stop_fields(completion, used_tools: bool) -> tuple[str, str | None]:
+    if used_tools:
+        return "tool_use", None
+    stop_sequence = completion.stop_reason if isinstance(completion.stop_reason, str) else None
+    return map_stop_reason(completion.finish_reason, stop_sequence), stop_sequence
+
+
+def usage(generation: Generation, output_tokens: int | None = None) -> dict:
+    return {"input_tokens": len(generation.prompt_token_ids),
+            "output_tokens": sum(generation.completion_tokens) if output_tokens is None else output_tokens,
+            "cache_read_input_tokens": generation.num_cached_tokens, "cache_creation_input_tokens": 0}
+
+
+async def message_response(generation: Generation, generic_tools: bool) -> dict:
+    final = None
+    async for _, output in generation.outputs():
+        if output.finished:
+            final = output.outputs[0]
+    blocks, used_tools = content_blocks(final.text, generic_tools)
+    stop_reason, stop_sequence = stop_fields(final, used_tools)
+    return {"id": generation.request_id, "type": "message", "role": "assistant", "content": blocks,
+            "model": generation.model, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+            "usage": usage(generation)}
+
+
+async def message_stream(generation: Generation, generic_tools: bool) -> AsyncIterator[bytes]:
+    yield sse.named_event("message_start", {"type": "message_start", "message": {
+        "id": generation.request_id, "type": "message", "role": "assistant", "content": [],
+        "model": generation.model, "stop_reason": None, "stop_sequence": None, "usage": usage(generation, 0)}})
+    block_open = False
+    try:
+        async for _, output in generation.outputs():
+            completion = output.outputs[0]
+            if not generic_tools:
+                if not block_open:
+                    block_open = True
+                    yield sse.named_event("content_block_start", {
+                        "type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
+                    yield sse.named_event("ping", {"type": "ping"})
+                if completion.delta_text:
+                    yield sse.named_event("content_block_delta", {
+                        "type": "content_block_delta", "index": 0,
+                        "delta": {"type": "text_delta", "text": completion.delta_text}})
+            if not output.finished:
+                continue
+            used_tools = False
+            if generic_tools:
+                # One JSON reply: parsed, and sent as blocks, once it is complete.
+                blocks, used_tools = content_blocks(completion.text, True)
+                for index, block in enumerate(blocks):
+                    if block["type"] == "text":
+                        start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
+                    else:
+                        start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
+                        delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+                    yield sse.named_event("content_block_start", {"type": "content_block_start", "index": index,
+                                                                  "content_block": start})
+                    yield sse.named_event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                                  "delta": delta})
+                    yield sse.named_event("content_block_stop", {"type": "content_block_stop", "index": index})
+            else:
+                yield sse.named_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            stop_reason, stop_sequence = stop_fields(completion, used_tools)
+            yield sse.named_event("message_delta", {
+                "type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                "usage": {"output_tokens": sum(generation.completion_tokens)}})
+    except TokenwayError as exc:
+        generation.finish(exc.status, exc.message)
+        yield sse.named_event("error", anthropic_error_body(exc))
+        return
+    except Exception as exc:  # noqa: BLE001
+        logger.exception("stream %s failed", generation.request_id)
+        generation.finish(500, type(exc).__name__)
+        yield sse.named_event("error", {"type": "error", "error": {
+            "type": "api_error", "message": "The server failed while generating; the stream has ended."}})
+        return
+    except BaseException:
+        generation.finish(499, "client disconnected")
+        raise
+    generation.clock.mark("done")
+    yield sse.comment("server-timing: " + generation.clock.server_timing())
+    yield sse.named_event("message_stop", {"type": "message_stop"})
+    generation.finish()
+
+
+async def handle(state: ServerState, request: Request, body, clock: StageClock) -> Response:
+    generation, generic_tools = prepare(state, body, clock)
+    if body.stream:
+        return EventStreamResponse(message_stream(generation, generic_tools))
+    try:
+        payload = await unless_disconnected(request, message_response(generation, generic_tools))
+    except ClientDisconnected:
+        generation.finish(499, "client disconnected")
+        return Response(status_code=499)
+    except TokenwayError as exc:
+        generation.finish(exc.status, exc.message)
+        raise
+    clock.mark("done")
+    response = JSONResponse(payload, headers={"Server-Timing": clock.server_timing(),
+                                              "request-id": generation.request_id})
+    generation.finish()
+    return response

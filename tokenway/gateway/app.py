@@ -1,0 +1,236 @@
+"""The ASGI app: routes, the error boundary, the body-size limit and the stage clock.
+
+Every error a client can see comes from the tree in protocol/errors.py, rendered
+OpenAI-shaped (Anthropic-shaped under /v1/messages); anything unexpected becomes a 500
+with a plain message while the traceback goes to the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tokenway.gateway import anthropic_routes, openai_routes
+from tokenway.gateway.http import ClientDisconnected, EventStreamResponse, parse_body, unless_disconnected
+from tokenway.gateway.serving import ServerState
+from tokenway.gateway.stages import StageClock
+from tokenway.protocol import anthropic as anthropic_schema
+from tokenway.protocol import openai as openai_schema
+from tokenway.protocol.errors import (
+    InternalServerError,
+    InvalidRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+    TokenwayError,
+    anthropic_error_body,
+    from_validation_error,
+    openai_error_body,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def error_response(request_path: str, exc: TokenwayError) -> JSONResponse:
+    body = anthropic_error_body(exc) if request_path.startswith("/v1/messages") else openai_error_body(exc)
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
+class GatewayMiddleware:
+    """Starts the stage clock when the request arrives and enforces the body limit
+    (Content-Length up front, and a running count for chunked bodies)."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope.setdefault("state", {})["clock"] = StageClock()
+        limit = self.max_body_bytes
+        too_large = PayloadTooLargeError(f"Request body exceeds the limit of {limit} bytes")
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                await error_response(scope["path"], too_large)(scope, receive, send)
+                return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise too_large
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def _schema_extra(model: type) -> dict[str, Any]:
+    """An OpenAPI requestBody for a route that parses its own body (so that malformed JSON,
+    bad UTF-8 and schema errors all get tokenway's error shape)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="tokenway", version="0.1.0", description="OpenAI- and Anthropic-compatible LLM API")
+    app.state.tokenway = state
+    request_models = [openai_schema.ChatCompletionRequest, openai_schema.CompletionRequest,
+                      anthropic_schema.MessagesRequest, openai_schema.TokenizeRequest,
+                      openai_schema.DetokenizeRequest]
+
+    @app.exception_handler(TokenwayError)
+    async def on_tokenway_error(request: Request, exc: TokenwayError) -> JSONResponse:
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(request.url.path, from_validation_error(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            error: TokenwayError = NotFoundError(f"No route {request.method} {request.url.path}")
+        elif exc.status_code == 405:
+            error = InvalidRequestError(f"Method {request.method} is not allowed on {request.url.path}")
+            error.status = 405
+        else:
+            error = InvalidRequestError(str(exc.detail))
+            error.status = exc.status_code
+        return error_response(request.url.path, error)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(request.url.path, InternalServerError("The server had an error processing the request"))
+
+    def clock_of(request: Request) -> StageClock:
+        return request.scope["state"]["clock"]
+
+    async def respond(request: Request, generation, build, stream: bool, stream_events) -> Response:
+        if stream:
+            return EventStreamResponse(openai_routes.guarded_stream(stream_events, generation))
+        try:
+            body = await unless_disconnected(request, build)
+        except ClientDisconnected:
+            generation.finish(499, "client disconnected")
+            return Response(status_code=499)
+        except TokenwayError as exc:
+            generation.finish(exc.status, exc.message)
+            raise
+        generation.clock.mark("done")
+        response = JSONResponse(body, headers={"Server-Timing": generation.clock.server_timing(),
+                                               "x-request-id": generation.request_id})
+        generation.finish()
+        return response
+
+    @app.post("/v1/chat/completions", openapi_extra=_schema_extra(openai_schema.ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        body = await parse_body(request, openai_schema.ChatCompletionRequest)
+        generation, generic_tools = openai_routes.prepare_chat(state, body, clock_of(request))
+        return await respond(
+            request, generation,
+            openai_routes.chat_response(state, body, generation, generic_tools) if not body.stream else None,
+            bool(body.stream),
+            openai_routes.chat_stream(state, body, generation, generic_tools) if body.stream else None,
+        )
+
+    @app.post("/v1/completions", openapi_extra=_schema_extra(openai_schema.CompletionRequest))
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, openai_schema.CompletionRequest)
+        generation, echo = openai_routes.prepare_completion(state, body, clock_of(request))
+        return await respond(
+            request, generation,
+            openai_routes.completion_response(state, body, generation, echo) if not body.stream else None,
+            bool(body.stream),
+            openai_routes.completion_stream(state, body, generation, echo) if body.stream else None,
+        )
+
+    @app.post("/v1/messages", openapi_extra=_schema_extra(anthropic_schema.MessagesRequest))
+    async def messages(request: Request) -> Response:
+        body = await parse_body(request, anthropic_schema.MessagesRequest)
+        return await anthropic_routes.handle(state, request, body, clock_of(request))
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": state.created, "owned_by": "tokenway",
+             "max_model_len": state.max_model_len} for name in state.model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict:
+        name = state.resolve_model(model_id)
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "tokenway",
+                "max_model_len": state.max_model_len}
+
+    @app.post("/tokenize", openapi_extra=_schema_extra(openai_schema.TokenizeRequest))
+    async def tokenize(request: Request) -> dict:
+        body = await parse_body(request, openai_schema.TokenizeRequest)
+        if body.model is not None:
+            state.resolve_model(body.model)
+        tokenizer = state.tokenizer
+        if body.messages is not None:
+            from tokenway.frontend.chat import normalize_messages
+
+            messages = normalize_messages([m.model_dump(exclude_none=True) for m in body.messages])
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            tokens = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            tokens = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens is not False)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
+
+    @app.post("/detokenize", openapi_extra=_schema_extra(openai_schema.DetokenizeRequest))
+    async def detokenize(request: Request) -> dict:
+        body = await parse_body(request, openai_schema.DetokenizeRequest)
+        if body.model is not None:
+            state.resolve_model(body.model)
+        vocab_size = state.engine.core.model_config.vocab_size
+        if any(not 0 <= t < vocab_size for t in body.tokens):
+            raise InvalidRequestError(f"tokens: token ids must be in [0, {vocab_size})", param="tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/engine/stats")
+    async def engine_stats() -> dict:
+        """A snapshot of the engine: what runs, what waits, how full the KV cache is."""
+        core = state.engine.core
+        kv = core.kv_manager
+        return {"num_running": len(core.scheduler.running), "num_waiting": len(core.scheduler.waiting),
+                "num_pending_http": state.num_pending, "kv_blocks_total": kv.num_blocks,
+                "kv_blocks_free": kv.num_free_blocks, "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
+                "num_preemptions": core.scheduler.num_preemptions}
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if state.ready and state.engine.is_alive:
+            return JSONResponse({"status": "ready", "models": list(state.model_names)})
+        return JSONResponse({"status": "not ready"}, status_code=503, headers={"Retry-After": "1"})
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in request_models:
+                model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(model_schema.pop("$defs", {}))
+                components[model.__name__] = model_schema
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+    app.add_middleware(GatewayMiddleware, max_body_bytes=state.config.max_body_bytes)
+    return app

@@ -1,0 +1,289 @@
+"""POST /v1/chat/completions and /v1/completions: OpenAI's shapes, JSON or SSE."""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+from typing import Any, AsyncIterator
+
+from tokenway.engine.request import TokenLogprob
+from tokenway.frontend.chat import build_chat_prompt
+from tokenway.frontend.tools import parse_tool_reply
+from tokenway.gateway import sse
+from tokenway.gateway.serving import (
+    Generation,
+    ServerState,
+    choice_params,
+    make_sampling_params,
+    new_id,
+    resolve_max_tokens,
+    structured_output_spec,
+)
+from tokenway.gateway.stages import StageClock
+from tokenway.protocol.errors import InvalidRequestError, TokenwayError, openai_error_body
+
+
+class TokenText:
+    """Token id -> its text, for logprobs (cached: the same ids come back often)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.text = lru_cache(maxsize=65536)(lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def chat_logprobs(self, logprobs: list[TokenLogprob], top_n: int) -> list[dict]:
+        entries = []
+        for lp in logprobs:
+            token = self.text(lp.token_id)
+            entries.append({
+                "token": token,
+                "logprob": lp.logprob,
+                "bytes": list(token.encode()),
+                "top_logprobs": [
+                    {"token": (t := self.text(tid)), "logprob": value, "bytes": list(t.encode())}
+                    for tid, value in lp.top[:top_n]
+                ],
+            })
+        return entries
+
+    def completion_logprobs(self, logprobs: list[TokenLogprob], offset: int) -> dict:
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for lp in logprobs:
+            token = self.text(lp.token_id)
+            tokens.append(token)
+            token_logprobs.append(lp.logprob)
+            tops.append({self.text(tid): value for tid, value in lp.top})
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    return "stop" if reason == "abort" else reason
+
+
+# ---- chat ------------------------------------------------------------------------------
+
+
+def prepare_chat(state: ServerState, body, clock: StageClock):
+    model = state.resolve_model(body.model)
+    if body.logprobs and body.top_logprobs is None:
+        top_logprobs = 0
+    else:
+        top_logprobs = body.top_logprobs
+    clock.mark("validated")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    tool_choice = body.tool_choice if body.tool_choice is not None else "auto"
+    if hasattr(tool_choice, "model_dump"):
+        tool_choice = tool_choice.model_dump(exclude_none=True)
+    response_format = body.response_format.model_dump(exclude_none=True, by_alias=True) if body.response_format else None
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    prompt = build_chat_prompt(state.tokenizer, messages, tools, tool_choice,
+                               body.parallel_tool_calls is not False, response_format)
+    max_tokens = resolve_max_tokens(state, len(prompt.prompt_token_ids), body.max_output_tokens,
+                                    "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+    structured = structured_output_spec(prompt.json_schema, prompt.json_object)
+    params = make_sampling_params(body, max_tokens, structured, top_logprobs if body.logprobs else None, body.stop)
+    generation = Generation(state, clock, model, new_id("chatcmpl-"), prompt.prompt_token_ids,
+                            choice_params(params, body.n or 1))
+    return generation, prompt.generic_tools
+
+
+def tool_message(text: str) -> tuple[dict, bool]:
+    content, calls = parse_tool_reply(text)
+    if not calls:
+        return {"role": "assistant", "content": content}, False
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+        ],
+    }, True
+
+
+async def chat_response(state: ServerState, body, generation: Generation, generic_tools: bool) -> dict:
+    token_text = TokenText(state.tokenizer)
+    finals: dict[int, Any] = {}
+    async for index, output in generation.outputs():
+        if output.finished:
+            finals[index] = output.outputs[0]
+    choices = []
+    for index in range(generation.num_choices):
+        completion = finals[index]
+        finish_reason = openai_finish_reason(completion.finish_reason)
+        if generic_tools:
+            message, called = tool_message(completion.text)
+            if called:
+                finish_reason = "tool_calls"
+        else:
+            message = {"role": "assistant", "content": completion.text}
+        choice = {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None}
+        if body.logprobs and completion.logprobs is not None:
+            choice["logprobs"] = {"content": token_text.chat_logprobs(completion.logprobs, body.top_logprobs or 0)}
+        choices.append(choice)
+    return {
+        "id": generation.request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": generation.model,
+        "choices": choices,
+        "usage": generation.usage(),
+        "system_fingerprint": None,
+    }
+
+
+async def chat_stream(state: ServerState, body, generation: Generation, generic_tools: bool) -> AsyncIterator[bytes]:
+    token_text = TokenText(state.tokenizer)
+    created = int(time.time())
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
+        payload = {"id": generation.request_id, "object": "chat.completion.chunk", "created": created,
+                   "model": generation.model, "choices": choices, "system_fingerprint": None}
+        if include_usage:
+            payload["usage"] = usage
+        return sse.data_event(payload)
+
+    for index in range(generation.num_choices):
+        yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
+    async for index, output in generation.outputs():
+        completion = output.outputs[0]
+        finish_reason = openai_finish_reason(completion.finish_reason)
+        if generic_tools:
+            # The reply is one JSON document: it is parsed, and sent, once it is complete.
+            if not output.finished:
+                continue
+            message, called = tool_message(completion.text)
+            if called:
+                finish_reason = "tool_calls"
+                delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
+            else:
+                delta = {"content": message["content"]}
+            yield chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+            yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
+            continue
+        logprobs = None
+        if body.logprobs and completion.logprobs is not None:
+            new = completion.logprobs[len(completion.logprobs) - len(completion.delta_token_ids):]
+            logprobs = {"content": token_text.chat_logprobs(new, body.top_logprobs or 0)}
+        if completion.delta_text or logprobs:
+            yield chunk([{"index": index, "delta": {"content": completion.delta_text}, "logprobs": logprobs,
+                          "finish_reason": None}])
+        if output.finished:
+            yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
+    if include_usage:
+        yield chunk([], generation.usage())
+
+
+# ---- completions -----------------------------------------------------------------------
+
+
+def completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
+    """str | list[str] | list[int] | list[list[int]] -> token id lists."""
+    if isinstance(prompt, str):
+        return [state.tokenizer.encode(prompt)]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    prompts = []
+    for item in prompt:
+        prompts.append(state.tokenizer.encode(item) if isinstance(item, str) else list(item))
+    return prompts
+
+
+def prepare_completion(state: ServerState, body, clock: StageClock) -> tuple[Generation, str]:
+    model = state.resolve_model(body.model)
+    clock.mark("validated")
+    prompts = completion_prompts(state, body.prompt)
+    if len(prompts) != 1:
+        # Batched prompts would be n choices each; one prompt per call keeps billing exact.
+        raise InvalidRequestError("prompt: send one prompt per request (a list of prompts is not supported)",
+                                  param="prompt")
+    prompt_token_ids = prompts[0]
+    if not prompt_token_ids:
+        raise InvalidRequestError("prompt: must not be empty", param="prompt")
+    vocab_size = state.engine.core.model_config.vocab_size
+    if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+        raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
+    max_tokens = resolve_max_tokens(state, len(prompt_token_ids), body.max_tokens, "max_tokens")
+    params = make_sampling_params(body, max_tokens, None, body.logprobs, body.stop)
+    generation = Generation(state, clock, model, new_id("cmpl-"), prompt_token_ids, choice_params(params, body.n or 1))
+    echo = state.tokenizer.decode(prompt_token_ids) if body.echo else ""
+    return generation, echo
+
+
+async def completion_response(state: ServerState, body, generation: Generation, echo: str) -> dict:
+    token_text = TokenText(state.tokenizer)
+    finals: dict[int, Any] = {}
+    async for index, output in generation.outputs():
+        if output.finished:
+            finals[index] = output.outputs[0]
+    choices = []
+    for index in range(generation.num_choices):
+        completion = finals[index]
+        logprobs = None
+        if body.logprobs is not None and completion.logprobs is not None:
+            logprobs = token_text.completion_logprobs(completion.logprobs, len(echo))
+        choices.append({"index": index, "text": echo + completion.text, "logprobs": logprobs,
+                        "finish_reason": openai_finish_reason(completion.finish_reason)})
+    return {"id": generation.request_id, "object": "text_completion", "created": int(time.time()),
+            "model": generation.model, "choices": choices, "usage": generation.usage(), "system_fingerprint": None}
+
+
+async def completion_stream(state: ServerState, body, generation: Generation, echo: str) -> AsyncIterator[bytes]:
+    token_text = TokenText(state.tokenizer)
+    created = int(time.time())
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    offsets = [len(echo)] * generation.num_choices
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
+        payload = {"id": generation.request_id, "object": "text_completion", "created": created,
+                   "model": generation.model, "choices": choices, "system_fingerprint": None}
+        if include_usage:
+            payload["usage"] = usage
+        return sse.data_event(payload)
+
+    if echo:
+        for index in range(generation.num_choices):
+            yield chunk([{"index": index, "text": echo, "logprobs": None, "finish_reason": None}])
+    async for index, output in generation.outputs():
+        completion = output.outputs[0]
+        logprobs = None
+        if body.logprobs is not None and completion.logprobs is not None:
+            new = completion.logprobs[len(completion.logprobs) - len(completion.delta_token_ids):]
+            logprobs = token_text.completion_logprobs(new, offsets[index])
+        offsets[index] += len(completion.delta_text)
+        finish_reason = openai_finish_reason(completion.finish_reason) if output.finished else None
+        if completion.delta_text or logprobs or finish_reason:
+            yield chunk([{"index": index, "text": completion.delta_text, "logprobs": logprobs,
+                          "finish_reason": finish_reason}])
+    if include_usage:
+        yield chunk([], generation.usage())
+
+
+async def guarded_stream(events: AsyncIterator[bytes], generation: Generation) -> AsyncIterator[bytes]:
+    """Frame a stream: an error after it began ends it with an error event, never a silent
+    cut; the stage times go in an SSE comment (clients ignore it) before [DONE]."""
+    try:
+        async for event in events:
+            yield event
+    except TokenwayError as exc:
+        generation.finish(exc.status, exc.message)
+        yield sse.data_event(openai_error_body(exc))
+        yield sse.DONE
+        return
+    except Exception as exc:  # noqa: BLE001 - reported to the client, logged in full
+        import logging
+
+        logging.getLogger(__name__).exception("stream %s failed", generation.request_id)
+        generation.finish(500, type(exc).__name__)
+        yield sse.data_event({"error": {"message": "The server failed while generating; the stream has ended.",
+                                        "type": "internal_error", "param": None, "code": "internal_error"}})
+        yield sse.DONE
+        return
+    except BaseException:  # a disconnect cancels us: bill what was generated and say so
+        generation.finish(499, "client disconnected")
+        raise
+    generation.clock.mark("done")
+    yield sse.comment("server-timing: " + generation.clock.server_timing())
+    yield sse.DONE
+    generation.finish()

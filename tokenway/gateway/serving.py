@@ -1,0 +1,266 @@
+"""What every API route shares: the served model, admission, sampling parameters, the
+context-window check, running n choices, and the per-request log line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any, AsyncIterator
+
+from tokenway.engine.client import AsyncEngine
+from tokenway.engine.request import SamplingParams
+from tokenway.engine.structured_output import StructuredOutputSpec
+from tokenway.frontend.output import RequestOutput
+from tokenway.gateway.stages import StageClock
+from tokenway.protocol.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
+
+access_log = logging.getLogger("tokenway.access")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: tuple[str, ...] = ()
+    max_body_bytes: int = 8 * 2**20
+    # Requests allowed in flight (running + queued) before new ones get 503 + Retry-After.
+    max_pending_requests: int = 256
+    graceful_shutdown_seconds: float = 30.0
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: AsyncEngine
+    config: ServerConfig
+    model_names: tuple[str, ...]
+    created: int = field(default_factory=lambda: int(time.time()))
+    num_pending: int = 0
+    ready: bool = True
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.core.max_model_len
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def resolve_model(self, name: str | None) -> str:
+        """The served name a request's `model` refers to; 404 for anything else."""
+        if name in self.model_names:
+            return name
+        raise NotFoundError(
+            f"The model '{name}' does not exist. Available: {', '.join(self.model_names)}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def admit(self, count: int = 1) -> None:
+        if self.num_pending + count > self.config.max_pending_requests:
+            raise ServiceUnavailableError(
+                f"The server is at capacity ({self.num_pending} requests in flight); retry shortly.",
+                retry_after=1,
+            )
+        self.num_pending += count
+
+    def release(self, count: int = 1) -> None:
+        self.num_pending -= count
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def resolve_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
+    """OpenAI's rule: prompt + max_tokens must fit the window; no max_tokens means 'the rest'."""
+    window = state.max_model_len
+    if max_tokens is None:
+        max_tokens = window - num_prompt_tokens
+    if num_prompt_tokens + max_tokens > window or max_tokens < 1:
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {window} tokens. However, you requested "
+            f"{num_prompt_tokens + max(max_tokens, 1)} tokens ({num_prompt_tokens} in the messages, "
+            f"{max(max_tokens, 1)} in the completion). Please reduce the length of the messages or completion.",
+            param=param if num_prompt_tokens < window else "messages",
+        )
+    return max_tokens
+
+
+def structured_output_spec(json_schema: dict | None, json_object: bool) -> StructuredOutputSpec | None:
+    if json_schema is not None:
+        return StructuredOutputSpec(kind="json_schema", schema=json.dumps(json_schema, sort_keys=True))
+    if json_object:
+        return StructuredOutputSpec(kind="json_object")
+    return None
+
+
+def make_sampling_params(body: Any, max_tokens: int, structured: StructuredOutputSpec | None,
+                         logprobs: int | None, stop: Any) -> SamplingParams:
+    """Map the OpenAI fields onto SamplingParams; a ValueError there names the field."""
+    logit_bias = None
+    if getattr(body, "logit_bias", None):
+        try:
+            logit_bias = {int(k): float(v) for k, v in body.logit_bias.items()}
+        except (TypeError, ValueError):
+            raise InvalidRequestError("logit_bias: keys must be token ids", param="logit_bias") from None
+    if isinstance(stop, str):
+        stop = [stop]
+    try:
+        return SamplingParams(
+            n=1,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=getattr(body, "top_k", None) or 0,
+            min_p=getattr(body, "min_p", None) or 0.0,
+            seed=body.seed,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=getattr(body, "repetition_penalty", None) or 1.0,
+            logit_bias=logit_bias,
+            max_tokens=max_tokens,
+            stop=tuple(s for s in (stop or ()) if s),
+            ignore_eos=bool(getattr(body, "ignore_eos", False)),
+            logprobs=logprobs,
+            structured_output=structured,
+        )
+    except ValueError as exc:
+        field_name = str(exc).split(":", 1)[0]
+        raise InvalidRequestError(str(exc), param=field_name) from None
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n independent choices; with a seed, choice i uses seed + i so they differ yet repeat."""
+    if n == 1:
+        return [params]
+    return [replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
+
+
+async def run_choices(
+    state: ServerState, request_id: str, prompt_token_ids: list[int], params_list: list[SamplingParams]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Run the choices as engine requests and merge their outputs as they come. Leaving
+    early (a disconnect, an error) aborts every one of them."""
+    if len(params_list) == 1:
+        async for output in state.engine.generate(prompt_token_ids, params_list[0], request_id):
+            yield 0, output
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, params: SamplingParams) -> None:
+        try:
+            async for output in state.engine.generate(prompt_token_ids, params, f"{request_id}-{index}"):
+                await merged.put((index, output))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await merged.put((index, exc))
+            return
+        await merged.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(params_list)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await merged.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def mark_engine_times(clock: StageClock, output: RequestOutput) -> None:
+    metrics = output.metrics
+    if metrics is None:
+        return
+    if metrics.first_scheduled_time is not None and clock.scheduled is None:
+        clock.mark("scheduled", metrics.first_scheduled_time)
+    if metrics.first_token_time is not None and clock.first_token is None:
+        clock.mark("first_token", metrics.first_token_time)
+    if metrics.last_token_time is not None:
+        clock.mark("last_token", max(metrics.last_token_time, clock.last_token or 0.0))
+
+
+def log_request(request_id: str, model: str, clock: StageClock, status: int, num_prompt_tokens: int = 0,
+                num_cached_tokens: int = 0, num_completion_tokens: int = 0, finish_reason: str | None = None,
+                error: str | None = None) -> None:
+    access_log.info(json.dumps({
+        "request_id": request_id,
+        "model": model,
+        "status": status,
+        "prompt_tokens": num_prompt_tokens,
+        "cached_tokens": num_cached_tokens,
+        "completion_tokens": num_completion_tokens,
+        "finish_reason": finish_reason,
+        "error": error,
+        "ttft_ms": None if clock.ttft_ms is None else round(clock.ttft_ms, 2),
+        "stages_ms": {k: round(v, 2) for k, v in clock.durations_ms().items()},
+    }))
+
+
+def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+class Generation:
+    """One API call's engine work: prompt, per-choice params, the stage clock, the log line."""
+
+    def __init__(self, state: ServerState, clock: StageClock, model: str, request_id: str,
+                 prompt_token_ids: list[int], params_list: list) -> None:
+        self.state = state
+        self.clock = clock
+        self.model = model
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params_list = params_list
+        self.num_choices = len(params_list)
+        self.completion_tokens = [0] * self.num_choices
+        self.finish_reasons: list[str | None] = [None] * self.num_choices
+        self.num_cached_tokens = 0
+        self.status = 200
+        self.error: str | None = None
+
+    async def outputs(self):
+        self.state.admit(self.num_choices)
+        self.clock.mark("submitted")
+        try:
+            async for index, output in run_choices(self.state, self.request_id, self.prompt_token_ids,
+                                                   self.params_list):
+                mark_engine_times(self.clock, output)
+                completion = output.outputs[0]
+                self.completion_tokens[index] = len(completion.token_ids)
+                self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+                if completion.finish_reason is not None:
+                    self.finish_reasons[index] = completion.finish_reason
+                yield index, output
+        finally:
+            self.state.release(self.num_choices)
+
+    def usage(self) -> dict:
+        return usage_dict(len(self.prompt_token_ids), sum(self.completion_tokens), self.num_cached_tokens)
+
+    def finish(self, status: int | None = None, error: str | None = None) -> None:
+        self.clock.mark("done")
+        if status is not None:
+            self.status, self.error = status, error
+        reasons = [r for r in self.finish_reasons if r]
+        log_request(self.request_id, self.model, self.clock, self.status, len(self.prompt_token_ids),
+                    self.num_cached_tokens, sum(self.completion_tokens), reasons[0] if reasons else None,
+                    self.error)
