@@ -1,0 +1,330 @@
+"""The Anthropic Messages API (/v1/messages), field for field as the anthropic SDK names it
+(anthropic/types/message.py, usage.py, raw_message_stream_event.py, message_create_params.py).
+
+    MessagesRequest ── to_chat_messages / to_chat_tools ──► the OpenAI-style messages and tools
+                                                           our chat templates take
+    engine output (text, tool calls, finish_reason) ── map_stop_reason, to_content_blocks ──►
+    Message, or the stream: message_start, content_block_start / _delta / _stop ..., message_delta,
+    message_stop (ping between any of them; error replaces the rest)
+
+Same rules as the OpenAI schemas: unknown top-level fields are a 400, nested unknown keys are
+ignored (cache_control, citations), types are strict, images are refused (text-only models).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
+
+from tokenway.protocol.errors import short_repr
+from tokenway.protocol.openai_messages import (
+    PositiveInt,
+    Probability,
+    RequestModel,
+    WireModel,
+    check_json_schema,
+    fail,
+    tagged_union,
+)
+
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "refusal"]
+_TEXT_ONLY = frozenset({"image", "document", "search_result"})
+
+
+class TextBlock(WireModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ToolUseBlock(WireModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str  # "toolu_..."
+    name: str
+    input: dict[str, Any]
+
+
+ToolResultContent = tagged_union(TextBlock, what="tool_result content block", text_only=_TEXT_ONLY)
+
+
+class ToolResultBlock(WireModel):
+    type: Literal["tool_result"] = "tool_result"
+    tool_use_id: str
+    content: str | list[ToolResultContent] | None = None
+    is_error: bool | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "\n".join(block.text for block in self.content)
+
+
+ContentBlock = tagged_union(TextBlock, ToolUseBlock, ToolResultBlock, what="content block", text_only=_TEXT_ONLY)
+
+
+class InputMessage(WireModel):
+    role: Literal["user", "assistant", "system"]
+    content: str | list[ContentBlock]
+
+    @field_validator("content")
+    @classmethod
+    def _blocks_fit_role(cls, value: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        for block in value if isinstance(value, list) else ():
+            misplaced = (
+                isinstance(block, ToolUseBlock) and role != "assistant"
+                or isinstance(block, ToolResultBlock) and role != "user"
+            )
+            if misplaced:
+                raise fail("block_role", "{kind} blocks are not allowed in {role} messages", kind=block.type, role=role)
+        return value
+
+
+class ToolDefinition(WireModel):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")]
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None  # server tools (web search, bash ...) are not offered
+
+    @field_validator("input_schema")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_json_schema(value, object_root=True)
+
+
+class ToolChoiceAuto(WireModel):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceAny(WireModel):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceNone(WireModel):
+    type: Literal["none"]
+
+
+class ToolChoiceTool(WireModel):
+    type: Literal["tool"]
+    name: str
+    disable_parallel_tool_use: bool | None = None
+
+
+ToolChoice = tagged_union(ToolChoiceAuto, ToolChoiceAny, ToolChoiceNone, ToolChoiceTool, what="tool_choice")
+
+
+class Metadata(WireModel):
+    user_id: str | None = None
+
+
+class MessagesRequest(RequestModel):
+    model: str
+    max_tokens: PositiveInt
+    messages: Annotated[list[InputMessage], Field(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    temperature: Probability | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None  # 0 disables
+    stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
+    stream: bool | None = None
+    metadata: Metadata | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: dict[str, Any] | None = None  # only {"type": "disabled"}: these models do not think
+    service_tier: str | None = None  # accepted and ignored
+    cache_control: dict[str, Any] | None = None  # accepted and ignored: prefix caching is automatic
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_names_a_tool(cls, value: Any, info: ValidationInfo) -> Any:
+        if "tools" not in info.data:  # the tools failed; that error is the one to report
+            return value
+        names = [tool.name for tool in info.data["tools"] or ()]
+        if isinstance(value, ToolChoiceTool) and value.name not in names:
+            raise fail("tool_choice", "names tool {name}, which is not in tools", name=short_repr(value.name))
+        if isinstance(value, ToolChoiceAny) and not names:
+            raise fail("tool_choice", "'any' needs at least one tool in tools")
+        return value
+
+    @field_validator("thinking")
+    @classmethod
+    def _no_thinking(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "disabled":
+            raise fail("unsupported_parameter", "extended thinking is not supported by this server")
+        return value
+
+
+# ---- MessagesRequest -> chat-template messages -------------------------------------------------
+
+
+def to_chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
+    """OpenAI-style messages: system first; tool_use blocks become the assistant's tool_calls
+    (arguments as JSON text), tool_result blocks become role "tool" messages, in block order."""
+    messages: list[dict[str, Any]] = []
+    if req.system:
+        system = req.system if isinstance(req.system, str) else "\n".join(block.text for block in req.system)
+        messages.append({"role": "system", "content": system})
+    for message in req.messages:
+        if isinstance(message.content, str):
+            messages.append({"role": message.role, "content": message.content})
+        elif message.role == "assistant":
+            texts = [block.text for block in message.content if isinstance(block, TextBlock)]
+            calls = [
+                {"id": block.id, "type": "function",
+                 "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}}
+                for block in message.content if isinstance(block, ToolUseBlock)
+            ]
+            assistant: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+            if calls:
+                assistant["tool_calls"] = calls
+            messages.append(assistant)
+        else:
+            texts = []
+            for block in message.content:
+                if isinstance(block, ToolResultBlock):
+                    messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text})
+                else:
+                    texts.append(block.text)
+            if texts:
+                messages.append({"role": message.role, "content": "\n".join(texts)})
+    return messages
+
+
+def to_chat_tools(req: MessagesRequest) -> list[dict[str, Any]] | None:
+    """The tools in OpenAI's {"type": "function", "function": {...}} shape, or None."""
+    if not req.tools or isinstance(req.tool_choice, ToolChoiceNone):
+        return None
+    return [
+        {"type": "function", "function": {"name": tool.name, "parameters": tool.input_schema,
+                                          **({"description": tool.description} if tool.description else {})}}
+        for tool in req.tools
+    ]
+
+
+# ---- engine output -> Message ------------------------------------------------------------------
+
+
+def map_stop_reason(finish_reason: str, stop_reason: int | str | None = None) -> StopReason:
+    """An OpenAI / engine finish_reason as Anthropic's stop_reason. A "stop" caused by a stop
+    string (stop_reason is that string) is "stop_sequence"; by end-of-sequence, "end_turn"."""
+    if finish_reason == "stop":
+        return "stop_sequence" if isinstance(stop_reason, str) else "end_turn"
+    reasons: dict[str, StopReason] = {"length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
+    if finish_reason not in reasons:
+        raise ValueError(f"no Anthropic stop_reason for finish_reason {finish_reason!r}")
+    return reasons[finish_reason]
+
+
+def to_content_blocks(
+    text: str | None, tool_calls: list[dict[str, Any]] | None = None
+) -> list[TextBlock | ToolUseBlock]:
+    """Generated text and OpenAI-style tool calls as content blocks. Each call's arguments
+    must be a JSON object (the tool-call parser only emits such calls)."""
+    blocks: list[TextBlock | ToolUseBlock] = [TextBlock(text=text)] if text else []
+    for call in tool_calls or ():
+        arguments = json.loads(call["function"]["arguments"] or "{}")
+        if not isinstance(arguments, dict):
+            raise ValueError(f"tool call {call['id']} arguments are not a JSON object")  # noqa: TRY004  # noqa: TRY004
+        blocks.append(ToolUseBlock(id=call["id"], name=call["function"]["name"], input=arguments))
+    return blocks
+
+
+class MessageUsage(BaseModel):
+    """The SDK's Usage (renamed so the OpenAPI document does not collide with OpenAI's)."""
+
+    input_tokens: int  # prompt tokens not read from the prefix cache
+    output_tokens: int
+    cache_read_input_tokens: int | None = None
+    cache_creation_input_tokens: int | None = None
+
+
+class Message(BaseModel):
+    id: str  # "msg_..."
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    content: list[TextBlock | ToolUseBlock]
+    model: str
+    stop_reason: StopReason | None = None  # None only in message_start
+    stop_sequence: str | None = None
+    usage: MessageUsage
+
+
+# ---- streaming events (SSE "event:" is each event's type) --------------------------------------
+
+
+class MessageStartEvent(BaseModel):
+    type: Literal["message_start"] = "message_start"
+    message: Message  # content [], stop_reason None
+
+
+class ContentBlockStartEvent(BaseModel):
+    type: Literal["content_block_start"] = "content_block_start"
+    index: int
+    content_block: TextBlock | ToolUseBlock  # text "" or input {}: the deltas fill them in
+
+
+class TextDelta(BaseModel):
+    type: Literal["text_delta"] = "text_delta"
+    text: str
+
+
+class InputJSONDelta(BaseModel):
+    type: Literal["input_json_delta"] = "input_json_delta"
+    partial_json: str  # a fragment; the fragments of one block concatenate to its input JSON
+
+
+class ContentBlockDeltaEvent(BaseModel):
+    type: Literal["content_block_delta"] = "content_block_delta"
+    index: int
+    delta: TextDelta | InputJSONDelta
+
+
+class ContentBlockStopEvent(BaseModel):
+    type: Literal["content_block_stop"] = "content_block_stop"
+    index: int
+
+
+class MessageDelta(BaseModel):
+    stop_reason: StopReason | None = None
+    stop_sequence: str | None = None
+
+
+class MessageDeltaUsage(BaseModel):
+    output_tokens: int  # cumulative
+    input_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+    cache_creation_input_tokens: int | None = None
+
+
+class MessageDeltaEvent(BaseModel):
+    type: Literal["message_delta"] = "message_delta"
+    delta: MessageDelta
+    usage: MessageDeltaUsage
+
+
+class MessageStopEvent(BaseModel):
+    type: Literal["message_stop"] = "message_stop"
+
+
+class PingEvent(BaseModel):
+    type: Literal["ping"] = "ping"
+
+
+class ErrorDetail(BaseModel):
+    type: str  # errors.TokenwayError.anthropic_type
+    message: str
+
+
+class ErrorEvent(BaseModel):
+    type: Literal["error"] = "error"
+    error: ErrorDetail
+
+
+StreamEvent = (
+    MessageStartEvent | ContentBlockStartEvent | ContentBlockDeltaEvent | ContentBlockStopEvent
+    | MessageDeltaEvent | MessageStopEvent | PingEvent | ErrorEvent
+)
