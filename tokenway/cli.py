@@ -86,7 +86,18 @@ def add_serve_parser(sub) -> None:
 
 
 def run_serve(options: dict) -> int:
+    import signal
+
     import uvicorn
+
+    class Server(uvicorn.Server):
+        """SIGINT/SIGTERM: stop accepting, give in-flight requests the grace period, abort the
+        rest, exit 0. (uvicorn would re-raise the signal after shutting down, exiting 130/143.)"""
+
+        def handle_exit(self, sig: int, frame) -> None:
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C: do not wait for the grace period
+            self.should_exit = True
 
     from tokenway.engine.client import AsyncEngine
     from tokenway.gateway.app import create_app
@@ -108,7 +119,7 @@ def run_serve(options: dict) -> int:
     engine = AsyncEngine(engine_config)
     state = ServerState(engine=engine, config=server_config, model_names=names)
     app = create_app(state)
-    server = uvicorn.Server(uvicorn.Config(
+    server = Server(uvicorn.Config(
         app, host=server_config.host, port=server_config.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=server_config.graceful_shutdown_seconds, lifespan="off",
     ))

@@ -31,7 +31,9 @@ class Server:
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tokenway.cli", "serve", "--port", str(self.port),
-             "--kv-cache-memory", "512MiB", *extra_args],
+             # float32: greedy output is then the same whatever else is in the batch or the
+             # prefix cache, so the tests can compare texts exactly.
+             "--kv-cache-memory", "512MiB", "--dtype", "float32", *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
         )
         deadline = time.monotonic() + 180
@@ -48,7 +50,8 @@ class Server:
         raise RuntimeError(f"server did not become ready:\n{self.read_log()}")
 
     def read_log(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text()
 
     def stats(self) -> dict:

@@ -23,17 +23,16 @@ from tokenway.gateway.serving import (
     structured_output_spec,
 )
 from tokenway.gateway.stages import StageClock
-from tokenway.protocol.anthropic import map_stop_reason, to_chat_messages
+from tokenway.protocol.anthropic import map_stop_reason, to_chat_messages, to_chat_tools
 from tokenway.protocol.errors import TokenwayError, anthropic_error_body
 
 logger = logging.getLogger(__name__)
 
 
 def openai_tools(body) -> tuple[list[dict] | None, object]:
-    if not body.tools:
+    tools = to_chat_tools(body)
+    if not tools:
         return None, "auto"
-    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                               "parameters": t.input_schema}} for t in body.tools]
     choice = body.tool_choice
     kind = getattr(choice, "type", None) if choice is not None else "auto"
     tool_choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
@@ -69,11 +68,14 @@ def stop_fields(completion, used_tools: bool) -> tuple[str, str | None]:
     if used_tools:
         return "tool_use", None
     stop_sequence = completion.stop_reason if isinstance(completion.stop_reason, str) else None
+    if completion.finish_reason == "abort":
+        return "end_turn", None
     return map_stop_reason(completion.finish_reason, stop_sequence), stop_sequence
 
 
 def usage(generation: Generation, output_tokens: int | None = None) -> dict:
-    return {"input_tokens": len(generation.prompt_token_ids),
+    # Anthropic counts cached prompt tokens apart: input_tokens are the uncached ones.
+    return {"input_tokens": len(generation.prompt_token_ids) - generation.num_cached_tokens,
             "output_tokens": sum(generation.completion_tokens) if output_tokens is None else output_tokens,
             "cache_read_input_tokens": generation.num_cached_tokens, "cache_creation_input_tokens": 0}
 

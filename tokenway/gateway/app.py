@@ -181,11 +181,9 @@ def create_app(state: ServerState) -> FastAPI:
             state.resolve_model(body.model)
         tokenizer = state.tokenizer
         if body.messages is not None:
-            from tokenway.frontend.chat import normalize_messages
-
-            messages = normalize_messages([m.model_dump(exclude_none=True) for m in body.messages])
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            tokens = tokenizer.encode(text, add_special_tokens=False)
+            messages = [m.to_template_dict() for m in body.messages]
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            tokens = tokenizer.encode(text, add_special_tokens=body.add_special_tokens is True)
         else:
             tokens = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens is not False)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}

@@ -70,12 +70,12 @@ def prepare_chat(state: ServerState, body, clock: StageClock):
     else:
         top_logprobs = body.top_logprobs
     clock.mark("validated")
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    tools = body.template_tools()
     tool_choice = body.tool_choice if body.tool_choice is not None else "auto"
     if hasattr(tool_choice, "model_dump"):
         tool_choice = tool_choice.model_dump(exclude_none=True)
     response_format = body.response_format.model_dump(exclude_none=True, by_alias=True) if body.response_format else None
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    messages = body.template_messages()
     prompt = build_chat_prompt(state.tokenizer, messages, tools, tool_choice,
                                body.parallel_tool_calls is not False, response_format)
     max_tokens = resolve_max_tokens(state, len(prompt.prompt_token_ids), body.max_output_tokens,

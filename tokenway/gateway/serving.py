@@ -58,11 +58,7 @@ class ServerState:
         """The served name a request's `model` refers to; 404 for anything else."""
         if name in self.model_names:
             return name
-        raise NotFoundError(
-            f"The model '{name}' does not exist. Available: {', '.join(self.model_names)}",
-            param="model",
-            code="model_not_found",
-        )
+        raise NotFoundError.for_model(str(name))
 
     def admit(self, count: int = 1) -> None:
         if self.num_pending + count > self.config.max_pending_requests:
@@ -83,15 +79,12 @@ def new_id(prefix: str) -> str:
 def resolve_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
     """OpenAI's rule: prompt + max_tokens must fit the window; no max_tokens means 'the rest'."""
     window = state.max_model_len
+    if num_prompt_tokens >= window:
+        raise ContextLengthExceededError(num_prompt_tokens, max_tokens, window, param="messages")
     if max_tokens is None:
-        max_tokens = window - num_prompt_tokens
-    if num_prompt_tokens + max_tokens > window or max_tokens < 1:
-        raise ContextLengthExceededError(
-            f"This model's maximum context length is {window} tokens. However, you requested "
-            f"{num_prompt_tokens + max(max_tokens, 1)} tokens ({num_prompt_tokens} in the messages, "
-            f"{max(max_tokens, 1)} in the completion). Please reduce the length of the messages or completion.",
-            param=param if num_prompt_tokens < window else "messages",
-        )
+        return window - num_prompt_tokens
+    if num_prompt_tokens + max_tokens > window:
+        raise ContextLengthExceededError(num_prompt_tokens, max_tokens, window, param=param)
     return max_tokens
 
 
