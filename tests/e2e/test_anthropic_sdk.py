@@ -1,4 +1,7 @@
-"""The official anthropic SDK against the same server's /v1/messages."""
+"""The official anthropic SDK against the same server's /v1/messages.
+
+This SDK release no longer has a `temperature` argument; the API still takes the field, so
+the tests send it through extra_body for repeatable (greedy) output."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ def client(server):
 
 
 def test_messages_create(client):
-    message = client.messages.create(model=MODEL, max_tokens=20, temperature=0,
+    message = client.messages.create(model=MODEL, max_tokens=20, extra_body={"temperature": 0},
                                      system="You answer in one short sentence.",
                                      messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert message.role == "assistant" and message.type == "message"
@@ -24,7 +27,7 @@ def test_messages_create(client):
 
 
 def test_messages_stream(client):
-    kwargs = dict(model=MODEL, max_tokens=24, temperature=0,
+    kwargs = dict(model=MODEL, max_tokens=24, extra_body={"temperature": 0},
                   messages=[{"role": "user", "content": "Name three fruits."}])
     full = client.messages.create(**kwargs).content[0].text
     with client.messages.stream(**kwargs) as stream:
@@ -38,7 +41,7 @@ def test_messages_stream(client):
 
 
 def test_stop_sequence(client):
-    message = client.messages.create(model=MODEL, max_tokens=40, temperature=0, stop_sequences=["5"],
+    message = client.messages.create(model=MODEL, max_tokens=40, extra_body={"temperature": 0}, stop_sequences=["5"],
                                      messages=[{"role": "user", "content": "Count from 1 to 10, separated by commas."}])
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == "5"
     assert "5" not in message.content[0].text

@@ -224,6 +224,13 @@ class Generation:
         self.prompt_token_ids = prompt_token_ids
         self.params_list = params_list
         self.num_choices = len(params_list)
+        # The engine's own checks (vocabulary, window, a response_format that cannot be
+        # satisfied) run now, so they are a 400 before any byte of a stream is sent.
+        for params in params_list[:1]:
+            try:
+                state.engine.core.validate_prompt(prompt_token_ids, params)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param=str(exc).split(":", 1)[0]) from None
         self.completion_tokens = [0] * self.num_choices
         self.finish_reasons: list[str | None] = [None] * self.num_choices
         self.num_cached_tokens = 0
