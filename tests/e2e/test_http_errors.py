@@ -138,3 +138,17 @@ def test_full_queue_answers_503_with_retry_after(small_server):
     rejected = next(r for r in responses if r.status_code == 503)
     assert int(rejected.headers["retry-after"]) >= 1
     assert rejected.json()["error"]["type"]
+
+
+def test_server_timing_header_and_stream_comment_add_up(server):
+    response = httpx.post(server.base_url + CHAT, content=chat(max_tokens=6), timeout=60)
+    assert response.status_code == 200
+    parts = dict(item.strip().split(";dur=") for item in response.headers["server-timing"].split(","))
+    assert list(parts) == ["gateway", "tokenize", "queue", "prefill", "decode", "postprocess", "total"]
+    stages = sum(float(v) for k, v in parts.items() if k != "total")
+    assert abs(stages - float(parts["total"])) < 0.1 and float(parts["prefill"]) > 0
+    with httpx.stream("POST", server.base_url + CHAT, content=chat(max_tokens=6, stream=True), timeout=60) as streamed:
+        lines = list(streamed.iter_lines())
+    comments = [line for line in lines if line.startswith(": server-timing: ")]
+    assert len(comments) == 1 and "decode;dur=" in comments[0]
+    assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"

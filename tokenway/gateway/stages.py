@@ -29,16 +29,21 @@ class StageClock:
         setattr(self, name, time.monotonic() if at is None else at)
 
     def durations_ms(self) -> dict[str, float]:
-        """Stage -> milliseconds. A stage never reached counts as 0, and a missing mark
-        takes the previous one's time, so the sum is always done - received."""
-        marks = [self.received, self.validated, self.submitted, self.scheduled, self.first_token,
-                 self.last_token, self.done if self.done is not None else time.monotonic()]
-        filled = []
+        """Stage -> milliseconds, adding up to done - received. A mark that was skipped gives
+        its stage 0 ms (the time counts to the next stage reached); time after the last mark
+        reached counts to the stage that was under way (e.g. gateway, for a request refused there)."""
+        marks = [self.received, self.validated, self.submitted, self.scheduled, self.first_token, self.last_token]
+        done = self.done if self.done is not None else time.monotonic()
+        last_reached = max(i for i, value in enumerate(marks) if value is not None)
+        durations = dict.fromkeys(STAGES, 0.0)
         previous = marks[0]
-        for value in marks:
-            previous = previous if value is None else max(value, previous)
-            filled.append(previous)
-        return {stage: (filled[i + 1] - filled[i]) * 1000 for i, stage in enumerate(STAGES)}
+        for i in range(1, last_reached + 1):
+            if marks[i] is not None:
+                value = max(marks[i], previous)
+                durations[STAGES[i - 1]] = (value - previous) * 1000
+                previous = value
+        durations[STAGES[last_reached]] = max(0.0, done - previous) * 1000
+        return durations
 
     @property
     def ttft_ms(self) -> float | None:
