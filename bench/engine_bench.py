@@ -105,6 +105,16 @@ def main() -> None:
         print(f"(a) transformers fp32, one after another ({hf_requests} of the requests): {hf_batch:.1f} tok/s "
               f"-> tokenway is {tw_batch / hf_batch:.1f}x")
         print(f"(b) transformers fp32 single stream: {hf_single:.1f} tok/s -> tokenway is {tw_single / hf_single:.1f}x")
+        # For fairness: transformers in the dtype tokenway chose, too.
+        if llm.engine.dtype != torch.float32:
+            hf = hf.to(llm.engine.dtype)
+            with torch.inference_mode():
+                bench_hf(hf, prompts[:1], 8)
+                hf_batch_same = bench_hf(hf, prompts[:hf_requests], output_len)
+                hf_single_same = bench_hf(hf, prompts[:1], output_len)
+            print(f"    transformers {llm.engine.dtype}: one after another {hf_batch_same:.1f} tok/s "
+                  f"(tokenway {tw_batch / hf_batch_same:.1f}x), single stream {hf_single_same:.1f} tok/s "
+                  f"(tokenway {tw_single / hf_single_same:.1f}x)")
     print(f"(d) peak RSS {peak_rss_mib():.0f} MiB")
 
 

@@ -12,9 +12,9 @@ import torch
 
 from tokenway import LLM, SamplingParams
 from tokenway.engine.core import EngineCore
+from tokenway.engine.request import Request
 from tokenway.engine.sampler import Sampler
 from tokenway.engine.sampling_metadata import SamplingMetadata
-from tokenway.engine.request import Request
 from tokenway.engine.structured_output import (
     GrammarBitmask,
     StructuredOutputManager,

@@ -3,7 +3,7 @@ in a thread for asyncio callers and tokenway.LLM drives it directly.
 
     scheduler_output = scheduler.schedule()
     logits = runner.execute(scheduler_output)
-    outputs = scheduler.update_from_output(scheduler_output, *sampler(logits, ...))
+    outputs = scheduler.update_from_output(scheduler_output, *sampler(logits, ..., grammar_bitmask))
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from tokenway.engine.request import Request, RequestStatus, SamplingParams
 from tokenway.engine.runner import ModelRunner, kv_bytes_per_block
 from tokenway.engine.sampler import Sampler, SamplingMetadata
 from tokenway.engine.scheduler import EngineOutput, Scheduler
+from tokenway.engine.structured_output import StructuredOutputManager
 from tokenway.frontend.tokenizer import Tokenizer
 from tokenway.kv_cache.manager import KVCacheManager
 from tokenway.models.config import ModelConfig
@@ -103,6 +104,7 @@ class EngineCore:
         )
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device)
         self.sampler = Sampler()
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.stats = StepStats()
         if config.show_progress:
             print(
@@ -130,11 +132,15 @@ class EngineCore:
             bad = next((t for t in params.logit_bias if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        if params.structured_output is not None:
+            self.structured_output.compile(params.structured_output)  # cached: add_request reuses it
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.validate_prompt(prompt_token_ids, params)
         eos = self.tokenizer.eos_token_id
-        self.scheduler.add_request(Request(request_id, list(prompt_token_ids), params, eos_token_id=eos))
+        spec = params.structured_output
+        grammar = None if spec is None else self.structured_output.new_matcher(spec)
+        self.scheduler.add_request(Request(request_id, list(prompt_token_ids), params, eos_token_id=eos, grammar=grammar))
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
         return self.scheduler.abort_requests(request_ids)
@@ -154,7 +160,8 @@ class EngineCore:
         sampling_requests = scheduler_output.sampling_requests
         logits = self.runner.execute(scheduler_output)
         metadata = SamplingMetadata.from_requests(sampling_requests, self.model_config.vocab_size)
-        sampled = self.sampler(logits, metadata)
+        grammar_bitmask = self.structured_output.grammar_bitmask([request.grammar for request in sampling_requests])
+        sampled = self.sampler(logits, metadata, grammar_bitmask)
         self.stats.num_steps += 1
         self.stats.num_generated_tokens += len(sampling_requests)
         return self.scheduler.update_from_output(scheduler_output, sampled.sampled_token_ids, sampled.logprobs)

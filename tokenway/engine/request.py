@@ -21,6 +21,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from tokenway.engine.structured_output import GrammarMatcher, StructuredOutputSpec
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -44,6 +46,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: chosen token plus k alternatives
     skip_special_tokens: bool = True
+    structured_output: StructuredOutputSpec | None = None  # constrain the output to a schema, regex or grammar
 
     def __post_init__(self) -> None:
         def fail(field_name: str, message: str) -> None:
@@ -75,6 +78,8 @@ class SamplingParams:
             fail("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             fail("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputSpec):
+            fail("structured_output", f"must be a StructuredOutputSpec, got {type(self.structured_output).__name__}")
         # Normalise the containers so the object is truly immutable.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
@@ -142,6 +147,9 @@ class Request:
     generator: torch.Generator | None = None
     # time.monotonic() when the scheduler first gave it tokens to compute (queue time ends).
     first_scheduled_time: float | None = None
+    # Where the output is in its structured-output grammar; set by the engine core when the
+    # request is added, advanced by the scheduler per sampled token, dropped when it finishes.
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -3,6 +3,7 @@
 Stages, in vLLM's order (each skipped when no row uses it):
   1. logprobs from the RAW logits (log_softmax of the model output);
   2. logit_bias, min_tokens (ban EOS/stop ids), repetition, presence and frequency penalties;
+     then the structured-output grammar: tokens it forbids become -inf;
   3. greedy rows: argmax;
   4. random rows: temperature, top_k, min_p, then the exponential race argmax(probs / q),
      q ~ Exp(1) drawn from the request's own generator; top_p is then enforced on the
@@ -20,6 +21,7 @@ import torch
 
 from tokenway.engine.request import TokenLogprob
 from tokenway.engine.sampling_metadata import SamplingMetadata
+from tokenway.engine.structured_output import GrammarBitmask, allowed_tokens
 
 
 @dataclass(slots=True)
@@ -29,11 +31,15 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """logits: (num_rows, vocab_size), float32 or bf16, one row per request, in from_requests order."""
+    def __call__(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, grammar_bitmask: GrammarBitmask | None = None
+    ) -> SamplerOutput:
+        """logits: (num_rows, vocab_size), float32 or bf16, one row per request, in from_requests order.
+        grammar_bitmask: the allowed tokens of the rows under a structured-output grammar."""
         md = metadata
         assert logits.shape == (md.num_rows, md.vocab_size), f"logits {tuple(logits.shape)} do not match metadata"
-        if md.all_greedy and not md.needs_processing and md.logprob_row_ids is None:
+        needs_processing = md.needs_processing or grammar_bitmask is not None
+        if md.all_greedy and not needs_processing and md.logprob_row_ids is None:
             # The common path. No float32 cast: it is exact, so the argmax would not change.
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * md.num_rows)
 
@@ -43,10 +49,13 @@ class Sampler:
         if md.logprob_row_ids is not None:
             rows = logits if len(md.logprob_row_ids) == md.num_rows else logits[md.logprob_row_ids]
             raw_logprobs = rows.log_softmax(dim=-1)  # (num_logprob_rows, vocab)
-        if md.needs_processing:
+        if needs_processing:
             # Processing works in place, so it needs a copy unless the cast above made one.
-            owned = logits if logits.data_ptr() != model_logits.data_ptr() else logits.clone()
-            logits = process_logits(owned, md)
+            logits = logits if logits.data_ptr() != model_logits.data_ptr() else logits.clone()
+        if md.needs_processing:
+            logits = process_logits(logits, md)
+        if grammar_bitmask is not None:
+            apply_grammar_bitmask(logits, grammar_bitmask)
 
         token_ids = _sample(logits, md)  # (num_rows,) int64
         logprobs: list[TokenLogprob | None] = [None] * md.num_rows
@@ -84,6 +93,16 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.presence_penalties is not None:
         logits -= md.presence_penalties * output_seen
     return logits
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, grammar_bitmask: GrammarBitmask) -> None:
+    """Sets the logits of the tokens each grammar row forbids to -inf. Modifies logits (num_rows, vocab)."""
+    row_ids = grammar_bitmask.row_ids
+    forbidden = ~allowed_tokens(grammar_bitmask.bitmask, logits.shape[1])  # (num_grammar_rows, vocab)
+    if len(row_ids) == logits.shape[0]:  # every row: no gather and scatter
+        logits.masked_fill_(forbidden, float("-inf"))
+    else:
+        logits[row_ids] = logits[row_ids].masked_fill_(forbidden, float("-inf"))
 
 
 def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

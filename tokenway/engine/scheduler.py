@@ -5,7 +5,9 @@ first, each taking the tokens it still has to compute (1 for a decode, a chunk f
 prompt); waiting requests then join with whatever budget is left. No prefill/decode
 phase: everything is num_computed_tokens against num_tokens. When the KV cache has no
 free block, the newest running request is preempted: its blocks are freed and it restarts
-later by recomputing its tokens (mostly from the prefix cache).
+later by recomputing its tokens (mostly from the prefix cache). A structured-output grammar
+advances only in update_from_output, on each newly sampled token, so recomputing the tokens a
+request already has never touches it.
 """
 
 from __future__ import annotations
@@ -176,6 +178,8 @@ class Scheduler:
             token_logprob = logprobs[sample_index]
             sample_index += 1
             request.append_output_token_ids(token_id)
+            if request.grammar is not None:
+                request.grammar.accept_token(token_id)
             status = self._check_stop(request, token_id)
             new_logprobs = [token_logprob] if token_logprob is not None else None
             if status is None:
@@ -194,6 +198,10 @@ class Scheduler:
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
+        # The output is complete (only EOS could follow) whatever min_tokens or ignore_eos say:
+        # the grammar would allow nothing else.
+        if request.grammar is not None and request.grammar.is_finished:
+            return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if request.num_tokens >= self.max_model_len:
@@ -220,6 +228,7 @@ class Scheduler:
         new_logprobs: list[TokenLogprob] | None = None,
     ) -> EngineOutput:
         request.status = status
+        request.grammar = None
         self.kv_manager.free(request)
         del self.requests[request.request_id]
         return self._output(request, new_token_ids, new_logprobs)

@@ -90,7 +90,7 @@ def resolve_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: i
 
 def structured_output_spec(json_schema: dict | None, json_object: bool) -> StructuredOutputSpec | None:
     if json_schema is not None:
-        return StructuredOutputSpec(kind="json_schema", schema=json.dumps(json_schema, sort_keys=True))
+        return StructuredOutputSpec.json_schema(json_schema)  # keeps the user's property order
     if json_object:
         return StructuredOutputSpec(kind="json_object")
     return None
