@@ -272,3 +272,17 @@ def test_rank_counts_the_strictly_more_likely_raw_tokens(forced_token_id, num_lo
     request = make_request(temperature=0.0, logprobs=num_logprobs, logit_bias={forced_token_id: 100.0})
     logprob = sample(LOGITS, [request]).logprobs[0]
     assert (logprob.token_id, logprob.rank, len(logprob.top)) == (forced_token_id, rank, num_logprobs)
+
+
+def test_top_p_that_underflows_float32_keeps_the_top_token():
+    # Found by schemathesis: top_p=5e-324 is 0.0 in float32; the top token must still win.
+    import torch
+
+    from tokenway.engine.request import Request, SamplingParams
+    from tokenway.engine.sampler import Sampler
+    from tokenway.engine.sampling_metadata import SamplingMetadata
+
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    request = Request("r", [1], SamplingParams(temperature=1.0, top_p=5e-324, seed=0))
+    out = Sampler()(logits, SamplingMetadata.from_requests([request], 4))
+    assert out.sampled_token_ids == [1]

@@ -162,7 +162,8 @@ def _restrict_to_nucleus(
     winner_probs = probs.gather(1, token_ids.unsqueeze(1))  # (num_random, 1)
     above_winner = probs > winner_probs  # (num_random, vocab)
     mass_above = torch.where(above_winner, probs, 0.0).sum(dim=-1)  # (num_random,)
-    outside = ((mass_above >= top_ps) & (top_ps < 1.0)).nonzero().squeeze(1)  # (num_outside,)
+    # A winner with nothing above it is the top token: always inside, whatever top_p is.
+    outside = ((mass_above >= top_ps) & (mass_above > 0) & (top_ps < 1.0)).nonzero().squeeze(1)  # (num_outside,)
     if len(outside) == 0:
         return
     rows = probs[outside]  # (num_outside, vocab)
@@ -171,7 +172,9 @@ def _restrict_to_nucleus(
     num_candidates = int(above_winner[outside].count_nonzero(dim=-1).max())
     sorted_probs = rows.topk(num_candidates, dim=-1).values  # (num_outside, num_candidates), descending
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # exclusive prefix sums
-    num_kept = (mass_before < top_ps[outside].unsqueeze(1)).count_nonzero(dim=-1)  # (num_outside,), >= 1
+    num_kept = (mass_before < top_ps[outside].unsqueeze(1)).count_nonzero(dim=-1)  # (num_outside,)
+    # The top token always stays, even when top_p underflows float32 (5e-324 becomes 0).
+    num_kept.clamp_(min=1)
     floor = sorted_probs.gather(1, (num_kept - 1).unsqueeze(1))  # (num_outside, 1)
     token_ids[outside] = keys[outside].masked_fill_(rows < floor, float("-inf")).argmax(dim=-1)
 

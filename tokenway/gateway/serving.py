@@ -18,6 +18,8 @@ from tokenway.frontend.output import RequestOutput
 from tokenway.gateway.stages import StageClock
 from tokenway.protocol.errors import (
     ContextLengthExceededError,
+    InternalServerError,
+    TokenwayError,
     InvalidRequestError,
     NotFoundError,
     ServiceUnavailableError,
@@ -250,6 +252,11 @@ class Generation:
                 if completion.finish_reason is not None:
                     self.finish_reasons[index] = completion.finish_reason
                 yield index, output
+        except TokenwayError:
+            raise
+        except Exception as exc:
+            # The engine failed this step (its thread logged the traceback): a plain 500.
+            raise InternalServerError("The engine failed while generating this request.") from exc
         finally:
             self.state.release(self.num_choices)
 
