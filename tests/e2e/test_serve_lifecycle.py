@@ -1,0 +1,63 @@
+"""`tokenway serve` as an operator sees it: config file, tokenize endpoints, graceful stop."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import httpx
+import pytest
+
+from tokenway.cli import load_config_file, main
+
+from .conftest import Server
+
+MODEL = "smollm2-135m-instruct"
+
+
+def test_config_file_keys_and_errors(tmp_path):
+    path = tmp_path / "tokenway.toml"
+    path.write_text('port = 9001\nkv-cache-memory = "1GiB"\nserved_model_name = "small"\n')
+    assert load_config_file(str(path)) == {"port": 9001, "kv_cache_memory": "1GiB", "served_model_name": ["small"]}
+    path.write_text("colour = 'blue'\n")
+    with pytest.raises(SystemExit, match="unknown key 'colour'"):
+        load_config_file(str(path))
+
+
+def test_a_missing_model_is_one_clear_line(capsys):
+    assert main(["serve", "--model", "/no/such/model.gguf"]) == 2
+    err = capsys.readouterr().err
+    assert "/no/such/model.gguf" in err and "Traceback" not in err
+
+
+def test_tokenize_and_detokenize(server):
+    tokens = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "Hello world"}, timeout=10).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 8192
+    text = httpx.post(f"{server.base_url}/detokenize", json={"tokens": tokens["tokens"]}, timeout=10).json()
+    assert text["prompt"] == "Hello world"
+    chat = httpx.post(f"{server.base_url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]},
+                      timeout=10).json()
+    assert chat["count"] > tokens["count"]  # the chat template adds its own tokens
+
+
+def test_sigterm_lets_the_in_flight_stream_finish_then_exits_0(default_model_dir):
+    server = Server("--graceful-shutdown-seconds", "30")
+    lines: list[str] = []
+
+    def consume() -> None:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to fifty."}], "max_tokens": 60,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                lines.append(line)
+                if len(lines) == 6:
+                    server.process.send_signal(signal.SIGTERM)  # mid-stream
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    reader.join(120)
+    assert server.stop() == 0
+    assert "data: [DONE]" in lines
+    finish = [line for line in lines if '"finish_reason":"length"' in line]
+    assert finish, lines[-5:]
+    assert "tokenway: stopped" in server.read_log()
