@@ -12,10 +12,10 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from tokenway.config import EngineConfig
-from tokenway.models.loader import DEFAULT_MODEL
 from tokenway.engine.core import EngineCore
 from tokenway.engine.request import SamplingParams
 from tokenway.frontend.output import RequestOutput, RequestState
+from tokenway.models.loader import DEFAULT_MODEL
 
 PromptLike = str | dict[str, Any]
 

@@ -96,14 +96,16 @@ class Scheduler:
         outputs = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
-            if request is None:
-                continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
-            outputs.append(self._finish(request, RequestStatus.FINISHED_ABORTED, []))
+            if request is not None:
+                self._dequeue(request)
+                outputs.append(self._finish(request, RequestStatus.FINISHED_ABORTED, []))
         return outputs
+
+    def _dequeue(self, request: Request) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -213,10 +215,7 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
+        self._dequeue(request)
         request.stop_reason = stop_reason
         self._finish(request, status, [])
 

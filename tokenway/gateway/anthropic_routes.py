@@ -8,12 +8,12 @@ from types import SimpleNamespace
 from typing import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.tools import parse_tool_reply
 from tokenway.gateway import sse
-from tokenway.gateway.http import ClientDisconnected, EventStreamResponse, unless_disconnected
+from tokenway.gateway.http import EventStreamResponse
 from tokenway.gateway.serving import (
     Generation,
     ServerState,
@@ -81,10 +81,7 @@ def usage(generation: Generation, output_tokens: int | None = None) -> dict:
 
 
 async def message_response(generation: Generation, generic_tools: bool) -> dict:
-    final = None
-    async for _, output in generation.outputs():
-        if output.finished:
-            final = output.outputs[0]
+    final = (await generation.final_outputs())[0]
     blocks, used_tools = content_blocks(final.text, generic_tools)
     stop_reason, stop_sequence = stop_fields(final, used_tools)
     return {"id": generation.request_id, "type": "message", "role": "assistant", "content": blocks,
@@ -156,16 +153,4 @@ async def handle(state: ServerState, request: Request, body, clock: StageClock) 
     generation, generic_tools = prepare(state, body, clock)
     if body.stream:
         return EventStreamResponse(message_stream(generation, generic_tools))
-    try:
-        payload = await unless_disconnected(request, message_response(generation, generic_tools))
-    except ClientDisconnected:
-        generation.finish(499, "client disconnected")
-        return Response(status_code=499)
-    except TokenwayError as exc:
-        generation.finish(exc.status, exc.message)
-        raise
-    clock.mark("done")
-    response = JSONResponse(payload, headers={"Server-Timing": clock.server_timing(),
-                                              "request-id": generation.request_id})
-    generation.finish()
-    return response
+    return await generation.json_response(request, message_response(generation, generic_tools), "request-id")

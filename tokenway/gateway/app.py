@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenway.gateway import anthropic_routes, openai_routes
-from tokenway.gateway.http import ClientDisconnected, EventStreamResponse, parse_body, unless_disconnected
+from tokenway.gateway.http import EventStreamResponse, parse_body
 from tokenway.gateway.serving import ServerState
 from tokenway.gateway.stages import StageClock
 from tokenway.protocol import anthropic as anthropic_schema
@@ -121,19 +121,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def respond(request: Request, generation, build, stream: bool, stream_events) -> Response:
         if stream:
             return EventStreamResponse(openai_routes.guarded_stream(stream_events, generation))
-        try:
-            body = await unless_disconnected(request, build)
-        except ClientDisconnected:
-            generation.finish(499, "client disconnected")
-            return Response(status_code=499)
-        except TokenwayError as exc:
-            generation.finish(exc.status, exc.message)
-            raise
-        generation.clock.mark("done")
-        response = JSONResponse(body, headers={"Server-Timing": generation.clock.server_timing(),
-                                               "x-request-id": generation.request_id})
-        generation.finish()
-        return response
+        return await generation.json_response(request, build)
 
     @app.post("/v1/chat/completions", openapi_extra=_schema_extra(openai_schema.ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:

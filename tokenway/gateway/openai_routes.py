@@ -102,13 +102,8 @@ def tool_message(text: str) -> tuple[dict, bool]:
 
 async def chat_response(state: ServerState, body, generation: Generation, generic_tools: bool) -> dict:
     token_text = TokenText(state.tokenizer)
-    finals: dict[int, Any] = {}
-    async for index, output in generation.outputs():
-        if output.finished:
-            finals[index] = output.outputs[0]
     choices = []
-    for index in range(generation.num_choices):
-        completion = finals[index]
+    for index, completion in enumerate(await generation.final_outputs()):
         finish_reason = openai_finish_reason(completion.finish_reason)
         if generic_tools:
             message, called = tool_message(completion.text)
@@ -213,13 +208,8 @@ def prepare_completion(state: ServerState, body, clock: StageClock) -> tuple[Gen
 
 async def completion_response(state: ServerState, body, generation: Generation, echo: str) -> dict:
     token_text = TokenText(state.tokenizer)
-    finals: dict[int, Any] = {}
-    async for index, output in generation.outputs():
-        if output.finished:
-            finals[index] = output.outputs[0]
     choices = []
-    for index in range(generation.num_choices):
-        completion = finals[index]
+    for index, completion in enumerate(await generation.final_outputs()):
         logprobs = None
         if body.logprobs is not None and completion.logprobs is not None:
             logprobs = token_text.completion_logprobs(completion.logprobs, len(echo))

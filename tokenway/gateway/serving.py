@@ -11,18 +11,21 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
+from starlette.responses import JSONResponse, Response
+
 from tokenway.engine.client import AsyncEngine
 from tokenway.engine.request import SamplingParams
 from tokenway.engine.structured_output import StructuredOutputSpec
 from tokenway.frontend.output import RequestOutput
+from tokenway.gateway.http import ClientDisconnected, unless_disconnected
 from tokenway.gateway.stages import StageClock
 from tokenway.protocol.errors import (
     ContextLengthExceededError,
     InternalServerError,
-    TokenwayError,
     InvalidRequestError,
     NotFoundError,
     ServiceUnavailableError,
+    TokenwayError,
 )
 
 access_log = logging.getLogger("tokenway.access")
@@ -259,6 +262,29 @@ class Generation:
             raise InternalServerError("The engine failed while generating this request.") from exc
         finally:
             self.state.release(self.num_choices)
+
+    async def final_outputs(self) -> list:
+        """Run to the end; the finished CompletionOutput of each choice, by index."""
+        finals = {}
+        async for index, output in self.outputs():
+            if output.finished:
+                finals[index] = output.outputs[0]
+        return [finals[index] for index in range(self.num_choices)]
+
+    async def json_response(self, request, work, id_header: str = "x-request-id"):
+        """Await the response body unless the client leaves first; log and time it either way."""
+        try:
+            body = await unless_disconnected(request, work)
+        except ClientDisconnected:
+            self.finish(499, "client disconnected")
+            return Response(status_code=499)
+        except TokenwayError as exc:
+            self.finish(exc.status, exc.message)
+            raise
+        self.clock.mark("done")
+        response = JSONResponse(body, headers={"Server-Timing": self.clock.server_timing(), id_header: self.request_id})
+        self.finish()
+        return response
 
     def usage(self) -> dict:
         return usage_dict(len(self.prompt_token_ids), sum(self.completion_tokens), self.num_cached_tokens)
