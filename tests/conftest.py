@@ -18,6 +18,9 @@ def model_cache_dir(tmp_path_factory) -> Path:
     path = Path(os.environ.get("TOKENWAY_TEST_CACHE_DIR") or tmp_path_factory.getbasetemp() / "tokenway-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TOKENWAY_CACHE_DIR", str(path))
+        # API keys and the usage ledger too: never the user's ~/.local/share/tokenway.
+        mp.setenv("TOKENWAY_DATA_DIR", str(tmp_path_factory.getbasetemp() / "tokenway-data"))
+        mp.delenv("TOKENWAY_ADMIN_KEY", raising=False)
         yield path
 
 

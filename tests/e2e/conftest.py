@@ -23,8 +23,11 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *extra_args: str) -> None:
+    def __init__(self, *extra_args: str, db: Path | None = None) -> None:
         self.port = free_port()
+        # Each server its own keys and ledger unless a test shares one on purpose.
+        self.db = db or Path(os.environ["TOKENWAY_DATA_DIR"]) / f"server-{self.port}.db"
+        self.db.parent.mkdir(parents=True, exist_ok=True)
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TOKENWAY_CACHE_DIR", "/tmp")) / f"server-{self.port}.log"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -33,7 +36,7 @@ class Server:
             [sys.executable, "-m", "tokenway.cli", "serve", "--port", str(self.port),
              # float32: greedy output is then the same whatever else is in the batch or the
              # prefix cache, so the tests can compare texts exactly.
-             "--kv-cache-memory", "512MiB", "--dtype", "float32", *extra_args],
+             "--kv-cache-memory", "512MiB", "--dtype", "float32", "--db", str(self.db), *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
         )
         deadline = time.monotonic() + 180

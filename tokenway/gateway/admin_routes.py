@@ -1,0 +1,105 @@
+"""The admin HTTP API for API keys, guarded by the admin key from the config.
+
+    POST /admin/keys                   {"name", "models"?, "rpm"?, ...} -> 201 {"key": <secret, shown once>, ...info}
+    GET  /admin/keys                   -> {"object": "list", "data": [info, ...]}     (never a secret)
+    POST /admin/keys/{key_id}/revoke   -> info (revoking twice is not an error)
+    POST /admin/keys/{key_id}/rotate   -> {"key": <new secret>, ...info}
+
+Every route needs `Authorization: Bearer <admin_key>` (401 otherwise). With no admin key
+configured the whole API answers 404, as if it did not exist.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated, Any
+
+import pydantic
+from fastapi import APIRouter, Depends
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from tokenway.gateway.auth import MAX_NAME_CHARS
+from tokenway.gateway.http import parse_body
+from tokenway.gateway.keystore import KeyStore, UnknownKeyError
+from tokenway.protocol.errors import AuthenticationError, InvalidRequestError, NotFoundError, truncate
+
+PositiveInt = Annotated[int, pydantic.Field(ge=1)]
+
+
+class CreateKeyRequest(pydantic.BaseModel):
+    # strict: "60" or true is not a limit; extra=forbid: a misspelt "rpm_limit" must not
+    # silently create an unlimited key.
+    model_config = pydantic.ConfigDict(extra="forbid", strict=True)
+
+    name: Annotated[str, pydantic.Field(min_length=1, max_length=MAX_NAME_CHARS)]
+    models: Annotated[list[Annotated[str, pydantic.Field(min_length=1)]], pydantic.Field(min_length=1)] | None = None
+    rpm: PositiveInt | None = None
+    tpm: PositiveInt | None = None
+    tpd: PositiveInt | None = None
+    max_concurrent: PositiveInt | None = None
+    max_tokens: PositiveInt | None = None
+    budget_usd: Annotated[float, pydantic.Field(ge=0, allow_inf_nan=False)] | None = None
+    expires_at: Annotated[float, pydantic.Field(allow_inf_nan=False)] | None = None  # unix seconds
+
+
+def admin_router(store: KeyStore, admin_key: str | None) -> APIRouter:
+    if admin_key is not None and not admin_key.strip():
+        raise ValueError("admin_key: must be a non-empty string, or None to disable the admin API")
+    expected = admin_key.encode() if admin_key is not None else None
+
+    def require_admin(request: Request) -> None:
+        if expected is None:
+            raise NotFoundError(f"No route {request.method} {request.url.path}")
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        # compare_digest: the time taken must not reveal how much of the admin key was right.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+            raise AuthenticationError("This route needs the admin key: Authorization: Bearer ADMIN_KEY.",
+                                      code="invalid_admin_key")
+
+    router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], include_in_schema=False)
+
+    # Store calls run in the thread pool: a write may wait on SQLite's lock (the ledger shares
+    # the file), and the event loop must not wait with it.
+    @router.post("/keys")
+    async def create_key(request: Request) -> JSONResponse:
+        body = await parse_body(request, CreateKeyRequest)
+        try:
+            secret, info = await run_in_threadpool(store.create, **body.model_dump())
+        except ValueError as exc:  # e.g. expires_at in the past
+            field_name = str(exc).partition(":")[0]
+            raise InvalidRequestError(str(exc), param=field_name if field_name in CreateKeyRequest.model_fields
+                                      else None) from None
+        return JSONResponse({"key": secret, **info.to_dict()}, status_code=201)
+
+    @router.get("/keys")
+    async def list_keys() -> dict[str, Any]:
+        infos = await run_in_threadpool(store.list)
+        return {"object": "list", "data": [info.to_dict() for info in infos]}
+
+    @router.post("/keys/{key_id}/revoke")
+    async def revoke_key(key_id: str) -> dict[str, Any]:
+        await run_in_threadpool(store.revoke, key_id)
+        info = await run_in_threadpool(store.get, key_id)
+        if info is None:
+            raise _unknown_key(key_id)
+        return info.to_dict()
+
+    @router.post("/keys/{key_id}/rotate")
+    async def rotate_key(key_id: str) -> dict[str, Any]:
+        try:
+            secret = await run_in_threadpool(store.rotate, key_id)
+        except UnknownKeyError:
+            raise _unknown_key(key_id) from None
+        except ValueError as exc:  # revoked
+            raise InvalidRequestError(str(exc)) from None
+        info = await run_in_threadpool(store.get, key_id)
+        assert info is not None
+        return {"key": secret, **info.to_dict()}
+
+    return router
+
+
+def _unknown_key(key_id: str) -> NotFoundError:
+    return NotFoundError(f"No API key {truncate(key_id)!r}.", code="key_not_found")

@@ -1,0 +1,159 @@
+"""tokenway keys create | list | revoke | rotate: API keys, straight in the SQLite file the
+gateway reads (a running gateway sees a change within its key cache's refresh interval).
+
+    tokenway keys create --name ci --models smollm2-135m-instruct --rpm 60 --expires 30d
+    tokenway keys list
+    tokenway keys revoke k_3f9a2c1b
+    tokenway keys rotate k_3f9a2c1b
+
+create and rotate print the secret alone on stdout (so `KEY=$(tokenway keys create ...)`
+works) and everything else on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from tokenway.gateway.keystore import KeyInfo, KeyStore, UnknownKeyError
+
+_DURATION_UNITS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def default_db_path() -> Path:
+    """$TOKENWAY_DATA_DIR/tokenway.db, else ~/.local/share/tokenway/tokenway.db."""
+    data_dir = os.environ.get("TOKENWAY_DATA_DIR")
+    base = Path(data_dir) if data_dir else Path.home() / ".local" / "share" / "tokenway"
+    return base / "tokenway.db"
+
+
+def parse_expires(text: str, now: float) -> float | None:
+    """'never' -> None; '30d', '12h', '2w', '90m' -> now + that; '2026-12-31' (00:00 UTC that day)
+    or an ISO datetime (UTC unless it carries an offset) -> unix seconds."""
+    text = text.strip()
+    if text.lower() == "never":
+        return None
+    match = re.fullmatch(r"(\d+)\s*([mhdw])", text.lower())
+    if match:
+        if int(match.group(1)) == 0:
+            raise ValueError(f"--expires: {text!r} is already over")
+        return now + int(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"--expires: cannot read {text!r}; use e.g. 30d, 12h, 2026-12-31 or never") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
+
+
+def add_keys_parser(subparsers) -> None:
+    keys = subparsers.add_parser("keys", help="create, list, revoke and rotate API keys",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    keys.add_argument("--db", help="the SQLite file (default $TOKENWAY_DATA_DIR/tokenway.db, "
+                                   "else ~/.local/share/tokenway/tokenway.db)")
+    sub = keys.add_subparsers(dest="keys_command", required=True)
+    create = sub.add_parser("create", help="make a key and print its secret, once")
+    create.add_argument("--name", required=True)
+    create.add_argument("--models", help="comma-separated served model names the key may use (default: all)")
+    create.add_argument("--rpm", type=int, help="requests per minute")
+    create.add_argument("--tpm", type=int, help="tokens per minute")
+    create.add_argument("--tpd", type=int, help="tokens per day")
+    create.add_argument("--max-concurrent", type=int, help="requests in flight at once")
+    create.add_argument("--max-tokens", type=int, help="cap on one request's max_tokens")
+    create.add_argument("--budget-usd", type=float, help="spend allowed before requests get 429")
+    create.add_argument("--expires", default="never", help="30d, 12h, 2026-12-31, an ISO datetime, or never")
+    listing = sub.add_parser("list", help="all keys with their limits (never a secret)")
+    listing.add_argument("--json", action="store_true", help="one JSON array instead of a table")
+    for command, text in (("revoke", "stop a key working"), ("rotate", "give a key a new secret")):
+        sub.add_parser(command, help=text).add_argument("key_id")
+    # `tokenway keys --db X list` and `tokenway keys list --db X` both work.
+    for parser in sub.choices.values():
+        parser.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def run_keys(args: argparse.Namespace) -> int:
+    try:
+        with KeyStore(getattr(args, "db", None) or default_db_path()) as store:
+            return _COMMANDS[args.keys_command](store, args)
+    except UnknownKeyError as exc:
+        print(f"tokenway: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"tokenway: {exc}", file=sys.stderr)
+        return 2
+
+
+def _create(store: KeyStore, args: argparse.Namespace) -> int:
+    models = tuple(name.strip() for name in args.models.split(",") if name.strip()) if args.models else None
+    secret, info = store.create(
+        args.name, models=models, rpm=args.rpm, tpm=args.tpm, tpd=args.tpd, max_concurrent=args.max_concurrent,
+        max_tokens=args.max_tokens, budget_usd=args.budget_usd, expires_at=parse_expires(args.expires, time.time()))
+    expiry = f", expires {_when(info.expires_at)}" if info.expires_at is not None else ""
+    _print_secret(f"created API key {info.key_id} ({info.name!r}{expiry})", secret)
+    return 0
+
+
+def _rotate(store: KeyStore, args: argparse.Namespace) -> int:
+    secret = store.rotate(args.key_id)
+    _print_secret(f"rotated API key {args.key_id}; its old secret no longer works", secret)
+    return 0
+
+
+def _revoke(store: KeyStore, args: argparse.Namespace) -> int:
+    if store.revoke(args.key_id):
+        print(f"tokenway: revoked API key {args.key_id}", file=sys.stderr)
+        return 0
+    if store.get(args.key_id) is None:
+        raise UnknownKeyError(f"no API key {args.key_id!r}")
+    print(f"tokenway: API key {args.key_id} was already revoked", file=sys.stderr)
+    return 0
+
+
+def _list(store: KeyStore, args: argparse.Namespace) -> int:
+    infos = store.list()
+    if args.json:
+        print(json.dumps([info.to_dict() for info in infos], indent=2))
+    else:
+        print(format_table(infos, time.time()))
+    return 0
+
+
+_COMMANDS = {"create": _create, "list": _list, "revoke": _revoke, "rotate": _rotate}
+
+
+def _print_secret(what: str, secret: str) -> None:
+    print(f"tokenway: {what}. The secret below is shown only this once; store it now.", file=sys.stderr)
+    print(secret, flush=True)
+
+
+def _when(timestamp: float | None) -> str:
+    if timestamp is None:
+        return "-"
+    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _limit(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def format_table(infos: list[KeyInfo], now: float) -> str:
+    header = ("ID", "NAME", "HINT", "STATUS", "MODELS", "RPM", "TPM", "TPD", "CONCURRENT", "MAX_TOKENS",
+              "BUDGET_USD", "EXPIRES", "CREATED", "LAST_USED")
+    rows = [header] + [
+        (info.key_id, info.name, info.hint, info.status(now), ",".join(info.models) if info.models else "all",
+         _limit(info.rpm), _limit(info.tpm), _limit(info.tpd), _limit(info.max_concurrent),
+         _limit(info.max_tokens), _limit(info.budget_usd), _when(info.expires_at), _when(info.created_at),
+         _when(info.last_used_at))
+        for info in infos
+    ]
+    if not infos:
+        return "no API keys; make one with: tokenway keys create --name NAME"
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
