@@ -1,0 +1,230 @@
+"""The usage ledger against both backends: SQLite in a temp file, and a real PostgreSQL server
+started by scripts/postgres.sh for the session (a fresh database per test)."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from calendar import timegm
+from pathlib import Path
+
+import pytest
+
+from tokenway.billing.ledger import Ledger, UsageRecord
+
+REPO = Path(__file__).resolve().parents[2]
+DAY1 = timegm((2024, 3, 1, 23, 59, 59))  # the last second of a UTC day...
+DAY2 = DAY1 + 1  # ...and the first of the next
+
+pytestmark = pytest.mark.anyio  # anyio's pytest plugin runs the async tests
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def make_record(request_id: str, key_id: str = "key-a", model: str = "m1", prompt_tokens: int = 10,
+                cached_tokens: int = 0, completion_tokens: int = 5, cost_usd: float = 0.25,
+                finished_at: float = DAY1, **overrides) -> UsageRecord:
+    fields = {"finish_reason": "stop", "error": None, "status": 200, "stages_ms": {"gateway": 0.5, "decode": 12.0},
+              "started_at": finished_at - 1.5}
+    fields.update(overrides)
+    return UsageRecord(request_id, key_id, model, prompt_tokens, cached_tokens, completion_tokens, cost_usd,
+                       finished_at=finished_at, **fields)
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    pytest.importorskip("psycopg", reason="the PostgreSQL backend needs psycopg 3")
+    script = str(REPO / "scripts" / "postgres.sh")
+    url = subprocess.run([script, "start"], check=True, capture_output=True, text=True).stdout.strip()
+    yield url
+    subprocess.run([script, "stop"], check=True)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request, tmp_path):
+    if request.param == "sqlite":
+        yield f"sqlite://{tmp_path}/ledger.db"
+        return
+    import psycopg
+
+    server_url = request.getfixturevalue("postgres_server")
+    name = f"ledger_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {name}")
+    yield server_url.rsplit("/", 1)[0] + "/" + name
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+
+
+async def test_a_recorded_row_reads_back_exactly_and_is_committed_when_record_returns(url):
+    rec = make_record("req-1", cost_usd=0.1 + 0.2, cached_tokens=3, finish_reason=None, error="engine: out of memory",
+                      status=500, stages_ms={"gateway": 0.123456789, "queue": 1e-9, "prefill": 7.0},
+                      started_at=1_709_337_599.123456, finished_at=1_709_337_600.654321)
+    async with Ledger(url) as ledger:
+        await ledger.record(rec)
+        async with Ledger(url) as other:  # its own connections: sees only what is committed
+            assert await other.get("req-1") == rec
+        assert await ledger.get("req-1") == rec
+        assert await ledger.get("req-2") is None
+
+
+async def test_a_duplicate_request_id_keeps_the_first_row_only(url):
+    first = make_record("req-1", cost_usd=1.0)
+    async with Ledger(url) as ledger:
+        await ledger.record(first)
+        await ledger.record(make_record("req-1", cost_usd=5.0, completion_tokens=99))
+        # Both copies in one batch: still one row.
+        await asyncio.gather(ledger.record(make_record("req-2", cost_usd=2.0)),
+                             ledger.record(make_record("req-2", cost_usd=7.0)))
+        assert await ledger.get("req-1") == first
+        assert (await ledger.get("req-2")).cost_usd == 2.0
+        [row] = await ledger.usage("key-a")
+        assert (row["requests"], row["completion_tokens"], row["cost_usd"]) == (2, 10, 3.0)
+        assert await ledger.spend_usd("key-a") == 3.0
+        assert ledger.num_rows_written == 2
+
+
+async def test_usage_groups_each_key_by_utc_day_and_model(url):
+    records = [
+        make_record("a1", model="m1", prompt_tokens=10, cached_tokens=4, completion_tokens=1, cost_usd=0.5),
+        make_record("a2", model="m1", prompt_tokens=20, cached_tokens=0, completion_tokens=2, cost_usd=0.25),
+        make_record("a3", model="m2", prompt_tokens=30, cached_tokens=1, completion_tokens=3, cost_usd=1.0),
+        make_record("a4", model="m1", prompt_tokens=40, cached_tokens=2, completion_tokens=4, cost_usd=2.0,
+                    finished_at=DAY2),
+        make_record("b1", key_id="key-b", model="m1", prompt_tokens=50, completion_tokens=5, cost_usd=4.0),
+    ]
+    async with Ledger(url) as ledger:
+        await asyncio.gather(*(ledger.record(rec) for rec in records))
+        key_a = [
+            {"key_id": "key-a", "day": "2024-03-01", "model": "m1", "requests": 2, "prompt_tokens": 30,
+             "cached_tokens": 4, "completion_tokens": 3, "cost_usd": 0.75},
+            {"key_id": "key-a", "day": "2024-03-01", "model": "m2", "requests": 1, "prompt_tokens": 30,
+             "cached_tokens": 1, "completion_tokens": 3, "cost_usd": 1.0},
+            {"key_id": "key-a", "day": "2024-03-02", "model": "m1", "requests": 1, "prompt_tokens": 40,
+             "cached_tokens": 2, "completion_tokens": 4, "cost_usd": 2.0},
+        ]
+        key_b = [{"key_id": "key-b", "day": "2024-03-01", "model": "m1", "requests": 1, "prompt_tokens": 50,
+                  "cached_tokens": 0, "completion_tokens": 5, "cost_usd": 4.0}]
+        assert await ledger.usage("key-a") == key_a
+        assert await ledger.usage(None) == key_a + key_b
+        assert await ledger.usage("key-a", since=DAY2) == key_a[2:]  # since inclusive
+        assert await ledger.usage("key-a", until=DAY2) == key_a[:2]  # until exclusive
+        assert await ledger.usage("key-c") == []
+
+
+async def test_spend_is_seeded_from_the_database_then_kept_as_a_running_total(url):
+    async with Ledger(url) as ledger:
+        await ledger.record(make_record("r1", cost_usd=1.5))
+        await ledger.record(make_record("r2", key_id="key-b", cost_usd=100.0))
+    async with Ledger(url) as ledger:
+        assert await ledger.spend_usd("key-a") == 1.5  # from the rows a previous process wrote
+        assert await ledger.spend_usd("nobody") == 0.0
+        await ledger.record(make_record("r3", cost_usd=0.25))
+        await ledger.record(make_record("r1", cost_usd=9.0))  # a retry: not billed again
+        assert await ledger.spend_usd("key-a") == 1.75
+        assert await ledger.spend_usd("key-b") == 100.0
+    async with Ledger(url) as ledger:
+        await ledger.close()
+        assert await ledger.spend_usd("key-a") == 1.75  # closed: straight from SQL
+
+
+async def test_concurrent_records_share_commits(url):
+    num_rows = 2000
+    async with Ledger(url) as ledger:
+        await asyncio.gather(*(ledger.record(make_record(f"r{i}")) for i in range(num_rows)))
+        assert ledger.num_rows_written == num_rows
+        assert ledger.num_commits <= num_rows // 10
+    async with Ledger(url, batch_max=50) as ledger:
+        await asyncio.gather(*(ledger.record(make_record(f"s{i}")) for i in range(1000)))
+        assert ledger.num_commits >= 1000 // 50  # no batch exceeds batch_max
+        [row] = await ledger.usage("key-a")
+        assert row["requests"] == num_rows + 1000
+
+
+async def test_close_flushes_rows_queued_without_waiting(url):
+    ledger = Ledger(url)
+    for i in range(500):
+        ledger.record_nowait(make_record(f"r{i}"))
+    await ledger.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        await ledger.record(make_record("late"))
+    async with Ledger(url) as fresh:
+        [row] = await fresh.usage("key-a")
+        assert row["requests"] == 500
+
+
+async def test_a_cancelled_caller_still_gets_its_row(url):
+    async with Ledger(url) as ledger:
+        task = asyncio.create_task(ledger.record(make_record("gone")))
+        await asyncio.sleep(0)  # the row is queued
+        task.cancel()
+    async with Ledger(url) as fresh:
+        assert await fresh.get("gone") is not None
+
+
+CHILD = textwrap.dedent("""
+    import asyncio, sys, time
+    from tokenway.billing.ledger import Ledger, UsageRecord
+
+    url, run, num_rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+    async def worker(ledger, request_ids):
+        for request_id in request_ids:
+            await ledger.record(UsageRecord(request_id, "crash-key", "m", 3, 0, 1, 0.001, "stop", None, 200,
+                                            {"run": float(run)}, time.time(), time.time()))
+            print(request_id, flush=True)  # only once the row is committed
+
+    async def main():
+        ledger = Ledger(url)
+        request_ids = [f"req-{i}" for i in range(num_rows)]
+        await asyncio.gather(*(worker(ledger, request_ids[w::32]) for w in range(32)))
+        print(f"written {ledger.num_rows_written}", flush=True)
+        if run == "1":
+            await asyncio.sleep(3600)  # wait for the SIGKILL
+        await ledger.close()
+
+    asyncio.run(main())
+""")
+
+
+def run_child(url: str, run: str, num_rows: int, kill_after: int | None) -> tuple[list[str], int]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, url, run, str(num_rows)], stdout=subprocess.PIPE,
+                             text=True, env=env)
+    lines = []
+    for line in child.stdout:
+        lines.append(line.strip())
+        if kill_after is not None and len(lines) == kill_after:
+            child.send_signal(signal.SIGKILL)
+    child.stdout.close()
+    return lines, child.wait()
+
+
+async def test_kill_9_loses_no_acknowledged_row_and_a_rerun_writes_none_twice(url):
+    num_rows = 20_000
+    printed, returncode = run_child(url, "1", num_rows, kill_after=300)
+    assert returncode == -signal.SIGKILL
+    acknowledged = [line for line in printed if line.startswith("req-")]
+    assert len(acknowledged) >= 300
+    async with Ledger(url) as ledger:
+        for request_id in acknowledged:
+            rec = await ledger.get(request_id)
+            assert rec is not None and rec.stages_ms == {"run": 1.0}, request_id
+        [row] = await ledger.usage("crash-key")
+        num_survived = row["requests"]  # acknowledged rows, plus any committed just before the kill
+        assert len(acknowledged) <= num_survived <= num_rows
+
+    printed, returncode = run_child(url, "2", num_rows, kill_after=None)  # a restart replays every id
+    assert returncode == 0
+    assert printed[-1] == f"written {num_rows - num_survived}"
+    async with Ledger(url) as ledger:
+        [row] = await ledger.usage("crash-key")
+        assert row["requests"] == num_rows
+        for request_id in acknowledged:
+            assert (await ledger.get(request_id)).stages_ms == {"run": 1.0}  # the first write stands

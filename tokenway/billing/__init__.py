@@ -1,0 +1,11 @@
+"""Stage 7 of the path: what a request cost, and the durable record of it.
+
+    usage (prompt, cached, completion tokens) + PriceTable.price(model) -> cost_usd
+    -> UsageRecord -> Ledger.record(): one row per request_id, group-committed by a writer thread
+    Ledger.usage() (per key, UTC day and model) and Ledger.spend_usd() (budgets) read it back.
+"""
+
+from tokenway.billing.ledger import Ledger, UsageRecord
+from tokenway.billing.pricing import ModelPrice, PriceTable, cost_usd
+
+__all__ = ["Ledger", "ModelPrice", "PriceTable", "UsageRecord", "cost_usd"]
