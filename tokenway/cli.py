@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -34,6 +35,19 @@ SERVE_OPTIONS = {
     "max_body_bytes": (str, "8MiB"),
     "graceful_shutdown_seconds": (float, 30.0),
     "log_level": (str, "info"),
+    # stage 1 and 7: keys, limits, ledger
+    "db": (str, None),  # SQLite file for API keys and (by default) the ledger
+    "ledger_url": (str, None),  # "sqlite:///path" or "postgresql://..."; default: the db file
+    "limits_url": (str, "memory"),  # "memory" (one process) or "redis://host:port" (shared)
+    "admin_key": (str, None),  # guards /admin; also from $TOKENWAY_ADMIN_KEY
+    "gateway": (bool, True),  # False: no auth, limits or ledger (for measuring what they cost)
+    "default_rpm": (int, None),
+    "default_tpm": (int, None),
+    "default_tpd": (int, None),
+    "default_max_concurrent": (int, None),
+    "default_max_tokens": (int, None),
+    "max_messages": (int, 2048),
+    "prices": (dict, None),  # {model: {input, cached_input, output}} in USD per million tokens
 }
 
 
@@ -83,6 +97,14 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--max-body-bytes")
     serve.add_argument("--graceful-shutdown-seconds", type=float)
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--db", help="SQLite file for API keys and the usage ledger (default: the keys CLI's)")
+    serve.add_argument("--ledger-url", help="sqlite:///path or postgresql://... for the usage ledger")
+    serve.add_argument("--limits-url", help="'memory' (default) or redis://host:port to share limits")
+    serve.add_argument("--admin-key", help="guards /admin (default $TOKENWAY_ADMIN_KEY; unset: admin API off)")
+    serve.add_argument("--no-gateway", dest="gateway", action="store_const", const=False,
+                       help="no auth, limits or ledger (to measure what they cost)")
+    for name in ("rpm", "tpm", "tpd", "max-concurrent", "max-tokens"):
+        serve.add_argument(f"--default-{name}", type=int, help=f"{name} for keys that set none")
 
 
 def run_serve(options: dict) -> int:
@@ -115,9 +137,11 @@ def run_serve(options: dict) -> int:
     server_config = ServerConfig(host=options["host"], port=options["port"], served_model_names=names,
                                  max_body_bytes=parse_bytes(options["max_body_bytes"], "max_body_bytes"),
                                  max_pending_requests=options["max_pending_requests"],
-                                 graceful_shutdown_seconds=options["graceful_shutdown_seconds"])
+                                 graceful_shutdown_seconds=options["graceful_shutdown_seconds"],
+                                 admin_key=options["admin_key"] or os.environ.get("TOKENWAY_ADMIN_KEY") or None)
     engine = AsyncEngine(engine_config)
-    state = ServerState(engine=engine, config=server_config, model_names=names)
+    gatekeeper = build_gatekeeper(options) if options["gateway"] else None
+    state = ServerState(engine=engine, config=server_config, model_names=names, gatekeeper=gatekeeper)
     app = create_app(state)
     server = Server(uvicorn.Config(
         app, host=server_config.host, port=server_config.port, log_level="warning", access_log=False,
@@ -135,8 +159,14 @@ def run_serve(options: dict) -> int:
                   flush=True)
 
         announcer = asyncio.create_task(announce())
+        if gatekeeper is not None:
+            auth = "on" if gatekeeper.auth_required else "OFF (no API key exists and the server binds loopback)"
+            print(f"tokenway: auth {auth}; limits {options['limits_url']}; ledger {gatekeeper.ledger.url}",
+                  file=sys.stderr, flush=True)
         await server.serve()
         announcer.cancel()
+        if gatekeeper is not None:
+            await gatekeeper.close()  # flush the ledger
 
     try:
         asyncio.run(main())
@@ -145,6 +175,52 @@ def run_serve(options: dict) -> int:
     if not server.started:
         return 1  # could not bind, for instance
     print("tokenway: stopped", file=sys.stderr)
+    return 0
+
+
+def build_gatekeeper(options: dict):
+    from tokenway.billing.ledger import Ledger
+    from tokenway.billing.pricing import PriceTable
+    from tokenway.gateway.auth import KeyStore
+    from tokenway.gateway.limits import make_limiter
+    from tokenway.gateway.policy import Defaults, Gatekeeper
+    from tokenway.keys_cli import default_db_path
+
+    db = Path(options["db"]) if options["db"] else default_db_path()
+    db.parent.mkdir(parents=True, exist_ok=True)
+    defaults = Defaults(rpm=options["default_rpm"], tpm=options["default_tpm"], tpd=options["default_tpd"],
+                        max_concurrent=options["default_max_concurrent"], max_tokens=options["default_max_tokens"],
+                        max_messages=options["max_messages"])
+    return Gatekeeper(
+        keys=KeyStore(db),
+        limiter=make_limiter(options["limits_url"]),
+        ledger=Ledger(options["ledger_url"] or f"sqlite:///{db.resolve()}"),
+        prices=PriceTable.from_config(options["prices"] or {}),
+        defaults=defaults,
+        host=options["host"],
+    )
+
+
+def run_usage(args: argparse.Namespace) -> int:
+    """`tokenway usage`: the ledger by key, day and model."""
+    from tokenway.billing.ledger import Ledger
+    from tokenway.keys_cli import default_db_path
+
+    db = Path(args.db) if args.db else default_db_path()
+    ledger = Ledger(args.ledger_url or f"sqlite:///{db.resolve()}")
+
+    async def read() -> list[dict]:
+        try:
+            return await ledger.usage(args.key_id)
+        finally:
+            await ledger.close()
+
+    rows = asyncio.run(read())
+    columns = ["key_id", "day", "model", "requests", "prompt_tokens", "cached_tokens", "completion_tokens",
+               "cost_usd"]
+    print("  ".join(f"{c:>14}" for c in columns))
+    for row in rows:
+        print("  ".join(f"{row[c]:>14.6f}" if c == "cost_usd" else f"{row[c]!s:>14}" for c in columns))
     return 0
 
 
@@ -174,10 +250,21 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--seed", type=int)
     generate.add_argument("--dtype", default="auto")
+    from tokenway.keys_cli import add_keys_parser, run_keys
+
+    add_keys_parser(sub)
+    usage = sub.add_parser("usage", help="usage by key, day and model, from the ledger")
+    usage.add_argument("--key-id")
+    usage.add_argument("--db")
+    usage.add_argument("--ledger-url")
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":
             return run_serve(serve_options(args))
+        if args.command == "keys":
+            return run_keys(args)
+        if args.command == "usage":
+            return run_usage(args)
         return run_generate(args)
     except ValueError as exc:  # bad model path, bad size, ...: one clear line, no traceback
         print(f"tokenway: {exc}", file=sys.stderr)

@@ -202,6 +202,8 @@ class Ledger:
         if max_delay_s < 0:
             raise ValueError(f"max_delay_s must be >= 0, got {max_delay_s}")
         self._url, self._batch_max, self._max_delay_s = url, batch_max, max_delay_s
+        # Where rows go, for startup messages; a DSN's password is not shown.
+        self.url = url.split("@", 1)[-1] if url.startswith("postgres") else url
         self._queue: queue.SimpleQueue[_Write | _Seed | None] = queue.SimpleQueue()
         # Written only by the writer thread, after a commit; readers see a float swap (atomic).
         self._key_id_to_spend_usd: dict[str, float] = {}

@@ -19,9 +19,9 @@ from tokenway.gateway.serving import (
     ServerState,
     make_sampling_params,
     new_id,
-    resolve_max_tokens,
     structured_output_spec,
 )
+from tokenway.gateway.policy import CallRecord
 from tokenway.gateway.stages import StageClock
 from tokenway.protocol.anthropic import map_stop_reason, to_chat_messages, to_chat_tools
 from tokenway.protocol.errors import TokenwayError, anthropic_error_body
@@ -41,17 +41,19 @@ def openai_tools(body) -> tuple[list[dict] | None, object]:
     return tools, tool_choice or "auto"
 
 
-def prepare(state: ServerState, body, clock: StageClock) -> tuple[Generation, bool]:
-    model = state.resolve_model(body.model)
+def prepare(state: ServerState, body, clock: StageClock, record: CallRecord) -> tuple[Generation, bool]:
+    model = state.resolve_model(body.model, record)
     clock.mark("validated")
     tools, tool_choice = openai_tools(body)
     prompt = build_chat_prompt(state.tokenizer, to_chat_messages(body), tools, tool_choice)
-    max_tokens = resolve_max_tokens(state, len(prompt.prompt_token_ids), body.max_tokens, "max_tokens")
+    max_tokens = state.max_tokens(record, len(prompt.prompt_token_ids), body.max_tokens, "max_tokens",
+                                  num_messages=len(body.messages))
     fields = SimpleNamespace(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=None,
                              presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None)
     params = make_sampling_params(fields, max_tokens, structured_output_spec(prompt.json_schema, False), None,
                                   body.stop_sequences)
-    return Generation(state, clock, model, new_id("msg_"), prompt.prompt_token_ids, [params]), prompt.generic_tools
+    generation = Generation(state, record, clock, model, new_id("msg_"), prompt.prompt_token_ids, [params])
+    return generation, prompt.generic_tools
 
 
 def content_blocks(text: str, generic_tools: bool) -> tuple[list[dict], bool]:
@@ -132,11 +134,13 @@ async def message_stream(generation: Generation, generic_tools: bool) -> AsyncIt
                 "usage": {"output_tokens": sum(generation.completion_tokens)}})
     except TokenwayError as exc:
         generation.finish(exc.status, exc.message)
+        await generation.commit()
         yield sse.named_event("error", anthropic_error_body(exc))
         return
     except Exception as exc:  # noqa: BLE001
         logger.exception("stream %s failed", generation.request_id)
         generation.finish(500, type(exc).__name__)
+        await generation.commit()
         yield sse.named_event("error", {"type": "error", "error": {
             "type": "api_error", "message": "The server failed while generating; the stream has ended."}})
         return
@@ -145,12 +149,14 @@ async def message_stream(generation: Generation, generic_tools: bool) -> AsyncIt
         raise
     generation.clock.mark("done")
     yield sse.comment("server-timing: " + generation.clock.server_timing())
-    yield sse.named_event("message_stop", {"type": "message_stop"})
     generation.finish()
+    await generation.commit()  # the ledger row is durable before the client sees the end
+    yield sse.named_event("message_stop", {"type": "message_stop"})
 
 
-async def handle(state: ServerState, request: Request, body, clock: StageClock) -> Response:
-    generation, generic_tools = prepare(state, body, clock)
+async def handle(state: ServerState, request: Request, body, clock: StageClock, record: CallRecord) -> Response:
+    generation, generic_tools = prepare(state, body, clock, record)
+    await state.admit(generation)
     if body.stream:
         return EventStreamResponse(message_stream(generation, generic_tools))
     return await generation.json_response(request, message_response(generation, generic_tools), "request-id")

@@ -7,6 +7,7 @@ with a plain message while the traceback goes to the log.
 
 from __future__ import annotations
 
+import hmac
 import logging
 from typing import Any
 
@@ -19,13 +20,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenway.gateway import anthropic_routes, openai_routes
+from tokenway.gateway.admin_routes import admin_router
 from tokenway.gateway.http import EventStreamResponse, parse_body
+from tokenway.gateway.policy import CallRecord, Gatekeeper
 from tokenway.gateway.serving import ServerState
 from tokenway.gateway.stages import StageClock
 from tokenway.protocol import anthropic as anthropic_schema
 from tokenway.protocol import openai as openai_schema
 from tokenway.protocol.errors import (
     InternalServerError,
+    PermissionDeniedError,
     InvalidRequestError,
     NotFoundError,
     PayloadTooLargeError,
@@ -38,31 +42,59 @@ from tokenway.protocol.errors import (
 logger = logging.getLogger(__name__)
 
 
+def is_admin(request: Request, admin_key: str | None) -> bool:
+    if not admin_key:
+        return False
+    supplied = request.headers.get("x-api-key") or request.headers.get("authorization", "")[7:].strip()
+    return hmac.compare_digest(supplied.encode(), admin_key.encode())
+
+
 def error_response(request_path: str, exc: TokenwayError) -> JSONResponse:
     body = anthropic_error_body(exc) if request_path.startswith("/v1/messages") else openai_error_body(exc)
     return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
-class GatewayMiddleware:
-    """Starts the stage clock when the request arrives and enforces the body limit
-    (Content-Length up front, and a running count for chunked bodies)."""
+# The calls that generate: each writes exactly one ledger row, whatever happens to it.
+LEDGERED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+
+class GatewayMiddleware:
+    """Stage 1 of every request: start the stage clock, enforce the body limit
+    (Content-Length up front, a running count for chunked bodies), authenticate /v1 calls,
+    put the x-ratelimit-* headers on the response, and write the call's ledger row: before
+    the last byte of the response leaves, or (the client gone) right after."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, gatekeeper: Gatekeeper | None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.gatekeeper = gatekeeper
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope.setdefault("state", {})["clock"] = StageClock()
+        clock = StageClock()
+        record = CallRecord()
+        state = scope.setdefault("state", {})
+        state["clock"], state["record"] = clock, record
+        path = scope["path"]
         limit = self.max_body_bytes
         too_large = PayloadTooLargeError(f"Request body exceeds the limit of {limit} bytes")
-        for name, value in scope.get("headers", []):
-            if name == b"content-length" and value.isdigit() and int(value) > limit:
-                await error_response(scope["path"], too_large)(scope, receive, send)
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            await error_response(path, too_large)(scope, receive, send)
+            return
+        gatekeeper = self.gatekeeper
+        if gatekeeper is not None and path.startswith("/v1/"):
+            try:
+                record.principal = gatekeeper.authenticate(headers)
+            except TokenwayError as exc:
+                await error_response(path, exc)(scope, receive, send)
                 return
+        ledgered = gatekeeper is not None and scope["method"] == "POST" and path in LEDGERED_PATHS
         received = 0
+        status = 0
 
         async def limited_receive() -> Message:
             nonlocal received
@@ -73,7 +105,29 @@ class GatewayMiddleware:
                     raise too_large
             return message
 
-        await self.app(scope, limited_receive, send)
+        async def send_with_policy(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if record.rate_headers:
+                    response_headers = list(message.get("headers", []))
+                    present = {name.lower() for name, _ in response_headers}
+                    response_headers += [(k.encode(), v.encode()) for k, v in record.rate_headers.items()
+                                         if k.encode() not in present]
+                    message = {**message, "headers": response_headers}
+            elif ledgered and not message.get("more_body") and not record.committed:
+                if clock.done is None:
+                    clock.mark("done")
+                await gatekeeper.commit(record, status, clock.durations_ms())
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, send_with_policy)
+        finally:
+            if ledgered and not record.committed:
+                if record.status is None and record.error is None:
+                    record.status, record.error = 499, "client disconnected"
+                gatekeeper.commit_nowait(record, status or 499, clock.durations_ms())
 
 
 def _schema_extra(model: type) -> dict[str, Any]:
@@ -92,6 +146,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(TokenwayError)
     async def on_tokenway_error(request: Request, exc: TokenwayError) -> JSONResponse:
+        record: CallRecord = request.scope["state"]["record"]
+        record.error = record.error or exc.message
         return error_response(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
@@ -118,6 +174,9 @@ def create_app(state: ServerState) -> FastAPI:
     def clock_of(request: Request) -> StageClock:
         return request.scope["state"]["clock"]
 
+    def record_of(request: Request) -> CallRecord:
+        return request.scope["state"]["record"]
+
     async def respond(request: Request, generation, build, stream: bool, stream_events) -> Response:
         if stream:
             return EventStreamResponse(openai_routes.guarded_stream(stream_events, generation))
@@ -126,7 +185,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", openapi_extra=_schema_extra(openai_schema.ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, openai_schema.ChatCompletionRequest)
-        generation, generic_tools = openai_routes.prepare_chat(state, body, clock_of(request))
+        generation, generic_tools = openai_routes.prepare_chat(state, body, clock_of(request), record_of(request))
+        await state.admit(generation)
         return await respond(
             request, generation,
             openai_routes.chat_response(state, body, generation, generic_tools) if not body.stream else None,
@@ -137,7 +197,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions", openapi_extra=_schema_extra(openai_schema.CompletionRequest))
     async def completions(request: Request) -> Response:
         body = await parse_body(request, openai_schema.CompletionRequest)
-        generation, echo = openai_routes.prepare_completion(state, body, clock_of(request))
+        generation, echo = openai_routes.prepare_completion(state, body, clock_of(request), record_of(request))
+        await state.admit(generation)
         return await respond(
             request, generation,
             openai_routes.completion_response(state, body, generation, echo) if not body.stream else None,
@@ -148,7 +209,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/messages", openapi_extra=_schema_extra(anthropic_schema.MessagesRequest))
     async def messages(request: Request) -> Response:
         body = await parse_body(request, anthropic_schema.MessagesRequest)
-        return await anthropic_routes.handle(state, request, body, clock_of(request))
+        return await anthropic_routes.handle(state, request, body, clock_of(request), record_of(request))
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -218,5 +279,18 @@ def create_app(state: ServerState) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi
-    app.add_middleware(GatewayMiddleware, max_body_bytes=state.config.max_body_bytes)
+    if state.gatekeeper is not None:
+        app.include_router(admin_router(state.gatekeeper.keys, state.config.admin_key))
+
+        @app.get("/v1/usage")
+        async def usage(request: Request, key_id: str | None = None, since: float | None = None,
+                        until: float | None = None) -> dict:
+            """The caller's usage by day and model (an admin key may name any key_id)."""
+            principal = record_of(request).principal
+            if key_id is not None and key_id != principal.key_id and not is_admin(request, state.config.admin_key):
+                raise PermissionDeniedError("Only the admin key may read another key's usage.", param="key_id")
+            rows = await state.gatekeeper.ledger.usage(key_id or principal.key_id, since, until)
+            return {"object": "list", "data": rows}
+
+    app.add_middleware(GatewayMiddleware, max_body_bytes=state.config.max_body_bytes, gatekeeper=state.gatekeeper)
     return app

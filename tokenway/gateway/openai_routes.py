@@ -16,9 +16,9 @@ from tokenway.gateway.serving import (
     choice_params,
     make_sampling_params,
     new_id,
-    resolve_max_tokens,
     structured_output_spec,
 )
+from tokenway.gateway.policy import CallRecord
 from tokenway.gateway.stages import StageClock
 from tokenway.protocol.errors import InvalidRequestError, TokenwayError, openai_error_body
 
@@ -63,8 +63,8 @@ def openai_finish_reason(reason: str | None) -> str | None:
 # ---- chat ------------------------------------------------------------------------------
 
 
-def prepare_chat(state: ServerState, body, clock: StageClock):
-    model = state.resolve_model(body.model)
+def prepare_chat(state: ServerState, body, clock: StageClock, record: CallRecord):
+    model = state.resolve_model(body.model, record)
     if body.logprobs and body.top_logprobs is None:
         top_logprobs = 0
     else:
@@ -78,11 +78,12 @@ def prepare_chat(state: ServerState, body, clock: StageClock):
     messages = body.template_messages()
     prompt = build_chat_prompt(state.tokenizer, messages, tools, tool_choice,
                                body.parallel_tool_calls is not False, response_format)
-    max_tokens = resolve_max_tokens(state, len(prompt.prompt_token_ids), body.max_output_tokens,
-                                    "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+    max_tokens = state.max_tokens(record, len(prompt.prompt_token_ids), body.max_output_tokens,
+                                  "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+                                  num_messages=len(body.messages))
     structured = structured_output_spec(prompt.json_schema, prompt.json_object)
     params = make_sampling_params(body, max_tokens, structured, top_logprobs if body.logprobs else None, body.stop)
-    generation = Generation(state, clock, model, new_id("chatcmpl-"), prompt.prompt_token_ids,
+    generation = Generation(state, record, clock, model, new_id("chatcmpl-"), prompt.prompt_token_ids,
                             choice_params(params, body.n or 1))
     return generation, prompt.generic_tools
 
@@ -185,8 +186,8 @@ def completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
     return prompts
 
 
-def prepare_completion(state: ServerState, body, clock: StageClock) -> tuple[Generation, str]:
-    model = state.resolve_model(body.model)
+def prepare_completion(state: ServerState, body, clock: StageClock, record: CallRecord) -> tuple[Generation, str]:
+    model = state.resolve_model(body.model, record)
     clock.mark("validated")
     prompts = completion_prompts(state, body.prompt)
     if len(prompts) != 1:
@@ -199,9 +200,10 @@ def prepare_completion(state: ServerState, body, clock: StageClock) -> tuple[Gen
     vocab_size = state.engine.core.model_config.vocab_size
     if any(not 0 <= t < vocab_size for t in prompt_token_ids):
         raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
-    max_tokens = resolve_max_tokens(state, len(prompt_token_ids), body.max_tokens, "max_tokens")
+    max_tokens = state.max_tokens(record, len(prompt_token_ids), body.max_tokens, "max_tokens")
     params = make_sampling_params(body, max_tokens, None, body.logprobs, body.stop)
-    generation = Generation(state, clock, model, new_id("cmpl-"), prompt_token_ids, choice_params(params, body.n or 1))
+    generation = Generation(state, record, clock, model, new_id("cmpl-"), prompt_token_ids,
+                            choice_params(params, body.n or 1))
     echo = state.tokenizer.decode(prompt_token_ids) if body.echo else ""
     return generation, echo
 
@@ -258,6 +260,7 @@ async def guarded_stream(events: AsyncIterator[bytes], generation: Generation) -
             yield event
     except TokenwayError as exc:
         generation.finish(exc.status, exc.message)
+        await generation.commit()
         yield sse.data_event(openai_error_body(exc))
         yield sse.DONE
         return
@@ -266,6 +269,7 @@ async def guarded_stream(events: AsyncIterator[bytes], generation: Generation) -
 
         logging.getLogger(__name__).exception("stream %s failed", generation.request_id)
         generation.finish(500, type(exc).__name__)
+        await generation.commit()
         yield sse.data_event({"error": {"message": "The server failed while generating; the stream has ended.",
                                         "type": "internal_error", "param": None, "code": "internal_error"}})
         yield sse.DONE
@@ -275,5 +279,6 @@ async def guarded_stream(events: AsyncIterator[bytes], generation: Generation) -
         raise
     generation.clock.mark("done")
     yield sse.comment("server-timing: " + generation.clock.server_timing())
-    yield sse.DONE
     generation.finish()
+    await generation.commit()  # the ledger row is durable before the client sees the end
+    yield sse.DONE

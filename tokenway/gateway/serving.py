@@ -18,6 +18,7 @@ from tokenway.engine.request import SamplingParams
 from tokenway.engine.structured_output import StructuredOutputSpec
 from tokenway.frontend.output import RequestOutput
 from tokenway.gateway.http import ClientDisconnected, unless_disconnected
+from tokenway.gateway.policy import CallRecord, Gatekeeper
 from tokenway.gateway.stages import StageClock
 from tokenway.protocol.errors import (
     ContextLengthExceededError,
@@ -40,6 +41,7 @@ class ServerConfig:
     # Requests allowed in flight (running + queued) before new ones get 503 + Retry-After.
     max_pending_requests: int = 256
     graceful_shutdown_seconds: float = 30.0
+    admin_key: str | None = None  # guards /admin; None disables the admin API
 
 
 @dataclass(slots=True)
@@ -47,6 +49,7 @@ class ServerState:
     engine: AsyncEngine
     config: ServerConfig
     model_names: tuple[str, ...]
+    gatekeeper: Gatekeeper | None = None  # None: no auth, limits or ledger (benchmarks only)
     created: int = field(default_factory=lambda: int(time.time()))
     num_pending: int = 0
     ready: bool = True
@@ -59,13 +62,39 @@ class ServerState:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def resolve_model(self, name: str | None) -> str:
-        """The served name a request's `model` refers to; 404 for anything else."""
-        if name in self.model_names:
-            return name
-        raise NotFoundError.for_model(str(name))
+    def resolve_model(self, name: str | None, record: CallRecord | None = None) -> str:
+        """The served name a request's `model` refers to; 404 for anything else, 403 for a
+        model the caller's key may not use."""
+        if name not in self.model_names:
+            raise NotFoundError.for_model(str(name))
+        if record is not None:
+            record.model = name
+            if self.gatekeeper is not None:
+                self.gatekeeper.check_model(record.principal, name)
+        return name
 
-    def admit(self, count: int = 1) -> None:
+    def max_tokens(self, record: CallRecord, num_prompt_tokens: int, requested: int | None, param: str,
+                   num_messages: int = 1) -> int:
+        """max_tokens after the window check and the key's caps (the cap fills in when the
+        request names none)."""
+        if self.gatekeeper is not None:
+            self.gatekeeper.check_sizes(record.principal, num_messages, requested, param)
+            cap = self.gatekeeper.max_tokens_cap(record.principal)
+            if requested is None and cap is not None:
+                requested = min(cap, self.max_model_len - num_prompt_tokens)
+        return resolve_max_tokens(self, num_prompt_tokens, requested, param)
+
+    async def admit(self, generation: "Generation") -> None:
+        """Budget and limits, reserving prompt + max_tokens for every choice. Raises 429."""
+        record = generation.record
+        record.request_id, record.prompt_tokens = generation.request_id, len(generation.prompt_token_ids)
+        if self.gatekeeper is None:
+            return
+        max_tokens = generation.params_list[0].max_tokens or 0
+        reserve = len(generation.prompt_token_ids) + max_tokens * generation.num_choices
+        await self.gatekeeper.admit(record, reserve)
+
+    def take_engine_slots(self, count: int = 1) -> None:
         if self.num_pending + count > self.config.max_pending_requests:
             raise ServiceUnavailableError(
                 f"The server is at capacity ({self.num_pending} requests in flight); retry shortly.",
@@ -73,7 +102,7 @@ class ServerState:
             )
         self.num_pending += count
 
-    def release(self, count: int = 1) -> None:
+    def release_engine_slots(self, count: int = 1) -> None:
         self.num_pending -= count
 
 
@@ -220,9 +249,10 @@ def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_to
 class Generation:
     """One API call's engine work: prompt, per-choice params, the stage clock, the log line."""
 
-    def __init__(self, state: ServerState, clock: StageClock, model: str, request_id: str,
+    def __init__(self, state: ServerState, record: CallRecord, clock: StageClock, model: str, request_id: str,
                  prompt_token_ids: list[int], params_list: list) -> None:
         self.state = state
+        self.record = record
         self.clock = clock
         self.model = model
         self.request_id = request_id
@@ -243,7 +273,7 @@ class Generation:
         self.error: str | None = None
 
     async def outputs(self):
-        self.state.admit(self.num_choices)
+        self.state.take_engine_slots(self.num_choices)
         self.clock.mark("submitted")
         try:
             async for index, output in run_choices(self.state, self.request_id, self.prompt_token_ids,
@@ -261,7 +291,7 @@ class Generation:
             # The engine failed this step (its thread logged the traceback): a plain 500.
             raise InternalServerError("The engine failed while generating this request.") from exc
         finally:
-            self.state.release(self.num_choices)
+            self.state.release_engine_slots(self.num_choices)
 
     async def final_outputs(self) -> list:
         """Run to the end; the finished CompletionOutput of each choice, by index."""
@@ -270,6 +300,11 @@ class Generation:
             if output.finished:
                 finals[index] = output.outputs[0]
         return [finals[index] for index in range(self.num_choices)]
+
+    async def commit(self) -> None:
+        """Make the ledger row durable; a stream calls this before its final event."""
+        if self.state.gatekeeper is not None:
+            await self.state.gatekeeper.commit(self.record, self.status, self.clock.durations_ms())
 
     async def json_response(self, request, work, id_header: str = "x-request-id"):
         """Await the response body unless the client leaves first; log and time it either way."""
@@ -294,6 +329,14 @@ class Generation:
         if status is not None:
             self.status, self.error = status, error
         reasons = [r for r in self.finish_reasons if r]
+        record = self.record
+        record.request_id, record.model = self.request_id, self.model
+        record.prompt_tokens, record.cached_tokens = len(self.prompt_token_ids), self.num_cached_tokens
+        record.completion_tokens = sum(self.completion_tokens)
+        record.finish_reason = reasons[0] if reasons else None
+        record.error = self.error
+        if status is not None:
+            record.status = status
         log_request(self.request_id, self.model, self.clock, self.status, len(self.prompt_token_ids),
                     self.num_cached_tokens, sum(self.completion_tokens), reasons[0] if reasons else None,
                     self.error)

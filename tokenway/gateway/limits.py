@@ -1,0 +1,321 @@
+"""Per-key limits by reservation: requests and tokens per minute, tokens per day, concurrency.
+
+    admit(key_id, spec, reserve_tokens) ─► Decision: a Reservation, or a refusal with retry_after_s
+        ... the request runs ...
+    reconcile(reservation, used_tokens) ─► the reserved tokens become the used ones; the slot is freed
+
+Both backends keep the same state per key, in integer microseconds of their own clock
+(time.monotonic here, Redis's TIME in limits_redis):
+  window     every request admitted in the last window_s, as (t_us, num_tokens): reserved tokens
+             until reconciled, used tokens after. RPM counts its entries, TPM sums their tokens.
+             A request's tokens count at the time it was admitted.
+  day        tokens per bucket of day_s / 1440 (a minute by default); TPD sums the live buckets.
+  in flight  reservations not yet reconciled, each expiring reservation_ttl_s after admission so
+             that the slots of a gateway that died come back.
+admit checks every limit and records the request only if all pass, in one atomic step (no await
+in between here; one Lua script in Redis). So, for every key at all times, while used <= reserved:
+    len(window) <= rpm,  sum(window tokens) <= tpm,  sum(day tokens) <= tpd,  len(in flight) <= max_concurrent.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+NUM_DAY_BUCKETS = 1440
+MAX_RETRY_AFTER_S = 120.0
+# A slot frees when some request ends, which can't be foreseen: this is a hint, not a promise.
+CONCURRENCY_RETRY_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class LimitSpec:
+    """One key's limits; None is unlimited."""
+
+    rpm: int | None = None  # requests per sliding window (60 s)
+    tpm: int | None = None  # tokens per sliding window (60 s)
+    tpd: int | None = None  # tokens per sliding day, in NUM_DAY_BUCKETS buckets
+    max_concurrent: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("rpm", "tpm", "tpd", "max_concurrent"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+
+
+@dataclass(slots=True)
+class Reservation:
+    """What admit() holds for one request until reconcile()."""
+
+    key_id: str
+    reservation_id: str
+    reserved_tokens: int
+    admitted_at: float  # seconds on the backend's clock
+
+
+@dataclass(slots=True)
+class Decision:
+    allowed: bool
+    reservation: Reservation | None  # when allowed
+    limit_kind: str | None  # when refused: "requests" | "tokens" | "tokens_per_day" | "concurrency"
+    # When refused: the time until this request would be admitted, capped at MAX_RETRY_AFTER_S;
+    # None when the request is larger than the limit itself, so that no wait would help.
+    retry_after_s: float | None
+    headers: dict[str, str]
+
+
+class Limiter(Protocol):
+    async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int) -> Decision: ...
+
+    async def reconcile(self, reservation: Reservation, used_tokens: int) -> None: ...
+
+    async def headers(self, key_id: str, spec: LimitSpec) -> dict[str, str]: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Windows:
+    """The lengths both backends measure with, in microseconds (exact integer arithmetic)."""
+
+    window_us: int
+    bucket_us: int  # one day bucket
+    reservation_ttl_us: int
+
+    @classmethod
+    def from_seconds(cls, window_s: float, day_s: float, reservation_ttl_s: float) -> Windows:
+        if not (window_s > 0 and day_s > 0 and reservation_ttl_s > 0):
+            raise ValueError("window_s, day_s and reservation_ttl_s must be positive")
+        bucket_us = round(day_s * 1e6) // NUM_DAY_BUCKETS
+        if bucket_us < 1:
+            raise ValueError(f"day_s must be at least {NUM_DAY_BUCKETS} µs")
+        return cls(round(window_s * 1e6), bucket_us, round(reservation_ttl_s * 1e6))
+
+
+@dataclass(slots=True)
+class Refusal:
+    limit_kind: str
+    wait_us: int | None  # None: larger than the limit itself
+
+
+@dataclass(slots=True)
+class WindowState:
+    """What the x-ratelimit-* headers report: the window as it is (after an admission, if any)."""
+
+    num_requests: int
+    requests_reset_us: int  # until the newest request leaves the window
+    num_tokens: int
+    tokens_reset_us: int  # until the newest request holding tokens leaves the window
+
+
+def too_large(spec: LimitSpec, reserve_tokens: int) -> Refusal | None:
+    if reserve_tokens < 0:
+        raise ValueError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
+    if spec.tpm is not None and reserve_tokens > spec.tpm:
+        return Refusal("tokens", None)
+    if spec.tpd is not None and reserve_tokens > spec.tpd:
+        return Refusal("tokens_per_day", None)
+    return None
+
+
+def format_reset(duration_us: int) -> str:
+    """OpenAI's (Go's) duration format, "20ms", "1.5s", "6m0s", "1h0m0s", rounded up to the ms
+    so that the limit has reset by the time it says."""
+    ms = -(-max(0, duration_us) // 1000)
+    if ms == 0:
+        return "0s"
+    if ms < 1000:
+        return f"{ms}ms"
+    hours, ms = divmod(ms, 3_600_000)
+    minutes, ms = divmod(ms, 60_000)
+    seconds = str(ms // 1000) + (f".{ms % 1000:03d}".rstrip("0") if ms % 1000 else "")
+    prefix = f"{hours}h{minutes}m" if hours else f"{minutes}m" if minutes else ""
+    return f"{prefix}{seconds}s"
+
+
+def rate_headers(spec: LimitSpec, state: WindowState) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    if spec.rpm is not None:
+        headers["x-ratelimit-limit-requests"] = str(spec.rpm)
+        headers["x-ratelimit-remaining-requests"] = str(max(0, spec.rpm - state.num_requests))
+        headers["x-ratelimit-reset-requests"] = format_reset(state.requests_reset_us)
+    if spec.tpm is not None:
+        headers["x-ratelimit-limit-tokens"] = str(spec.tpm)
+        headers["x-ratelimit-remaining-tokens"] = str(max(0, spec.tpm - state.num_tokens))
+        headers["x-ratelimit-reset-tokens"] = format_reset(state.tokens_reset_us)
+    return headers
+
+
+def make_decision(
+    spec: LimitSpec, state: WindowState, reservation: Reservation | None, refusal: Refusal | None
+) -> Decision:
+    headers = rate_headers(spec, state)
+    if refusal is None:
+        assert reservation is not None
+        return Decision(True, reservation, None, None, headers)
+    if refusal.wait_us is None:
+        return Decision(False, None, refusal.limit_kind, None, headers)
+    wait_us = min(refusal.wait_us, round(MAX_RETRY_AFTER_S * 1e6))
+    headers["retry-after"] = str(min(int(MAX_RETRY_AFTER_S), max(1, math.ceil(wait_us / 1e6))))
+    headers["retry-after-ms"] = str(max(1, -(-wait_us // 1000)))
+    return Decision(False, None, refusal.limit_kind, wait_us / 1e6, headers)
+
+
+@dataclass(slots=True)
+class _Admission:
+    t_us: int
+    num_tokens: int  # reserved until reconciled, then used
+
+
+@dataclass(slots=True)
+class _DayBucket:
+    index: int  # t_us // bucket_us
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class _Held:
+    admission: _Admission
+    bucket: _DayBucket
+    reserved_tokens: int
+
+
+@dataclass(slots=True)
+class _KeyState:
+    window: deque[_Admission] = field(default_factory=deque)  # oldest first
+    num_window_tokens: int = 0  # == sum of window's num_tokens
+    day: deque[_DayBucket] = field(default_factory=deque)  # oldest first, only live buckets
+    num_day_tokens: int = 0  # == sum of day's num_tokens
+    rid_to_held: dict[str, _Held] = field(default_factory=dict)  # in flight
+    # (expires_us, reservation_id) in admission order; entries already reconciled are skipped lazily.
+    expiry_order: deque[tuple[int, str]] = field(default_factory=deque)
+
+
+class InProcessLimiter:
+    """The embedded backend: one _KeyState per key. Atomic within one event loop because no
+    method awaits between reading and writing the state (not thread-safe)."""
+
+    def __init__(self, *, window_s: float = 60.0, day_s: float = 86400.0, reservation_ttl_s: float = 600.0):
+        self.windows = Windows.from_seconds(window_s, day_s, reservation_ttl_s)
+        self._key_to_state: dict[str, _KeyState] = {}
+
+    async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int) -> Decision:
+        refusal = too_large(spec, reserve_tokens)
+        now = time.monotonic_ns() // 1000
+        state = self._key_to_state.setdefault(key_id, _KeyState())
+        self._prune(state, now)
+        if refusal is None:
+            refusal = self._refusal(state, spec, reserve_tokens, now)
+        if refusal is not None:
+            return make_decision(spec, self._window_state(state, now), None, refusal)
+        admission = _Admission(now, reserve_tokens)
+        state.window.append(admission)
+        state.num_window_tokens += reserve_tokens
+        index = now // self.windows.bucket_us
+        if not state.day or state.day[-1].index != index:
+            state.day.append(_DayBucket(index, 0))
+        state.day[-1].num_tokens += reserve_tokens
+        state.num_day_tokens += reserve_tokens
+        reservation = Reservation(key_id, uuid.uuid4().hex, reserve_tokens, now / 1e6)
+        state.rid_to_held[reservation.reservation_id] = _Held(admission, state.day[-1], reserve_tokens)
+        state.expiry_order.append((now + self.windows.reservation_ttl_us, reservation.reservation_id))
+        return make_decision(spec, self._window_state(state, now), reservation, None)
+
+    async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
+        if used_tokens < 0:
+            raise ValueError(f"used_tokens must be >= 0, got {used_tokens}")
+        state = self._key_to_state.get(reservation.key_id)
+        if state is None:
+            return
+        now = time.monotonic_ns() // 1000
+        self._prune(state, now)
+        held = state.rid_to_held.pop(reservation.reservation_id, None)
+        if held is None:  # reconciled already, or expired
+            return
+        delta = used_tokens - held.reserved_tokens
+        # After pruning, what is still in its window is still in the deques, and only that counts.
+        if held.admission.t_us > now - self.windows.window_us:
+            state.num_window_tokens += delta
+        held.admission.num_tokens = used_tokens
+        if held.bucket.index > now // self.windows.bucket_us - NUM_DAY_BUCKETS:
+            state.num_day_tokens += delta
+        held.bucket.num_tokens += delta
+
+    async def headers(self, key_id: str, spec: LimitSpec) -> dict[str, str]:
+        now = time.monotonic_ns() // 1000
+        state = self._key_to_state.get(key_id) or _KeyState()
+        self._prune(state, now)
+        return rate_headers(spec, self._window_state(state, now))
+
+    async def close(self) -> None:
+        self._key_to_state.clear()
+
+    def _prune(self, state: _KeyState, now: int) -> None:
+        window_start = now - self.windows.window_us  # in the window: t_us > window_start
+        while state.window and state.window[0].t_us <= window_start:
+            state.num_window_tokens -= state.window.popleft().num_tokens
+        first_live_bucket = now // self.windows.bucket_us - NUM_DAY_BUCKETS + 1
+        while state.day and state.day[0].index < first_live_bucket:
+            state.num_day_tokens -= state.day.popleft().num_tokens
+        while state.expiry_order:
+            expires_us, reservation_id = state.expiry_order[0]
+            if reservation_id in state.rid_to_held and expires_us > now:
+                break
+            state.expiry_order.popleft()
+            state.rid_to_held.pop(reservation_id, None)
+
+    def _refusal(self, state: _KeyState, spec: LimitSpec, reserve_tokens: int, now: int) -> Refusal | None:
+        """The failing limit that takes longest to pass, with that wait; None if all pass."""
+        worst: Refusal | None = None
+
+        def fail(kind: str, wait_us: int) -> None:
+            nonlocal worst
+            assert wait_us > 0, (kind, wait_us)
+            if worst is None or wait_us > worst.wait_us:
+                worst = Refusal(kind, wait_us)
+
+        windows = self.windows
+        if spec.rpm is not None and len(state.window) >= spec.rpm:
+            # Admissible once the (len - rpm + 1) oldest have left.
+            fail("requests", state.window[len(state.window) - spec.rpm].t_us + windows.window_us - now)
+        if spec.tpm is not None and state.num_window_tokens + reserve_tokens > spec.tpm:
+            num_to_free, num_freed = state.num_window_tokens + reserve_tokens - spec.tpm, 0
+            for admission in state.window:
+                num_freed += admission.num_tokens
+                if num_freed >= num_to_free:
+                    fail("tokens", admission.t_us + windows.window_us - now)
+                    break
+        if spec.tpd is not None and state.num_day_tokens + reserve_tokens > spec.tpd:
+            num_to_free, num_freed = state.num_day_tokens + reserve_tokens - spec.tpd, 0
+            for bucket in state.day:
+                num_freed += bucket.num_tokens
+                if num_freed >= num_to_free:
+                    fail("tokens_per_day", (bucket.index + NUM_DAY_BUCKETS) * windows.bucket_us - now)
+                    break
+        if spec.max_concurrent is not None and len(state.rid_to_held) >= spec.max_concurrent:
+            fail("concurrency", round(CONCURRENCY_RETRY_S * 1e6))
+        return worst
+
+    def _window_state(self, state: _KeyState, now: int) -> WindowState:
+        requests_reset_us = state.window[0].t_us - 60_000_000 + self.windows.window_us - now if state.window else 0
+        tokens_reset_us = 0
+        if state.num_window_tokens > 0:
+            newest_with_tokens = next(a for a in reversed(state.window) if a.num_tokens > 0)
+            tokens_reset_us = newest_with_tokens.t_us + self.windows.window_us - now
+        return WindowState(len(state.window), requests_reset_us, state.num_window_tokens, tokens_reset_us)
+
+
+def make_limiter(url: str | None) -> Limiter:
+    """None or "memory": the in-process limiter; "redis://...", "rediss://...", "unix://...": Redis."""
+    if url is None or url == "memory":
+        return InProcessLimiter()
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from tokenway.gateway.limits_redis import RedisLimiter  # redis is only needed for this backend
+
+        return RedisLimiter(url)
+    raise ValueError(f"limits backend must be 'memory' or a redis:// URL, got {url!r}")
