@@ -302,7 +302,7 @@ class InProcessLimiter:
         return worst
 
     def _window_state(self, state: _KeyState, now: int) -> WindowState:
-        requests_reset_us = state.window[0].t_us - 60_000_000 + self.windows.window_us - now if state.window else 0
+        requests_reset_us = state.window[-1].t_us + self.windows.window_us - now if state.window else 0
         tokens_reset_us = 0
         if state.num_window_tokens > 0:
             newest_with_tokens = next(a for a in reversed(state.window) if a.num_tokens > 0)

@@ -31,8 +31,8 @@ from tokenway.gateway.limits import (
     LimitSpec,
     Refusal,
     Reservation,
-    WindowState,
     Windows,
+    WindowState,
     make_decision,
     rate_headers,
     too_large,
@@ -75,10 +75,11 @@ end
 local function get_sum(field) return tonumber(redis.call('HGET', sum, field) or '0') end
 
 -- Walk zset oldest first, adding hash values, until num_to_free is reached: that member's score.
+-- Pages grow 1, 10, 100, 1000: the answer is usually on the first.
 local function score_freeing(zset, hash, num_to_free)
-  local num_freed, start = 0, 0
+  local num_freed, start, size = 0, 0, 1
   while true do
-    local page = redis.call('ZRANGE', zset, start, start + 99, 'WITHSCORES')
+    local page = redis.call('ZRANGE', zset, start, start + size - 1, 'WITHSCORES')
     if #page == 0 then return nil end
     local ids = {}
     for i = 1, #page, 2 do ids[#ids + 1] = page[i] end
@@ -87,7 +88,7 @@ local function score_freeing(zset, hash, num_to_free)
       num_freed = num_freed + (tonumber(values[i]) or 0)
       if num_freed >= num_to_free then return tonumber(page[2 * i]) end
     end
-    start = start + 100
+    start, size = start + size, math.min(size * 10, 1000)
   end
 end
 
@@ -98,9 +99,9 @@ local function window_state()
     requests_reset = tonumber(redis.call('ZRANGE', win, -1, -1, 'WITHSCORES')[2]) + window - now
   end
   local num_tokens = get_sum('tok')
-  local start = 0
+  local start, size = 0, 1
   while num_tokens > 0 and tokens_reset == 0 do  -- the newest request holding tokens
-    local page = redis.call('ZREVRANGE', win, start, start + 99, 'WITHSCORES')
+    local page = redis.call('ZREVRANGE', win, start, start + size - 1, 'WITHSCORES')
     if #page == 0 then break end
     local ids = {}
     for i = 1, #page, 2 do ids[#ids + 1] = page[i] end
@@ -108,7 +109,7 @@ local function window_state()
     for i = 1, #ids do
       if (tonumber(values[i]) or 0) > 0 then tokens_reset = tonumber(page[2 * i]) + window - now break end
     end
-    start = start + 100
+    start, size = start + size, math.min(size * 10, 1000)
   end
   return {num_requests, requests_reset, num_tokens, tokens_reset}
 end
@@ -182,7 +183,12 @@ def _limit_arg(value: int | None) -> int:
 
 class RedisLimiter:
     def __init__(
-        self, url: str, *, window_s: float = 60.0, day_s: float = 86400.0, reservation_ttl_s: float = 600.0,
+        self,
+        url: str,
+        *,
+        window_s: float = 60.0,
+        day_s: float = 86400.0,
+        reservation_ttl_s: float = 600.0,
         prefix: str = "tokenway:limits",
     ):
         self.windows = Windows.from_seconds(window_s, day_s, reservation_ttl_s)
@@ -201,8 +207,9 @@ class RedisLimiter:
     async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int) -> Decision:
         refusal = too_large(spec, reserve_tokens)
         reservation_id = uuid.uuid4().hex
-        horizon_us = max(self.windows.window_us, self.windows.reservation_ttl_us,
-                         self._day_us if spec.tpd is not None else 0)
+        horizon_us = max(
+            self.windows.window_us, self.windows.reservation_ttl_us, self._day_us if spec.tpd is not None else 0
+        )
         args = self._args("admit") + [
             self.windows.reservation_ttl_us,
             _limit_arg(spec.rpm),
@@ -211,7 +218,7 @@ class RedisLimiter:
             _limit_arg(spec.max_concurrent),
             reserve_tokens,
             reservation_id,
-            horizon_us // 1000 + 1000,
+            horizon_us // 1000 + 1000,  # ms, and a second to spare
             round(CONCURRENCY_RETRY_S * 1e6),
         ]
         if refusal is not None:  # nothing to record: only the headers' state is needed
