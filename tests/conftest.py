@@ -57,3 +57,17 @@ def hf_reference(gguf_path):
     model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
     model.generation_config.pad_token_id = 0
     return model
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A real Redis on loopback, started by the project's script and stopped after the session
+    (left running if it was already up)."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "redis.sh"
+    was_running = subprocess.run([script, "url"], check=False, capture_output=True).returncode == 0
+    url = subprocess.run([script, "start"], check=True, capture_output=True, text=True).stdout.strip()
+    yield url
+    if not was_running:
+        subprocess.run([script, "stop"], check=True)

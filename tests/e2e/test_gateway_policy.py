@@ -219,3 +219,29 @@ def test_kill_9_under_load_loses_no_completed_row(default_model_dir, tmp_path):
         assert len(ids) == len(set(ids))
     finally:
         restarted.stop()
+
+
+def test_two_gateways_sharing_redis_never_over_admit(default_model_dir, tmp_path, redis_url):
+    db = tmp_path / "shared.db"
+    key = create_key(db, "--name", "shared", "--rpm", "50")
+    servers = [Server("--limits-url", redis_url, db=db), Server("--limits-url", redis_url, db=db)]
+    try:
+        async def storm():
+            async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=220),
+                                         headers={"Authorization": f"Bearer {key}"}) as client:
+                body = {"model": MODEL, "prompt": [1234], "max_tokens": 1}
+                return await asyncio.gather(*(
+                    client.post(f"{servers[i % 2].base_url}/v1/completions", json=body) for i in range(200)))
+
+        responses = asyncio.run(storm())
+        statuses = [r.status_code for r in responses]
+        assert statuses.count(200) == 50, statuses  # exactly the limit, across both processes
+        assert statuses.count(429) == 150
+        assert all(int(r.headers["retry-after"]) >= 1 for r in responses if r.status_code == 429)
+        served_by = {servers[0].base_url: 0, servers[1].base_url: 0}
+        for i, r in enumerate(responses):
+            served_by[servers[i % 2].base_url] += r.status_code == 200
+        assert all(count > 0 for count in served_by.values())  # both gateways admitted some
+    finally:
+        for server in servers:
+            assert server.stop() == 0

@@ -9,7 +9,6 @@ import math
 import multiprocessing
 import random
 import re
-import subprocess
 import uuid
 from pathlib import Path
 
@@ -25,15 +24,6 @@ from tokenway.gateway.limits import (
 
 REDIS_SH = Path(__file__).resolve().parents[2] / "scripts" / "redis.sh"
 RESET = re.compile(r"^(\d+ms|(\d+h)?(\d+m)?\d+(\.\d{1,3})?s)$")
-
-
-@pytest.fixture(scope="session")
-def redis_url():
-    was_running = subprocess.run([REDIS_SH, "url"], check=False, capture_output=True).returncode == 0
-    url = subprocess.run([REDIS_SH, "start"], check=True, capture_output=True, text=True).stdout.strip()
-    yield url
-    if not was_running:
-        subprocess.run([REDIS_SH, "stop"], check=True)
 
 
 @pytest.fixture(params=["memory", "redis"])
