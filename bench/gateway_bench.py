@@ -1,0 +1,333 @@
+"""Gateway benchmark: what auth, limits and the usage ledger add to a request, open loop.
+
+    python bench/gateway_bench.py            # 10 s per run, 2 repeats (~8 min)
+    python bench/gateway_bench.py --quick    # 3 s per run (~3 min)
+
+Three fresh `tokenway serve` processes, alive side by side: off (--no-gateway), on with
+in-process limits, on with Redis limits (started by scripts/redis.sh). The on servers have one
+API key with limits far above the load, so every request is authenticated, admitted by
+reservation, reconciled and written to the SQLite ledger (group commit), and none is refused.
+
+Each run sends POST /v1/completions with one prompt token and max_tokens=1 on a fixed schedule
+(open loop: a slow response never delays the next send) at one rate for a fixed time. Latency
+runs from the scheduled send time, so client lag counts against the server, as in wrk2. Errors
+are non-200 responses and timeouts. At each rate the configurations run in alternation (off,
+memory, redis, off, memory, redis, ...) and each figure is the median over repeats; rates rise
+until every configuration has >= 1% errors or a p99 over 1 s.
+
+Besides client latency, each response's Server-Timing header splits the server's time:
+    gw     received -> validated: auth, body parse, model check (the `gateway` stage)
+    admit  validated -> submitted: prompt checks and the limiter's reservation (`tokenize`;
+           the prompt is token ids, so nothing is tokenized)
+    srv    the server's own total (received -> response built)
+    out    client time to send minus srv: HTTP both ways, the client, and the ledger commit,
+           which the middleware awaits after the response is built and before its last byte
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "smollm2-135m-instruct"
+BODY = {"model": MODEL, "prompt": [1234], "max_tokens": 1, "temperature": 0}
+CONFIGS = ("off", "memory", "redis")
+BLOWN_P99_S = 1.0
+
+
+@dataclass(slots=True)
+class Sample:
+    """One request. latency_s runs from its scheduled send time, e2e_s from its actual one."""
+
+    error: str | None  # None: a 200; else the status code or the exception's class
+    latency_s: float
+    e2e_s: float
+    lag_s: float
+    stage_to_ms: dict[str, float]
+
+
+@dataclass(slots=True)
+class RunStats:
+    """One configuration at one rate, one repeat; times in ms."""
+
+    num_requests: int
+    error_pct: float
+    error_to_count: Counter[str]
+    p50: float
+    p99: float
+    gw_p50: float
+    gw_p99: float
+    admit_p50: float
+    admit_p99: float
+    srv_p50: float
+    out_p50: float
+    lag_p99: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
+
+
+def parse_server_timing(header: str) -> dict[str, float]:
+    """`gateway;dur=0.41, tokenize;dur=0.22, ...` -> {"gateway": 0.41, "tokenize": 0.22, ...}."""
+    stage_to_ms = {}
+    for part in header.split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        if dur:
+            stage_to_ms[name] = float(dur)
+    return stage_to_ms
+
+
+def summarize(samples: list[Sample]) -> RunStats:
+    ok = [s for s in samples if s.error is None]
+
+    def ms(values: list[float], q: float) -> float:
+        return percentile(values, q) * 1000
+
+    def stage(name: str) -> list[float]:
+        return [s.stage_to_ms.get(name, float("nan")) / 1000 for s in ok]
+
+    return RunStats(
+        num_requests=len(samples),
+        error_pct=100 * (len(samples) - len(ok)) / max(1, len(samples)),
+        error_to_count=Counter(s.error for s in samples if s.error is not None),
+        p50=ms([s.latency_s for s in ok], 50), p99=ms([s.latency_s for s in ok], 99),
+        gw_p50=ms(stage("gateway"), 50), gw_p99=ms(stage("gateway"), 99),
+        admit_p50=ms(stage("tokenize"), 50), admit_p99=ms(stage("tokenize"), 99),
+        srv_p50=ms(stage("total"), 50),
+        out_p50=ms([s.e2e_s - s.stage_to_ms.get("total", 0) / 1000 for s in ok], 50),
+        lag_p99=ms([s.lag_s for s in samples], 99),
+    )
+
+
+def median_stats(runs: list[RunStats]) -> RunStats:
+    """Field by field median over repeats, skipping repeats with no successes (nan); errors
+    pooled over all requests."""
+    error_to_count = sum((r.error_to_count for r in runs), Counter())
+    num_requests = sum(r.num_requests for r in runs)
+    name_to_ms = {}
+    for name in RunStats.__slots__[3:]:  # the times
+        values = [value for r in runs if not math.isnan(value := getattr(r, name))]
+        name_to_ms[name] = statistics.median(values) if values else float("nan")
+    return RunStats(num_requests, 100 * error_to_count.total() / max(1, num_requests), error_to_count, **name_to_ms)
+
+
+async def one_request(client: httpx.AsyncClient, scheduled: float) -> Sample:
+    sent = time.perf_counter()
+    try:
+        response = await client.post("/v1/completions", json=BODY)
+        error = None if response.status_code == 200 else str(response.status_code)
+        stage_to_ms = parse_server_timing(response.headers.get("server-timing", ""))
+    except httpx.HTTPError as exc:
+        error, stage_to_ms = type(exc).__name__, {}
+    now = time.perf_counter()
+    return Sample(error, now - scheduled, now - sent, sent - scheduled, stage_to_ms)
+
+
+async def open_loop(client: httpx.AsyncClient, rate: float, duration_s: float) -> list[Sample]:
+    """Launch rate * duration_s requests at fixed intervals, whatever the responses do."""
+    start = time.perf_counter() + 0.01
+    tasks = []
+    for i in range(round(rate * duration_s)):
+        scheduled = start + i / rate
+        delay = scheduled - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one_request(client, scheduled)))
+    return await asyncio.gather(*tasks)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def create_key(db: Path) -> str:
+    result = subprocess.run([sys.executable, "-m", "tokenway.cli", "keys", "create", "--db", str(db), "--name", "bench",
+                             "--rpm", "1000000", "--tpm", "1000000000"],
+                            cwd=REPO, check=True, capture_output=True, text=True)
+    return result.stdout.strip()
+
+
+def start_server(config: str, workdir: Path, redis_url: str) -> tuple[subprocess.Popen, str, dict[str, str]]:
+    """Spawn one server; its URL and the headers its requests need. Does not wait for /ready."""
+    port = free_port()
+    args = ["serve", "--port", str(port), "--log-level", "warning"]
+    headers = {}
+    if config == "off":
+        args.append("--no-gateway")
+    else:
+        db = workdir / f"{config}.db"
+        headers["Authorization"] = f"Bearer {create_key(db)}"
+        args += ["--db", str(db)] + (["--limits-url", redis_url] if config == "redis" else [])
+    log = open(workdir / f"{config}.log", "w")  # noqa: SIM115 (the server holds it open)
+    process = subprocess.Popen([sys.executable, "-m", "tokenway.cli", *args], cwd=REPO, stdout=log, stderr=log,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    return process, f"http://127.0.0.1:{port}", headers
+
+
+def wait_ready(process: subprocess.Popen, base_url: str, log: Path) -> None:
+    for _ in range(900):
+        if process.poll() is not None:
+            break
+        try:
+            if httpx.get(base_url + "/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"server {base_url} did not start:\n{log.read_text()[-2000:]}")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+async def wait_idle(client: httpx.AsyncClient, max_wait_s: float = 60) -> None:
+    """Until the server has nothing in flight: requests the client gave up on still run in the
+    engine, and the servers share the cores, so the next run must not start on top of them."""
+    deadline = time.perf_counter() + max_wait_s
+    while time.perf_counter() < deadline:
+        stats = (await client.get("/engine/stats")).json()
+        if stats["num_running"] + stats["num_waiting"] + stats["num_pending_http"] == 0:
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.3)  # the last reconciles and ledger commits
+
+
+async def bench(clients: dict[str, httpx.AsyncClient], rates: list[int], duration_s: float, num_repeats: int,
+                warmup_s: float) -> dict[int, dict[str, RunStats]]:
+    for config, client in clients.items():  # connections, code paths, the key cache, the ledger file
+        refused = (await client.post("/v1/completions", json=BODY, headers={"Authorization": ""})).status_code
+        if config != "off" and refused != 401:
+            raise SystemExit(f"{config}: a request without a key got {refused}, not 401: is auth on?")
+        await open_loop(client, 100, warmup_s)
+        await wait_idle(client)
+    rate_to_stats: dict[int, dict[str, RunStats]] = {}
+    for rate in rates:
+        config_to_runs: dict[str, list[RunStats]] = {config: [] for config in clients}
+        for _ in range(num_repeats):
+            for config, client in clients.items():
+                config_to_runs[config].append(summarize(await open_loop(client, rate, duration_s)))
+                await wait_idle(client)
+        rate_to_stats[rate] = {config: median_stats(runs) for config, runs in config_to_runs.items()}
+        print_rate(rate, rate_to_stats[rate])
+        if all(s.error_pct >= 1 or s.p99 > BLOWN_P99_S * 1000 for s in rate_to_stats[rate].values()):
+            break
+    return rate_to_stats
+
+
+async def run(urls: dict[str, tuple[str, dict[str, str]]], rates: list[int], duration_s: float, num_repeats: int,
+              warmup_s: float, timeout_s: float) -> dict[int, dict[str, RunStats]]:
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    clients = {config: httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=timeout_s)
+               for config, (url, headers) in urls.items()}
+    try:
+        return await bench(clients, rates, duration_s, num_repeats, warmup_s)
+    finally:
+        for client in clients.values():
+            await client.aclose()
+
+
+def print_rate(rate: int, config_to_stats: dict[str, RunStats]) -> None:
+    for config, s in config_to_stats.items():
+        print(f"{rate:>5} {config:<7} {s.p50:8.2f} {s.p99:8.2f} {s.error_pct:6.2f} | {s.gw_p50:6.3f} {s.gw_p99:6.3f} "
+              f"{s.admit_p50:6.3f} {s.admit_p99:6.3f} {s.srv_p50:7.2f} {s.out_p50:6.2f} | {s.lag_p99:6.2f}  "
+              + ", ".join(f"{error} x{count}" for error, count in s.error_to_count.most_common()), flush=True)
+
+
+def gateway_ms(s: RunStats, q: int) -> float:
+    """The server's time before the engine: gw + admit at percentile q (a sum of percentiles)."""
+    return s.gw_p50 + s.admit_p50 if q == 50 else s.gw_p99 + s.admit_p99
+
+
+def print_summary(rate_to_stats: dict[int, dict[str, RunStats]]) -> None:
+    print("\nadded vs off, ms (client p50/p99; gw+admit p50/p99 from Server-Timing):")
+    print(f"{'rate':>5}  {'memory p50':>10} {'p99':>7}  {'redis p50':>10} {'p99':>7}  {'redis-mem p50':>13}  "
+          f"{'gw+admit mem':>13} {'gw+admit redis':>15}")
+    for rate, by_config in rate_to_stats.items():
+        off, mem, red = by_config["off"], by_config["memory"], by_config["redis"]
+        added = {(config, q): gateway_ms(by_config[config], q) - gateway_ms(off, q)
+                 for config in ("memory", "redis") for q in (50, 99)}
+        print(f"{rate:>5}  {mem.p50 - off.p50:+10.2f} {mem.p99 - off.p99:+7.2f}  {red.p50 - off.p50:+10.2f} "
+              f"{red.p99 - off.p99:+7.2f}  {red.p50 - mem.p50:+13.2f}  "
+              f"{added['memory', 50]:+6.3f}/{added['memory', 99]:+6.3f} "
+              f"{added['redis', 50]:+7.3f}/{added['redis', 99]:+7.3f}")
+    print("\nhighest rate with < 1% errors:")
+    for config in CONFIGS:
+        held = [rate for rate, by_config in rate_to_stats.items() if by_config[config].error_pct < 1]
+        top = max(rate_to_stats)
+        best = max(held) if held else None
+        note = " (the highest tried)" if best == top else ""
+        print(f"    {config:<7} {best if best else 'none'} req/s{note}")
+    if 300 in rate_to_stats:
+        by_config = rate_to_stats[300]
+        off = by_config["off"]
+        print("\ntargets at 300 req/s: added p50 <= 1 ms, p99 <= 5 ms; redis p50 <= memory p50 + 1 ms")
+        for config in ("memory", "redis"):
+            s = by_config[config]
+            print(f"    {config:<7} added p50 {s.p50 - off.p50:+.2f} ms, p99 {s.p99 - off.p99:+.2f} ms")
+        print(f"    redis - memory p50 {by_config['redis'].p50 - by_config['memory'].p50:+.2f} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    rates = [100, 200, 300, 400, 600] if args.quick else [100, 200, 300, 400, 600, 800]
+    duration_s, num_repeats, warmup_s, timeout_s = (3, 2, 2, 5) if args.quick else (10, 2, 4, 10)
+
+    redis_sh = REPO / "scripts" / "redis.sh"
+    redis_was_running = subprocess.run([redis_sh, "url"], check=False, capture_output=True).returncode == 0
+    redis_url = subprocess.run([redis_sh, "start"], check=True, capture_output=True, text=True).stdout.strip()
+    servers: dict[str, tuple[subprocess.Popen, str, dict[str, str]]] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="gateway-bench-") as workdir:
+            try:
+                for config in CONFIGS:
+                    servers[config] = start_server(config, Path(workdir), redis_url)
+                for config, (process, base_url, _) in servers.items():
+                    wait_ready(process, base_url, Path(workdir) / f"{config}.log")
+                print(f"gateway overhead, open loop, {duration_s} s per run, median of {num_repeats} repeats, "
+                      f"configurations interleaved; limits {redis_url} for redis")
+                print(f"NOTE: {os.cpu_count()} cores shared by the client, three servers and whatever else runs "
+                      f"on this machine: figures are noisy; compare configurations within a rate")
+                print(f"{'rate':>5} {'config':<7} {'p50':>8} {'p99':>8} {'err%':>6} | {'gw50':>6} {'gw99':>6} "
+                      f"{'adm50':>6} {'adm99':>6} {'srv50':>7} {'out50':>6} | {'lag99':>6}   (ms)")
+                urls = {config: (url, headers) for config, (_, url, headers) in servers.items()}
+                print_summary(asyncio.run(run(urls, rates, duration_s, num_repeats, warmup_s, timeout_s)))
+            finally:
+                for process, _, _ in servers.values():  # before the directory holding their dbs goes
+                    stop_server(process)
+    finally:
+        if not redis_was_running:
+            subprocess.run([redis_sh, "stop"], check=True)
+
+
+if __name__ == "__main__":
+    main()
