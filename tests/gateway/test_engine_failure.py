@@ -1,0 +1,73 @@
+"""A request that fails inside the engine: a plain 500 (no traceback), the server keeps
+serving, and the ledger still gets its one row."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tokenway.billing.ledger import Ledger
+from tokenway.billing.pricing import PriceTable
+from tokenway.engine.client import AsyncEngine
+from tokenway.gateway.app import create_app
+from tokenway.gateway.auth import KeyStore
+from tokenway.gateway.limits import InProcessLimiter
+from tokenway.gateway.policy import Defaults, Gatekeeper
+from tokenway.gateway.serving import ServerConfig, ServerState
+
+
+@pytest.fixture()
+def app_and_ledger(llm, tmp_path):
+    engine = AsyncEngine(core=llm.engine)
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    gatekeeper = Gatekeeper(KeyStore(tmp_path / "keys.db"), InProcessLimiter(), ledger, PriceTable.from_config({}),
+                            Defaults(), host="127.0.0.1")
+    name = "smollm2-135m-instruct"
+    state = ServerState(engine=engine, config=ServerConfig(served_model_names=(name,)), model_names=(name,),
+                        gatekeeper=gatekeeper)
+    yield create_app(state), ledger
+    engine.shutdown()
+
+
+def test_engine_failure_is_a_500_with_a_ledger_row(app_and_ledger, llm, monkeypatch):
+    app, ledger = app_and_ledger
+    runner = llm.engine.runner
+    real_execute = runner.execute
+    calls = {"n": 0}
+
+    def failing_once(out):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated device failure")
+        return real_execute(out)
+
+    monkeypatch.setattr(runner, "execute", failing_once)
+    body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            failed = await client.post("/v1/chat/completions", json=body)
+            healthy = await client.post("/v1/chat/completions", json=body)
+        await asyncio.sleep(0.05)
+        return failed, healthy, await ledger.usage(None)
+
+    failed, healthy, usage = asyncio.run(main())
+    assert failed.status_code == 500
+    assert failed.json()["error"]["type"] == "internal_error" and "Traceback" not in failed.text
+    assert "simulated" not in failed.text
+    assert healthy.status_code == 200  # the engine kept serving
+    rows = asyncio.run(_rows(ledger))
+    assert sorted(r.status for r in rows) == [200, 500]
+    assert next(r for r in rows if r.status == 500).error
+    assert usage and usage[0]["requests"] == 2
+
+
+async def _rows(ledger: Ledger):
+    import sqlite3
+
+    with sqlite3.connect(ledger._url.removeprefix("sqlite:///")) as conn:
+        ids = [row[0] for row in conn.execute("SELECT request_id FROM usage_ledger")]
+    return [await ledger.get(request_id) for request_id in ids]
