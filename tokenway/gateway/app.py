@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenway.gateway import anthropic_routes, openai_routes
 from tokenway.gateway.admin_routes import admin_router
-from tokenway.gateway.http import EventStreamResponse, parse_body
+from tokenway.gateway.http import ClientDisconnected, EventStreamResponse, parse_body
 from tokenway.gateway.policy import CallRecord, Gatekeeper
 from tokenway.gateway.serving import ServerState
 from tokenway.gateway.stages import StageClock
@@ -165,6 +165,12 @@ def create_app(state: ServerState) -> FastAPI:
             error = InvalidRequestError(str(exc.detail))
             error.status = exc.status_code
         return error_response(request.url.path, error)
+
+    @app.exception_handler(ClientDisconnected)
+    async def on_client_gone(request: Request, exc: ClientDisconnected) -> Response:
+        record: CallRecord = request.scope["state"]["record"]
+        record.status, record.error = 499, "client disconnected"
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 import anyio
 import pydantic
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -24,7 +24,10 @@ class ClientDisconnected(Exception):
 
 
 async def parse_body(request: Request, model: type[T]) -> T:
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise ClientDisconnected() from None  # gone before sending the whole body: nothing to answer
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

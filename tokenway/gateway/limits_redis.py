@@ -194,7 +194,10 @@ class RedisLimiter:
         self.windows = Windows.from_seconds(window_s, day_s, reservation_ttl_s)
         self._day_us = self.windows.bucket_us * NUM_DAY_BUCKETS
         self._prefix = prefix
-        self._redis = aioredis.Redis.from_url(url)
+        # A pool that waits for a free connection: the default one raises MaxConnectionsError
+        # (a 500) once admissions plus background reconciles pass 100 at a time.
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=256, timeout=10)
+        self._redis = aioredis.Redis(connection_pool=pool)
         self._script = self._redis.register_script(LUA_SCRIPT)  # EVALSHA, loading it once if missing
 
     def _keys(self, key_id: str) -> list[str]:
