@@ -194,7 +194,10 @@ def build_gatekeeper(options: dict):
     return Gatekeeper(
         keys=KeyStore(db),
         limiter=make_limiter(options["limits_url"]),
-        ledger=Ledger(options["ledger_url"] or f"sqlite:///{db.resolve()}"),
+        # The journal makes a row crash-safe before its response ends, without a DB commit
+        # on that path (billing/journal.py); one per gateway, replayed on its next start.
+        ledger=Ledger(options["ledger_url"] or f"sqlite:///{db.resolve()}",
+                      journal_path=db.parent / f"ledger-{options['port']}.journal"),
         prices=PriceTable.from_config(options["prices"] or {}),
         defaults=defaults,
         host=options["host"],

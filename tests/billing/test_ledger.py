@@ -173,15 +173,16 @@ CHILD = textwrap.dedent("""
     from tokenway.billing.ledger import Ledger, UsageRecord
 
     url, run, num_rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    journal = sys.argv[4] if len(sys.argv) > 4 else None
 
     async def worker(ledger, request_ids):
         for request_id in request_ids:
             await ledger.record(UsageRecord(request_id, "crash-key", "m", 3, 0, 1, 0.001, "stop", None, 200,
                                             {"run": float(run)}, time.time(), time.time()))
-            print(request_id, flush=True)  # only once the row is committed
+            print(request_id, flush=True)  # only once the row is committed (or journaled)
 
     async def main():
-        ledger = Ledger(url)
+        ledger = Ledger(url, journal_path=journal)
         request_ids = [f"req-{i}" for i in range(num_rows)]
         await asyncio.gather(*(worker(ledger, request_ids[w::32]) for w in range(32)))
         print(f"written {ledger.num_rows_written}", flush=True)
@@ -193,10 +194,11 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def run_child(url: str, run: str, num_rows: int, kill_after: int | None) -> tuple[list[str], int]:
+def run_child(url: str, run: str, num_rows: int, kill_after: int | None,
+              journal: str | None = None) -> tuple[list[str], int]:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    child = subprocess.Popen([sys.executable, "-c", CHILD, url, run, str(num_rows)], stdout=subprocess.PIPE,
-                             text=True, env=env)
+    args = [sys.executable, "-c", CHILD, url, run, str(num_rows)] + ([journal] if journal else [])
+    child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
     lines = []
     for line in child.stdout:
         lines.append(line.strip())
@@ -228,3 +230,20 @@ async def test_kill_9_loses_no_acknowledged_row_and_a_rerun_writes_none_twice(ur
         assert row["requests"] == num_rows
         for request_id in acknowledged:
             assert (await ledger.get(request_id)).stages_ms == {"run": 1.0}  # the first write stands
+
+
+async def test_with_a_journal_record_returns_before_the_commit_and_kill_9_loses_nothing(url, tmp_path):
+    journal = str(tmp_path / "ledger.journal")
+    printed, returncode = run_child(url, "1", 5_000, kill_after=1_000, journal=journal)
+    assert returncode == -signal.SIGKILL
+    acknowledged = [line for line in printed if line.startswith("req-")]
+    assert len(acknowledged) >= 1_000
+    # The next start replays what the journal still holds, then empties it.
+    async with Ledger(url, journal_path=journal) as ledger:
+        pass
+    async with Ledger(url) as ledger:
+        for request_id in acknowledged:
+            assert await ledger.get(request_id) is not None, request_id
+        [row] = await ledger.usage("crash-key")
+        assert len(acknowledged) <= row["requests"] <= 5_000
+    assert os.path.getsize(journal) == 0

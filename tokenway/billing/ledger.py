@@ -23,7 +23,10 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, Self, TypeVar
+
+from tokenway.billing.journal import Journal
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -172,6 +175,7 @@ def open_store(url: str) -> LedgerStore:
 class _Write:
     rec: UsageRecord
     waiter: Future | None  # None: record_nowait
+    journaled: bool = False
 
 
 @dataclass(slots=True)
@@ -196,7 +200,8 @@ class Ledger:
     PostgreSQL see each other's spend only when a key is first seeded.
     """
 
-    def __init__(self, url: str, batch_max: int = 256, max_delay_s: float = 0.0) -> None:
+    def __init__(self, url: str, batch_max: int = 256, max_delay_s: float = 0.0,
+                 journal_path: str | Path | None = None) -> None:
         if batch_max < 1:
             raise ValueError(f"batch_max must be >= 1, got {batch_max}")
         if max_delay_s < 0:
@@ -216,15 +221,28 @@ class Ledger:
         self._writer = threading.Thread(target=self._write_loop, args=(opened,), name="ledger-writer", daemon=True)
         self._writer.start()
         opened.result()  # raise here, at startup, if the database cannot be opened
+        # With a journal, record() returns once the row is in the journal (see journal.py).
+        self._journal = Journal(journal_path) if journal_path is not None else None
+        if self._journal is not None and self._journal.recovered:
+            # Commit what an earlier run journaled before anything new (and before serving).
+            waiters = [self._submit(_Write(rec, Future(), journaled=True)) for rec in self._journal.recovered]
+            for waiter in waiters:
+                waiter.result()
 
     async def record(self, rec: UsageRecord) -> None:
-        """Return once the row is committed (or was already there). Cancelling the caller
-        does not cancel the write."""
+        """Return once the row would survive a crash: journaled (with a journal) or committed
+        (without). Cancelling the caller does not cancel the write."""
+        if self._journal is not None:
+            self._journal.append(rec)
+            self._submit(_Write(rec, None, journaled=True))
+            return
         await asyncio.wrap_future(self._submit(_Write(rec, Future())))
 
     def record_nowait(self, rec: UsageRecord) -> None:
         """Queue the row and return at once; it joins the next batch. Safe from any thread."""
-        self._submit(_Write(rec, None))
+        if self._journal is not None:
+            self._journal.append(rec)
+        self._submit(_Write(rec, None, journaled=self._journal is not None))
 
     async def spend_usd(self, key_id: str) -> float:
         """Total committed cost of a key: a dict lookup after the first call per key."""
@@ -248,6 +266,8 @@ class Ledger:
             self._closed = True
             self._queue.put(_STOP)
         await asyncio.to_thread(self._writer.join)
+        if self._journal is not None:
+            self._journal.close()
         with self._reader_lock:
             if self._reader is not None:
                 self._reader.close()
@@ -330,12 +350,17 @@ class Ledger:
                 store, error = None, exc
         else:
             num_lost = sum(job.waiter is None for job in writes)
-            if num_lost:
+            if num_lost and self._journal is None:
                 logger.error("usage ledger: %d fire-and-forget rows lost: %r", num_lost, error)
+            elif num_lost:
+                logger.error("usage ledger: %d rows not committed (%r); they stay in the journal for the next start",
+                             num_lost, error)
             _settle([job.waiter for job in writes], error)
             return store
         self.num_commits += 1
         self.num_rows_written += len(written)
+        if self._journal is not None:
+            self._journal.committed(sum(job.journaled for job in writes))
         for rec in written:
             total = self._key_id_to_spend_usd.get(rec.key_id)
             if total is not None:  # unseeded keys are summed from the DB when first asked
