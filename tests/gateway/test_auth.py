@@ -49,7 +49,7 @@ def test_secrets_are_unique_and_only_their_hash_is_stored(store, db_path):
     secret_b, info_b = store.create("b")
     assert info_a.key_id != info_b.key_id and secret_a != secret_b
     raw = db_path.read_bytes() + (db_path.parent / "tokenway.db-wal").read_bytes()
-    assert secret_a.encode() not in raw and secret_a.rsplit("-", 1)[1][:20].encode() not in raw
+    assert secret_a.encode() not in raw and secret_a.split("-", 2)[2][:20].encode() not in raw
 
 
 @pytest.mark.parametrize("mangle", [
