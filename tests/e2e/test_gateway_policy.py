@@ -245,3 +245,15 @@ def test_two_gateways_sharing_redis_never_over_admit(default_model_dir, tmp_path
     finally:
         for server in servers:
             assert server.stop() == 0
+
+
+def test_rate_limit_headers_on_every_v1_response(gated):
+    key = create_key(gated.db, "--name", "headers", "--rpm", "100", "--tpm", "100000")
+    wait_for(lambda: chat(gated.base_url, key, max_tokens=1).status_code == 200, timeout=5)
+    auth = {"Authorization": f"Bearer {key}"}
+    for response in (chat(gated.base_url, key, max_tokens=1),
+                     chat(gated.base_url, key, max_tokens=-1),  # refused before admission
+                     httpx.get(f"{gated.base_url}/v1/models", headers=auth, timeout=10)):
+        assert response.headers["x-ratelimit-limit-requests"] == "100", response.status_code
+        assert response.headers["x-ratelimit-limit-tokens"] == "100000"
+        assert int(response.headers["x-ratelimit-remaining-requests"]) <= 100

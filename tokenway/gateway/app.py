@@ -109,6 +109,12 @@ class GatewayMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if not record.rate_headers and gatekeeper is not None and path.startswith("/v1/"):
+                    # Not admitted through the limiter (a 400, /v1/models...): still tell the
+                    # caller where its limits stand, as OpenAI does on every response.
+                    principal = record.principal
+                    record.rate_headers = await gatekeeper.limiter.headers(
+                        principal.key_id, gatekeeper.limit_spec(principal))
                 if record.rate_headers:
                     response_headers = list(message.get("headers", []))
                     present = {name.lower() for name, _ in response_headers}
