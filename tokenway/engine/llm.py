@@ -8,12 +8,11 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 from typing import Any, Sequence
 
 from tokenway.config import EngineConfig
 from tokenway.engine.core import EngineCore
-from tokenway.engine.request import SamplingParams
+from tokenway.engine.request import SamplingParams, choice_params
 from tokenway.frontend.output import RequestOutput, RequestState
 from tokenway.models.loader import DEFAULT_MODEL
 
@@ -87,11 +86,8 @@ class LLM:
         for text, token_ids, params in encoded:
             parent_id = str(next(self._request_counter))
             child_ids = []
-            for index in range(params.n):
+            for index, child_params in enumerate(choice_params(params, params.n)):
                 request_id = parent_id if params.n == 1 else f"{parent_id}-{index}"
-                child_params = params
-                if params.n > 1 and params.seed is not None:
-                    child_params = replace(params, seed=params.seed + index)
                 states[request_id] = RequestState(request_id, text, token_ids, child_params, self.tokenizer, index)
                 child_ids.append(request_id)
             parents.append(child_ids)

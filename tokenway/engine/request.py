@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping, Sequence
 
@@ -97,6 +97,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n independent choices as n engine requests; with a seed, choice i uses seed + i, so
+    the choices differ yet each repeats."""
+    if n == 1:
+        return [params]
+    return [replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
 
 
 class RequestStatus(enum.Enum):

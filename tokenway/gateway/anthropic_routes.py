@@ -14,6 +14,7 @@ from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.tools import parse_tool_reply
 from tokenway.gateway import sse
 from tokenway.gateway.http import EventStreamResponse
+from tokenway.gateway.policy import CallRecord
 from tokenway.gateway.serving import (
     Generation,
     ServerState,
@@ -21,7 +22,6 @@ from tokenway.gateway.serving import (
     new_id,
     structured_output_spec,
 )
-from tokenway.gateway.policy import CallRecord
 from tokenway.gateway.stages import StageClock
 from tokenway.protocol.anthropic import map_stop_reason, to_chat_messages, to_chat_tools
 from tokenway.protocol.errors import TokenwayError, anthropic_error_body

@@ -29,10 +29,10 @@ from tokenway.protocol import anthropic as anthropic_schema
 from tokenway.protocol import openai as openai_schema
 from tokenway.protocol.errors import (
     InternalServerError,
-    PermissionDeniedError,
     InvalidRequestError,
     NotFoundError,
     PayloadTooLargeError,
+    PermissionDeniedError,
     TokenwayError,
     anthropic_error_body,
     from_validation_error,

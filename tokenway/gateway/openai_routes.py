@@ -6,19 +6,18 @@ import time
 from functools import lru_cache
 from typing import Any, AsyncIterator
 
-from tokenway.engine.request import TokenLogprob
+from tokenway.engine.request import TokenLogprob, choice_params
 from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.tools import parse_tool_reply
 from tokenway.gateway import sse
+from tokenway.gateway.policy import CallRecord
 from tokenway.gateway.serving import (
     Generation,
     ServerState,
-    choice_params,
     make_sampling_params,
     new_id,
     structured_output_spec,
 )
-from tokenway.gateway.policy import CallRecord
 from tokenway.gateway.stages import StageClock
 from tokenway.protocol.errors import InvalidRequestError, TokenwayError, openai_error_body
 

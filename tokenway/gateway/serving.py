@@ -8,7 +8,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from starlette.responses import JSONResponse, Response
@@ -162,13 +162,6 @@ def make_sampling_params(body: Any, max_tokens: int, structured: StructuredOutpu
     except ValueError as exc:
         field_name = str(exc).split(":", 1)[0]
         raise InvalidRequestError(str(exc), param=field_name) from None
-
-
-def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """n independent choices; with a seed, choice i uses seed + i so they differ yet repeat."""
-    if n == 1:
-        return [params]
-    return [replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
 
 
 async def run_choices(
