@@ -71,3 +71,34 @@ async def _rows(ledger: Ledger):
     with sqlite3.connect(ledger._url.removeprefix("sqlite:///")) as conn:
         ids = [row[0] for row in conn.execute("SELECT request_id FROM usage_ledger")]
     return [await ledger.get(request_id) for request_id in ids]
+
+
+@pytest.mark.parametrize("path, body, last_events", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True},
+     ['data: {"error":{"message":"The engine failed while generating this request.",'
+      '"type":"internal_error","param":null,"code":null}}', "data: [DONE]"]),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True},
+     ["event: error", 'data: {"type":"error","error":{"type":"api_error",'
+                      '"message":"The engine failed while generating this request."}}']),
+])
+def test_engine_failure_mid_stream_ends_with_an_error_event(app_and_ledger, llm, monkeypatch, path, body,
+                                                             last_events):
+    app, ledger = app_and_ledger
+
+    def failing(out):
+        raise RuntimeError("simulated device failure")
+
+    monkeypatch.setattr(llm.engine.runner, "execute", failing)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            response = await client.post(path, json={"model": "smollm2-135m-instruct", **body})
+        await asyncio.sleep(0.05)
+        return response
+
+    response = asyncio.run(main())
+    assert response.status_code == 200  # the stream had begun
+    lines = [line for line in response.text.splitlines() if line and not line.startswith(":")]
+    assert lines[-2:] == last_events
+    assert [r.status for r in asyncio.run(_rows(ledger))] == [500]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from types import SimpleNamespace
 from typing import AsyncIterator
 
@@ -18,15 +17,14 @@ from tokenway.gateway.policy import CallRecord
 from tokenway.gateway.serving import (
     Generation,
     ServerState,
+    framed_stream,
     make_sampling_params,
     new_id,
     structured_output_spec,
 )
 from tokenway.gateway.stages import StageClock
 from tokenway.protocol.anthropic import map_stop_reason, to_chat_messages, to_chat_tools
-from tokenway.protocol.errors import TokenwayError, anthropic_error_body
-
-logger = logging.getLogger(__name__)
+from tokenway.protocol.errors import anthropic_error_body
 
 
 def openai_tools(body) -> tuple[list[dict] | None, object]:
@@ -91,67 +89,53 @@ async def message_response(generation: Generation, generic_tools: bool) -> dict:
             "usage": usage(generation)}
 
 
-async def message_stream(generation: Generation, generic_tools: bool) -> AsyncIterator[bytes]:
+def message_stream(generation: Generation, generic_tools: bool) -> AsyncIterator[bytes]:
+    """Anthropic's framing: an error is an `event: error`; success ends with message_stop."""
+    return framed_stream(message_events(generation, generic_tools), generation,
+                         lambda exc: [sse.named_event("error", anthropic_error_body(exc))],
+                         [sse.named_event("message_stop", {"type": "message_stop"})])
+
+
+async def message_events(generation: Generation, generic_tools: bool) -> AsyncIterator[bytes]:
     yield sse.named_event("message_start", {"type": "message_start", "message": {
         "id": generation.request_id, "type": "message", "role": "assistant", "content": [],
         "model": generation.model, "stop_reason": None, "stop_sequence": None, "usage": usage(generation, 0)}})
     block_open = False
-    try:
-        async for _, output in generation.outputs():
-            completion = output.outputs[0]
-            if not generic_tools:
-                if not block_open:
-                    block_open = True
-                    yield sse.named_event("content_block_start", {
-                        "type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
-                    yield sse.named_event("ping", {"type": "ping"})
-                if completion.delta_text:
-                    yield sse.named_event("content_block_delta", {
-                        "type": "content_block_delta", "index": 0,
-                        "delta": {"type": "text_delta", "text": completion.delta_text}})
-            if not output.finished:
-                continue
-            used_tools = False
-            if generic_tools:
-                # One JSON reply: parsed, and sent as blocks, once it is complete.
-                blocks, used_tools = content_blocks(completion.text, True)
-                for index, block in enumerate(blocks):
-                    if block["type"] == "text":
-                        start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
-                    else:
-                        start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
-                        delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-                    yield sse.named_event("content_block_start", {"type": "content_block_start", "index": index,
-                                                                  "content_block": start})
-                    yield sse.named_event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                                  "delta": delta})
-                    yield sse.named_event("content_block_stop", {"type": "content_block_stop", "index": index})
-            else:
-                yield sse.named_event("content_block_stop", {"type": "content_block_stop", "index": 0})
-            stop_reason, stop_sequence = stop_fields(completion, used_tools)
-            yield sse.named_event("message_delta", {
-                "type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                "usage": {"output_tokens": sum(generation.completion_tokens)}})
-    except TokenwayError as exc:
-        generation.finish(exc.status, exc.message)
-        await generation.commit()
-        yield sse.named_event("error", anthropic_error_body(exc))
-        return
-    except Exception as exc:  # noqa: BLE001
-        logger.exception("stream %s failed", generation.request_id)
-        generation.finish(500, type(exc).__name__)
-        await generation.commit()
-        yield sse.named_event("error", {"type": "error", "error": {
-            "type": "api_error", "message": "The server failed while generating; the stream has ended."}})
-        return
-    except BaseException:
-        generation.finish(499, "client disconnected")
-        raise
-    generation.clock.mark("done")
-    yield sse.comment("server-timing: " + generation.clock.server_timing())
-    generation.finish()
-    await generation.commit()  # the ledger row is durable before the client sees the end
-    yield sse.named_event("message_stop", {"type": "message_stop"})
+    async for _, output in generation.outputs():
+        completion = output.outputs[0]
+        if not generic_tools:
+            if not block_open:
+                block_open = True
+                yield sse.named_event("content_block_start", {
+                    "type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
+                yield sse.named_event("ping", {"type": "ping"})
+            if completion.delta_text:
+                yield sse.named_event("content_block_delta", {
+                    "type": "content_block_delta", "index": 0,
+                    "delta": {"type": "text_delta", "text": completion.delta_text}})
+        if not output.finished:
+            continue
+        used_tools = False
+        if generic_tools:
+            # One JSON reply: parsed, and sent as blocks, once it is complete.
+            blocks, used_tools = content_blocks(completion.text, True)
+            for index, block in enumerate(blocks):
+                if block["type"] == "text":
+                    start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
+                else:
+                    start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
+                    delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+                yield sse.named_event("content_block_start", {"type": "content_block_start", "index": index,
+                                                              "content_block": start})
+                yield sse.named_event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                              "delta": delta})
+                yield sse.named_event("content_block_stop", {"type": "content_block_stop", "index": index})
+        else:
+            yield sse.named_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        stop_reason, stop_sequence = stop_fields(completion, used_tools)
+        yield sse.named_event("message_delta", {
+            "type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+            "usage": {"output_tokens": sum(generation.completion_tokens)}})
 
 
 async def handle(state: ServerState, request: Request, body, clock: StageClock, record: CallRecord) -> Response:

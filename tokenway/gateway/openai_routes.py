@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from functools import lru_cache
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from tokenway.engine.request import TokenLogprob, choice_params
 from tokenway.frontend.chat import build_chat_prompt
@@ -14,12 +14,13 @@ from tokenway.gateway.policy import CallRecord
 from tokenway.gateway.serving import (
     Generation,
     ServerState,
+    framed_stream,
     make_sampling_params,
     new_id,
     structured_output_spec,
 )
 from tokenway.gateway.stages import StageClock
-from tokenway.protocol.errors import InvalidRequestError, TokenwayError, openai_error_body
+from tokenway.protocol.errors import InvalidRequestError, openai_error_body
 
 
 class TokenText:
@@ -53,6 +54,21 @@ class TokenText:
             offsets.append(offset)
             offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chunk_encoder(generation: Generation, object_name: str, include_usage: bool) -> Callable[..., bytes]:
+    """The SSE event for one chunk of a stream; `usage` rides on every chunk when asked for
+    (null until the last), as OpenAI sends it."""
+    created = int(time.time())
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
+        payload = {"id": generation.request_id, "object": object_name, "created": created,
+                   "model": generation.model, "choices": choices, "system_fingerprint": None}
+        if include_usage:
+            payload["usage"] = usage
+        return sse.data_event(payload)
+
+    return chunk
 
 
 def openai_finish_reason(reason: str | None) -> str | None:
@@ -128,15 +144,8 @@ async def chat_response(state: ServerState, body, generation: Generation, generi
 
 async def chat_stream(state: ServerState, body, generation: Generation, generic_tools: bool) -> AsyncIterator[bytes]:
     token_text = TokenText(state.tokenizer)
-    created = int(time.time())
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
-        payload = {"id": generation.request_id, "object": "chat.completion.chunk", "created": created,
-                   "model": generation.model, "choices": choices, "system_fingerprint": None}
-        if include_usage:
-            payload["usage"] = usage
-        return sse.data_event(payload)
+    chunk = chunk_encoder(generation, "chat.completion.chunk", include_usage)
 
     for index in range(generation.num_choices):
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -222,16 +231,9 @@ async def completion_response(state: ServerState, body, generation: Generation, 
 
 async def completion_stream(state: ServerState, body, generation: Generation, echo: str) -> AsyncIterator[bytes]:
     token_text = TokenText(state.tokenizer)
-    created = int(time.time())
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunk = chunk_encoder(generation, "text_completion", include_usage)
     offsets = [len(echo)] * generation.num_choices
-
-    def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
-        payload = {"id": generation.request_id, "object": "text_completion", "created": created,
-                   "model": generation.model, "choices": choices, "system_fingerprint": None}
-        if include_usage:
-            payload["usage"] = usage
-        return sse.data_event(payload)
 
     if echo:
         for index in range(generation.num_choices):
@@ -251,33 +253,7 @@ async def completion_stream(state: ServerState, body, generation: Generation, ec
         yield chunk([], generation.usage())
 
 
-async def guarded_stream(events: AsyncIterator[bytes], generation: Generation) -> AsyncIterator[bytes]:
-    """Frame a stream: an error after it began ends it with an error event, never a silent
-    cut; the stage times go in an SSE comment (clients ignore it) before [DONE]."""
-    try:
-        async for event in events:
-            yield event
-    except TokenwayError as exc:
-        generation.finish(exc.status, exc.message)
-        await generation.commit()
-        yield sse.data_event(openai_error_body(exc))
-        yield sse.DONE
-        return
-    except Exception as exc:  # noqa: BLE001 - reported to the client, logged in full
-        import logging
-
-        logging.getLogger(__name__).exception("stream %s failed", generation.request_id)
-        generation.finish(500, type(exc).__name__)
-        await generation.commit()
-        yield sse.data_event({"error": {"message": "The server failed while generating; the stream has ended.",
-                                        "type": "internal_error", "param": None, "code": "internal_error"}})
-        yield sse.DONE
-        return
-    except BaseException:  # a disconnect cancels us: bill what was generated and say so
-        generation.finish(499, "client disconnected")
-        raise
-    generation.clock.mark("done")
-    yield sse.comment("server-timing: " + generation.clock.server_timing())
-    generation.finish()
-    await generation.commit()  # the ledger row is durable before the client sees the end
-    yield sse.DONE
+def guarded_stream(events: AsyncIterator[bytes], generation: Generation) -> AsyncIterator[bytes]:
+    """OpenAI's framing: an error is a `data: {"error": ...}` event; both ways end with [DONE]."""
+    return framed_stream(events, generation, lambda exc: [sse.data_event(openai_error_body(exc)), sse.DONE],
+                         [sse.DONE])

@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from starlette.responses import JSONResponse, Response
 
@@ -17,6 +17,7 @@ from tokenway.engine.client import AsyncEngine
 from tokenway.engine.request import SamplingParams
 from tokenway.engine.structured_output import StructuredOutputSpec
 from tokenway.frontend.output import RequestOutput
+from tokenway.gateway import sse
 from tokenway.gateway.http import ClientDisconnected, unless_disconnected
 from tokenway.gateway.policy import CallRecord, Gatekeeper
 from tokenway.gateway.stages import StageClock
@@ -30,6 +31,7 @@ from tokenway.protocol.errors import (
 )
 
 access_log = logging.getLogger("tokenway.access")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -333,3 +335,38 @@ class Generation:
         log_request(self.request_id, self.model, self.clock, self.status, len(self.prompt_token_ids),
                     self.num_cached_tokens, sum(self.completion_tokens), reasons[0] if reasons else None,
                     self.error)
+
+
+STREAM_FAILED = "The server failed while generating; the stream has ended."
+
+
+async def framed_stream(events: AsyncIterator[bytes], generation: Generation,
+                        render_error: Callable[[TokenwayError], list[bytes]],
+                        closing: list[bytes]) -> AsyncIterator[bytes]:
+    """Frame an API's stream events, the same for every API: an error after the stream began
+    ends it with the API's error event(s), never a silent cut; the stage times go in an SSE
+    comment (clients ignore it); the ledger row is durable before the closing event(s); a
+    disconnect (cancellation) bills what was generated."""
+    try:
+        async for event in events:
+            yield event
+    except TokenwayError as exc:
+        error, reason = exc, exc.message
+    except Exception as exc:  # noqa: BLE001 - reported to the client, logged in full
+        logger.exception("stream %s failed", generation.request_id)
+        error, reason = InternalServerError(STREAM_FAILED, code="internal_error"), type(exc).__name__
+    except BaseException:
+        generation.finish(499, "client disconnected")
+        raise
+    else:
+        generation.clock.mark("done")
+        yield sse.comment("server-timing: " + generation.clock.server_timing())
+        generation.finish()
+        await generation.commit()
+        for event in closing:
+            yield event
+        return
+    generation.finish(error.status, reason)
+    await generation.commit()
+    for event in render_error(error):
+        yield event

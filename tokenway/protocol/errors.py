@@ -136,8 +136,9 @@ class InternalServerError(TokenwayError):
     type = "internal_error"
     anthropic_type = "api_error"
 
-    def __init__(self, message: str = "The server had an error while processing your request.") -> None:
-        super().__init__(message)
+    def __init__(self, message: str = "The server had an error while processing your request.", *,
+                 code: str | None = None) -> None:
+        super().__init__(message, code=code)
 
 
 class ServiceUnavailableError(TokenwayError):
