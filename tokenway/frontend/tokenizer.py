@@ -32,6 +32,7 @@ class Tokenizer:
         source: str = "tokenizer",
     ) -> None:
         self.hf = hf
+        self._token_text: dict[int, str] = {}  # bounded by the vocabulary
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
         # Special token strings a chat template may use, e.g. {{ bos_token }}.
         tokens = {name: _token_content(tokenizer_config.get(name)) for name in _SPECIAL_TOKEN_NAMES}
@@ -96,6 +97,14 @@ class Tokenizer:
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (logprobs show it). Cached for the
+        tokenizer's lifetime: every request's logprobs ask for the same ids again."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.hf.decode([token_id], skip_special_tokens=False)
+        return text
 
     def apply_chat_template(
         self,

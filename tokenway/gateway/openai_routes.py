@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from functools import lru_cache
 from typing import Any, AsyncIterator, Callable
 
 from tokenway.engine.request import TokenLogprob, choice_params
@@ -24,10 +23,10 @@ from tokenway.protocol.errors import InvalidRequestError, openai_error_body
 
 
 class TokenText:
-    """Token id -> its text, for logprobs (cached: the same ids come back often)."""
+    """Logprobs in OpenAI's two shapes, with token texts from the tokenizer's shared cache."""
 
     def __init__(self, tokenizer) -> None:
-        self.text = lru_cache(maxsize=65536)(lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
+        self.text = tokenizer.token_text
 
     def chat_logprobs(self, logprobs: list[TokenLogprob], top_n: int) -> list[dict]:
         entries = []
