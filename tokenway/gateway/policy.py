@@ -162,21 +162,25 @@ class Gatekeeper:
             finished_at=time.time(),
         )
 
-    async def commit(self, record: CallRecord, status: int, stages_ms: dict[str, float]) -> None:
-        """Write the request's one ledger row and wait until it is durable (group commit)."""
+    def _final_row(self, record: CallRecord, status: int, stages_ms: dict[str, float]) -> UsageRecord | None:
+        """The call's one row, the first time it is asked for (None after): settles the limits too."""
         if record.committed:
-            return
+            return None
         record.committed = True
         self.settle(record)
-        await self.ledger.record(self.usage_record(record, status, stages_ms))
+        return self.usage_record(record, status, stages_ms)
+
+    async def commit(self, record: CallRecord, status: int, stages_ms: dict[str, float]) -> None:
+        """Write the request's one ledger row and wait until it is durable."""
+        row = self._final_row(record, status, stages_ms)
+        if row is not None:
+            await self.ledger.record(row)
 
     def commit_nowait(self, record: CallRecord, status: int, stages_ms: dict[str, float]) -> None:
         """The same, for a request whose client is gone (nothing to hold back)."""
-        if record.committed:
-            return
-        record.committed = True
-        self.settle(record)
-        self.ledger.record_nowait(self.usage_record(record, status, stages_ms))
+        row = self._final_row(record, status, stages_ms)
+        if row is not None:
+            self.ledger.record_nowait(row)
 
     async def close(self) -> None:
         await self.ledger.close()
