@@ -1,10 +1,15 @@
 """StageClock: where one request's time went, stage by stage.
 
-Every stage is the interval between two marks on one clock (time.monotonic, the clock
-the engine stamps its requests with), so the stages add up to the end-to-end time:
+Every stage ends at a mark on one clock (time.monotonic, the clock the engine stamps its
+requests with), so the stages add up to the end-to-end time exactly:
 
-    received ─gateway─► validated ─tokenize─► submitted ─queue─► scheduled
-             ─prefill─► first token ─decode─► last token ─postprocess─► done
+    received ─auth─► key checked ─validation─► body parsed ─routing─► model resolved
+      ─tokenize─► prompt ready ─limits─► admitted ─queue─► first scheduled
+      ─prefill─► first token ─decode─► last token ─postprocess─► response built
+      ─billing─► done (ledger row committed, the last byte handed to the server)
+
+`received` is when the ASGI app first sees the request (uvicorn has parsed its headers;
+the socket accept itself is not visible to an ASGI app).
 """
 
 from __future__ import annotations
@@ -12,46 +17,68 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-STAGES = ("gateway", "tokenize", "queue", "prefill", "decode", "postprocess")
+STAGES = ("auth", "validation", "routing", "tokenize", "limits", "queue", "prefill", "decode", "postprocess",
+          "billing")
+_STAGE_INDEX = {stage: i for i, stage in enumerate(STAGES)}
 
 
 @dataclass(slots=True)
 class StageClock:
     received: float = field(default_factory=time.monotonic)
-    validated: float | None = None
-    submitted: float | None = None
-    scheduled: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
+    ends: dict[str, float] = field(default_factory=dict)  # stage -> when it ended
+    billing_started: float | None = None
     done: float | None = None
 
-    def mark(self, name: str, at: float | None = None) -> None:
-        setattr(self, name, time.monotonic() if at is None else at)
+    def end(self, stage: str, at: float | None = None) -> None:
+        """Mark the end of `stage` (now, or at a monotonic time taken elsewhere)."""
+        assert stage in _STAGE_INDEX, stage
+        self.ends[stage] = time.monotonic() if at is None else at
+
+    def ended(self, stage: str) -> bool:
+        return stage in self.ends
+
+    def start_billing(self) -> None:
+        if self.billing_started is None:
+            self.billing_started = time.monotonic()
+
+    def finish(self) -> None:
+        if self.done is None:
+            self.done = time.monotonic()
 
     def durations_ms(self) -> dict[str, float]:
-        """Stage -> milliseconds, adding up to done - received. A mark that was skipped gives
-        its stage 0 ms (the time counts to the next stage reached); time after the last mark
-        reached counts to the stage that was under way (e.g. gateway, for a request refused there)."""
-        marks = [self.received, self.validated, self.submitted, self.scheduled, self.first_token, self.last_token]
+        """Stage -> milliseconds, adding up to done - received (now, if not done yet).
+
+        A stage never marked gets 0 ms (its time counts to the next stage that was). The
+        time after the last mark counts to the stage under way: the one after the last
+        stage marked (limits, for a request refused with a 429); billing, once started,
+        takes the time from its start to done."""
         done = self.done if self.done is not None else time.monotonic()
-        last_reached = max(i for i, value in enumerate(marks) if value is not None)
+        cut = self.billing_started if self.billing_started is not None else done
         durations = dict.fromkeys(STAGES, 0.0)
-        previous = marks[0]
-        for i in range(1, last_reached + 1):
-            if marks[i] is not None:
-                value = max(marks[i], previous)
-                durations[STAGES[i - 1]] = (value - previous) * 1000
-                previous = value
-        durations[STAGES[last_reached]] = max(0.0, done - previous) * 1000
+        previous = self.received
+        last_index = -1
+        for stage, at in sorted(self.ends.items(), key=lambda item: _STAGE_INDEX[item[0]]):
+            at = min(max(at, previous), cut)
+            durations[stage] = (at - previous) * 1000
+            previous, last_index = at, _STAGE_INDEX[stage]
+        under_way = STAGES[min(last_index + 1, len(STAGES) - 1)]
+        durations[under_way] += (cut - previous) * 1000
+        if self.billing_started is not None:
+            durations["billing"] += max(0.0, done - cut) * 1000
         return durations
 
     @property
+    def total_ms(self) -> float:
+        return ((self.done if self.done is not None else time.monotonic()) - self.received) * 1000
+
+    @property
     def ttft_ms(self) -> float | None:
-        return None if self.first_token is None else (self.first_token - self.received) * 1000
+        first_token = self.ends.get("prefill")
+        return None if first_token is None else (first_token - self.received) * 1000
 
     def server_timing(self) -> str:
-        """The Server-Timing header value: `gateway;dur=0.41, tokenize;dur=0.22, ...`."""
-        parts = [f"{stage};dur={ms:.2f}" for stage, ms in self.durations_ms().items()]
-        total = (self.done or time.monotonic()) - self.received
-        parts.append(f"total;dur={total * 1000:.2f}")
+        """The Server-Timing header value: `auth;dur=0.04, validation;dur=0.22, ...`, as of now."""
+        durations = self.durations_ms()
+        parts = [f"{stage};dur={ms:.2f}" for stage, ms in durations.items()]
+        parts.append(f"total;dur={sum(durations.values()):.2f}")
         return ", ".join(parts)
