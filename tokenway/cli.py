@@ -1,9 +1,11 @@
-"""tokenway serve | generate | models.
+"""tokenway serve | generate | keys | usage | trace.
 
     tokenway serve                                   # the default model on 127.0.0.1:8000
     tokenway serve --model ./my-model.gguf --port 9000 --kv-cache-memory 4GiB
     tokenway serve --config tokenway.toml            # same keys as the flags, e.g. port = 9000
     tokenway generate "The capital of France is" --max-tokens 16
+    tokenway trace chatcmpl-...                      # where one request's time went
+    tokenway trace --summary                         # ... and over the last requests
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ SERVE_OPTIONS = {
     "default_max_tokens": (int, None),
     "max_messages": (int, 2048),
     "prices": (dict, None),  # {model: {input, cached_input, output}} in USD per million tokens
+    # observability: traces, /metrics, /dashboard, OTLP export
+    "observability": (bool, True),  # False: none of them (to measure what they cost)
+    "trace_capacity": (int, 2048),  # traces kept in memory (older ones stay in the ledger)
+    "otlp_endpoint": (str, None),  # OTLP/HTTP collector, e.g. http://127.0.0.1:4318; also $OTEL_EXPORTER_OTLP_ENDPOINT
+    "otlp_headers": (dict, None),  # extra headers for the collector (config file only)
 }
 
 
@@ -105,6 +112,11 @@ def add_serve_parser(sub) -> None:
                        help="no auth, limits or ledger (to measure what they cost)")
     for name in ("rpm", "tpm", "tpd", "max-concurrent", "max-tokens"):
         serve.add_argument(f"--default-{name}", type=int, help=f"{name} for keys that set none")
+    serve.add_argument("--no-observability", dest="observability", action="store_const", const=False,
+                       help="no traces, /metrics, dashboard or OTLP export (to measure what they cost)")
+    serve.add_argument("--trace-capacity", type=int, help="traces kept in memory (default 2048)")
+    serve.add_argument("--otlp-endpoint", help="export spans over OTLP/HTTP, e.g. http://127.0.0.1:4318 "
+                       "(default $OTEL_EXPORTER_OTLP_ENDPOINT; unset: off)")
 
 
 def run_serve(options: dict) -> int:
@@ -142,6 +154,8 @@ def run_serve(options: dict) -> int:
     engine = AsyncEngine(engine_config)
     gatekeeper = build_gatekeeper(options) if options["gateway"] else None
     state = ServerState(engine=engine, config=server_config, model_names=names, gatekeeper=gatekeeper)
+    if options["observability"]:
+        state.observer = build_observer(state, options)
     app = create_app(state)
     server = Server(uvicorn.Config(
         app, host=server_config.host, port=server_config.port, log_level="warning", access_log=False,
@@ -167,6 +181,8 @@ def run_serve(options: dict) -> int:
         announcer.cancel()
         if gatekeeper is not None:
             await gatekeeper.close()  # flush the ledger
+        if state.observer is not None:
+            state.observer.close()  # flush spans
 
     try:
         asyncio.run(main())
@@ -176,6 +192,20 @@ def run_serve(options: dict) -> int:
         return 1  # could not bind, for instance
     print("tokenway: stopped", file=sys.stderr)
     return 0
+
+
+def build_observer(state, options: dict):
+    from tokenway.observability.observer import Observer
+
+    exporter = None
+    endpoint = options["otlp_endpoint"] or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if endpoint:
+        from tokenway.observability.otel import OtelExporter
+
+        exporter = OtelExporter(endpoint, headers=options["otlp_headers"], server_address=options["host"],
+                                server_port=options["port"])
+        print(f"tokenway: exporting spans to {endpoint}", file=sys.stderr, flush=True)
+    return Observer(state.engine_stats, trace_capacity=options["trace_capacity"], exporter=exporter)
 
 
 def build_gatekeeper(options: dict):
@@ -254,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--seed", type=int)
     generate.add_argument("--dtype", default="auto")
     from tokenway.keys_cli import add_keys_parser, run_keys
+    from tokenway.trace_cli import add_trace_parser, run_trace
 
     add_keys_parser(sub)
+    add_trace_parser(sub)
     usage = sub.add_parser("usage", help="usage by key, day and model, from the ledger")
     usage.add_argument("--key-id")
     usage.add_argument("--db")
@@ -268,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_keys(args)
         if args.command == "usage":
             return run_usage(args)
+        if args.command == "trace":
+            return run_trace(args)
         return run_generate(args)
     except ValueError as exc:  # bad model path, bad size, ...: one clear line, no traceback
         print(f"tokenway: {exc}", file=sys.stderr)

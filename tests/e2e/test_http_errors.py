@@ -9,6 +9,8 @@ import json
 import httpx
 import pytest
 
+from tokenway.gateway.stages import STAGES
+
 from .conftest import Server
 
 MODEL = "smollm2-135m-instruct"
@@ -144,7 +146,7 @@ def test_server_timing_header_and_stream_comment_add_up(server):
     response = httpx.post(server.base_url + CHAT, content=chat(max_tokens=6), timeout=60)
     assert response.status_code == 200
     parts = dict(item.strip().split(";dur=") for item in response.headers["server-timing"].split(","))
-    assert list(parts) == ["gateway", "tokenize", "queue", "prefill", "decode", "postprocess", "total"]
+    assert list(parts) == [*STAGES, "total"]
     stages = sum(float(v) for k, v in parts.items() if k != "total")
     assert abs(stages - float(parts["total"])) < 0.1 and float(parts["prefill"]) > 0
     with httpx.stream("POST", server.base_url + CHAT, content=chat(max_tokens=6, stream=True), timeout=60) as streamed:

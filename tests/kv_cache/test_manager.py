@@ -85,7 +85,7 @@ def test_shared_prefix_reuses_exact_blocks():
 
     req2 = make_request("2", list(range(32)) + [200] * 20)
     assert manager.get_computed_blocks(req2) == ([0, 1], 32)
-    assert manager.get_cache_miss_reason("2") == "partial"
+    assert manager.get_cache_miss_reason("2") == "not_cached"  # 2 blocks hit, then one never cached
     # A lookup counts once its allocation succeeds.
     assert manager.prefix_cache_hit_rate == pytest.approx((0 + 48) / (51 + 53))
     assert manager.allocate_slots(req2, 52 - 32, [0, 1]) == [5, 6]
@@ -203,7 +203,7 @@ def test_allocate_slots_returns_none_and_changes_nothing_when_out_of_blocks():
     before = snapshot(manager, "b")
     assert manager.allocate_slots(req_b, 40, computed_block_ids) is None
     assert snapshot(manager, "b") == before
-    assert manager.get_cache_miss_reason("b") == "partial"
+    assert manager.get_cache_miss_reason("b") == "not_cached"
 
     # 2 hits + 2 new blocks fit exactly.
     req_c = make_request("c", list(range(32)) + list(range(1000, 1020)))
@@ -286,7 +286,7 @@ def test_prefix_caching_disabled():
     assert prefill(manager, req1) == ([], [3, 4, 5])
     assert manager.block_pool.num_cached_blocks == 0
     assert req1.block_hashes == []
-    assert manager.get_cache_miss_reason("1") is None
+    assert manager.get_cache_miss_reason("1") == "disabled"
     assert manager.prefix_cache_hit_rate == 0.0
 
 
@@ -398,3 +398,25 @@ def test_random_schedules_keep_invariants_and_kv_contents(seed):
     assert manager.usage == 0.0
     assert manager.num_hit_tokens > 0
     assert manager.block_pool.num_evicted_blocks > 0
+
+
+def test_a_miss_on_an_evicted_block_says_evicted():
+    manager = KVCacheManager(num_blocks=4, block_size=16)
+    req_a = make_request("a", range(49))  # blocks 0-2 full and cached, block 3 partial
+    prefill(manager, req_a)
+    manager.free(req_a)
+    # Another prompt needs all four blocks: a's cached blocks are evicted for it.
+    req_b = make_request("b", range(1000, 1064))
+    prefill(manager, req_b)
+    assert manager.get_cache_miss_reason("b") == "not_cached"
+    manager.free(req_b)
+
+    req_a2 = make_request("a2", range(49))
+    assert manager.get_computed_blocks(req_a2) == ([], 0)
+    assert manager.get_cache_miss_reason("a2") == "evicted"
+    # Cached again, the hash is no longer "evicted": a later diverging prompt is "not_cached".
+    prefill(manager, req_a2)
+    manager.free(req_a2)
+    req_c = make_request("c", list(range(16)) + list(range(5000, 5040)))
+    assert manager.get_computed_blocks(req_c)[1] == 16
+    assert manager.get_cache_miss_reason("c") == "not_cached"

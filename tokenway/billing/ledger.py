@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Self, TypeVar
 
@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 COLUMNS = ("request_id", "key_id", "model", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_usd",
-           "finish_reason", "error", "status", "stages_ms", "started_at", "finished_at")
+           "finish_reason", "error", "status", "stages_ms", "started_at", "finished_at", "trace")
+JSON_COLUMNS = ("stages_ms", "trace")
 USAGE_FIELDS = ("key_id", "day", "model", "requests", "prompt_tokens", "cached_tokens", "completion_tokens",
                 "cost_usd")
 
@@ -54,6 +55,9 @@ class UsageRecord:
     stages_ms: dict[str, float]
     started_at: float
     finished_at: float
+    # The rest of the request's trace (observability/traces.py) as of the commit: endpoint,
+    # ttft_ms, tpot_ms, total_ms, cache_reason... so `tokenway trace` outlives the ring.
+    trace: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -68,10 +72,14 @@ class UsageRecord:
         if not all(math.isfinite(ms) for ms in self.stages_ms.values()):
             raise ValueError("stages_ms values must be finite")
 
-    def to_row(self, encode_stages: Callable[[dict[str, float]], Any] = json.dumps) -> tuple:
-        """Values in COLUMNS order, stages_ms encoded for the backend."""
-        return tuple(encode_stages(self.stages_ms) if name == "stages_ms" else getattr(self, name)
+    def to_row(self, encode_json: Callable[[dict], Any] = json.dumps) -> tuple:
+        """Values in COLUMNS order, the JSON columns encoded for the backend."""
+        return tuple(encode_json(getattr(self, name)) if name in JSON_COLUMNS else getattr(self, name)
                      for name in COLUMNS)
+
+    @classmethod
+    def from_row(cls, row: Sequence, decode_json: Callable[[Any], dict] = json.loads) -> "UsageRecord":
+        return cls(*(decode_json(value) if name in JSON_COLUMNS else value for name, value in zip(COLUMNS, row)))
 
 
 class LedgerStore(Protocol):
@@ -85,6 +93,9 @@ class LedgerStore(Protocol):
     def usage(self, key_id: str | None, since: float | None, until: float | None) -> list[dict]: ...
 
     def get(self, request_id: str) -> UsageRecord | None: ...
+
+    def recent(self, limit: int) -> list[UsageRecord]:
+        """The last `limit` rows by finished_at, newest first."""
 
     def close(self) -> None: ...
 
@@ -104,8 +115,10 @@ CREATE TABLE IF NOT EXISTS usage_ledger (
     request_id TEXT PRIMARY KEY, key_id TEXT NOT NULL, model TEXT NOT NULL,
     prompt_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
     cost_usd REAL NOT NULL, finish_reason TEXT, error TEXT, status INTEGER NOT NULL,
-    stages_ms TEXT NOT NULL, started_at REAL NOT NULL, finished_at REAL NOT NULL);
+    stages_ms TEXT NOT NULL, started_at REAL NOT NULL, finished_at REAL NOT NULL,
+    trace TEXT NOT NULL DEFAULT '{}');
 CREATE INDEX IF NOT EXISTS usage_ledger_key_finished ON usage_ledger (key_id, finished_at);
+CREATE INDEX IF NOT EXISTS usage_ledger_finished ON usage_ledger (finished_at);
 """
 
 
@@ -117,6 +130,9 @@ class SqliteStore:
         self._conn.execute("PRAGMA busy_timeout = 10000")
         self._conn.execute("PRAGMA journal_mode = WAL")
         self._conn.execute("PRAGMA synchronous = NORMAL")
+        columns = {row[1] for row in self._conn.execute("PRAGMA table_info(usage_ledger)")}
+        if columns and "trace" not in columns:  # a ledger from before traces were kept
+            self._conn.execute("ALTER TABLE usage_ledger ADD COLUMN trace TEXT NOT NULL DEFAULT '{}'")
         self._conn.executescript(_SQLITE_SCHEMA)
         self._insert_sql = (f"INSERT INTO usage_ledger ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
                             " ON CONFLICT (request_id) DO NOTHING")
@@ -150,9 +166,12 @@ class SqliteStore:
     def get(self, request_id: str) -> UsageRecord | None:
         row = self._conn.execute(f"SELECT {', '.join(COLUMNS)} FROM usage_ledger WHERE request_id = ?",
                                  (request_id,)).fetchone()
-        if row is None:
-            return None
-        return UsageRecord(*row[:10], json.loads(row[10]), *row[11:])
+        return None if row is None else UsageRecord.from_row(row)
+
+    def recent(self, limit: int) -> list[UsageRecord]:
+        rows = self._conn.execute(f"SELECT {', '.join(COLUMNS)} FROM usage_ledger ORDER BY finished_at DESC LIMIT ?",
+                                  (limit,)).fetchall()
+        return [UsageRecord.from_row(row) for row in rows]
 
     def close(self) -> None:
         self._conn.close()
@@ -259,6 +278,9 @@ class Ledger:
 
     async def get(self, request_id: str) -> UsageRecord | None:
         return await self._read(lambda store: store.get(request_id))
+
+    async def recent(self, limit: int) -> list[UsageRecord]:
+        return await self._read(lambda store: store.recent(limit))
 
     async def close(self) -> None:
         """Commit everything queued, then stop the writer. Idempotent."""

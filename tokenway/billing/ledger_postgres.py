@@ -18,7 +18,9 @@ CREATE TABLE IF NOT EXISTS usage_ledger (
     prompt_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
     cost_usd DOUBLE PRECISION NOT NULL, finish_reason TEXT, error TEXT, status INTEGER NOT NULL,
     stages_ms JSONB NOT NULL, started_at DOUBLE PRECISION NOT NULL, finished_at DOUBLE PRECISION NOT NULL);
+ALTER TABLE usage_ledger ADD COLUMN IF NOT EXISTS trace JSONB NOT NULL DEFAULT '{}';
 CREATE INDEX IF NOT EXISTS usage_ledger_key_finished ON usage_ledger (key_id, finished_at);
+CREATE INDEX IF NOT EXISTS usage_ledger_finished ON usage_ledger (finished_at);
 """
 _INSERT = (f"INSERT INTO usage_ledger ({', '.join(COLUMNS)}) VALUES ({', '.join(['%s'] * len(COLUMNS))})"
            " ON CONFLICT (request_id) DO NOTHING RETURNING request_id")
@@ -60,6 +62,11 @@ class PostgresStore:
         row = self._conn.execute(f"SELECT {', '.join(COLUMNS)} FROM usage_ledger WHERE request_id = %s",
                                  (request_id,)).fetchone()
         return None if row is None else UsageRecord(*row)  # psycopg decodes jsonb into a dict
+
+    def recent(self, limit: int) -> list[UsageRecord]:
+        rows = self._conn.execute(f"SELECT {', '.join(COLUMNS)} FROM usage_ledger ORDER BY finished_at DESC LIMIT %s",
+                                  (limit,)).fetchall()
+        return [UsageRecord(*row) for row in rows]
 
     def close(self) -> None:
         self._conn.close()

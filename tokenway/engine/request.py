@@ -148,6 +148,8 @@ class Request:
     num_computed_tokens: int = 0
     # Prompt tokens whose KV came from the prefix cache on first scheduling; None until then.
     num_cached_tokens: int | None = None
+    # Why the prefix cache stopped there (kv_cache/manager.py CACHE_*), from the same lookup.
+    cache_reason: str | None = None
     # Hashes of the full blocks of all_token_ids, filled in by the KV cache manager.
     block_hashes: list[bytes] = field(default_factory=list)
     stop_reason: int | str | None = None

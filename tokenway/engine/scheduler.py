@@ -54,6 +54,7 @@ class EngineOutput:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    cache_reason: str | None = None
     arrival_time: float = 0.0  # time.monotonic() clock, as on the Request
     first_scheduled_time: float | None = None
 
@@ -142,6 +143,7 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
+                request.cache_reason = kv.get_cache_miss_reason(request.request_id)
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -241,6 +243,7 @@ class Scheduler:
             stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens or 0,
+            cache_reason=request.cache_reason,
             arrival_time=request.arrival_time,
             first_scheduled_time=request.first_scheduled_time,
         )

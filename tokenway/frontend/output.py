@@ -52,6 +52,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    cache_reason: str | None = None  # why the prefix cache stopped there (kv_cache/manager.py)
     metrics: RequestMetrics | None = None
 
 
@@ -86,6 +87,7 @@ class RequestState:
         self.num_released = 0  # chars of `decoded` handed to the caller
         self.output = CompletionOutput(index, "", [], logprobs=[] if params.logprobs is not None else None)
         self.num_cached_tokens = 0
+        self.cache_reason: str | None = None
         self.finished = False
         self.metrics = RequestMetrics()
 
@@ -94,6 +96,7 @@ class RequestState:
         finish_reason "stop" and the caller must finish the request in the engine."""
         out = self.output
         self.num_cached_tokens = engine_output.num_cached_tokens
+        self.cache_reason = engine_output.cache_reason
         metrics = self.metrics
         metrics.arrival_time = engine_output.arrival_time
         metrics.first_scheduled_time = engine_output.first_scheduled_time
@@ -151,5 +154,6 @@ class RequestState:
             [snapshot],
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
+            cache_reason=self.cache_reason,
             metrics=replace(metrics),
         )

@@ -44,19 +44,24 @@ class CreateKeyRequest(pydantic.BaseModel):
     expires_at: Annotated[float, pydantic.Field(allow_inf_nan=False)] | None = None  # unix seconds
 
 
+def check_admin_key(request: Request, admin_key: str | None) -> None:
+    """401 unless the request carries `Authorization: Bearer <admin_key>`; 404 when the
+    server has no admin key (the admin API does not exist then)."""
+    if admin_key is None:
+        raise NotFoundError(f"No route {request.method} {request.url.path}")
+    scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+    # compare_digest: the time taken must not reveal how much of the admin key was right.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), admin_key.encode()):
+        raise AuthenticationError("This route needs the admin key: Authorization: Bearer ADMIN_KEY.",
+                                  code="invalid_admin_key")
+
+
 def admin_router(store: KeyStore, admin_key: str | None) -> APIRouter:
     if admin_key is not None and not admin_key.strip():
         raise ValueError("admin_key: must be a non-empty string, or None to disable the admin API")
-    expected = admin_key.encode() if admin_key is not None else None
 
     def require_admin(request: Request) -> None:
-        if expected is None:
-            raise NotFoundError(f"No route {request.method} {request.url.path}")
-        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
-        # compare_digest: the time taken must not reveal how much of the admin key was right.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
-            raise AuthenticationError("This route needs the admin key: Authorization: Bearer ADMIN_KEY.",
-                                      code="invalid_admin_key")
+        check_admin_key(request, admin_key)
 
     router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], include_in_schema=False)
 

@@ -40,8 +40,7 @@ def openai_tools(body) -> tuple[list[dict] | None, object]:
 
 
 def prepare(state: ServerState, body, clock: StageClock, record: CallRecord) -> tuple[Generation, bool]:
-    model = state.resolve_model(body.model, record)
-    clock.mark("validated")
+    model = state.route(body, record, clock)
     tools, tool_choice = openai_tools(body)
     prompt = build_chat_prompt(state.tokenizer, to_chat_messages(body), tools, tool_choice)
     max_tokens = state.max_tokens(record, len(prompt.prompt_token_ids), body.max_tokens, "max_tokens",

@@ -21,10 +21,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenway.gateway import anthropic_routes, openai_routes
 from tokenway.gateway.admin_routes import admin_router
+from tokenway.observability.routes import observability_router
 from tokenway.gateway.http import ClientDisconnected, EventStreamResponse, parse_body
 from tokenway.gateway.policy import CallRecord, Gatekeeper
 from tokenway.gateway.serving import ServerState
 from tokenway.gateway.stages import StageClock
+from tokenway.observability.observer import Observer
+from tokenway.observability.traces import Trace
 from tokenway.protocol import anthropic as anthropic_schema
 from tokenway.protocol import openai as openai_schema
 from tokenway.protocol.errors import (
@@ -49,50 +52,71 @@ def is_admin(request: Request, admin_key: str | None) -> bool:
     return hmac.compare_digest(supplied.encode(), admin_key.encode())
 
 
-def error_response(request_path: str, exc: TokenwayError) -> JSONResponse:
+def error_response(request_path: str, exc: TokenwayError, request_id: str | None = None) -> JSONResponse:
     body = anthropic_error_body(exc) if request_path.startswith("/v1/messages") else openai_error_body(exc)
-    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+    headers = dict(exc.headers)
+    if request_id is not None and request_path in GENERATION_PATHS:
+        headers["x-request-id"] = request_id
+    return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
-# The calls that generate: each writes exactly one ledger row, whatever happens to it.
-LEDGERED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})
+# The calls that generate: each writes exactly one ledger row and one trace, whatever happens to it.
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})
 
 
 class GatewayMiddleware:
     """Stage 1 of every request: start the stage clock, enforce the body limit
     (Content-Length up front, a running count for chunked bodies), authenticate /v1 calls,
     put the x-ratelimit-* headers on the response, and write the call's ledger row: before
-    the last byte of the response leaves, or (the client gone) right after."""
+    the last byte of the response leaves, or (the client gone) right after. Last, a
+    generation call's trace goes to the observer."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, gatekeeper: Gatekeeper | None) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, gatekeeper: Gatekeeper | None,
+                 observer: Observer | None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.gatekeeper = gatekeeper
+        self.observer = observer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         clock = StageClock()
-        record = CallRecord()
+        path = scope["path"]
+        record = CallRecord(endpoint=path)
         state = scope.setdefault("state", {})
         state["clock"], state["record"] = clock, record
+        generation_call = scope["method"] == "POST" and path in GENERATION_PATHS
+        status = 0
+        try:
+            status = await self._handle(scope, receive, send, clock, record, generation_call)
+        finally:
+            clock.finish()
+            if generation_call and self.observer is not None:
+                self.observer.record(Trace.of_call(record, clock, status or 499))
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, clock: StageClock, record: CallRecord,
+                      generation_call: bool) -> int:
+        """Run the request; returns the HTTP status sent (0 if none was)."""
         path = scope["path"]
         limit = self.max_body_bytes
         too_large = PayloadTooLargeError(f"Request body exceeds the limit of {limit} bytes")
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        record.traceparent = headers.get("traceparent")
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
-            await error_response(path, too_large)(scope, receive, send)
-            return
+            await error_response(path, too_large, record.request_id)(scope, receive, send)
+            return too_large.status
         gatekeeper = self.gatekeeper
         if gatekeeper is not None and path.startswith("/v1/"):
             try:
                 record.principal = gatekeeper.authenticate(headers)
             except TokenwayError as exc:
-                await error_response(path, exc)(scope, receive, send)
-                return
-        ledgered = gatekeeper is not None and scope["method"] == "POST" and path in LEDGERED_PATHS
+                await error_response(path, exc, record.request_id)(scope, receive, send)
+                return exc.status
+        clock.end("auth")
+        ledgered = gatekeeper is not None and generation_call
         received = 0
         status = 0
 
@@ -115,16 +139,19 @@ class GatewayMiddleware:
                     principal = record.principal
                     record.rate_headers = await gatekeeper.limiter.headers(
                         principal.key_id, gatekeeper.limit_spec(principal))
-                if record.rate_headers:
+                extra = dict(record.rate_headers)
+                if generation_call:  # every answer to a generation call names the id to trace it by
+                    extra.setdefault("x-request-id", record.request_id)
+                if extra:
                     response_headers = list(message.get("headers", []))
                     present = {name.lower() for name, _ in response_headers}
-                    response_headers += [(k.encode(), v.encode()) for k, v in record.rate_headers.items()
+                    if b"request-id" in present:  # /v1/messages sends Anthropic's name for it
+                        extra.pop("x-request-id", None)
+                    response_headers += [(k.encode(), v.encode()) for k, v in extra.items()
                                          if k.encode() not in present]
                     message = {**message, "headers": response_headers}
             elif ledgered and not message.get("more_body") and not record.committed:
-                if clock.done is None:
-                    clock.mark("done")
-                await gatekeeper.commit(record, status, clock.durations_ms())
+                await gatekeeper.commit(record, status, clock)
             await send(message)
 
         try:
@@ -133,7 +160,8 @@ class GatewayMiddleware:
             if ledgered and not record.committed:
                 if record.status is None and record.error is None:
                     record.status, record.error = 499, "client disconnected"
-                gatekeeper.commit_nowait(record, status or 499, clock.durations_ms())
+                gatekeeper.commit_nowait(record, status or 499, clock)
+        return status
 
 
 def _schema_extra(model: type) -> dict[str, Any]:
@@ -262,12 +290,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/engine/stats")
     async def engine_stats() -> dict:
         """A snapshot of the engine: what runs, what waits, how full the KV cache is."""
-        core = state.engine.core
-        kv = core.kv_manager
-        return {"num_running": len(core.scheduler.running), "num_waiting": len(core.scheduler.waiting),
-                "num_pending_http": state.num_pending, "kv_blocks_total": kv.num_blocks,
-                "kv_blocks_free": kv.num_free_blocks, "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
-                "num_preemptions": core.scheduler.num_preemptions}
+        return state.engine_stats()
 
     @app.get("/health")
     async def health() -> dict:
@@ -304,5 +327,8 @@ def create_app(state: ServerState) -> FastAPI:
             rows = await state.gatekeeper.ledger.usage(key_id or principal.key_id, since, until)
             return {"object": "list", "data": rows}
 
-    app.add_middleware(GatewayMiddleware, max_body_bytes=state.config.max_body_bytes, gatekeeper=state.gatekeeper)
+    if state.observer is not None:
+        app.include_router(observability_router(state))
+    app.add_middleware(GatewayMiddleware, max_body_bytes=state.config.max_body_bytes, gatekeeper=state.gatekeeper,
+                       observer=state.observer)
     return app

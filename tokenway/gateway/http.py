@@ -40,9 +40,13 @@ async def parse_body(request: Request, model: type[T]) -> T:
     if not isinstance(data, dict):
         raise InvalidRequestError("Request body must be a JSON object")
     try:
-        return model.model_validate(data)
+        parsed = model.model_validate(data)
     except pydantic.ValidationError as exc:
         raise from_validation_error(exc) from None
+    clock = request.scope.get("state", {}).get("clock")
+    if clock is not None:
+        clock.end("validation")
+    return parsed
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

@@ -78,12 +78,11 @@ def openai_finish_reason(reason: str | None) -> str | None:
 
 
 def prepare_chat(state: ServerState, body, clock: StageClock, record: CallRecord):
-    model = state.resolve_model(body.model, record)
+    model = state.route(body, record, clock)
     if body.logprobs and body.top_logprobs is None:
         top_logprobs = 0
     else:
         top_logprobs = body.top_logprobs
-    clock.mark("validated")
     tools = body.template_tools()
     tool_choice = body.tool_choice if body.tool_choice is not None else "auto"
     if hasattr(tool_choice, "model_dump"):
@@ -194,8 +193,7 @@ def completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
 
 
 def prepare_completion(state: ServerState, body, clock: StageClock, record: CallRecord) -> tuple[Generation, str]:
-    model = state.resolve_model(body.model, record)
-    clock.mark("validated")
+    model = state.route(body, record, clock)
     prompts = completion_prompts(state, body.prompt)
     if len(prompts) != 1:
         # Batched prompts would be n choices each; one prompt per call keeps billing exact.

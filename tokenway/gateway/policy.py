@@ -22,6 +22,8 @@ from tokenway.billing.ledger import Ledger, UsageRecord
 from tokenway.billing.pricing import PriceTable, cost_usd
 from tokenway.gateway.auth import ANONYMOUS, KeyStore, Principal, authorize_model, needs_auth, principal_for
 from tokenway.gateway.limits import Decision, Limiter, LimitSpec
+from tokenway.gateway.stages import StageClock
+from tokenway.observability.traces import Trace
 from tokenway.protocol.errors import InvalidRequestError, RateLimitError
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,16 @@ class CallRecord:
     reconciled: bool = False
     rate_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* for the response
     committed: bool = False  # the ledger row is written
+    # For the trace (observability/traces.py) besides the ledger's fields:
+    endpoint: str = ""
+    stream: bool = False
+    num_choices: int = 1
+    max_choice_tokens: int = 0  # the longest choice's completion tokens (TPOT is per choice)
+    cache_reason: str | None = None
+    limit_kind: str | None = None  # the limit that refused the call with a 429
+    sampling: dict = field(default_factory=dict)
+    cost_usd: float = 0.0
+    traceparent: str | None = None
 
 
 @dataclass(slots=True)
@@ -115,12 +127,14 @@ class Gatekeeper:
         if principal.budget_usd is not None:
             spent = await self.ledger.spend_usd(principal.key_id)
             if spent >= principal.budget_usd:
+                record.limit_kind = "budget"
                 raise RateLimitError(
                     f"This API key has used its budget (${spent:.4f} of ${principal.budget_usd:.4f}).",
                     code="insufficient_quota")
         decision = await self.limiter.admit(principal.key_id, self.limit_spec(principal), reserve_tokens)
         record.rate_headers = decision.headers
         if not decision.allowed:
+            record.limit_kind = decision.limit_kind
             raise RateLimitError(self._refusal(decision, reserve_tokens), retry_after=decision.retry_after_s,
                                  code=f"rate_limit_exceeded_{decision.limit_kind}")
         record.decision = decision
@@ -144,8 +158,11 @@ class Gatekeeper:
         used = record.prompt_tokens + record.completion_tokens
         asyncio.get_running_loop().create_task(self.limiter.reconcile(record.decision.reservation, used))
 
-    def usage_record(self, record: CallRecord, status: int, stages_ms: dict[str, float]) -> UsageRecord:
+    def usage_record(self, record: CallRecord, status: int, clock: StageClock) -> UsageRecord:
+        """The ledger row, with the call's trace as of now (the commit is the billing stage)."""
         price = self.prices.price(record.model)
+        record.cost_usd = cost_usd(price, record.prompt_tokens, record.cached_tokens, record.completion_tokens)
+        trace = Trace.of_call(record, clock, status)
         return UsageRecord(
             request_id=record.request_id,
             key_id=record.principal.key_id,
@@ -153,32 +170,34 @@ class Gatekeeper:
             prompt_tokens=record.prompt_tokens,
             cached_tokens=record.cached_tokens,
             completion_tokens=record.completion_tokens,
-            cost_usd=cost_usd(price, record.prompt_tokens, record.cached_tokens, record.completion_tokens),
+            cost_usd=record.cost_usd,
             finish_reason=record.finish_reason,
             error=record.error,
             status=record.status or status,
-            stages_ms=stages_ms,
+            stages_ms=trace.stages_ms,
             started_at=record.started_at,
             finished_at=time.time(),
+            trace=trace.ledger_fields(),
         )
 
-    def _final_row(self, record: CallRecord, status: int, stages_ms: dict[str, float]) -> UsageRecord | None:
+    def _final_row(self, record: CallRecord, status: int, clock: StageClock) -> UsageRecord | None:
         """The call's one row, the first time it is asked for (None after): settles the limits too."""
         if record.committed:
             return None
         record.committed = True
+        clock.start_billing()
         self.settle(record)
-        return self.usage_record(record, status, stages_ms)
+        return self.usage_record(record, status, clock)
 
-    async def commit(self, record: CallRecord, status: int, stages_ms: dict[str, float]) -> None:
+    async def commit(self, record: CallRecord, status: int, clock: StageClock) -> None:
         """Write the request's one ledger row and wait until it is durable."""
-        row = self._final_row(record, status, stages_ms)
+        row = self._final_row(record, status, clock)
         if row is not None:
             await self.ledger.record(row)
 
-    def commit_nowait(self, record: CallRecord, status: int, stages_ms: dict[str, float]) -> None:
+    def commit_nowait(self, record: CallRecord, status: int, clock: StageClock) -> None:
         """The same, for a request whose client is gone (nothing to hold back)."""
-        row = self._final_row(record, status, stages_ms)
+        row = self._final_row(record, status, clock)
         if row is not None:
             self.ledger.record_nowait(row)
 

@@ -21,6 +21,7 @@ from tokenway.gateway import sse
 from tokenway.gateway.http import ClientDisconnected, unless_disconnected
 from tokenway.gateway.policy import CallRecord, Gatekeeper
 from tokenway.gateway.stages import StageClock
+from tokenway.observability.observer import Observer
 from tokenway.protocol.errors import (
     ContextLengthExceededError,
     InternalServerError,
@@ -52,6 +53,7 @@ class ServerState:
     config: ServerConfig
     model_names: tuple[str, ...]
     gatekeeper: Gatekeeper | None = None  # None: no auth, limits or ledger (benchmarks only)
+    observer: Observer | None = None  # None: no traces, metrics or dashboard (--no-observability)
     created: int = field(default_factory=lambda: int(time.time()))
     num_pending: int = 0
     ready: bool = True
@@ -75,6 +77,13 @@ class ServerState:
                 self.gatekeeper.check_model(record.principal, name)
         return name
 
+    def route(self, body, record: CallRecord, clock: StageClock) -> str:
+        """Stage 2: the served model for a generation call (the local engine, for now)."""
+        name = self.resolve_model(body.model, record)
+        record.stream = bool(body.stream)
+        clock.end("routing")
+        return name
+
     def max_tokens(self, record: CallRecord, num_prompt_tokens: int, requested: int | None, param: str,
                    num_messages: int = 1) -> int:
         """max_tokens after the window check and the key's caps (the cap fills in when the
@@ -90,11 +99,21 @@ class ServerState:
         """Budget and limits, reserving prompt + max_tokens for every choice. Raises 429."""
         record = generation.record
         record.request_id, record.prompt_tokens = generation.request_id, len(generation.prompt_token_ids)
-        if self.gatekeeper is None:
-            return
-        max_tokens = generation.params_list[0].max_tokens or 0
-        reserve = len(generation.prompt_token_ids) + max_tokens * generation.num_choices
-        await self.gatekeeper.admit(record, reserve)
+        if self.gatekeeper is not None:
+            max_tokens = generation.params_list[0].max_tokens or 0
+            reserve = len(generation.prompt_token_ids) + max_tokens * generation.num_choices
+            await self.gatekeeper.admit(record, reserve)
+        generation.clock.end("limits")
+
+    def engine_stats(self) -> dict:
+        """A snapshot of the engine: what runs, what waits, how full the KV cache is."""
+        core = self.engine.core
+        kv = core.kv_manager
+        return {"num_running": len(core.scheduler.running), "num_waiting": len(core.scheduler.waiting),
+                "num_pending_http": self.num_pending, "kv_blocks_total": kv.num_blocks,
+                "kv_blocks_free": kv.num_free_blocks, "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
+                "prefix_cache_queried_tokens": kv.num_queried_tokens, "prefix_cache_hit_tokens": kv.num_hit_tokens,
+                "num_preemptions": core.scheduler.num_preemptions}
 
     def take_engine_slots(self, count: int = 1) -> None:
         if self.num_pending + count > self.config.max_pending_requests:
@@ -204,15 +223,17 @@ async def run_choices(
 
 
 def mark_engine_times(clock: StageClock, output: RequestOutput) -> None:
+    """Queue ends when the engine first schedules the request, prefill at its first token,
+    decode at its last (over all choices: the first to start, the last to finish)."""
     metrics = output.metrics
     if metrics is None:
         return
-    if metrics.first_scheduled_time is not None and clock.scheduled is None:
-        clock.mark("scheduled", metrics.first_scheduled_time)
-    if metrics.first_token_time is not None and clock.first_token is None:
-        clock.mark("first_token", metrics.first_token_time)
+    if metrics.first_scheduled_time is not None and not clock.ended("queue"):
+        clock.end("queue", metrics.first_scheduled_time)
+    if metrics.first_token_time is not None and not clock.ended("prefill"):
+        clock.end("prefill", metrics.first_token_time)
     if metrics.last_token_time is not None:
-        clock.mark("last_token", max(metrics.last_token_time, clock.last_token or 0.0))
+        clock.end("decode", max(metrics.last_token_time, clock.ends.get("decode", 0.0)))
 
 
 def log_request(request_id: str, model: str, clock: StageClock, status: int, num_prompt_tokens: int = 0,
@@ -254,6 +275,10 @@ class Generation:
         self.prompt_token_ids = prompt_token_ids
         self.params_list = params_list
         self.num_choices = len(params_list)
+        params = params_list[0]
+        record.request_id, record.num_choices = request_id, self.num_choices
+        record.sampling = {"temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens,
+                           "seed": params.seed, "n": self.num_choices}
         # The engine's own checks (vocabulary, window, a response_format that cannot be
         # satisfied) run now, so they are a 400 before any byte of a stream is sent.
         for params in params_list[:1]:
@@ -264,19 +289,28 @@ class Generation:
         self.completion_tokens = [0] * self.num_choices
         self.finish_reasons: list[str | None] = [None] * self.num_choices
         self.num_cached_tokens = 0
+        self.cache_reason: str | None = None
         self.status = 200
         self.error: str | None = None
+        clock.end("tokenize")
 
     async def outputs(self):
         self.state.take_engine_slots(self.num_choices)
-        self.clock.mark("submitted")
+        observer = self.state.observer
+        last_token_times: list[float | None] = [None] * self.num_choices
         try:
             async for index, output in run_choices(self.state, self.request_id, self.prompt_token_ids,
                                                    self.params_list):
                 mark_engine_times(self.clock, output)
                 completion = output.outputs[0]
+                num_new = len(completion.token_ids) - self.completion_tokens[index]
+                if observer is not None and num_new > 0:
+                    now, previous = output.metrics.last_token_time, last_token_times[index]
+                    observer.on_tokens(self.model, num_new, None if previous is None else (now - previous) / num_new)
+                    last_token_times[index] = now
                 self.completion_tokens[index] = len(completion.token_ids)
-                self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+                if output.num_cached_tokens >= self.num_cached_tokens:
+                    self.num_cached_tokens, self.cache_reason = output.num_cached_tokens, output.cache_reason
                 if completion.finish_reason is not None:
                     self.finish_reasons[index] = completion.finish_reason
                 yield index, output
@@ -299,7 +333,7 @@ class Generation:
     async def commit(self) -> None:
         """Make the ledger row durable; a stream calls this before its final event."""
         if self.state.gatekeeper is not None:
-            await self.state.gatekeeper.commit(self.record, self.status, self.clock.durations_ms())
+            await self.state.gatekeeper.commit(self.record, self.status, self.clock)
 
     async def json_response(self, request, work, id_header: str = "x-request-id"):
         """Await the response body unless the client leaves first; log and time it either way."""
@@ -311,7 +345,7 @@ class Generation:
         except TokenwayError as exc:
             self.finish(exc.status, exc.message)
             raise
-        self.clock.mark("done")
+        self.clock.end("postprocess")
         response = JSONResponse(body, headers={"Server-Timing": self.clock.server_timing(), id_header: self.request_id})
         self.finish()
         return response
@@ -320,7 +354,6 @@ class Generation:
         return usage_dict(len(self.prompt_token_ids), sum(self.completion_tokens), self.num_cached_tokens)
 
     def finish(self, status: int | None = None, error: str | None = None) -> None:
-        self.clock.mark("done")
         if status is not None:
             self.status, self.error = status, error
         reasons = [r for r in self.finish_reasons if r]
@@ -328,6 +361,8 @@ class Generation:
         record.request_id, record.model = self.request_id, self.model
         record.prompt_tokens, record.cached_tokens = len(self.prompt_token_ids), self.num_cached_tokens
         record.completion_tokens = sum(self.completion_tokens)
+        record.max_choice_tokens = max(self.completion_tokens)
+        record.cache_reason = self.cache_reason
         record.finish_reason = reasons[0] if reasons else None
         record.error = self.error
         if status is not None:
@@ -359,7 +394,7 @@ async def framed_stream(events: AsyncIterator[bytes], generation: Generation,
         generation.finish(499, "client disconnected")
         raise
     else:
-        generation.clock.mark("done")
+        generation.clock.end("postprocess")
         yield sse.comment("server-timing: " + generation.clock.server_timing())
         generation.finish()
         await generation.commit()

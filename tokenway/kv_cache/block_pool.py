@@ -28,6 +28,10 @@ class BlockPool:
         self._free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._hash_to_block_id: dict[bytes, int] = {}
         self.num_evicted_blocks = 0  # cached blocks whose hash was dropped to reuse them
+        # Hashes evicted lately (bounded, oldest dropped first), so a miss can say "evicted"
+        # rather than "never cached". A hash cached again leaves the set.
+        self._evicted_hashes: OrderedDict[bytes, None] = OrderedDict()
+        self._max_evicted_hashes = 4 * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -56,6 +60,10 @@ class BlockPool:
     def get_cached_block(self, block_hash: bytes) -> int | None:
         return self._hash_to_block_id.get(block_hash)
 
+    def was_evicted(self, block_hash: bytes) -> bool:
+        """Whether block_hash was cached and then evicted (as far as the bounded memory goes)."""
+        return block_hash in self._evicted_hashes
+
     def get_new_blocks(self, num_blocks: int) -> list[int]:
         """Take num_blocks blocks from the head of the free queue, each with ref_cnt 1."""
         if num_blocks < 0 or num_blocks > self.num_free_blocks:
@@ -71,6 +79,9 @@ class BlockPool:
                 del self._hash_to_block_id[block_hash]
                 self._block_hashes[block_id] = None
                 self.num_evicted_blocks += 1
+                self._evicted_hashes[block_hash] = None
+                if len(self._evicted_hashes) > self._max_evicted_hashes:
+                    self._evicted_hashes.popitem(last=False)
             self._ref_cnts[block_id] = 1
             block_ids.append(block_id)
         return block_ids
@@ -112,6 +123,7 @@ class BlockPool:
             return
         self._hash_to_block_id[block_hash] = block_id
         self._block_hashes[block_id] = block_hash
+        self._evicted_hashes.pop(block_hash, None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed when no block is in use; returns success."""
@@ -119,4 +131,5 @@ class BlockPool:
             return False
         self._hash_to_block_id.clear()
         self._block_hashes = [None] * self.num_blocks
+        self._evicted_hashes.clear()
         return True

@@ -22,11 +22,13 @@ from tokenway.engine.request import Request
 from tokenway.kv_cache.block_hash import update_block_hashes
 from tokenway.kv_cache.block_pool import BlockPool
 
-# Why get_computed_blocks found what it found (see get_cache_miss_reason).
+# Why get_computed_blocks stopped where it did (see get_cache_miss_reason); the number of
+# blocks that did hit is num_computed_tokens // block_size.
 CACHE_HIT = "hit"  # every block that may be reused was cached
 CACHE_NO_FULL_BLOCK = "no_full_block"  # no full block lies before the last token
-CACHE_NOT_CACHED = "not_cached"  # the first block was not cached
-CACHE_PARTIAL = "partial"  # some leading blocks hit, then a miss
+CACHE_NOT_CACHED = "not_cached"  # the first block that missed was never cached (no prompt shared it)
+CACHE_EVICTED = "evicted"  # the first block that missed had been cached, then evicted for room
+CACHE_DISABLED = "disabled"  # prefix caching is off
 
 
 class KVCacheManager:
@@ -86,7 +88,10 @@ class KVCacheManager:
 
         Ref counts are untouched; pass the ids to allocate_slots to take them.
         """
-        if not self.enable_prefix_caching or request.num_computed_tokens != 0:
+        if request.num_computed_tokens != 0:
+            return [], 0
+        if not self.enable_prefix_caching:
+            self._request_id_to_cache_miss_reason[request.request_id] = CACHE_DISABLED
             return [], 0
         update_block_hashes(request, self.block_size, self.namespace)
         # NOTE: When all tokens hit the cache, we must recompute the last token to obtain
@@ -105,10 +110,10 @@ class KVCacheManager:
             reason = CACHE_NO_FULL_BLOCK
         elif len(computed_block_ids) == max_num_blocks:
             reason = CACHE_HIT
-        elif not computed_block_ids:
-            reason = CACHE_NOT_CACHED
+        elif self.block_pool.was_evicted(request.block_hashes[len(computed_block_ids)]):
+            reason = CACHE_EVICTED
         else:
-            reason = CACHE_PARTIAL
+            reason = CACHE_NOT_CACHED
         self._request_id_to_cache_miss_reason[request.request_id] = reason
         return computed_block_ids, num_computed_tokens
 

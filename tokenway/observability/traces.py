@@ -13,7 +13,7 @@ import statistics
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
-from tokenway.gateway.stages import STAGES
+from tokenway.gateway.stages import STAGES, StageClock
 
 # Why the prefix cache stopped where it did (kv_cache/manager.py sets the first four).
 CACHE_EXPLANATIONS = {
@@ -56,6 +56,40 @@ class Trace:
     limit_kind: str | None = None  # which limit refused it (a 429)
     sampling: dict = field(default_factory=dict)  # temperature, top_p, max_tokens, seed, n as requested
     traceparent: str | None = None  # the caller's W3C trace context, when it sent one
+
+    @classmethod
+    def of_call(cls, record, clock: StageClock, status: int) -> "Trace":
+        """The trace of one call (a gateway CallRecord) as of now."""
+        stages_ms = clock.durations_ms()
+        return cls(
+            request_id=record.request_id, endpoint=record.endpoint, model=record.model,
+            key_id=record.principal.key_id, status=record.status or status, started_at=record.started_at,
+            stages_ms=stages_ms, total_ms=sum(stages_ms.values()), ttft_ms=clock.ttft_ms,
+            tpot_ms=tpot_ms(stages_ms["decode"], record.max_choice_tokens) if clock.ended("decode") else None,
+            stream=record.stream, num_choices=record.num_choices, prompt_tokens=record.prompt_tokens,
+            cached_tokens=record.cached_tokens, completion_tokens=record.completion_tokens,
+            finish_reason=record.finish_reason, error=record.error, cost_usd=record.cost_usd,
+            cache_reason=record.cache_reason, limit_kind=record.limit_kind, sampling=record.sampling,
+            traceparent=record.traceparent,
+        )
+
+    # What the ledger row keeps besides its own columns (`tokenway trace` rebuilds the rest).
+    LEDGER_FIELDS = ("endpoint", "total_ms", "ttft_ms", "tpot_ms", "stream", "num_choices", "cache_reason",
+                     "limit_kind", "sampling")
+
+    def ledger_fields(self) -> dict:
+        return {name: getattr(self, name) for name in self.LEDGER_FIELDS}
+
+    @classmethod
+    def from_usage_record(cls, row) -> "Trace":
+        """A trace rebuilt from a ledger row (billing/ledger.py UsageRecord)."""
+        extras = {k: v for k, v in row.trace.items() if k in cls.LEDGER_FIELDS}
+        extras.setdefault("endpoint", "")
+        extras.setdefault("total_ms", sum(row.stages_ms.values()))
+        return cls(request_id=row.request_id, model=row.model, key_id=row.key_id, status=row.status,
+                   started_at=row.started_at, stages_ms=row.stages_ms, prompt_tokens=row.prompt_tokens,
+                   cached_tokens=row.cached_tokens, completion_tokens=row.completion_tokens,
+                   finish_reason=row.finish_reason, error=row.error, cost_usd=row.cost_usd, **extras)
 
     def to_dict(self) -> dict:
         data = asdict(self)

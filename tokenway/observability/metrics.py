@@ -1,0 +1,131 @@
+"""Prometheus metrics: names under tokenway_, units in the names, _total on counters.
+
+Request metrics are observed once per call from its Trace (and inter-token latency once per
+engine output); engine gauges are read from the engine when Prometheus scrapes, so the
+engine thread never touches a metric. Each server has its own CollectorRegistry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tokenway.gateway.stages import STAGES
+from tokenway.observability.traces import Trace
+
+# Buckets in seconds. Latency: 1 ms .. 2 min; per token: 1 ms .. 2.5 s; stages: 10 µs .. 2 min.
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 120.0)
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                 0.75, 1.0, 2.5)
+STAGE_BUCKETS = (0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
+
+
+class Metrics:
+    def __init__(self, engine_stats: Callable[[], dict] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple, labels: tuple = ("model",)) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        def counter(name: str, doc: str, labels: tuple = ("model",)) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        self.ttft = histogram("tokenway_time_to_first_token_seconds", "From request received to first token.",
+                              LATENCY_BUCKETS)
+        self.tpot = histogram("tokenway_time_per_output_token_seconds",
+                              "Decode time per output token after the first, per request.", TOKEN_BUCKETS)
+        self.itl = histogram("tokenway_inter_token_latency_seconds",
+                             "Time between consecutive tokens of one choice.", TOKEN_BUCKETS)
+        self.e2e = histogram("tokenway_e2e_request_latency_seconds",
+                             "From request received to the last byte sent.", LATENCY_BUCKETS)
+        self.queue = histogram("tokenway_request_queue_time_seconds",
+                               "From admission to first scheduled by the engine.", LATENCY_BUCKETS)
+        self.prefill = histogram("tokenway_request_prefill_time_seconds",
+                                 "From first scheduled to the first token.", LATENCY_BUCKETS)
+        self.decode = histogram("tokenway_request_decode_time_seconds",
+                                "From the first token to the last.", LATENCY_BUCKETS)
+        self.stage = histogram("tokenway_stage_duration_seconds",
+                               "Time spent in each stage of the request path.", STAGE_BUCKETS, ("stage",))
+        self.requests = counter("tokenway_requests", "Generation calls by outcome.",
+                                ("model", "endpoint", "status", "finish_reason"))
+        self.prompt_tokens = counter("tokenway_prompt_tokens", "Prompt tokens (including cached ones).")
+        self.cached_tokens = counter("tokenway_cached_prompt_tokens", "Prompt tokens served from the prefix cache.")
+        self.completion_tokens = counter("tokenway_completion_tokens", "Generated tokens.")
+        self.cost = counter("tokenway_cost_usd", "Billed cost in US dollars.")
+        self.rate_limited = counter("tokenway_rate_limited", "Calls refused with 429, by the limit that refused.",
+                                    ("kind",))
+        self.disconnects = counter("tokenway_client_disconnects", "Calls whose client left before the end.")
+        self.cache_lookups = counter("tokenway_prefix_cache_lookups", "Prefix-cache outcomes of admitted prompts.",
+                                     ("outcome",))
+        if engine_stats is not None:
+            r.register(EngineCollector(engine_stats))
+
+    def observe(self, trace: Trace) -> None:
+        """Everything about one finished call, once."""
+        model = trace.model or "unknown"
+        stages = trace.stages_ms
+        self.requests.labels(model, trace.endpoint, str(trace.status), trace.finish_reason or "none").inc()
+        self.e2e.labels(model).observe(trace.total_ms / 1000)
+        for stage in STAGES:
+            self.stage.labels(stage).observe(stages.get(stage, 0.0) / 1000)
+        if trace.status == 429:
+            self.rate_limited.labels(trace.limit_kind or "unknown").inc()
+        if trace.status == 499:
+            self.disconnects.labels(model).inc()
+        if trace.prompt_tokens:
+            self.prompt_tokens.labels(model).inc(trace.prompt_tokens)
+            self.cached_tokens.labels(model).inc(trace.cached_tokens)
+        if trace.completion_tokens:
+            self.completion_tokens.labels(model).inc(trace.completion_tokens)
+        if trace.cost_usd:
+            self.cost.labels(model).inc(trace.cost_usd)
+        if trace.cache_reason is not None:
+            self.cache_lookups.labels(trace.cache_reason).inc()
+        if trace.ttft_ms is not None:
+            self.ttft.labels(model).observe(trace.ttft_ms / 1000)
+            self.queue.labels(model).observe(stages.get("queue", 0.0) / 1000)
+            self.prefill.labels(model).observe(stages.get("prefill", 0.0) / 1000)
+            self.decode.labels(model).observe(stages.get("decode", 0.0) / 1000)
+        if trace.tpot_ms is not None:
+            self.tpot.labels(model).observe(trace.tpot_ms / 1000)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineCollector(Collector):
+    """Engine gauges, read at scrape time from `engine_stats()` (a dict like /engine/stats)."""
+
+    def __init__(self, engine_stats: Callable[[], dict]) -> None:
+        self.engine_stats = engine_stats
+
+    def collect(self) -> Iterator:
+        stats = self.engine_stats()
+        used = stats["kv_blocks_total"] - stats["kv_blocks_free"]
+        yield GaugeMetricFamily("tokenway_requests_running", "Requests in the running batch.",
+                                value=stats["num_running"])
+        yield GaugeMetricFamily("tokenway_requests_waiting", "Requests waiting for the engine.",
+                                value=stats["num_waiting"])
+        yield GaugeMetricFamily("tokenway_kv_cache_blocks_used", "KV blocks held by requests.", value=used)
+        yield GaugeMetricFamily("tokenway_kv_cache_blocks_total", "KV blocks in the pool.",
+                                value=stats["kv_blocks_total"])
+        yield GaugeMetricFamily("tokenway_kv_cache_usage_ratio", "Fraction of KV blocks held by requests.",
+                                value=used / stats["kv_blocks_total"] if stats["kv_blocks_total"] else 0.0)
+        yield GaugeMetricFamily("tokenway_prefix_cache_hit_ratio",
+                                "Prompt tokens hit / looked up in the prefix cache since start.",
+                                value=stats["prefix_cache_hit_rate"])
+        yield CounterMetricFamily("tokenway_prefix_cache_queried_tokens", "Prompt tokens looked up in the cache.",
+                                  value=stats["prefix_cache_queried_tokens"])
+        yield CounterMetricFamily("tokenway_prefix_cache_hit_tokens", "Prompt tokens found in the cache.",
+                                  value=stats["prefix_cache_hit_tokens"])
+        yield CounterMetricFamily("tokenway_preemptions", "Requests preempted to free KV blocks.",
+                                  value=stats["num_preemptions"])
+
+    def describe(self) -> Iterator:
+        return iter(())

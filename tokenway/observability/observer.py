@@ -1,0 +1,92 @@
+"""The Observer: where every finished call's Trace goes, and what the dashboard reads.
+
+One per server, used from the event loop thread only. Off (`--no-observability`) means no
+Observer at all: the request path checks `state.observer is None` and does nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+from tokenway.gateway.stages import STAGES
+from tokenway.observability.metrics import Metrics
+from tokenway.observability.traces import Trace, TraceRing, summarize
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_INTERVAL_S = 1.0
+NUM_SAMPLES = 300  # five minutes of one-second points
+
+
+class Observer:
+    def __init__(self, engine_stats: Callable[[], dict], trace_capacity: int = 2048, exporter=None) -> None:
+        self.engine_stats = engine_stats
+        self.traces = TraceRing(trace_capacity)
+        self.metrics = Metrics(engine_stats)
+        self.exporter = exporter  # an OtelExporter, or None
+        self.num_generated_tokens = 0  # counted as tokens stream out, for throughput over time
+        self.num_finished_requests = 0
+        self.samples: deque[dict] = deque(maxlen=NUM_SAMPLES)
+        self._last_sample: tuple[float, int, int] | None = None  # (time, tokens, requests)
+
+    def record(self, trace: Trace) -> None:
+        self.traces.add(trace)
+        self.num_finished_requests += 1
+        self.metrics.observe(trace)
+        if self.exporter is not None:
+            try:
+                self.exporter.export(trace)
+            except Exception:  # noqa: BLE001 - telemetry must never fail a request
+                logger.exception("OTLP export of %s failed", trace.request_id)
+        self.maybe_sample()
+
+    def on_tokens(self, model: str, num_tokens: int, seconds_per_token: float | None) -> None:
+        """A choice produced num_tokens more tokens, seconds_per_token after its previous ones."""
+        self.num_generated_tokens += num_tokens
+        if seconds_per_token is not None:
+            self.metrics.itl.labels(model).observe(seconds_per_token)
+        self.maybe_sample()
+
+    def maybe_sample(self, now: float | None = None) -> None:
+        """Add a point to the time series when a sample interval has passed. Called on activity
+        and by dashboard reads, so an idle server takes no samples (and costs nothing)."""
+        now = time.time() if now is None else now
+        last = self._last_sample
+        if last is not None and now - last[0] < SAMPLE_INTERVAL_S:
+            return
+        self._last_sample = (now, self.num_generated_tokens, self.num_finished_requests)
+        if last is None:
+            return
+        elapsed = now - last[0]
+        stats = self.engine_stats()
+        total = stats["kv_blocks_total"]
+        used = total - stats["kv_blocks_free"]
+        self.samples.append({
+            "t": now,
+            "tokens_per_s": (self.num_generated_tokens - last[1]) / elapsed,
+            "requests_per_s": (self.num_finished_requests - last[2]) / elapsed,
+            "kv_blocks_used": used,
+            "kv_blocks_total": total,
+            "kv_usage": used / total if total else 0.0,
+            "running": stats["num_running"],
+            "waiting": stats["num_waiting"],
+            "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
+        })
+
+    def snapshot(self, limit: int = 50, summary_over: int = 500) -> dict:
+        """What /dashboard/api/snapshot returns."""
+        self.maybe_sample()
+        return {
+            "stages": list(STAGES),
+            "traces": [t.to_dict() for t in self.traces.recent(limit)],
+            "summary": summarize(self.traces.recent(summary_over)),
+            "timeseries": list(self.samples),
+            "engine": self.engine_stats(),
+        }
+
+    def close(self) -> None:
+        if self.exporter is not None:
+            self.exporter.shutdown()
