@@ -182,7 +182,7 @@ def run_serve(options: dict) -> int:
         if gatekeeper is not None:
             await gatekeeper.close()  # flush the ledger
         if state.observer is not None:
-            state.observer.close()  # flush spans
+            await asyncio.to_thread(state.observer.close)  # flush spans (bounded: 5 s)
 
     try:
         asyncio.run(main())
