@@ -17,12 +17,11 @@ starting once the previous server is idle; each figure is the median over repeat
 until every configuration has >= 1% errors or a p99 over 1 s.
 
 Besides client latency, each response's Server-Timing header splits the server's time:
-    gw     received -> validated: auth, body read and parse, model check (the `gateway` stage;
-           under load it also holds the wait for the event loop to deliver the body)
-    admit  validated -> submitted: prompt checks and the limiter's reservation (`tokenize`;
-           the prompt is token ids, so nothing is tokenized)
-    srv    the server's own total (received -> response built)
-    out    client time to send minus srv: HTTP both ways, the client, and the ledger commit,
+    gw     the `auth`, `validation` and `routing` stages: key check, body read and parse, model
+           check (under load it also holds the wait for the event loop to deliver the body)
+    admit  the `limits` stage: budget and the limiter's reservation
+    srv    the server's own total as of the response being built (Server-Timing)
+    out    client time minus srv: HTTP both ways, the client, and the ledger commit (`billing`),
            which the middleware awaits after the response is built and before its last byte
 """
 
@@ -91,7 +90,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def parse_server_timing(header: str) -> dict[str, float]:
-    """`gateway;dur=0.41, tokenize;dur=0.22, ...` -> {"gateway": 0.41, "tokenize": 0.22, ...}."""
+    """`auth;dur=0.04, validation;dur=0.22, ...` -> {"auth": 0.04, "validation": 0.22, ...}."""
     stage_to_ms = {}
     for part in header.split(","):
         name, _, dur = part.strip().partition(";dur=")
@@ -106,16 +105,16 @@ def summarize(samples: list[Sample]) -> RunStats:
     def ms(values: list[float], q: float) -> float:
         return percentile(values, q) * 1000
 
-    def stage(name: str) -> list[float]:
-        return [s.stage_to_ms.get(name, float("nan")) / 1000 for s in ok]
+    def stage(*names: str) -> list[float]:
+        return [sum(s.stage_to_ms.get(name, float("nan")) for name in names) / 1000 for s in ok]
 
     return RunStats(
         num_requests=len(samples),
         error_pct=100 * (len(samples) - len(ok)) / max(1, len(samples)),
         error_to_count=Counter(s.error for s in samples if s.error is not None),
         p50=ms([s.latency_s for s in ok], 50), p99=ms([s.latency_s for s in ok], 99),
-        gw_p50=ms(stage("gateway"), 50), gw_p99=ms(stage("gateway"), 99),
-        admit_p50=ms(stage("tokenize"), 50), admit_p99=ms(stage("tokenize"), 99),
+        gw_p50=ms(stage("auth", "validation", "routing"), 50), gw_p99=ms(stage("auth", "validation", "routing"), 99),
+        admit_p50=ms(stage("limits"), 50), admit_p99=ms(stage("limits"), 99),
         srv_p50=ms(stage("total"), 50),
         out_p50=ms([s.e2e_s - s.stage_to_ms.get("total", 0) / 1000 for s in ok], 50),
         lag_p99=ms([s.lag_s for s in samples], 99),

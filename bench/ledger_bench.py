@@ -31,7 +31,7 @@ from tokenway.billing.ledger import Ledger, UsageRecord
 def make_record(request_id: str) -> UsageRecord:
     now = time.time()
     return UsageRecord(request_id, f"key-{hash(request_id) % 50}", "smollm2-135m-instruct", 812, 512, 128, 0.000123,
-                       "stop", None, 200, {"gateway": 0.41, "tokenize": 0.22, "queue": 0.05, "prefill": 31.0,
+                       "stop", None, 200, {"auth": 0.04, "validation": 0.37, "tokenize": 0.22, "queue": 0.05, "prefill": 31.0,
                                            "decode": 402.5, "postprocess": 0.12}, now - 0.43, now)
 
 

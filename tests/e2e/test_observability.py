@@ -246,3 +246,31 @@ def test_tokenway_trace_prints_the_waterfall_and_the_summary(server):
                               "http://127.0.0.1:9", "--db", str(server.db)], capture_output=True, text=True,
                              cwd=REPO, timeout=60)
     assert missing.returncode == 1 and "no trace" in missing.stderr
+
+
+def test_spans_reach_an_otlp_collector_with_the_callers_trace_context(default_model_dir):
+    from ..observability.test_otel import Receiver, attributes
+
+    receiver = Receiver()
+    otel_server = Server("--otlp-endpoint", receiver.endpoint)
+    try:
+        parent_trace_id, parent_span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+        response = httpx.post(f"{otel_server.base_url}/v1/chat/completions", timeout=60,
+                              headers={"traceparent": f"00-{parent_trace_id}-{parent_span_id}-01"},
+                              json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert response.status_code == 200
+        request_id = response.json()["id"]
+    finally:
+        assert otel_server.stop() == 0  # shutdown flushes the span queue
+        receiver.stop()
+    roots = [s for s in receiver.by_name(f"chat {MODEL}") if attributes(s)["gen_ai.response.id"] == request_id]
+    assert len(roots) == 1
+    root = roots[0]
+    assert root.trace_id.hex() == parent_trace_id and root.parent_span_id.hex() == parent_span_id
+    attrs = attributes(root)
+    assert attrs["gen_ai.operation.name"] == "chat" and attrs["gen_ai.request.model"] == MODEL
+    assert attrs["gen_ai.usage.output_tokens"] == response.json()["usage"]["completion_tokens"]
+    stage_spans = [s for s in receiver.spans if s.parent_span_id == root.span_id]
+    assert {s.name for s in stage_spans} >= {"tokenway.tokenize", "tokenway.prefill"}
+    assert sum(s.end_time_unix_nano - s.start_time_unix_nano for s in stage_spans) == \
+        root.end_time_unix_nano - root.start_time_unix_nano

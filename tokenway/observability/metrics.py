@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -65,6 +65,8 @@ class Metrics:
                                      ("outcome",))
         if engine_stats is not None:
             r.register(EngineCollector(engine_stats))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
+        PlatformCollector(registry=r)
 
     def observe(self, trace: Trace) -> None:
         """Everything about one finished call, once."""

@@ -22,8 +22,10 @@ NUM_SAMPLES = 300  # five minutes of one-second points
 
 
 class Observer:
-    def __init__(self, engine_stats: Callable[[], dict], trace_capacity: int = 2048, exporter=None) -> None:
+    def __init__(self, engine_stats: Callable[[], dict], trace_capacity: int = 2048, exporter=None,
+                 now: Callable[[], float] = time.time) -> None:
         self.engine_stats = engine_stats
+        self.now = now
         self.traces = TraceRing(trace_capacity)
         self.metrics = Metrics(engine_stats)
         self.exporter = exporter  # an OtelExporter, or None
@@ -50,10 +52,10 @@ class Observer:
             self.metrics.itl.labels(model).observe(seconds_per_token)
         self.maybe_sample()
 
-    def maybe_sample(self, now: float | None = None) -> None:
+    def maybe_sample(self) -> None:
         """Add a point to the time series when a sample interval has passed. Called on activity
         and by dashboard reads, so an idle server takes no samples (and costs nothing)."""
-        now = time.time() if now is None else now
+        now = self.now()
         last = self._last_sample
         if last is not None and now - last[0] < SAMPLE_INTERVAL_S:
             return
