@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import socket
 import statistics
@@ -102,12 +103,55 @@ async def one_round(base_url: str, prompts: list[list[int]], output_len: int, sc
     return sum(r.output_tokens for r in results) / elapsed
 
 
+def micro_costs() -> dict[str, float]:
+    """The instrumentation's own CPU time, in process: per call, per token, per scrape."""
+    sys.path.insert(0, str(REPO))
+    from tokenway.gateway.policy import CallRecord
+    from tokenway.gateway.stages import STAGES, StageClock
+    from tokenway.observability.observer import Observer
+    from tokenway.observability.traces import Trace
+
+    stats = {"num_running": 16, "num_waiting": 0, "num_pending_http": 16, "kv_blocks_total": 5825,
+             "kv_blocks_free": 5000, "prefix_cache_hit_rate": 0.1, "prefix_cache_queried_tokens": 10_000,
+             "prefix_cache_hit_tokens": 1_000, "num_preemptions": 0}
+    observer = Observer(lambda: stats)
+    clock = StageClock()
+    for stage in STAGES[:-1]:
+        clock.end(stage)
+    clock.start_billing()
+    clock.finish()
+    n = 2000
+    records = [CallRecord(request_id=f"cmpl-{i}", endpoint="/v1/completions", model="m", prompt_tokens=100,
+                          completion_tokens=64, max_choice_tokens=64, finish_reason="length") for i in range(n)]
+    started = time.perf_counter()
+    for record in records:
+        observer.record(Trace.of_call(record, clock, 200))
+    per_call = (time.perf_counter() - started) / n
+    started = time.perf_counter()
+    for _ in range(20 * n):
+        observer.on_tokens("m", 1, 0.04)
+    per_token = (time.perf_counter() - started) / (20 * n)
+    started = time.perf_counter()
+    for _ in range(50):
+        observer.metrics.exposition()
+    per_scrape = (time.perf_counter() - started) / 50
+    started = time.perf_counter()
+    for _ in range(50):
+        json.dumps(observer.snapshot(50))
+    per_snapshot = (time.perf_counter() - started) / 50
+    return {"call": per_call, "token": per_token, "scrape": per_scrape, "snapshot": per_snapshot}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int)
     args = parser.parse_args()
     rounds = args.rounds or (2 if args.quick else 4)
+    cost = micro_costs()
+    print(f"instrumentation CPU time in process: {cost['call'] * 1e6:.1f} µs per call (trace, ring, metrics), "
+          f"{cost['token'] * 1e6:.2f} µs per token (inter-token histogram), {cost['scrape'] * 1e3:.2f} ms per "
+          f"/metrics scrape, {cost['snapshot'] * 1e3:.2f} ms per dashboard snapshot (2,000 traces in the ring)")
     output_len = 64
     collector = NullCollector()
     configs = {"off": ("--no-observability",), "on": (), "on+otlp": ("--otlp-endpoint", collector.endpoint)}
@@ -125,6 +169,11 @@ def main() -> None:
                 tokens_per_s[name].append(value)
                 print(f"round {round_index + 1} {name:8s} {value:7.1f} output tok/s", flush=True)
         off = statistics.median(tokens_per_s["off"])
+        # What the load above costs the event loop per second, from the in-process figures.
+        requests_per_s = off / output_len
+        busy = requests_per_s * cost["call"] + off * cost["token"] + cost["scrape"] + cost["snapshot"] / 2
+        print(f"\nat {off:.0f} tok/s ({requests_per_s:.1f} calls/s) with /metrics scraped every 1 s and the dashboard "
+              f"every 2 s, the instrumentation needs {busy * 1e3:.2f} ms of CPU per second ({busy:.2%} of one core)")
         print(f"\nconcurrency 16, {rounds} rounds x 32 requests x {output_len} tokens (median of rounds):")
         for name, values in tokens_per_s.items():
             median = statistics.median(values)

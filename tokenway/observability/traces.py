@@ -201,7 +201,7 @@ def render_waterfall(trace: dict) -> str:
         start = int(_BAR_WIDTH * offset / total) if total > 0 else 0
         width = max(1, round(_BAR_WIDTH * share)) if ms > 0 else 0
         bar = " " * min(start, _BAR_WIDTH - width) + "#" * width
-        lines.append(f"{stage:<12}{ms:>10.2f}{share:>7.1%}  |{bar:<{_BAR_WIDTH}}|")
+        lines.append(f"{stage:<12}{ms:>10.3f}{share:>7.1%}  |{bar:<{_BAR_WIDTH}}|")
         offset += ms
     lines.append(f"{'total':<12}{sum(trace['stages_ms'].values()):>10.2f}{'100.0%' if total else '':>8}")
     return "\n".join(lines)
