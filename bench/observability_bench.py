@@ -17,10 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -30,7 +27,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_bench import REPO, make_requests, run_load  # noqa: E402
+from serve_bench import REPO, make_requests, run_load, start_server  # noqa: E402
 
 
 class NullCollector:
@@ -53,28 +50,6 @@ class NullCollector:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
-def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    data_dir = REPO / ".cache" / "bench"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tokenway.cli", "serve", "--port", str(port), "--log-level", "warning",
-         "--db", str(data_dir / f"observability-{port}.db"), *extra],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-    base_url = f"http://127.0.0.1:{port}"
-    for _ in range(900):
-        try:
-            if httpx.get(base_url + "/ready", timeout=1).status_code == 200:
-                return process, base_url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise SystemExit("server did not start")
 
 
 async def scraper(base_url: str, stop: asyncio.Event) -> int:
@@ -155,7 +130,10 @@ def main() -> None:
     output_len = 64
     collector = NullCollector()
     configs = {"off": ("--no-observability",), "on": (), "on+otlp": ("--otlp-endpoint", collector.endpoint)}
-    servers = {name: start_server(*extra) for name, extra in configs.items()}
+    data_dir = REPO / ".cache" / "bench"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    servers = {name: start_server("--db", str(data_dir / f"observability-{name}.db"), *extra)
+               for name, extra in configs.items()}
     try:
         warmup = make_requests(16, 32, 256, seed=99)
         for _, base_url in servers.values():

@@ -141,14 +141,16 @@ def offline_throughput(prompts: list[list[int]], output_len: int, max_num_seqs: 
     return len(prompts) * output_len / (time.perf_counter() - started)
 
 
-def start_server() -> tuple[subprocess.Popen, str]:
+def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
+    """`tokenway serve` on a free loopback port with `extra` flags, once it is ready."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     process = subprocess.Popen([sys.executable, "-m", "tokenway.cli", "serve", "--port", str(port),
-                                "--log-level", "warning"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                                "--log-level", "warning", *extra], cwd=REPO,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
     base_url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
+    for _ in range(900):
         try:
             if httpx.get(base_url + "/ready", timeout=1).status_code == 200:
                 return process, base_url
