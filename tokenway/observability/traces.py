@@ -64,7 +64,7 @@ class Trace:
         return cls(
             request_id=record.request_id, endpoint=record.endpoint, model=record.model,
             key_id=record.principal.key_id, status=record.status or status, started_at=record.started_at,
-            stages_ms=stages_ms, total_ms=sum(stages_ms.values()), ttft_ms=clock.ttft_ms,
+            stages_ms=stages_ms, total_ms=clock.total_ms, ttft_ms=clock.ttft_ms,
             tpot_ms=tpot_ms(stages_ms["decode"], record.max_choice_tokens) if clock.ended("decode") else None,
             stream=record.stream, num_choices=record.num_choices, prompt_tokens=record.prompt_tokens,
             cached_tokens=record.cached_tokens, completion_tokens=record.completion_tokens,
