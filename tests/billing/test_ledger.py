@@ -247,3 +247,31 @@ async def test_with_a_journal_record_returns_before_the_commit_and_kill_9_loses_
         [row] = await ledger.usage("crash-key")
         assert len(acknowledged) <= row["requests"] <= 5_000
     assert os.path.getsize(journal) == 0
+
+
+async def test_rows_keep_the_trace_and_recent_lists_newest_first(url):
+    async with Ledger(url) as ledger:
+        for i in range(3):
+            await ledger.record(make_record(f"r{i}", finished_at=DAY1 + i,
+                                            trace={"endpoint": "/v1/completions", "ttft_ms": 12.5 + i}))
+        assert (await ledger.get("r1")).trace == {"endpoint": "/v1/completions", "ttft_ms": 13.5}
+        assert [row.request_id for row in await ledger.recent(2)] == ["r2", "r1"]
+
+
+async def test_a_ledger_from_before_traces_gains_the_column(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as conn:  # the table as the first release created it
+        conn.execute("""CREATE TABLE usage_ledger (
+            request_id TEXT PRIMARY KEY, key_id TEXT NOT NULL, model TEXT NOT NULL,
+            prompt_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
+            cost_usd REAL NOT NULL, finish_reason TEXT, error TEXT, status INTEGER NOT NULL,
+            stages_ms TEXT NOT NULL, started_at REAL NOT NULL, finished_at REAL NOT NULL)""")
+        conn.execute("INSERT INTO usage_ledger VALUES ('old', 'k', 'm', 1, 0, 1, 0.0, 'stop', NULL, 200, "
+                     "'{\"decode\": 1.0}', 1.0, 2.0)")
+    async with Ledger(f"sqlite://{path}") as ledger:
+        old = await ledger.get("old")
+        assert old.trace == {} and old.stages_ms == {"decode": 1.0}
+        await ledger.record(make_record("new", trace={"ttft_ms": 3.0}))
+        assert (await ledger.get("new")).trace == {"ttft_ms": 3.0}
