@@ -1,15 +1,17 @@
 """What observability costs: throughput at concurrency 16 with traces + metrics on vs off.
 
-    python bench/observability_bench.py            # ~4 min: 4 interleaved rounds per configuration
-    python bench/observability_bench.py --quick    # 2 rounds
+    python bench/observability_bench.py            # ~6 min: 4 rounds of every run
+    python bench/observability_bench.py --rounds 8
 
-Three servers on the same model, started once and measured in turn, round after round (the
-machine's noise hits all alike): `--no-observability`; the default (traces, /metrics and
-the dashboard on, with /metrics scraped every second and the dashboard snapshot read every
-2 s while the load runs, harsher than any real scraper); and the default plus OTLP export
-to a collector on loopback. Each round: 32 streaming completions (prompts 32-256 random
-tokens, 64 output tokens, ignore_eos) at concurrency 16. Prints tokens/s per round and the
-median ratio to `off`.
+Four servers on the same model, started once, one per run (so no run hits a prefix cache
+another run filled), measured in turn round after round in an order that rotates each
+round: `off` (`--no-observability`); `on` (the default: traces, metrics, dashboard; /metrics
+scraped every 5 s); `on+dashboard` (/metrics every 1 s and the dashboard snapshot every 2 s,
+what an open dashboard costs); `on+otlp` (OTLP export to a collector on loopback).
+Each round: 32 streaming completions (prompts 32-256 random tokens, 64 output tokens,
+ignore_eos) at concurrency 16. Prints tokens/s per round, the ratio of medians to `off` and
+the median of the per-round ratios (rounds share the machine's noise), and the
+instrumentation's CPU time measured in process.
 """
 
 from __future__ import annotations
@@ -52,25 +54,29 @@ class NullCollector:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
-async def scraper(base_url: str, stop: asyncio.Event) -> int:
-    """Scrape /metrics every second and the dashboard snapshot every 2 s; returns the scrapes."""
+async def scraper(base_url: str, stop: asyncio.Event, every_s: float, dashboard: bool) -> int:
+    """Scrape /metrics every `every_s` (and, with `dashboard`, the dashboard snapshot every
+    other time, as the page does); returns the number of scrapes."""
     num_scrapes = 0
     async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
         while not stop.is_set():
             (await client.get("/metrics")).raise_for_status()
-            if num_scrapes % 2 == 0:
+            if dashboard and num_scrapes % 2 == 0:
                 (await client.get("/dashboard/api/snapshot")).raise_for_status()
             num_scrapes += 1
             try:
-                await asyncio.wait_for(stop.wait(), 1.0)
+                await asyncio.wait_for(stop.wait(), every_s)
             except TimeoutError:
                 pass
     return num_scrapes
 
 
-async def one_round(base_url: str, prompts: list[list[int]], output_len: int, scrape: bool) -> float:
+async def one_round(base_url: str, prompts: list[list[int]], output_len: int, scrape_every_s: float | None,
+                    dashboard: bool) -> float:
     stop = asyncio.Event()
-    scraping = asyncio.create_task(scraper(base_url, stop)) if scrape else None
+    scraping = None
+    if scrape_every_s is not None:
+        scraping = asyncio.create_task(scraper(base_url, stop, scrape_every_s, dashboard))
     results, elapsed, _ = await run_load(base_url, prompts, output_len, concurrency=16)
     stop.set()
     if scraping is not None:
@@ -129,34 +135,46 @@ def main() -> None:
           f"/metrics scrape, {cost['snapshot'] * 1e3:.2f} ms per dashboard snapshot (2,000 traces in the ring)")
     output_len = 64
     collector = NullCollector()
-    configs = {"off": ("--no-observability",), "on": (), "on+otlp": ("--otlp-endpoint", collector.endpoint)}
+    # One server per run: a run on a server that already saw the round's prompts would hit its prefix cache.
+    server_flags = {"off": ("--no-observability",), "on": (), "on+dashboard": (),
+                    "on+otlp": ("--otlp-endpoint", collector.endpoint)}
+    # run name -> (server, seconds between /metrics scrapes or None, read the dashboard too)
+    runs = {"off": ("off", None, False), "on": ("on", 5.0, False), "on+dashboard": ("on+dashboard", 1.0, True),
+            "on+otlp": ("on+otlp", 5.0, False)}
     data_dir = REPO / ".cache" / "bench"
     data_dir.mkdir(parents=True, exist_ok=True)
-    servers = {name: start_server("--db", str(data_dir / f"observability-{name}.db"), *extra)
-               for name, extra in configs.items()}
+    servers = {name: start_server("--db", str(data_dir / f"observability-{name}.db"), "--kv-cache-memory", "1GiB",
+                                  *extra)
+               for name, extra in server_flags.items()}
     try:
         warmup = make_requests(16, 32, 256, seed=99)
         for _, base_url in servers.values():
-            asyncio.run(one_round(base_url, warmup, 16, scrape=False))
-        tokens_per_s: dict[str, list[float]] = {name: [] for name in configs}
+            asyncio.run(one_round(base_url, warmup, 16, None, False))
+        tokens_per_s: dict[str, list[float]] = {name: [] for name in runs}
+        names = list(runs)
         for round_index in range(rounds):
-            # Fresh prompts each round (no prefix-cache hits across rounds), the same for every config.
+            # Fresh prompts each round (no prefix-cache hits across rounds), the same for every run;
+            # the order rotates so that no configuration always goes first.
             prompts = make_requests(32, 32, 256, seed=1000 + round_index)
-            for name, (_, base_url) in servers.items():
-                value = asyncio.run(one_round(base_url, prompts, output_len, scrape=name != "off"))
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                server, scrape_every, dashboard = runs[name]
+                value = asyncio.run(one_round(servers[server][1], prompts, output_len, scrape_every, dashboard))
                 tokens_per_s[name].append(value)
-                print(f"round {round_index + 1} {name:8s} {value:7.1f} output tok/s", flush=True)
+                print(f"round {round_index + 1} {name:13s} {value:7.1f} output tok/s", flush=True)
         off = statistics.median(tokens_per_s["off"])
         # What the load above costs the event loop per second, from the in-process figures.
         requests_per_s = off / output_len
         busy = requests_per_s * cost["call"] + off * cost["token"] + cost["scrape"] + cost["snapshot"] / 2
         print(f"\nat {off:.0f} tok/s ({requests_per_s:.1f} calls/s) with /metrics scraped every 1 s and the dashboard "
               f"every 2 s, the instrumentation needs {busy * 1e3:.2f} ms of CPU per second ({busy:.2%} of one core)")
-        print(f"\nconcurrency 16, {rounds} rounds x 32 requests x {output_len} tokens (median of rounds):")
+        print(f"\nconcurrency 16, {rounds} rounds x 32 requests x {output_len} tokens; 'paired' is the median over "
+              "rounds of this run / off in the same round:")
         for name, values in tokens_per_s.items():
             median = statistics.median(values)
-            print(f"  {name:8s} {median:7.1f} tok/s  ({median / off:6.1%} of off; rounds "
-                  f"{', '.join(f'{v:.1f}' for v in values)})")
+            paired = statistics.median(v / o for v, o in zip(values, tokens_per_s["off"]))
+            print(f"  {name:13s} {median:7.1f} tok/s  median {median / off:6.1%} of off, paired {paired:6.1%}; rounds "
+                  f"{', '.join(f'{v:.1f}' for v in values)}")
         print(f"  OTLP bytes received by the collector: {collector.num_bytes}")
     finally:
         for process, _ in servers.values():
