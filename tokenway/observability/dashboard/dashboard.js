@@ -490,6 +490,9 @@ function lineChart(times, spec) {
       }
       chart.append(svg("path", { d, fill: "none", stroke: line.color, "stroke-width": "1.6", "stroke-linejoin": "round" }));
     }
+    // The latest point as a dot: a series of one point draws no line.
+    const lastPoint = segments.length ? segments[segments.length - 1].at(-1) : null;
+    if (lastPoint) chart.append(svg("circle", { cx: lastPoint[0], cy: lastPoint[1], r: 2.5, fill: line.color }));
   });
   addHover(figure, chart, times, lines, { x, y, pad, height, spec });
   figure.append(chart);
