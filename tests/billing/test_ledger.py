@@ -238,15 +238,35 @@ async def test_with_a_journal_record_returns_before_the_commit_and_kill_9_loses_
     assert returncode == -signal.SIGKILL
     acknowledged = [line for line in printed if line.startswith("req-")]
     assert len(acknowledged) >= 1_000
-    # The next start replays what the journal still holds, then empties it.
-    async with Ledger(url, journal_path=journal) as ledger:
+    # The next start replays what the journal still holds, then empties it: here a gateway
+    # that comes back on another port (another journal file) adopts the dead one's journal.
+    restarted_journal = tmp_path / "ledger-other-port.journal"
+    async with Ledger(url, journal_path=restarted_journal) as ledger:
         pass
     async with Ledger(url) as ledger:
         for request_id in acknowledged:
             assert await ledger.get(request_id) is not None, request_id
         [row] = await ledger.usage("crash-key")
         assert len(acknowledged) <= row["requests"] <= 5_000
-    assert os.path.getsize(journal) == 0
+    assert not os.path.exists(journal) and os.path.getsize(restarted_journal) == 0
+
+
+def test_a_journal_held_by_a_live_gateway_is_neither_shared_nor_adopted(tmp_path):
+    from tokenway.billing.journal import Journal, read_records
+
+    live = Journal(tmp_path / "ledger-8000.journal")
+    live.append(make_record("in-flight"))
+    with pytest.raises(ValueError, match="held by another running gateway"):
+        Journal(tmp_path / "ledger-8000.journal")
+    other = Journal(tmp_path / "ledger-8001.journal")
+    assert other.recovered == []  # the live gateway's row stays with it
+    assert [r.request_id for r in read_records(live.path)] == ["in-flight"]
+    other.close()
+    live.close()  # the gateway is gone: the next start adopts its row
+    adopter = Journal(tmp_path / "ledger-8002.journal")
+    assert [r.request_id for r in adopter.recovered] == ["in-flight"]
+    assert not live.path.exists()
+    adopter.close()
 
 
 async def test_rows_keep_the_trace_and_recent_lists_newest_first(url):

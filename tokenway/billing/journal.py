@@ -9,11 +9,16 @@ request path. When everything appended has been committed the file is truncated;
 start-up, rows still in it (a crash between append and commit) are committed again, which
 is harmless since ledger inserts are idempotent by request_id. (Surviving power loss too
 would take an fsync per batch; ask for it with fsync=True.)
+
+Each running gateway holds an exclusive flock on its own journal. A gateway that starts
+adopts the rows of every sibling journal (`*.journal` in the same folder) that nobody holds:
+one left by a gateway that died and came back on another port, or never came back.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -32,36 +37,57 @@ class Journal:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
-        self.recovered = self._read_pending()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the kernel when we die
+        except BlockingIOError:
+            os.close(self._fd)
+            raise ValueError(f"ledger journal {self.path} is held by another running gateway") from None
         self._lock = threading.Lock()
+        self._adopt_orphans()
+        self.recovered = read_records(self.path)
+        if self.recovered:
+            logger.warning("ledger journal %s: committing %d rows left by an earlier run", self.path,
+                           len(self.recovered))
         # Rows appended but not yet committed: recovered rows count, they are committed anew.
         self._num_appended = len(self.recovered)
         self._num_committed = 0
 
-    def _read_pending(self) -> list["UsageRecord"]:
-        from tokenway.billing.ledger import UsageRecord
-
-        if not self.path.exists():
-            return []
-        records = []
-        with open(self.path, encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
+    def _adopt_orphans(self) -> None:
+        """Move the rows of unheld sibling journals into ours (durably, before deleting theirs:
+        a crash in between leaves a row twice, which the idempotent insert absorbs)."""
+        for other in sorted(self.path.parent.glob("*.journal")):
+            if other == self.path:
+                continue
+            try:
+                fd = os.open(other, os.O_RDWR)
+            except FileNotFoundError:
+                continue
+            try:
                 try:
-                    records.append(UsageRecord(**json.loads(line)))
-                except (ValueError, TypeError) as exc:  # a line torn by a crash mid-write
-                    logger.warning("ledger journal %s line %d unreadable, skipped: %r", self.path, number, exc)
-        if records:
-            logger.warning("ledger journal %s: committing %d rows left by an earlier run", self.path, len(records))
-        return records
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live gateway's
+                records = read_records(other)
+                for record in records:
+                    self._write(record)
+                if records:
+                    logger.warning("ledger journal %s: adopted %d rows of %s, whose gateway is gone", self.path,
+                                   len(records), other)
+                other.unlink()
+            finally:
+                os.close(fd)
 
     def append(self, record: "UsageRecord") -> None:
-        line = (json.dumps(dataclasses.asdict(record), separators=(",", ":")) + "\n").encode()
         with self._lock:
-            os.write(self._fd, line)  # one O_APPEND write: never interleaved with another
-            if self.fsync:
-                os.fsync(self._fd)
+            self._write(record)
             self._num_appended += 1
+
+    def _write(self, record: "UsageRecord") -> None:
+        line = (json.dumps(dataclasses.asdict(record), separators=(",", ":")) + "\n").encode()
+        os.write(self._fd, line)  # one O_APPEND write: never interleaved with another
+        if self.fsync:
+            os.fsync(self._fd)
 
     def committed(self, count: int) -> None:
         """`count` journaled rows reached the database; empty the file once all have."""
@@ -73,3 +99,17 @@ class Journal:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def read_records(path: Path) -> list["UsageRecord"]:
+    """The rows in a journal file, skipping a line torn by a crash mid-write."""
+    from tokenway.billing.ledger import UsageRecord
+
+    records = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            try:
+                records.append(UsageRecord(**json.loads(line)))
+            except (ValueError, TypeError) as exc:
+                logger.warning("ledger journal %s line %d unreadable, skipped: %r", path, number, exc)
+    return records
