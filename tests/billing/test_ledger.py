@@ -263,9 +263,11 @@ def test_a_journal_held_by_a_live_gateway_is_neither_shared_nor_adopted(tmp_path
     assert [r.request_id for r in read_records(live.path)] == ["in-flight"]
     other.close()
     live.close()  # the gateway is gone: the next start adopts its row
+    unrelated = tmp_path / "audit.journal"  # not a ledger journal: never read nor removed
+    unrelated.write_text("not ours\n")
     adopter = Journal(tmp_path / "ledger-8002.journal")
     assert [r.request_id for r in adopter.recovered] == ["in-flight"]
-    assert not live.path.exists()
+    assert not live.path.exists() and unrelated.read_text() == "not ours\n"
     adopter.close()
 
 

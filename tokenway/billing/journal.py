@@ -11,8 +11,9 @@ is harmless since ledger inserts are idempotent by request_id. (Surviving power 
 would take an fsync per batch; ask for it with fsync=True.)
 
 Each running gateway holds an exclusive flock on its own journal. A gateway that starts
-adopts the rows of every sibling journal (`*.journal` in the same folder) that nobody holds:
-one left by a gateway that died and came back on another port, or never came back.
+adopts the rows of every sibling journal that nobody holds (same folder, same name up to the
+first "-": `ledger-8001.journal` beside `ledger-8000.journal`): one left by a gateway that
+died and came back on another port, or never came back. Other files are never touched.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class Journal:
     def _adopt_orphans(self) -> None:
         """Move the rows of unheld sibling journals into ours (durably, before deleting theirs:
         a crash in between leaves a row twice, which the idempotent insert absorbs)."""
-        for other in sorted(self.path.parent.glob("*.journal")):
+        family = f"{self.path.stem.split('-', 1)[0]}*{self.path.suffix}"
+        for other in sorted(self.path.parent.glob(family)):
             if other == self.path:
                 continue
             try:
