@@ -21,12 +21,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenway.gateway import anthropic_routes, openai_routes
 from tokenway.gateway.admin_routes import admin_router
-from tokenway.observability.routes import observability_router
 from tokenway.gateway.http import ClientDisconnected, EventStreamResponse, parse_body
 from tokenway.gateway.policy import CallRecord, Gatekeeper
 from tokenway.gateway.serving import ServerState
 from tokenway.gateway.stages import StageClock
 from tokenway.observability.observer import Observer
+from tokenway.observability.routes import observability_router
 from tokenway.observability.traces import Trace
 from tokenway.protocol import anthropic as anthropic_schema
 from tokenway.protocol import openai as openai_schema

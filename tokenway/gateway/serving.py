@@ -98,7 +98,6 @@ class ServerState:
     async def admit(self, generation: "Generation") -> None:
         """Budget and limits, reserving prompt + max_tokens for every choice. Raises 429."""
         record = generation.record
-        record.request_id, record.prompt_tokens = generation.request_id, len(generation.prompt_token_ids)
         if self.gatekeeper is not None:
             max_tokens = generation.params_list[0].max_tokens or 0
             reserve = len(generation.prompt_token_ids) + max_tokens * generation.num_choices
@@ -276,7 +275,9 @@ class Generation:
         self.params_list = params_list
         self.num_choices = len(params_list)
         params = params_list[0]
-        record.request_id, record.num_choices = request_id, self.num_choices
+        # What the record (ledger row, trace) knows of the call from here on, a 400 or 429 included.
+        record.request_id, record.model, record.num_choices = request_id, model, self.num_choices
+        record.prompt_tokens = len(prompt_token_ids)
         record.sampling = {"temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens,
                            "seed": params.seed, "n": self.num_choices}
         # The engine's own checks (vocabulary, window, a response_format that cannot be
@@ -358,8 +359,7 @@ class Generation:
             self.status, self.error = status, error
         reasons = [r for r in self.finish_reasons if r]
         record = self.record
-        record.request_id, record.model = self.request_id, self.model
-        record.prompt_tokens, record.cached_tokens = len(self.prompt_token_ids), self.num_cached_tokens
+        record.cached_tokens = self.num_cached_tokens
         record.completion_tokens = sum(self.completion_tokens)
         record.max_choice_tokens = max(self.completion_tokens)
         record.cache_reason = self.cache_reason
