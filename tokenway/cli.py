@@ -225,9 +225,9 @@ def build_gatekeeper(options: dict):
         keys=KeyStore(db),
         limiter=make_limiter(options["limits_url"]),
         # The journal makes a row crash-safe before its response ends, without a DB commit
-        # on that path (billing/journal.py); one per gateway, replayed on its next start.
-        ledger=Ledger(options["ledger_url"] or f"sqlite:///{db.resolve()}",
-                      journal_path=db.parent / f"ledger-{options['port']}.journal"),
+        # on that path (billing/journal.py); one per gateway and database, replayed on its next start.
+        ledger=Ledger(options["ledger_url"] or f"sqlite:///{db.resolve()}", journal_dir=db.parent,
+                      journal_name=str(options["port"])),
         prices=PriceTable.from_config(options["prices"] or {}),
         defaults=defaults,
         host=options["host"],

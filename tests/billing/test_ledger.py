@@ -7,59 +7,16 @@ import signal
 import subprocess
 import sys
 import textwrap
-import uuid
-from calendar import timegm
 from pathlib import Path
 
 import pytest
 
-from tokenway.billing.ledger import Ledger, UsageRecord
+from tokenway.billing.ledger import Ledger
+
+from .conftest import DAY1, DAY2, make_record
 
 REPO = Path(__file__).resolve().parents[2]
-DAY1 = timegm((2024, 3, 1, 23, 59, 59))  # the last second of a UTC day...
-DAY2 = DAY1 + 1  # ...and the first of the next
-
 pytestmark = pytest.mark.anyio  # anyio's pytest plugin runs the async tests
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-def make_record(request_id: str, key_id: str = "key-a", model: str = "m1", prompt_tokens: int = 10,
-                cached_tokens: int = 0, completion_tokens: int = 5, cost_usd: float = 0.25,
-                finished_at: float = DAY1, **overrides) -> UsageRecord:
-    fields = {"finish_reason": "stop", "error": None, "status": 200, "stages_ms": {"gateway": 0.5, "decode": 12.0},
-              "started_at": finished_at - 1.5}
-    fields.update(overrides)
-    return UsageRecord(request_id, key_id, model, prompt_tokens, cached_tokens, completion_tokens, cost_usd,
-                       finished_at=finished_at, **fields)
-
-
-@pytest.fixture(scope="session")
-def postgres_server():
-    pytest.importorskip("psycopg", reason="the PostgreSQL backend needs psycopg 3")
-    script = str(REPO / "scripts" / "postgres.sh")
-    url = subprocess.run([script, "start"], check=True, capture_output=True, text=True).stdout.strip()
-    yield url
-    subprocess.run([script, "stop"], check=True)
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def url(request, tmp_path):
-    if request.param == "sqlite":
-        yield f"sqlite://{tmp_path}/ledger.db"
-        return
-    import psycopg
-
-    server_url = request.getfixturevalue("postgres_server")
-    name = f"ledger_test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(server_url, autocommit=True) as admin:
-        admin.execute(f"CREATE DATABASE {name}")
-    yield server_url.rsplit("/", 1)[0] + "/" + name
-    with psycopg.connect(server_url, autocommit=True) as admin:
-        admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
 
 
 async def test_a_recorded_row_reads_back_exactly_and_is_committed_when_record_returns(url):
@@ -173,7 +130,8 @@ CHILD = textwrap.dedent("""
     from tokenway.billing.ledger import Ledger, UsageRecord
 
     url, run, num_rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    journal = sys.argv[4] if len(sys.argv) > 4 else None
+    journal_dir = sys.argv[4] if len(sys.argv) > 4 else None
+    journal_name = sys.argv[5] if len(sys.argv) > 5 else "0"
 
     async def worker(ledger, request_ids):
         for request_id in request_ids:
@@ -182,7 +140,7 @@ CHILD = textwrap.dedent("""
             print(request_id, flush=True)  # only once the row is committed (or journaled)
 
     async def main():
-        ledger = Ledger(url, journal_path=journal)
+        ledger = Ledger(url, journal_dir=journal_dir, journal_name=journal_name)
         request_ids = [f"req-{i}" for i in range(num_rows)]
         await asyncio.gather(*(worker(ledger, request_ids[w::32]) for w in range(32)))
         print(f"written {ledger.num_rows_written}", flush=True)
@@ -195,9 +153,10 @@ CHILD = textwrap.dedent("""
 
 
 def run_child(url: str, run: str, num_rows: int, kill_after: int | None,
-              journal: str | None = None) -> tuple[list[str], int]:
+              journal: tuple[str, str] | None = None) -> tuple[list[str], int]:
+    """journal: (folder, gateway name)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    args = [sys.executable, "-c", CHILD, url, run, str(num_rows)] + ([journal] if journal else [])
+    args = [sys.executable, "-c", CHILD, url, run, str(num_rows)] + (list(journal) if journal else [])
     child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
     lines = []
     for line in child.stdout:
@@ -233,42 +192,21 @@ async def test_kill_9_loses_no_acknowledged_row_and_a_rerun_writes_none_twice(ur
 
 
 async def test_with_a_journal_record_returns_before_the_commit_and_kill_9_loses_nothing(url, tmp_path):
-    journal = str(tmp_path / "ledger.journal")
-    printed, returncode = run_child(url, "1", 5_000, kill_after=1_000, journal=journal)
+    printed, returncode = run_child(url, "1", 5_000, kill_after=1_000, journal=(str(tmp_path), "8000"))
     assert returncode == -signal.SIGKILL
     acknowledged = [line for line in printed if line.startswith("req-")]
     assert len(acknowledged) >= 1_000
+    [journal] = tmp_path.glob("ledger-*-8000.journal")
     # The next start replays what the journal still holds, then empties it: here a gateway
     # that comes back on another port (another journal file) adopts the dead one's journal.
-    restarted_journal = tmp_path / "ledger-other-port.journal"
-    async with Ledger(url, journal_path=restarted_journal) as ledger:
-        pass
+    async with Ledger(url, journal_dir=tmp_path, journal_name="8001") as ledger:
+        restarted_journal = ledger.journal_path
     async with Ledger(url) as ledger:
         for request_id in acknowledged:
             assert await ledger.get(request_id) is not None, request_id
         [row] = await ledger.usage("crash-key")
         assert len(acknowledged) <= row["requests"] <= 5_000
-    assert not os.path.exists(journal) and os.path.getsize(restarted_journal) == 0
-
-
-def test_a_journal_held_by_a_live_gateway_is_neither_shared_nor_adopted(tmp_path):
-    from tokenway.billing.journal import Journal, read_records
-
-    live = Journal(tmp_path / "ledger-8000.journal")
-    live.append(make_record("in-flight"))
-    with pytest.raises(ValueError, match="held by another running gateway"):
-        Journal(tmp_path / "ledger-8000.journal")
-    other = Journal(tmp_path / "ledger-8001.journal")
-    assert other.recovered == []  # the live gateway's row stays with it
-    assert [r.request_id for r in read_records(live.path)] == ["in-flight"]
-    other.close()
-    live.close()  # the gateway is gone: the next start adopts its row
-    unrelated = tmp_path / "audit.journal"  # not a ledger journal: never read nor removed
-    unrelated.write_text("not ours\n")
-    adopter = Journal(tmp_path / "ledger-8002.journal")
-    assert [r.request_id for r in adopter.recovered] == ["in-flight"]
-    assert not live.path.exists() and unrelated.read_text() == "not ours\n"
-    adopter.close()
+    assert not journal.exists() and len(restarted_journal.read_bytes().splitlines()) == 1  # the header alone
 
 
 async def test_rows_keep_the_trace_and_recent_lists_newest_first(url):

@@ -5,21 +5,31 @@ database commit on that path costs milliseconds (bench/gateway_bench.py: +2.8 ms
 SQLite). So the row is first appended to this file with one write(2) call (~20 us): once
 write returns, the row is in the kernel's page cache and survives the process being killed
 (kill -9, an OOM kill, a crash); the database commit then happens in batches off the
-request path. When everything appended has been committed the file is truncated; on
-start-up, rows still in it (a crash between append and commit) are committed again, which
-is harmless since ledger inserts are idempotent by request_id. (Surviving power loss too
-would take an fsync per batch; ask for it with fsync=True.)
+request path. When everything appended has been committed the file is emptied (back to its
+header); on start-up, rows still in it (a crash between append and commit) are committed
+again, which is harmless since ledger inserts are idempotent by request_id. (Surviving power
+loss too would take an fsync per batch; ask for it with fsync=True.)
+
+A journal belongs to one database. Its name carries the database's id and its first line
+(the header) names the database:
+
+    ledger-<database id>-<gateway name>.journal
+    {"journal": "tokenway-ledger", "version": 2, "database": "sqlite:////srv/tokenway.db"}
+    {"request_id": ..., ...}                        one UsageRecord per line, ASCII JSON
 
 Each running gateway holds an exclusive flock on its own journal. A gateway that starts
-adopts the rows of every sibling journal that nobody holds (same folder, same name up to the
-first "-": `ledger-8001.journal` beside `ledger-8000.journal`): one left by a gateway that
-died and came back on another port, or never came back. Other files are never touched.
+adopts the rows of every sibling journal of the same database that nobody holds (one left by
+a gateway that died and came back under another name, or never came back); journals of
+other databases in the same folder, and any other file, are never touched. A line that
+cannot be read back (torn by a crash mid-write, or damaged) is moved to the dead-letter file,
+never dropped and never allowed to stop the start.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -27,26 +37,48 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tokenway.billing.dead_letters import DeadLetters
+
 if TYPE_CHECKING:
     from tokenway.billing.ledger import UsageRecord
 
 logger = logging.getLogger(__name__)
 
+MAGIC = "tokenway-ledger"
+VERSION = 2
+
+
+def database_id(database: str) -> str:
+    """A short stable id for a database, safe in a file name."""
+    return hashlib.sha256(database.encode("utf-8", "backslashreplace")).hexdigest()[:12]
+
+
+def header_line(database: str) -> bytes:
+    return (json.dumps({"journal": MAGIC, "version": VERSION, "database": database}) + "\n").encode()
+
 
 class Journal:
-    def __init__(self, path: str | Path, fsync: bool = False) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    """`database` names the ledger database (no password); `name` tells this gateway's journal
+    apart from its siblings' (the port, say). Raises ValueError if another live gateway holds it."""
+
+    def __init__(self, folder: str | Path, database: str, name: str, dead_letters: DeadLetters,
+                 fsync: bool = False) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.database = database
+        self.path = folder / f"ledger-{database_id(database)}-{name}.journal"
         self.fsync = fsync
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self.dead_letters = dead_letters
+        self._header = header_line(database)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the kernel when we die
         except BlockingIOError:
             os.close(self._fd)
             raise ValueError(f"ledger journal {self.path} is held by another running gateway") from None
         self._lock = threading.Lock()
-        self._adopt_orphans()
-        self.recovered = read_records(self.path)
+        self.recovered = self._read_own()
+        self._adopt_orphans(folder, name)
         if self.recovered:
             logger.warning("ledger journal %s: committing %d rows left by an earlier run", self.path,
                            len(self.recovered))
@@ -54,11 +86,34 @@ class Journal:
         self._num_appended = len(self.recovered)
         self._num_committed = 0
 
-    def _adopt_orphans(self) -> None:
-        """Move the rows of unheld sibling journals into ours (durably, before deleting theirs:
-        a crash in between leaves a row twice, which the idempotent insert absorbs)."""
-        family = f"{self.path.stem.split('-', 1)[0]}*{self.path.suffix}"
-        for other in sorted(self.path.parent.glob(family)):
+    def _read_own(self) -> list["UsageRecord"]:
+        """Our own file's rows, left in place until they are committed."""
+        size = os.fstat(self._fd).st_size
+        records = read_records(self.path, self.database, self.dead_letters) if size else []
+        if records is None:  # a file of our name naming another database: kept aside, never used
+            aside = self.path.with_suffix(".foreign")
+            os.replace(self.path, aside)
+            logger.error("ledger journal %s names another database; moved to %s", self.path, aside)
+            os.close(self._fd)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            records, size = [], 0
+        if size == 0:
+            os.write(self._fd, self._header)
+        elif os.pread(self._fd, 1, size - 1) != b"\n":
+            os.write(self._fd, b"\n")  # a line torn by a crash: the next row must not extend it
+        return records
+
+    def _adopt_orphans(self, folder: Path, name: str) -> None:
+        """Move the rows of unheld sibling journals of our database into ours (durably, before
+        deleting theirs: a crash in between leaves a row twice, which the idempotent insert
+        absorbs). A journal from before journals named their database (`ledger-<port>.journal`)
+        is adopted only under its own name: it cannot say which database it belongs to."""
+        siblings = sorted(folder.glob(f"ledger-{database_id(self.database)}-*.journal"))
+        legacy = folder / f"ledger-{name}.journal"
+        if legacy.exists():
+            siblings.append(legacy)
+        for other in siblings:
             if other == self.path:
                 continue
             try:
@@ -70,9 +125,12 @@ class Journal:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     continue  # a live gateway's
-                records = read_records(other)
+                records = read_records(other, None if other == legacy else self.database, self.dead_letters)
+                if records is None:
+                    continue  # another database's, however it got its name
                 for record in records:
                     self._write(record)
+                self.recovered.extend(records)
                 if records:
                     logger.warning("ledger journal %s: adopted %d rows of %s, whose gateway is gone", self.path,
                                    len(records), other)
@@ -86,32 +144,54 @@ class Journal:
             self._num_appended += 1
 
     def _write(self, record: "UsageRecord") -> None:
-        line = (json.dumps(dataclasses.asdict(record), separators=(",", ":")) + "\n").encode()
-        os.write(self._fd, line)  # one O_APPEND write: never interleaved with another
+        os.write(self._fd, encode_record(record))  # one O_APPEND write: never interleaved with another
         if self.fsync:
             os.fsync(self._fd)
 
     def committed(self, count: int) -> None:
-        """`count` journaled rows reached the database; empty the file once all have."""
+        """`count` journaled rows reached the database (or the dead-letter file); empty the
+        file once all have."""
         with self._lock:
             self._num_committed += count
             if self._num_committed >= self._num_appended:
                 os.ftruncate(self._fd, 0)
+                os.write(self._fd, self._header)
                 self._num_appended = self._num_committed = 0
 
     def close(self) -> None:
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
-def read_records(path: Path) -> list["UsageRecord"]:
-    """The rows in a journal file, skipping a line torn by a crash mid-write."""
+def encode_record(record: "UsageRecord") -> bytes:
+    # ASCII JSON: whatever text a row holds, its line can be written and read back.
+    return (json.dumps(dataclasses.asdict(record), separators=(",", ":")) + "\n").encode("ascii")
+
+
+def read_records(path: Path, database: str | None, dead_letters: DeadLetters) -> list["UsageRecord"] | None:
+    """The rows in a journal file, or None if its header names a database other than
+    `database` (None: accept a file without a header, from before headers). A line that cannot
+    be read back is quarantined in the dead-letter file."""
     from tokenway.billing.ledger import UsageRecord
 
     records = []
-    with open(path, encoding="utf-8") as lines:
+    with open(path, "rb") as lines:
         for number, line in enumerate(lines, 1):
             try:
-                records.append(UsageRecord(**json.loads(line)))
+                entry = json.loads(line.decode("utf-8"))
+            except ValueError as exc:  # not UTF-8, not JSON: torn by a crash, or damaged
+                dead_letters.add(f"{path.name} line {number}", f"unreadable: {exc}", raw=line)
+                continue
+            if number == 1 and isinstance(entry, dict) and entry.get("journal") == MAGIC:
+                if entry.get("database") != database:
+                    return None
+                continue
+            if number == 1 and database is not None:
+                logger.warning("ledger journal %s has no header naming its database; not read", path)
+                return None
+            try:
+                records.append(UsageRecord(**entry))
             except (ValueError, TypeError) as exc:
-                logger.warning("ledger journal %s line %d unreadable, skipped: %r", path, number, exc)
+                dead_letters.add(f"{path.name} line {number}", f"not a ledger row: {exc}", raw=line)
     return records

@@ -13,11 +13,13 @@ survives a killed process, though not a power cut) and PostgreSQL (ledger_postgr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
 import queue
 import sqlite3
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Self, TypeVar
 
-from tokenway.billing.journal import Journal
+from tokenway.billing.dead_letters import DeadLetters
+from tokenway.billing.journal import Journal, database_id
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -60,6 +63,15 @@ class UsageRecord:
     trace: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # Whatever text a client managed to put in (a lone surrogate in an echoed model name, a
+        # NUL), the row must stay writable to every backend.
+        self.request_id, self.key_id, self.model = (storable_text(self.request_id), storable_text(self.key_id),
+                                                    storable_text(self.model))
+        if self.finish_reason is not None:
+            self.finish_reason = storable_text(self.finish_reason)
+        if self.error is not None:
+            self.error = storable_text(self.error)
+        self.trace = storable(self.trace)
         if not self.request_id:
             raise ValueError("request_id must not be empty")
         if min(self.prompt_tokens, self.cached_tokens, self.completion_tokens) < 0:
@@ -80,6 +92,35 @@ class UsageRecord:
     @classmethod
     def from_row(cls, row: Sequence, decode_json: Callable[[Any], dict] = json.loads) -> "UsageRecord":
         return cls(*(decode_json(value) if name in JSON_COLUMNS else value for name, value in zip(COLUMNS, row)))
+
+
+def storable_text(text: str) -> str:
+    """`text` with what no backend can store made visible instead: a lone surrogate (not
+    encodable as UTF-8) becomes its escape `\\ud800`, a NUL (refused by PostgreSQL text and
+    jsonb) becomes `\\x00`."""
+    if not text.isascii():
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text.replace("\x00", "\\x00") if "\x00" in text else text
+
+
+def storable(value: Any) -> Any:
+    """storable_text applied to every string (keys included) of a JSON-like value."""
+    if isinstance(value, str):
+        return storable_text(value)
+    if isinstance(value, dict):
+        return {storable(k): storable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [storable(v) for v in value]
+    return value
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A failure of the database or the connection (retry later, keep the rows), as opposed to
+    one of the rows themselves (quarantine that row)."""
+    if isinstance(exc, (OSError, sqlite3.OperationalError)):
+        return True
+    psycopg = sys.modules.get("psycopg")
+    return psycopg is not None and isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
 
 
 class LedgerStore(Protocol):
@@ -220,19 +261,21 @@ class Ledger:
     """
 
     def __init__(self, url: str, batch_max: int = 256, max_delay_s: float = 0.0,
-                 journal_path: str | Path | None = None) -> None:
+                 journal_dir: str | Path | None = None, journal_name: str = "0") -> None:
         if batch_max < 1:
             raise ValueError(f"batch_max must be >= 1, got {batch_max}")
         if max_delay_s < 0:
             raise ValueError(f"max_delay_s must be >= 0, got {max_delay_s}")
         self._url, self._batch_max, self._max_delay_s = url, batch_max, max_delay_s
-        # Where rows go, for startup messages; a DSN's password is not shown.
+        # Where rows go, for startup messages and the journal's header; no user or password.
         self.url = url.split("@", 1)[-1] if url.startswith("postgres") else url
         self._queue: queue.SimpleQueue[_Write | _Seed | None] = queue.SimpleQueue()
         # Written only by the writer thread, after a commit; readers see a float swap (atomic).
         self._key_id_to_spend_usd: dict[str, float] = {}
         self.num_commits = 0
         self.num_rows_written = 0
+        self.dead_letters = DeadLetters(
+            None if journal_dir is None else Path(journal_dir) / f"ledger-{database_id(self.url)}.dead-letters.jsonl")
         self._reader: LedgerStore | None = None
         self._reader_lock = threading.Lock()
         self._closed = False
@@ -241,12 +284,22 @@ class Ledger:
         self._writer.start()
         opened.result()  # raise here, at startup, if the database cannot be opened
         # With a journal, record() returns once the row is in the journal (see journal.py).
-        self._journal = Journal(journal_path) if journal_path is not None else None
+        self._journal = None if journal_dir is None else Journal(journal_dir, self.url, journal_name,
+                                                                  self.dead_letters)
         if self._journal is not None and self._journal.recovered:
-            # Commit what an earlier run journaled before anything new (and before serving).
+            # Commit what an earlier run journaled before anything new (and before serving);
+            # a row that cannot be stored is quarantined, so this never stops a start.
             waiters = [self._submit(_Write(rec, Future(), journaled=True)) for rec in self._journal.recovered]
             for waiter in waiters:
                 waiter.result()
+
+    @property
+    def journal_path(self) -> Path | None:
+        return None if self._journal is None else self._journal.path
+
+    def stats(self) -> dict:
+        return {"num_commits": self.num_commits, "num_rows_written": self.num_rows_written,
+                "num_rows_quarantined": self.dead_letters.num_rows}
 
     async def record(self, rec: UsageRecord) -> None:
         """Return once the row would survive a crash: journaled (with a journal) or committed
@@ -359,36 +412,63 @@ class Ledger:
         return batch
 
     def _commit(self, store: LedgerStore | None, writes: list[_Write]) -> LedgerStore | None:
-        # Two tries, reconnecting in between: a restarted PostgreSQL or a dropped connection
-        # should not cost the rows of completed requests.
-        for attempt in range(2):
-            try:
-                store = store or open_store(self._url)
-                written = store.insert([job.rec for job in writes])
-                break
-            except Exception as exc:
-                logger.warning("usage ledger: commit of %d rows failed (attempt %d): %r", len(writes), attempt + 1, exc)
-                _close_quietly(store)
-                store, error = None, exc
-        else:
-            num_lost = sum(job.waiter is None for job in writes)
+        store, written, error = self._insert(store, [job.rec for job in writes], tries=2)
+        done, failed = (writes, []) if error is None else ([], writes)
+        if error is not None and not is_transient(error):
+            # Some row cannot be stored (a value the backend refuses): find it by committing
+            # the rows one at a time, and quarantine it so the rows behind it go through.
+            error = None
+            for index, job in enumerate(writes):
+                store, rows, row_error = self._insert(store, [job.rec], tries=1)
+                if row_error is not None and is_transient(row_error):
+                    done, failed, error = writes[:index], writes[index:], row_error
+                    break
+                if row_error is not None:
+                    self.dead_letters.add("commit", repr(row_error), row=dataclasses.asdict(job.rec))
+                written += rows
+            else:
+                done, failed = writes, []
+        if failed:
+            # The database is unreachable: rows that were journaled stay in the journal for the
+            # next start; the others are lost, and their callers hear so.
+            num_lost = sum(job.waiter is None for job in failed)
             if num_lost and self._journal is None:
                 logger.error("usage ledger: %d fire-and-forget rows lost: %r", num_lost, error)
             elif num_lost:
                 logger.error("usage ledger: %d rows not committed (%r); they stay in the journal for the next start",
                              num_lost, error)
-            _settle([job.waiter for job in writes], error)
+            _settle([job.waiter for job in failed], error)
+        if not done:
             return store
         self.num_commits += 1
         self.num_rows_written += len(written)
         if self._journal is not None:
-            self._journal.committed(sum(job.journaled for job in writes))
+            self._journal.committed(sum(job.journaled for job in done))  # quarantined rows are handled too
         for rec in written:
             total = self._key_id_to_spend_usd.get(rec.key_id)
             if total is not None:  # unseeded keys are summed from the DB when first asked
                 self._key_id_to_spend_usd[rec.key_id] = total + rec.cost_usd
-        _settle([job.waiter for job in writes], None)
+        _settle([job.waiter for job in done], None)
         return store
+
+    def _insert(self, store: LedgerStore | None, records: list[UsageRecord],
+                tries: int) -> tuple[LedgerStore | None, list[UsageRecord], Exception | None]:
+        """(store, the records written, None) or (store, [], the last error); reconnects
+        between tries: a restarted PostgreSQL or a dropped connection should not cost rows."""
+        error: Exception | None = None
+        for attempt in range(tries):
+            try:
+                store = store or open_store(self._url)
+                return store, store.insert(records), None
+            except Exception as exc:
+                logger.warning("usage ledger: commit of %d rows failed (attempt %d): %r", len(records), attempt + 1,
+                               exc)
+                error = exc
+                if store is not None and not is_transient(exc):
+                    break  # the rows' fault, not the connection's: trying again would fail again
+                _close_quietly(store)
+                store = None
+        return store, [], error
 
     def _seed(self, store: LedgerStore | None, job: _Seed) -> LedgerStore | None:
         try:
