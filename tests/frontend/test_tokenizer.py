@@ -11,7 +11,6 @@ from tokenizers import models, pre_tokenizers, processors
 
 from tokenway.frontend.tokenizer import Tokenizer
 
-
 # Text where our tokenizer and transformers' must agree. A whitespace run right before a digit is
 # left out on purpose: see test_digits_are_split_like_llama_cpp.
 TEXTS = [

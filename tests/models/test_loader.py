@@ -16,6 +16,7 @@ from tokenway.models.config import ModelConfig
 from tokenway.models.gguf import CONVERTER_VERSION
 from tokenway.models.loader import DEFAULT_MODEL, iter_weights, resolve_model
 
+
 @pytest.fixture(scope="session")
 def cache_dir(model_cache_dir) -> Path:
     return model_cache_dir  # tests/conftest.py: the session's cache, never ~/.cache

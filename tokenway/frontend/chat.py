@@ -60,7 +60,9 @@ def build_chat_prompt(
     tool_choice: Any = "auto",
     parallel_tool_calls: bool = True,
     response_format: dict | None = None,
+    max_num_tokens: int | None = None,
 ) -> ChatPrompt:
+    """Raises PromptTooLong when the rendered prompt certainly exceeds max_num_tokens."""
     messages = normalize_messages(messages)
     use_tools = bool(tools) and tool_choice != "none"
     prompt = ChatPrompt(prompt_token_ids=[])
@@ -79,7 +81,7 @@ def build_chat_prompt(
         elif kind == "json_object":
             prompt.json_object = True
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    prompt.prompt_token_ids = tokenizer.encode(text, add_special_tokens=False)
+    prompt.prompt_token_ids = tokenizer.encode(text, add_special_tokens=False, max_num_tokens=max_num_tokens)
     return prompt
 
 

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from tokenway.gateway.auth import MAX_NAME_CHARS
+from tokenway.gateway.body_parser import BodyParser
 from tokenway.gateway.http import parse_body
 from tokenway.gateway.keystore import KeyStore, UnknownKeyError
 from tokenway.protocol.errors import AuthenticationError, InvalidRequestError, NotFoundError, truncate
@@ -64,12 +65,13 @@ def admin_router(store: KeyStore, admin_key: str | None) -> APIRouter:
         check_admin_key(request, admin_key)
 
     router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], include_in_schema=False)
+    parser = BodyParser()  # admin bodies are small (the gateway caps them): parsed where they arrive
 
     # Store calls run in the thread pool: a write may wait on SQLite's lock (the ledger shares
     # the file), and the event loop must not wait with it.
     @router.post("/keys")
     async def create_key(request: Request) -> JSONResponse:
-        body = await parse_body(request, CreateKeyRequest)
+        body = await parse_body(request, CreateKeyRequest, parser)
         try:
             secret, info = await run_in_threadpool(store.create, **body.model_dump())
         except ValueError as exc:  # e.g. expires_at in the past

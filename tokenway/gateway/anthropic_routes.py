@@ -17,6 +17,7 @@ from tokenway.gateway.policy import CallRecord
 from tokenway.gateway.serving import (
     Generation,
     ServerState,
+    context_window,
     framed_stream,
     make_sampling_params,
     new_id,
@@ -42,7 +43,8 @@ def openai_tools(body) -> tuple[list[dict] | None, object]:
 def prepare(state: ServerState, body, clock: StageClock, record: CallRecord) -> tuple[Generation, bool]:
     model = state.route(body, record, clock)
     tools, tool_choice = openai_tools(body)
-    prompt = build_chat_prompt(state.tokenizer, to_chat_messages(body), tools, tool_choice)
+    with context_window(state, "messages") as window:
+        prompt = build_chat_prompt(state.tokenizer, to_chat_messages(body), tools, tool_choice, max_num_tokens=window)
     max_tokens = state.max_tokens(record, len(prompt.prompt_token_ids), body.max_tokens, "max_tokens",
                                   num_messages=len(body.messages))
     fields = SimpleNamespace(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=None,
@@ -138,7 +140,7 @@ async def message_events(generation: Generation, generic_tools: bool) -> AsyncIt
 
 
 async def handle(state: ServerState, request: Request, body, clock: StageClock, record: CallRecord) -> Response:
-    generation, generic_tools = prepare(state, body, clock, record)
+    generation, generic_tools = await state.prepare(request, prepare, state, body, clock, record)
     await state.admit(generation)
     if body.stream:
         return EventStreamResponse(message_stream(generation, generic_tools))

@@ -62,14 +62,24 @@ def error_response(request_path: str, exc: TokenwayError, request_id: str | None
 
 # The calls that generate: each writes exactly one ledger row and one trace, whatever happens to it.
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})
+# Routes whose bodies may be large (prompts, token ids) get --max-body-bytes; every other
+# route (admin, usage, traces, ...) is capped at SMALL_BODY_BYTES.
+LARGE_BODY_PATHS = GENERATION_PATHS | {"/tokenize", "/detokenize"}
+SMALL_BODY_BYTES = 64 * 1024
+
+
+def needs_api_key(path: str) -> bool:
+    """The routes behind the API key when auth is on (what costs model time, or shows usage)."""
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
 
 
 class GatewayMiddleware:
-    """Stage 1 of every request: start the stage clock, enforce the body limit
-    (Content-Length up front, a running count for chunked bodies), authenticate /v1 calls,
-    put the x-ratelimit-* headers on the response, and write the call's ledger row: before
-    the last byte of the response leaves, or (the client gone) right after. Last, a
-    generation call's trace goes to the observer."""
+    """Stage 1 of every request: start the stage clock, refuse ambiguous framing, authenticate
+    /v1 calls, enforce the route's body limit (Content-Length up front, a running count for
+    chunked bodies), put the x-ratelimit-* headers and x-request-id on the response, answer
+    anything unexpected with a 500 (never a traceback), and write the call's ledger row: before
+    the last byte of the response leaves, or (the client gone) right after. Last, a generation
+    call's trace goes to the observer."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int, gatekeeper: Gatekeeper | None,
                  observer: Observer | None) -> None:
@@ -100,22 +110,26 @@ class GatewayMiddleware:
                       generation_call: bool) -> int:
         """Run the request; returns the HTTP status sent (0 if none was)."""
         path = scope["path"]
-        limit = self.max_body_bytes
-        too_large = PayloadTooLargeError(f"Request body exceeds the limit of {limit} bytes")
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         record.traceparent = headers.get("traceparent")
-        length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            await error_response(path, too_large, record.request_id)(scope, receive, send)
-            return too_large.status
+        if "transfer-encoding" in headers and "content-length" in headers:
+            # RFC 9112 6.3: a request smuggling vector when a proxy in front reads it the other way.
+            error = InvalidRequestError("The request has both Content-Length and Transfer-Encoding; send one.",
+                                        code="ambiguous_framing")
+            response = error_response(path, error, record.request_id)
+            response.headers["connection"] = "close"
+            await response(scope, receive, send)
+            return error.status
         gatekeeper = self.gatekeeper
-        if gatekeeper is not None and path.startswith("/v1/"):
+        if gatekeeper is not None and needs_api_key(path):
             try:
                 record.principal = gatekeeper.authenticate(headers)
             except TokenwayError as exc:
                 await error_response(path, exc, record.request_id)(scope, receive, send)
                 return exc.status
         clock.end("auth")
+        limit = self.max_body_bytes if path in LARGE_BODY_PATHS else SMALL_BODY_BYTES
+        too_large = PayloadTooLargeError(f"Request body exceeds the limit of {limit} bytes for {path}")
         ledgered = gatekeeper is not None and generation_call
         received = 0
         status = 0
@@ -133,7 +147,7 @@ class GatewayMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                if not record.rate_headers and gatekeeper is not None and path.startswith("/v1/"):
+                if not record.rate_headers and gatekeeper is not None and needs_api_key(path):
                     # Not admitted through the limiter (a 400, /v1/models...): still tell the
                     # caller where its limits stand, as OpenAI does on every response.
                     principal = record.principal
@@ -155,7 +169,20 @@ class GatewayMiddleware:
             await send(message)
 
         try:
+            length = headers.get("content-length", "")
+            if length.isdigit() and int(length) > limit:
+                record.error = too_large.message
+                await error_response(path, too_large)(scope, receive, send_with_policy)
+                return too_large.status
             await self.app(scope, limited_receive, send_with_policy)
+        except Exception:
+            # A bug, not the client's doing: log it whole, answer a plain 500 (with the request
+            # id, billed in the ledger like any other outcome) if nothing was sent yet.
+            logger.exception("unhandled error on %s", path)
+            record.error = record.error or "internal server error"
+            if status == 0:
+                await error_response(path, InternalServerError("The server had an error processing the request"))(
+                    scope, receive, send_with_policy)
         finally:
             if ledgered and not record.committed:
                 if record.status is None and record.error is None:
@@ -224,8 +251,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions", openapi_extra=_schema_extra(openai_schema.ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        body = await parse_body(request, openai_schema.ChatCompletionRequest)
-        generation, generic_tools = openai_routes.prepare_chat(state, body, clock_of(request), record_of(request))
+        body = await parse_body(request, openai_schema.ChatCompletionRequest, state.body_parser)
+        generation, generic_tools = await state.prepare(request, openai_routes.prepare_chat, state, body,
+                                                        clock_of(request), record_of(request))
         await state.admit(generation)
         return await respond(
             request, generation,
@@ -236,8 +264,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions", openapi_extra=_schema_extra(openai_schema.CompletionRequest))
     async def completions(request: Request) -> Response:
-        body = await parse_body(request, openai_schema.CompletionRequest)
-        generation, echo = openai_routes.prepare_completion(state, body, clock_of(request), record_of(request))
+        body = await parse_body(request, openai_schema.CompletionRequest, state.body_parser)
+        generation, echo = await state.prepare(request, openai_routes.prepare_completion, state, body,
+                                               clock_of(request), record_of(request))
         await state.admit(generation)
         return await respond(
             request, generation,
@@ -248,7 +277,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/messages", openapi_extra=_schema_extra(anthropic_schema.MessagesRequest))
     async def messages(request: Request) -> Response:
-        body = await parse_body(request, anthropic_schema.MessagesRequest)
+        body = await parse_body(request, anthropic_schema.MessagesRequest, state.body_parser)
         return await anthropic_routes.handle(state, request, body, clock_of(request), record_of(request))
 
     @app.get("/v1/models")
@@ -265,21 +294,15 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/tokenize", openapi_extra=_schema_extra(openai_schema.TokenizeRequest))
     async def tokenize(request: Request) -> dict:
-        body = await parse_body(request, openai_schema.TokenizeRequest)
+        body = await parse_body(request, openai_schema.TokenizeRequest, state.body_parser)
         if body.model is not None:
             state.resolve_model(body.model)
-        tokenizer = state.tokenizer
-        if body.messages is not None:
-            messages = [m.to_template_dict() for m in body.messages]
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-            tokens = tokenizer.encode(text, add_special_tokens=body.add_special_tokens is True)
-        else:
-            tokens = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens is not False)
+        tokens = await state.prepare(request, openai_routes.tokenize, state, body)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
 
     @app.post("/detokenize", openapi_extra=_schema_extra(openai_schema.DetokenizeRequest))
     async def detokenize(request: Request) -> dict:
-        body = await parse_body(request, openai_schema.DetokenizeRequest)
+        body = await parse_body(request, openai_schema.DetokenizeRequest, state.body_parser)
         if body.model is not None:
             state.resolve_model(body.model)
         vocab_size = state.engine.core.model_config.vocab_size

@@ -1,11 +1,10 @@
-"""HTTP plumbing that knows nothing about models: reading a JSON body into a schema,
-racing work against the client going away, and an SSE response that notices a
-disconnect at once (not only at its next write)."""
+"""HTTP plumbing that knows nothing about models: reading a JSON body into a schema (off
+the event loop when it is large), racing work against the client going away, and an SSE
+response that notices a disconnect at once (not only at its next write)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 import anyio
@@ -14,7 +13,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tokenway.protocol.errors import InvalidRequestError, from_validation_error
+from tokenway.gateway.body_parser import BodyParser
+from tokenway.protocol.errors import UnsupportedMediaTypeError, truncate
 
 T = TypeVar("T", bound=pydantic.BaseModel)
 
@@ -23,26 +23,25 @@ class ClientDisconnected(Exception):
     """The client went away before the response was ready."""
 
 
-async def parse_body(request: Request, model: type[T]) -> T:
+def is_json_media_type(content_type: str | None) -> bool:
+    """application/json, application/<anything>+json, any parameters; no header at all too
+    (curl and many scripts send none). Not text/plain or a form: a web page can send those
+    cross-origin without a preflight, and must not start a generation on a local server."""
+    if not content_type:
+        return True
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or media_type.startswith("application/") and media_type.endswith("+json")
+
+
+async def parse_body(request: Request, model: type[T], parser: BodyParser) -> T:
+    content_type = request.headers.get("content-type")
+    if not is_json_media_type(content_type):
+        raise UnsupportedMediaTypeError(f"Content-Type must be application/json, got {truncate(content_type or '')!r}")
     try:
         raw = await request.body()
     except ClientDisconnect:
         raise ClientDisconnected() from None  # gone before sending the whole body: nothing to answer
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidRequestError(f"Request body is not valid UTF-8 (byte {exc.start})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidRequestError(f"Request body is not valid JSON: {exc.msg} at line {exc.lineno} "
-                                  f"column {exc.colno}") from None
-    if not isinstance(data, dict):
-        raise InvalidRequestError("Request body must be a JSON object")
-    try:
-        parsed = model.model_validate(data)
-    except pydantic.ValidationError as exc:
-        raise from_validation_error(exc) from None
+    parsed = await parser.parse(raw, model)
     clock = request.scope.get("state", {}).get("clock")
     if clock is not None:
         clock.end("validation")

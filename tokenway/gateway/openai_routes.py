@@ -13,13 +13,14 @@ from tokenway.gateway.policy import CallRecord
 from tokenway.gateway.serving import (
     Generation,
     ServerState,
+    context_window,
     framed_stream,
     make_sampling_params,
     new_id,
     structured_output_spec,
 )
 from tokenway.gateway.stages import StageClock
-from tokenway.protocol.errors import InvalidRequestError, openai_error_body
+from tokenway.protocol.errors import ContextLengthExceededError, InvalidRequestError, openai_error_body
 
 
 class TokenText:
@@ -89,8 +90,9 @@ def prepare_chat(state: ServerState, body, clock: StageClock, record: CallRecord
         tool_choice = tool_choice.model_dump(exclude_none=True)
     response_format = body.response_format.model_dump(exclude_none=True, by_alias=True) if body.response_format else None
     messages = body.template_messages()
-    prompt = build_chat_prompt(state.tokenizer, messages, tools, tool_choice,
-                               body.parallel_tool_calls is not False, response_format)
+    with context_window(state, "messages") as window:
+        prompt = build_chat_prompt(state.tokenizer, messages, tools, tool_choice,
+                                   body.parallel_tool_calls is not False, response_format, max_num_tokens=window)
     max_tokens = state.max_tokens(record, len(prompt.prompt_token_ids), body.max_output_tokens,
                                   "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
                                   num_messages=len(body.messages))
@@ -182,14 +184,30 @@ async def chat_stream(state: ServerState, body, generation: Generation, generic_
 
 def completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
     """str | list[str] | list[int] | list[list[int]] -> token id lists."""
-    if isinstance(prompt, str):
-        return [state.tokenizer.encode(prompt)]
     if prompt and all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
-    prompts = []
-    for item in prompt:
-        prompts.append(state.tokenizer.encode(item) if isinstance(item, str) else list(item))
-    return prompts
+    with context_window(state, "prompt") as window:
+        if isinstance(prompt, str):
+            return [state.tokenizer.encode(prompt, max_num_tokens=window)]
+        return [state.tokenizer.encode(item, max_num_tokens=window) if isinstance(item, str) else list(item)
+                for item in prompt]
+
+
+def tokenize(state: ServerState, body) -> list[int]:
+    """POST /tokenize (vLLM's): a prompt or chat messages -> token ids; a text certainly over
+    the window is refused as a generation would be (and as vLLM does)."""
+    tokenizer = state.tokenizer
+    if body.messages is not None:
+        messages = [m.to_template_dict() for m in body.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        add_special_tokens, param = body.add_special_tokens is True, "messages"
+    else:
+        text, add_special_tokens, param = body.prompt or "", body.add_special_tokens is not False, "prompt"
+    with context_window(state, param) as window:
+        token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens, max_num_tokens=window)
+    if len(token_ids) > window:
+        raise ContextLengthExceededError(len(token_ids), None, window, param=param)
+    return token_ids
 
 
 def prepare_completion(state: ServerState, body, clock: StageClock, record: CallRecord) -> tuple[Generation, str]:

@@ -24,7 +24,7 @@ from tokenway.gateway.auth import ANONYMOUS, KeyStore, Principal, authorize_mode
 from tokenway.gateway.limits import Decision, Limiter, LimitSpec
 from tokenway.gateway.stages import StageClock
 from tokenway.observability.traces import Trace
-from tokenway.protocol.errors import InvalidRequestError, RateLimitError
+from tokenway.protocol.errors import AuthenticationError, InvalidRequestError, RateLimitError
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,15 @@ class Gatekeeper:
 
     def authenticate(self, headers: dict[str, str]) -> Principal:
         """401 (with OpenAI's codes) unless the headers carry a live key; ANONYMOUS when auth is off."""
-        return principal_for(headers, self.keys if self.auth_required else None)
+        num_keys = self.keys.count_active()
+        if not needs_auth(num_keys, self.host):
+            return ANONYMOUS
+        if num_keys == 0:
+            raise AuthenticationError(
+                f"This server listens on {self.host}, beyond loopback, and has no API key yet, so every call is "
+                "refused. Its operator creates one with `tokenway keys create --name NAME` (on the server's --db); "
+                "send it as Authorization: Bearer KEY.", code="no_api_keys")
+        return principal_for(headers, self.keys)
 
     # -- may they, how much ----------------------------------------------------------
 

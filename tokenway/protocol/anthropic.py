@@ -20,6 +20,8 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from tokenway.protocol.errors import short_repr
 from tokenway.protocol.openai_messages import (
+    MAX_COUNT,
+    MAX_STOP_STRINGS,
     PositiveInt,
     Probability,
     RequestModel,
@@ -128,8 +130,10 @@ class MessagesRequest(RequestModel):
     system: str | list[TextBlock] | None = None
     temperature: Probability | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None  # 0 disables
-    stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
+    top_k: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = None  # 0 disables
+    # The same cap as OpenAI's `stop`: every sequence is checked against the text at every token.
+    stop_sequences: (Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)]
+                     | None) = None
     stream: bool | None = None
     metadata: Metadata | None = None
     tools: list[ToolDefinition] | None = None

@@ -7,6 +7,7 @@
     ├── PermissionDeniedError          403 permission_error
     ├── NotFoundError                  404 not_found_error         code model_not_found for models
     ├── PayloadTooLargeError           413 invalid_request_error   code payload_too_large
+    ├── UnsupportedMediaTypeError      415 invalid_request_error   code unsupported_media_type
     ├── RateLimitError                 429 rate_limit_error        retry_after -> retry-after, retry-after-ms
     ├── InternalServerError            500 internal_error          the message never carries a traceback
     └── ServiceUnavailableError        503 service_unavailable     code overloaded; retry_after as for 429
@@ -38,9 +39,12 @@ class TokenwayError(Exception):
     default_code: ClassVar[str | None] = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        # Whatever a message echoes of the request, it must render as UTF-8 JSON (a lone
+        # surrogate would make the error itself fail).
+        message = message if message.isascii() else message.encode("utf-8", "backslashreplace").decode()
         super().__init__(message)
         self.message = message
-        self.param = param
+        self.param = param if param is None or param.isascii() else param.encode("utf-8", "backslashreplace").decode()
         self.code = code if code is not None else self.default_code
         self.retry_after: float | None = None  # seconds; set by the kinds that send Retry-After
 
@@ -68,10 +72,11 @@ class ContextLengthExceededError(InvalidRequestError):
     default_code = "context_length_exceeded"
 
     def __init__(
-        self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, *, param: str = "messages"
+        self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, *, param: str = "messages",
+        at_least: bool = False,
     ) -> None:
         if max_tokens is None:
-            detail = f"your {param} resulted in {num_prompt_tokens} tokens"
+            detail = f"your {param} resulted in {'at least ' if at_least else ''}{num_prompt_tokens} tokens"
         else:
             detail = (
                 f"you requested {num_prompt_tokens + max_tokens} tokens "
@@ -119,6 +124,15 @@ class PayloadTooLargeError(TokenwayError):
     type = "invalid_request_error"
     anthropic_type = "request_too_large"
     default_code = "payload_too_large"
+
+
+class UnsupportedMediaTypeError(TokenwayError):
+    """A body that is not JSON: a form post from a web page must not run a generation."""
+
+    status = 415
+    type = "invalid_request_error"
+    anthropic_type = "invalid_request_error"
+    default_code = "unsupported_media_type"
 
 
 class RateLimitError(TokenwayError):

@@ -78,11 +78,12 @@ def check_json_schema(schema: dict[str, Any], *, object_root: bool = False) -> d
 # ---- shared field types -------------------------------------------------------------------------
 
 Name = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # function and json_schema names
-PositiveInt = Annotated[int, Field(ge=1)]
+MAX_COUNT = 2**31 - 1  # any token count or id: far above every window and vocabulary, within int32
+PositiveInt = Annotated[int, Field(ge=1, le=MAX_COUNT)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 MAX_STOP_STRINGS = 16
 
 

@@ -14,6 +14,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tokenway.protocol.errors import short_repr
 from tokenway.protocol.openai_messages import (
+    MAX_COUNT,
     ChatMessage,
     NamedToolChoice,
     Penalty,
@@ -41,7 +42,7 @@ class SamplingRequest(RequestModel):
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM extension; -1 and 0 disable
+    top_k: Annotated[int, Field(ge=-1, le=MAX_COUNT)] | None = None  # vLLM extension; -1 and 0 disable
     min_p: Probability | None = None  # vLLM extension
     seed: Seed | None = None
     stop: str | list[str] | None = None
@@ -53,7 +54,7 @@ class SamplingRequest(RequestModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool | None = None  # vLLM extension
-    min_tokens: Annotated[int, Field(ge=0)] | None = None  # vLLM extension
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = None  # vLLM extension; <= max_tokens
     stop_token_ids: list[TokenId] | None = None  # vLLM extension
     # Accepted and ignored: they change nothing a single self-hosted server does.
     metadata: dict[str, str] | None = None
