@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -23,14 +24,21 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *extra_args: str, db: Path | None = None) -> None:
-        self.port = free_port()
+    """extra_args as on the command line; with --ssl-certfile, base_url is https and `verify`
+    is the certificate to trust."""
+
+    def __init__(self, *extra_args: str, db: Path | None = None, port: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.port = port or free_port()
         # Each server its own keys and ledger unless a test shares one on purpose.
         self.db = db or Path(os.environ["TOKENWAY_DATA_DIR"]) / f"server-{self.port}.db"
         self.db.parent.mkdir(parents=True, exist_ok=True)
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        tls = "--ssl-certfile" in extra_args
+        self.verify = ssl.create_default_context(cafile=extra_args[extra_args.index("--ssl-certfile") + 1]) if tls \
+            else True
+        self.base_url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TOKENWAY_CACHE_DIR", "/tmp")) / f"server-{self.port}.log"
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tokenway.cli", "serve", "--port", str(self.port),
@@ -44,7 +52,7 @@ class Server:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.read_log()}")
             try:
-                if httpx.get(f"{self.base_url}/ready", timeout=1).status_code == 200:
+                if httpx.get(f"{self.base_url}/ready", timeout=1, verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -9,26 +9,6 @@ import httpx
 import pytest
 
 from tokenway.billing.ledger import Ledger
-from tokenway.billing.pricing import PriceTable
-from tokenway.engine.client import AsyncEngine
-from tokenway.gateway.app import create_app
-from tokenway.gateway.auth import KeyStore
-from tokenway.gateway.limits import InProcessLimiter
-from tokenway.gateway.policy import Defaults, Gatekeeper
-from tokenway.gateway.serving import ServerConfig, ServerState
-
-
-@pytest.fixture()
-def app_and_ledger(llm, tmp_path):
-    engine = AsyncEngine(core=llm.engine)
-    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
-    gatekeeper = Gatekeeper(KeyStore(tmp_path / "keys.db"), InProcessLimiter(), ledger, PriceTable.from_config({}),
-                            Defaults(), host="127.0.0.1")
-    name = "smollm2-135m-instruct"
-    state = ServerState(engine=engine, config=ServerConfig(served_model_names=(name,)), model_names=(name,),
-                        gatekeeper=gatekeeper)
-    yield create_app(state), ledger
-    engine.shutdown()
 
 
 def test_engine_failure_is_a_500_with_a_ledger_row(app_and_ledger, llm, monkeypatch):
