@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -26,8 +23,9 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
-MODEL = "smollm2-135m-instruct"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_bench import MODEL, REPO, percentile, start_server  # noqa: E402
+
 TEXT = "hello world " * 600_000  # 7.2 MB
 
 
@@ -40,31 +38,6 @@ def big_bodies() -> dict[str, tuple[str, bytes]]:
             {"model": MODEL, "max_tokens": 4, "prompt": [1234] * 1_150_000}).encode()),
         "messages, 7 MB of text": ("/v1/messages", json.dumps(chat).encode()),
     }
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
-
-
-def start_server(repo: Path, workdir: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "tokenway.cli", "serve", "--port", str(port), "--log-level",
-                                "warning", "--db", str(workdir / f"{port}.db")], cwd=repo,
-                               env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.DEVNULL,
-                               stderr=open(workdir / f"{port}.log", "w"))  # noqa: SIM115 (the server holds it)
-    base_url = f"http://127.0.0.1:{port}"
-    for _ in range(900):
-        try:
-            if httpx.get(base_url + "/ready", timeout=1).status_code == 200:
-                return process, base_url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise SystemExit(f"server from {repo} did not start")
 
 
 def probe_health(base_url: str, seconds: float) -> list[float]:
@@ -93,7 +66,8 @@ def send_big_bodies(base_url: str, stop: threading.Event, timings: dict[str, lis
 
 
 def measure(repo: Path, seconds: float, workdir: Path) -> None:
-    process, base_url = start_server(repo, workdir)
+    log = open(workdir / f"{repo.name}.log", "w")  # noqa: SIM115 (the server holds it open)
+    process, base_url = start_server("--db", str(workdir / f"{repo.name}.db"), repo=repo, log=log)
     try:
         idle = probe_health(base_url, seconds / 2)
         stop, timings = threading.Event(), {}

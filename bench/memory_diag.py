@@ -43,13 +43,14 @@ def rss_mib() -> float:
     return 0.0
 
 
-def report(interval_s: float) -> None:
+def report(interval_s: float, trace: bool) -> None:
     first = None
     mib = 2**20
     while True:
         time.sleep(interval_s)
-        info, snapshot = mallinfo(), tracemalloc.take_snapshot()
-        traced = tracemalloc.get_traced_memory()[0] / mib
+        info = mallinfo()
+        snapshot = tracemalloc.take_snapshot() if trace else None
+        traced = tracemalloc.get_traced_memory()[0] / mib if trace else 0.0
         now = {"rss": rss_mib(), "in_use": info.uordblks / mib, "arena_free": info.fordblks / mib,
                "mmapped": info.hblkhd / mib, "traced": traced}
         if first is None:
@@ -57,16 +58,19 @@ def report(interval_s: float) -> None:
         base, base_snapshot = first
         print(f"\n[{time.strftime('%H:%M:%S')}] " + "  ".join(
             f"{name} {value:.0f} MiB ({value - base[name]:+.0f})" for name, value in now.items()), flush=True)
-        for stat in snapshot.compare_to(base_snapshot, "lineno")[:10]:
+        for stat in snapshot.compare_to(base_snapshot, "lineno")[:10] if trace else ():
             print(f"    {stat.size_diff / 1024:+9.0f} KiB {stat.count_diff:+8d} blocks  {stat.traceback}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--interval", type=float, default=60.0)
+    parser.add_argument("--no-tracemalloc", dest="trace", action="store_false",
+                        help="the allocator's counters only (tracemalloc slows serving several times)")
     args, serve_args = parser.parse_known_args()
-    tracemalloc.start(1)
-    threading.Thread(target=report, args=(args.interval,), daemon=True).start()
+    if args.trace:
+        tracemalloc.start(1)
+    threading.Thread(target=report, args=(args.interval, args.trace), daemon=True).start()
     from tokenway.cli import main as tokenway_main
 
     sys.exit(tokenway_main(["serve", *serve_args]))

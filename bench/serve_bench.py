@@ -141,14 +141,15 @@ def offline_throughput(prompts: list[list[int]], output_len: int, max_num_seqs: 
     return len(prompts) * output_len / (time.perf_counter() - started)
 
 
-def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
-    """`tokenway serve` on a free loopback port with `extra` flags, once it is ready."""
+def start_server(*extra: str, repo: Path = REPO, log=None) -> tuple[subprocess.Popen, str]:
+    """`tokenway serve` from the checkout `repo` on a free loopback port with `extra` flags,
+    once it is ready; its output to `log` (a file) if given."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     process = subprocess.Popen([sys.executable, "-m", "tokenway.cli", "serve", "--port", str(port),
-                                "--log-level", "warning", *extra], cwd=REPO,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
+                                "--log-level", "warning", *extra], cwd=repo,
+                               env={**os.environ, "PYTHONPATH": str(repo)}, stdout=log, stderr=log)
     base_url = f"http://127.0.0.1:{port}"
     for _ in range(900):
         try:

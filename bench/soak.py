@@ -26,9 +26,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from big_bodies_bench import REPO, start_server  # noqa: E402
+from serve_bench import MODEL, start_server  # noqa: E402
 
-MODEL = "smollm2-135m-instruct"
 WORDS = ("alpha beta gamma delta tokens cache river mountain engine ledger stream budget model prompt window "
          "request answer question tell story about history science music").split()
 
@@ -123,7 +122,7 @@ def main() -> None:
         asyncio.run(soak(args.base_url, args.pid, args.minutes, args.warmup, args.clients))
         return
     with tempfile.TemporaryDirectory() as workdir:
-        process, base_url = start_server(REPO, Path(workdir))
+        process, base_url = start_server("--db", str(Path(workdir) / "soak.db"))
         try:
             asyncio.run(soak(base_url, process.pid, args.minutes, args.warmup, args.clients))
         finally:

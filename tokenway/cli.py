@@ -254,7 +254,9 @@ def build_observer(state, options: dict):
         exporter = OtelExporter(endpoint, headers=options["otlp_headers"], server_address=options["host"],
                                 server_port=options["port"])
         print(f"tokenway: exporting spans to {endpoint}", file=sys.stderr, flush=True)
-    return Observer(state.engine_stats, trace_capacity=options["trace_capacity"], exporter=exporter)
+    ledger_stats = state.gatekeeper.ledger.stats if state.gatekeeper is not None else None
+    return Observer(state.engine_stats, trace_capacity=options["trace_capacity"], exporter=exporter,
+                    ledger_stats=ledger_stats)
 
 
 def build_gatekeeper(options: dict):

@@ -86,7 +86,7 @@ def scrape(metrics: Metrics) -> dict:
 
 
 def test_metrics_follow_prometheus_naming_and_count_each_call_once():
-    metrics = Metrics(lambda: ENGINE_STATS)
+    metrics = Metrics(lambda: ENGINE_STATS, lambda: {"num_rows_written": 7, "num_rows_quarantined": 1})
     metrics.observe(make_trace())
     metrics.observe(make_trace("r2", status=429, limit_kind="tokens", ttft_ms=None, tpot_ms=None,
                                completion_tokens=0, finish_reason=None, cost_usd=0.0, cache_reason=None))
@@ -108,6 +108,9 @@ def test_metrics_follow_prometheus_naming_and_count_each_call_once():
     assert s[("tokenway_requests_waiting", ())] == 1
     assert s[("tokenway_prefix_cache_hit_tokens_total", ())] == 100
     assert s[("tokenway_preemptions_total", ())] == 4
+    # The ledger's writer, read at scrape time too.
+    assert s[("tokenway_ledger_rows_written_total", ())] == 7
+    assert s[("tokenway_ledger_quarantined_rows_total", ())] == 1
     # Ours are all under tokenway_; beside them only the process's own (memory, CPU, fds).
     assert all(name.startswith(("tokenway_", "process_", "python_")) for name, _ in s)
     assert any(name == "process_resident_memory_bytes" for name, _ in s)

@@ -33,7 +33,8 @@ STAGE_BUCKETS = (0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005
 
 
 class Metrics:
-    def __init__(self, engine_stats: Callable[[], dict] | None = None) -> None:
+    def __init__(self, engine_stats: Callable[[], dict] | None = None,
+                 ledger_stats: Callable[[], dict] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
 
@@ -72,6 +73,8 @@ class Metrics:
                                      ("outcome",))
         if engine_stats is not None:
             r.register(EngineCollector(engine_stats))
+        if ledger_stats is not None:
+            r.register(LedgerCollector(ledger_stats))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
         PlatformCollector(registry=r)
 
@@ -135,6 +138,24 @@ class EngineCollector(Collector):
                                   value=stats["prefix_cache_hit_tokens"])
         yield CounterMetricFamily("tokenway_preemptions", "Requests preempted to free KV blocks.",
                                   value=stats["num_preemptions"])
+
+    def describe(self) -> Iterator:
+        return iter(())
+
+
+class LedgerCollector(Collector):
+    """The usage ledger's writer, read at scrape time from `ledger_stats()` (Ledger.stats)."""
+
+    def __init__(self, ledger_stats: Callable[[], dict]) -> None:
+        self.ledger_stats = ledger_stats
+
+    def collect(self) -> Iterator:
+        stats = self.ledger_stats()
+        yield CounterMetricFamily("tokenway_ledger_rows_written", "Ledger rows committed to the database.",
+                                  value=stats["num_rows_written"])
+        yield CounterMetricFamily("tokenway_ledger_quarantined_rows",
+                                  "Ledger rows the database refused or the journal could not read back, kept in "
+                                  "the dead-letter file instead.", value=stats["num_rows_quarantined"])
 
     def describe(self) -> Iterator:
         return iter(())

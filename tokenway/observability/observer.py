@@ -23,11 +23,11 @@ NUM_SAMPLES = 300  # five minutes of one-second points
 
 class Observer:
     def __init__(self, engine_stats: Callable[[], dict], trace_capacity: int = 2048, exporter=None,
-                 now: Callable[[], float] = time.time) -> None:
+                 now: Callable[[], float] = time.time, ledger_stats: Callable[[], dict] | None = None) -> None:
         self.engine_stats = engine_stats
         self.now = now
         self.traces = TraceRing(trace_capacity)
-        self.metrics = Metrics(engine_stats)
+        self.metrics = Metrics(engine_stats, ledger_stats)
         self.exporter = exporter  # an OtelExporter, or None
         self.num_generated_tokens = 0  # counted as tokens stream out, for throughput over time
         self.num_finished_requests = 0
