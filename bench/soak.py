@@ -4,7 +4,7 @@
     python bench/soak.py --minutes 5 --warmup 1 --clients 4
 
 Each client streams chat completions back to back (a prompt drawn from a few hundred
-distinct ones, 64 tokens out, ignore_eos), as a steady production load does: prefix-cache
+distinct ones, 64 tokens out by default, ignore_eos), as a steady production load does: prefix-cache
 hits and misses, new and repeated texts, every request traced and billed. Each minute it
 prints the server's RSS (its own, and its children's: the body parser), the output tokens/s
 and requests of that minute. At the end: RSS growth from the first minute after warm-up to
@@ -59,11 +59,12 @@ def prompts(count: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 120))) for _ in range(count)]
 
 
-async def client_loop(base_url: str, texts: list[str], seed: int, counters: dict, stop: asyncio.Event) -> None:
+async def client_loop(base_url: str, texts: list[str], seed: int, max_tokens: int, counters: dict,
+                      stop: asyncio.Event) -> None:
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
         while not stop.is_set():
-            body = {"model": MODEL, "max_tokens": 64, "stream": True, "ignore_eos": True, "temperature": 0.8,
+            body = {"model": MODEL, "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "temperature": 0.8,
                     "messages": [{"role": "system", "content": "You are terse."},
                                  {"role": "user", "content": rng.choice(texts)}],
                     "stream_options": {"include_usage": True}}
@@ -80,12 +81,13 @@ async def client_loop(base_url: str, texts: list[str], seed: int, counters: dict
                 counters["errors"] += 1
 
 
-async def soak(base_url: str, pid: int, minutes: float, warmup: float, num_clients: int) -> None:
+async def soak(base_url: str, pid: int, minutes: float, warmup: float, num_clients: int, max_tokens: int) -> None:
     texts = prompts(400, seed=1)
     counters = {"tokens": 0, "requests": 0, "errors": 0}
     stop = asyncio.Event()
-    clients = [asyncio.create_task(client_loop(base_url, texts, seed, counters, stop)) for seed in range(num_clients)]
-    print(f"warm-up {warmup:g} min, then {minutes:g} min at {num_clients} streaming clients")
+    clients = [asyncio.create_task(client_loop(base_url, texts, seed, max_tokens, counters, stop))
+               for seed in range(num_clients)]
+    print(f"warm-up {warmup:g} min, then {minutes:g} min at {num_clients} streaming clients, {max_tokens} tokens out")
     print(f"{'minute':>6} {'RSS MiB':>9} {'children':>9} {'tok/s':>8} {'requests':>9} {'errors':>7}")
     samples = []
     started = time.monotonic()
@@ -115,16 +117,17 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=30)
     parser.add_argument("--warmup", type=float, default=3)
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64, help="per request (fewer: more requests per minute)")
     parser.add_argument("--base-url", help="an already running server (then --pid is its process id)")
     parser.add_argument("--pid", type=int)
     args = parser.parse_args()
     if args.base_url:
-        asyncio.run(soak(args.base_url, args.pid, args.minutes, args.warmup, args.clients))
+        asyncio.run(soak(args.base_url, args.pid, args.minutes, args.warmup, args.clients, args.max_tokens))
         return
     with tempfile.TemporaryDirectory() as workdir:
         process, base_url = start_server("--db", str(Path(workdir) / "soak.db"))
         try:
-            asyncio.run(soak(base_url, process.pid, args.minutes, args.warmup, args.clients))
+            asyncio.run(soak(base_url, process.pid, args.minutes, args.warmup, args.clients, args.max_tokens))
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(120)
