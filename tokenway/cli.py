@@ -172,7 +172,6 @@ def run_serve(options: dict) -> int:
         ssl_certfile=options["ssl_certfile"], ssl_keyfile=options["ssl_keyfile"],
     ))
     scheme = "https" if options["ssl_certfile"] else "http"
-    state.body_parser.start()
 
     async def main() -> None:
         async def announce() -> None:
@@ -185,6 +184,7 @@ def run_serve(options: dict) -> int:
                   flush=True)
 
         announcer = asyncio.create_task(announce())
+        await state.body_parser.start()
         if gatekeeper is not None:
             auth = "on" if gatekeeper.auth_required else "OFF (no API key exists and the server binds loopback)"
             print(f"tokenway: auth {auth}; limits {options['limits_url']}; ledger {gatekeeper.ledger.url}",
@@ -195,6 +195,7 @@ def run_serve(options: dict) -> int:
                       f"    tokenway keys create --name NAME --db {gatekeeper.keys.path}", file=sys.stderr, flush=True)
         await server.serve()
         announcer.cancel()
+        await state.body_parser.close()
         if gatekeeper is not None:
             await gatekeeper.close()  # flush the ledger
         if state.observer is not None:
@@ -203,7 +204,6 @@ def run_serve(options: dict) -> int:
     try:
         asyncio.run(main())
     finally:
-        state.body_parser.close()
         engine.shutdown()
     if not server.started:
         return 1  # could not bind, for instance

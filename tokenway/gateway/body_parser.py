@@ -2,20 +2,34 @@
 
 json.loads and pydantic hold the GIL for the whole call: 7 MB of token ids take ~240 ms, so
 a thread would not help (the loop waits for the GIL just the same). Bodies up to
-`inline_bytes` (≤ ~2 ms of parsing) are parsed where they arrive; larger ones in a worker
-process, whose result comes back as the already-checked request model (schema caps bound
-what that model can hold, so unpickling it is quick). The pool starts with the server and is
-replaced if a worker dies.
+`inline_bytes` (≤ ~2 ms of parsing) are parsed where they arrive; larger ones are streamed,
+chunk by chunk as they arrive, into a worker process (so the loop never copies a whole large
+body), whose answer comes back as the already-checked request model (schema caps bound what
+that model can hold, so unpickling it is quick).
+
+A worker is `python -m tokenway.gateway.body_parser`, talking over its stdin and stdout:
+
+    server -> worker   frame(pickle(request model class)), frame(chunk)..., frame(b"")
+                       (or, where the body stops coming: the client left, it grew too large,
+                       an ABORT header instead of the last frame: the worker drops the body)
+    worker -> server   frame(pickle((True, model) | (False, (message, param, code))))
+    frame(data) = length of data (8 bytes, big-endian) + data
+
+one body at a time per worker. Plain subprocesses rather than multiprocessing: spawn and
+forkserver both import the program's __main__ again in the child, which in a script that
+starts a server without a `__main__` guard starts a second server. A worker that dies costs
+the body it was parsing a 503 and is replaced.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from typing import Any, TypeVar
+import os
+import pickle
+import struct
+import sys
+from typing import Any, AsyncIterator, TypeVar
 
 import pydantic
 
@@ -26,55 +40,170 @@ T = TypeVar("T", bound=pydantic.BaseModel)
 logger = logging.getLogger(__name__)
 
 INLINE_BODY_BYTES = 64 * 1024
+_LENGTH = struct.Struct(">Q")
+_ABORT = 2**64 - 1  # in place of a frame's length: the rest of this body is not coming
 
 
-def _parse(raw: bytes, model: type[T]) -> tuple[bool, Any]:
-    """In the worker: (True, the model) or (False, the 400's message, param and code)."""
-    try:
-        return True, decode_json_body(raw, model)
-    except InvalidRequestError as exc:
-        return False, (exc.message, exc.param, exc.code)
+class _Worker:
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
 
+    @classmethod
+    async def start(cls) -> _Worker:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", __name__, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+        return cls(process)
 
-def _warm_up() -> None:
-    """Imports done, the worker is ready."""
+    async def parse(self, chunks: AsyncIterator[bytes], model: type) -> tuple[bool, Any]:
+        stdin = self.process.stdin
+        self._frame(pickle.dumps(model))
+        try:
+            async for chunk in chunks:
+                if chunk:
+                    self._frame(chunk)
+                    await stdin.drain()  # the worker reads as the client sends: no body piles up here
+        except BaseException:
+            stdin.write(_LENGTH.pack(_ABORT))
+            raise
+        self._frame(b"")
+        await stdin.drain()
+        (length,) = _LENGTH.unpack(await self.process.stdout.readexactly(_LENGTH.size))
+        return pickle.loads(await self.process.stdout.readexactly(length))
+
+    def _frame(self, data: bytes) -> None:
+        self.process.stdin.write(_LENGTH.pack(len(data)))
+        self.process.stdin.write(data)
+
+    def kill(self) -> None:
+        try:
+            self.process.kill()
+        except ProcessLookupError:
+            pass  # already gone
+        self.process.stdin.close()
 
 
 class BodyParser:
     def __init__(self, inline_bytes: int = INLINE_BODY_BYTES, num_workers: int = 1) -> None:
         self.inline_bytes = inline_bytes
         self.num_workers = num_workers
-        self._pool: ProcessPoolExecutor | None = None
+        self._idle: asyncio.Queue[_Worker | None] | None = None  # None: a slot whose worker must be started
+        self._workers: set[_Worker] = set()
 
-    def start(self) -> None:
-        """Spawn the worker now (it takes ~0.5 s to import), so the first large body does not wait."""
-        self._pool_or_new().submit(_warm_up)
-
-    async def parse(self, raw: bytes, model: type[T]) -> T:
-        if len(raw) <= self.inline_bytes:
-            return decode_json_body(raw, model)
-        pool = self._pool_or_new()
-        try:
-            ok, value = await asyncio.wrap_future(pool.submit(_parse, raw, model))
-        except BrokenProcessPool:
-            # A worker died (killed, out of memory): this body is not answered, later ones are.
-            logger.error("body parser: a worker process died; starting a new one")
-            if self._pool is pool:
-                self._pool = None
-            raise ServiceUnavailableError("The server could not parse this request body; retry shortly.",
-                                          retry_after=1) from None
+    async def parse(self, chunks: AsyncIterator[bytes], model: type[T]) -> tuple[T, int]:
+        """(the request model, the body's size in bytes) from the body's chunks as they arrive."""
+        head: list[bytes] = []
+        size = 0
+        async for chunk in chunks:
+            head.append(chunk)
+            size += len(chunk)
+            if size > self.inline_bytes:
+                break
+        else:
+            return decode_json_body(b"".join(head), model), size
+        counted = _Counted(head, chunks)
+        ok, value = await self._in_worker(counted, model)
         if not ok:
             message, param, code = value
             raise InvalidRequestError(message, param=param, code=code)
-        return value
+        return value, counted.size
 
-    def _pool_or_new(self) -> ProcessPoolExecutor:
-        if self._pool is None:
-            # spawn: the server process has threads (the engine's, torch's) that fork would copy mid-flight.
-            self._pool = ProcessPoolExecutor(self.num_workers, mp_context=multiprocessing.get_context("spawn"))
-        return self._pool
+    async def start(self) -> None:
+        """Start the workers now (each takes ~0.5 s to import), so the first large body does not wait."""
+        idle = self._slots()
+        for _ in range(self.num_workers):
+            worker = await idle.get()
+            idle.put_nowait(worker or await self._new_worker())
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+    async def _in_worker(self, chunks: AsyncIterator[bytes], model: type) -> tuple[bool, Any]:
+        idle = self._slots()
+        worker = await idle.get()
+        try:
+            worker = worker or await self._new_worker()
+            result = await worker.parse(chunks, model)
+        except (OSError, EOFError, asyncio.IncompleteReadError, pickle.UnpicklingError):
+            # The worker died (killed, out of memory): this body is not answered, later ones are.
+            logger.error("body parser: a worker process died; starting a new one")
+            self._forget(worker)
+            idle.put_nowait(None)
+            raise ServiceUnavailableError("The server could not parse this request body; retry shortly.",
+                                          retry_after=1) from None
+        except asyncio.CancelledError:  # mid-exchange: the pipe may be out of step
+            self._forget(worker)
+            idle.put_nowait(None)
+            raise
+        except BaseException:  # the body stopped coming (client gone, too large): the worker dropped it
+            idle.put_nowait(worker)
+            raise
+        idle.put_nowait(worker)
+        return result
+
+    def _slots(self) -> asyncio.Queue:
+        if self._idle is None:
+            self._idle = asyncio.Queue()
+            for _ in range(self.num_workers):
+                self._idle.put_nowait(None)
+        return self._idle
+
+    async def _new_worker(self) -> _Worker:
+        worker = await _Worker.start()
+        self._workers.add(worker)
+        return worker
+
+    def _forget(self, worker: _Worker | None) -> None:
+        if worker is not None:
+            worker.kill()
+            self._workers.discard(worker)
+
+    async def close(self) -> None:
+        """End the workers (their stdin closes: each exits) and wait for them."""
+        workers, self._workers = list(self._workers), set()
+        for worker in workers:
+            worker.process.stdin.close()
+        for worker in workers:
+            try:
+                await asyncio.wait_for(worker.process.wait(), 5)
+            except asyncio.TimeoutError:
+                worker.kill()
+                await worker.process.wait()
+
+
+class _Counted:
+    """The chunks already read, then the rest of the stream, counting the bytes."""
+
+    def __init__(self, head: list[bytes], rest: AsyncIterator[bytes]) -> None:
+        self.head, self.rest = head, rest
+        self.size = 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for chunk in self.head:
+            self.size += len(chunk)
+            yield chunk
+        async for chunk in self.rest:
+            self.size += len(chunk)
+            yield chunk
+
+
+def _serve(stdin, stdout) -> None:
+    """The worker's loop: one body in, one answer out, until the server closes the pipe."""
+    while header := stdin.read(_LENGTH.size):
+        model = pickle.loads(stdin.read(_LENGTH.unpack(header)[0]))
+        chunks = []
+        while (length := _LENGTH.unpack(stdin.read(_LENGTH.size))[0]) not in (0, _ABORT):
+            chunks.append(stdin.read(length))
+        if length == _ABORT:
+            continue
+        try:
+            answer: tuple[bool, Any] = (True, decode_json_body(b"".join(chunks), model))
+        except InvalidRequestError as exc:
+            answer = (False, (exc.message, exc.param, exc.code))
+        reply = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+        stdout.write(_LENGTH.pack(len(reply)) + reply)
+        stdout.flush()
+
+
+if __name__ == "__main__":
+    # The protocol owns the real stdout; anything a library prints goes to stderr instead.
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    _serve(sys.stdin.buffer, answers)

@@ -38,11 +38,12 @@ async def parse_body(request: Request, model: type[T], parser: BodyParser) -> T:
     if not is_json_media_type(content_type):
         raise UnsupportedMediaTypeError(f"Content-Type must be application/json, got {truncate(content_type or '')!r}")
     try:
-        raw = await request.body()
+        parsed, num_bytes = await parser.parse(request.stream(), model)
     except ClientDisconnect:
         raise ClientDisconnected() from None  # gone before sending the whole body: nothing to answer
-    parsed = await parser.parse(raw, model)
-    clock = request.scope.get("state", {}).get("clock")
+    state = request.scope.setdefault("state", {})
+    state["body_bytes"] = num_bytes  # the route's next steps choose where to run by it
+    clock = state.get("clock")
     if clock is not None:
         clock.end("validation")
     return parsed

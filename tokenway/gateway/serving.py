@@ -112,7 +112,7 @@ class ServerState:
         """Run a route's prepare step (chat template, tokenizing, the checks that need the
         model): where it is for a small body; for a large one in a worker thread, where the
         tokenizer runs without the GIL, so the event loop keeps serving meanwhile."""
-        if len(await request.body()) <= self.body_parser.inline_bytes:  # the body is cached by now
+        if request.scope["state"]["body_bytes"] <= self.body_parser.inline_bytes:
             return prepare(*args)
         return await asyncio.to_thread(prepare, *args)
 

@@ -32,6 +32,10 @@ from tokenway.protocol.openai_messages import (
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+# Token ids in one body: above any window served here (a longer prompt could only be refused
+# later), and a bound on what a body decoded off the event loop hands back to it.
+MAX_TOKEN_IDS = 2**17
+TokenIds = Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS)]
 
 
 class SamplingRequest(RequestModel):
@@ -55,7 +59,7 @@ class SamplingRequest(RequestModel):
     user: str | None = None
     ignore_eos: bool | None = None  # vLLM extension
     min_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = None  # vLLM extension; <= max_tokens
-    stop_token_ids: list[TokenId] | None = None  # vLLM extension
+    stop_token_ids: TokenIds | None = None  # vLLM extension
     # Accepted and ignored: they change nothing a single self-hosted server does.
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
@@ -187,6 +191,12 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and isinstance(value[0], list):
+            num_ids = sum(len(item) if isinstance(item, list) else 1 for item in value)
+        else:
+            num_ids = len(value) if isinstance(value, list) else 0
+        if num_ids > MAX_TOKEN_IDS:
+            raise fail("too_many_token_ids", "must hold at most {n} token ids, got {got}", n=MAX_TOKEN_IDS, got=num_ids)
         if isinstance(value, str):
             if not value:
                 raise fail("empty_prompt", "must not be empty")
@@ -250,4 +260,4 @@ class TokenizeRequest(RequestModel):
 
 class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[TokenId]
+    tokens: TokenIds
