@@ -59,7 +59,25 @@ class AsyncEngine:
         self._loaded.wait()
         if self.core is None:
             raise self._error  # the model failed to load: the same ValueError the caller would get
+        # What callers may read of the engine; nothing else of the core is theirs to touch.
         self.tokenizer = self.core.tokenizer
+        self.vocab_size = self.core.model_config.vocab_size
+        self.max_model_len = self.core.max_model_len
+
+    def stats(self) -> dict:
+        """What runs, what waits, how full the KV cache is (counts read without a lock: a
+        snapshot may be one step stale, never torn within a number)."""
+        core = self.core
+        kv = core.kv_manager
+        return {"num_running": len(core.scheduler.running), "num_waiting": len(core.scheduler.waiting),
+                "kv_blocks_total": kv.num_blocks, "kv_blocks_free": kv.num_free_blocks,
+                "prefix_cache_hit_rate": kv.prefix_cache_hit_rate, "prefix_cache_queried_tokens": kv.num_queried_tokens,
+                "prefix_cache_hit_tokens": kv.num_hit_tokens, "num_preemptions": core.scheduler.num_preemptions}
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (naming the field) for what the engine would refuse: ids outside the
+        vocabulary, a prompt over the window, a response_format that cannot be compiled."""
+        self.core.validate_prompt(prompt_token_ids, params)
 
     # -- asyncio side ----------------------------------------------------------------
 
@@ -75,7 +93,7 @@ class AsyncEngine:
         or cancelling the task, aborts the request in the engine within one step."""
         if self._stopped.is_set():
             raise EngineDeadError("the engine has stopped") from self._error
-        self.core.validate_prompt(prompt_token_ids, params)
+        self.validate_prompt(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
         outputs: asyncio.Queue = asyncio.Queue()
         state = RequestState(request_id, prompt, list(prompt_token_ids), params, self.tokenizer)

@@ -305,7 +305,7 @@ def create_app(state: ServerState) -> FastAPI:
         body = await parse_body(request, openai_schema.DetokenizeRequest, state.body_parser)
         if body.model is not None:
             state.resolve_model(body.model)
-        vocab_size = state.engine.core.model_config.vocab_size
+        vocab_size = state.engine.vocab_size
         if any(not 0 <= t < vocab_size for t in body.tokens):
             raise InvalidRequestError(f"tokens: token ids must be in [0, {vocab_size})", param="tokens")
         return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}

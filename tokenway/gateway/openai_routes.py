@@ -220,7 +220,7 @@ def prepare_completion(state: ServerState, body, clock: StageClock, record: Call
     prompt_token_ids = prompts[0]
     if not prompt_token_ids:
         raise InvalidRequestError("prompt: must not be empty", param="prompt")
-    vocab_size = state.engine.core.model_config.vocab_size
+    vocab_size = state.engine.vocab_size
     if any(not 0 <= t < vocab_size for t in prompt_token_ids):
         raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
     max_tokens = state.max_tokens(record, len(prompt_token_ids), body.max_tokens, "max_tokens")

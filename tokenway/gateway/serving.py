@@ -64,7 +64,7 @@ class ServerState:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.core.max_model_len
+        return self.engine.max_model_len
 
     @property
     def tokenizer(self):
@@ -118,13 +118,7 @@ class ServerState:
 
     def engine_stats(self) -> dict:
         """A snapshot of the engine: what runs, what waits, how full the KV cache is."""
-        core = self.engine.core
-        kv = core.kv_manager
-        return {"num_running": len(core.scheduler.running), "num_waiting": len(core.scheduler.waiting),
-                "num_pending_http": self.num_pending, "kv_blocks_total": kv.num_blocks,
-                "kv_blocks_free": kv.num_free_blocks, "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
-                "prefix_cache_queried_tokens": kv.num_queried_tokens, "prefix_cache_hit_tokens": kv.num_hit_tokens,
-                "num_preemptions": core.scheduler.num_preemptions}
+        return {**self.engine.stats(), "num_pending_http": self.num_pending}
 
     def take_engine_slots(self, count: int = 1) -> None:
         if self.num_pending + count > self.config.max_pending_requests:
@@ -309,7 +303,7 @@ class Generation:
         # satisfied) run now, so they are a 400 before any byte of a stream is sent.
         for params in params_list[:1]:
             try:
-                state.engine.core.validate_prompt(prompt_token_ids, params)
+                state.engine.validate_prompt(prompt_token_ids, params)
             except ValueError as exc:
                 raise InvalidRequestError(str(exc), param=str(exc).split(":", 1)[0]) from None
         self.completion_tokens = [0] * self.num_choices
