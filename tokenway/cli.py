@@ -141,6 +141,11 @@ def run_serve(options: dict) -> int:
                 self.force_exit = True  # a second Ctrl-C: do not wait for the grace period
             self.should_exit = True
 
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:  # said before the first request can be answered, so a log reader never races it
+                print(self.announcement, file=sys.stderr, flush=True)
+
     from tokenway.engine.client import AsyncEngine
     from tokenway.gateway.app import create_app
     from tokenway.gateway.serving import ServerConfig, ServerState
@@ -173,17 +178,10 @@ def run_serve(options: dict) -> int:
     ))
     scheme = "https" if options["ssl_certfile"] else "http"
 
-    async def main() -> None:
-        async def announce() -> None:
-            while not server.started:
-                if server.should_exit:
-                    return
-                await asyncio.sleep(0.05)
-            print(f"tokenway: serving {', '.join(names)} on {scheme}://{server_config.host}:{server_config.port} "
-                  f"(OpenAI /v1/chat/completions, /v1/completions; Anthropic /v1/messages)", file=sys.stderr,
-                  flush=True)
+    server.announcement = (f"tokenway: serving {', '.join(names)} on {scheme}://{server_config.host}:"
+                           f"{server_config.port} (OpenAI /v1/chat/completions, /v1/completions; Anthropic /v1/messages)")
 
-        announcer = asyncio.create_task(announce())
+    async def main() -> None:
         await state.body_parser.start()
         if gatekeeper is not None:
             auth = "on" if gatekeeper.auth_required else "OFF (no API key exists and the server binds loopback)"
@@ -194,7 +192,6 @@ def run_serve(options: dict) -> int:
                       f"exists, so every /v1 call is refused with 401 until you create one:\n"
                       f"    tokenway keys create --name NAME --db {gatekeeper.keys.path}", file=sys.stderr, flush=True)
         await server.serve()
-        announcer.cancel()
         await state.body_parser.close()
         if gatekeeper is not None:
             await gatekeeper.close()  # flush the ledger
