@@ -11,7 +11,12 @@ import torch
 
 from tokenway.engine.scheduler import SchedulerOutput
 from tokenway.models.config import ModelConfig
-from tokenway.models.llama import AttentionMetadata, LlamaForCausalLM, PrefillChunk
+from tokenway.models.attention import AttentionMetadata, BlockRun, PrefillChunk, SharedPrefix
+from tokenway.models.llama import LlamaForCausalLM
+
+# Decode rows sharing fewer cached blocks than this read them on their own: the split costs
+# more than the copies it saves.
+MIN_SHARED_BLOCKS = 2
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -21,9 +26,11 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device,
+                 cascade_attention: bool = True) -> None:
         config = model.config
         self.model = model
+        self.cascade_attention = cascade_attention  # read prefixes shared by decode rows once per step
         self.block_size = block_size
         self.device = device
         num_slots = num_blocks * block_size
@@ -72,10 +79,10 @@ class ModelRunner:
                 prefills.append(PrefillChunk(token_start, num_new, end, None, None))
             else:
                 # A later chunk (or the tail after a prefix-cache hit) attends to the whole context.
-                context_block_ids = torch.tensor(block_ids[: (end + bs - 1) // bs], device=self.device)
+                context = BlockRun.of(block_ids[: (end + bs - 1) // bs], self.device)
                 query_pos = torch.arange(start, end, device=self.device).unsqueeze(1)
                 key_pos = torch.arange(end, device=self.device).unsqueeze(0)
-                prefills.append(PrefillChunk(token_start, num_new, end, context_block_ids, key_pos <= query_pos))
+                prefills.append(PrefillChunk(token_start, num_new, end, context, key_pos <= query_pos))
 
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, device=self.device),
@@ -84,15 +91,7 @@ class ModelRunner:
             prefills=prefills,
         )
         if decode_rows:
-            max_len = max(decode_context_lens)
-            max_blocks = (max_len + bs - 1) // bs
-            # Padding points at block 0 and is masked out.
-            table = [out.block_tables[row][:max_blocks] for row in decode_rows]
-            table = [block_ids + [0] * (max_blocks - len(block_ids)) for block_ids in table]
-            meta.decode_block_table = torch.tensor(table, device=self.device)
-            context_lens = torch.tensor(decode_context_lens, device=self.device)
-            key_pos = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0)
-            meta.decode_mask = (key_pos < context_lens.unsqueeze(1)).view(len(decode_rows), 1, 1, max_blocks * bs)
+            self._decode_layout(meta, [out.block_tables[row] for row in decode_rows], decode_context_lens)
 
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),
@@ -108,3 +107,38 @@ class ModelRunner:
         if not sample_index:
             return torch.empty(0, self.model.config.vocab_size)
         return self.model.compute_logits(hidden[torch.tensor(sample_index, device=self.device)]).cpu()
+
+    def _decode_layout(self, meta: AttentionMetadata, tables: list[list[int]], context_lens: list[int]) -> None:
+        """Which blocks each decode row reads: a prefix shared with other rows (read once for all
+        of them), then its own blocks, padded into one table."""
+        bs = self.block_size
+        num_shared = [0] * len(tables)  # per row: leading blocks read through a shared prefix
+        if self.cascade_attention and len(tables) > 1:
+            by_first_block: dict[int, list[int]] = {}
+            for row, table in enumerate(tables):
+                by_first_block.setdefault(table[0], []).append(row)
+            for rows in by_first_block.values():
+                if len(rows) < 2:
+                    continue
+                first = tables[rows[0]]
+                # Full blocks before each row's newest token only: every row keeps a block of its own.
+                limit = min((context_lens[row] - 1) // bs for row in rows)
+                length = 0
+                while length < limit and all(tables[row][length] == first[length] for row in rows):
+                    length += 1
+                if length < MIN_SHARED_BLOCKS:
+                    continue
+                meta.shared_prefixes.append(SharedPrefix(torch.tensor(rows, device=self.device),
+                                                         BlockRun.of(first[:length], self.device)))
+                for row in rows:
+                    num_shared[row] = length
+        own_tables = [table[skip: (context_len + bs - 1) // bs]
+                      for table, skip, context_len in zip(tables, num_shared, context_lens)]
+        own_lens = [context_len - skip * bs for context_len, skip in zip(context_lens, num_shared)]
+        max_blocks = max(len(table) for table in own_tables)
+        # Padding points at block 0 and is masked out.
+        meta.decode_block_table = torch.tensor([table + [0] * (max_blocks - len(table)) for table in own_tables],
+                                               device=self.device)
+        key_pos = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0)
+        valid = key_pos < torch.tensor(own_lens, device=self.device).unsqueeze(1)
+        meta.decode_mask = valid.view(len(tables), 1, 1, max_blocks * bs)

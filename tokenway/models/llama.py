@@ -3,7 +3,7 @@
 One forward runs a flat batch of T tokens from many requests: chunks of prompts and
 single decode tokens alike. The runner orders it as [decode tokens | prefill tokens]:
 the Bd decode requests (one query token each) come first so their attention is one
-padded, batched call; each prefill chunk then attends on its own.
+padded, batched call; each prefill chunk then attends on its own (models/attention.py).
 
 Activations and the residual stream stay float32; linear weights and the KV cache use
 `dtype` (bfloat16 where the CPU has bf16 dot-product instructions; see engine config).
@@ -12,35 +12,14 @@ Activations and the residual stream stay float32; linear weights and the KV cach
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenway.models.attention import AttentionMetadata, decode_attention, prefill_attention
 from tokenway.models.config import ModelConfig
-
-
-@dataclass(slots=True)
-class PrefillChunk:
-    """One request's run of query tokens that attends to its own context."""
-
-    token_start: int  # first index in the flat batch
-    num_tokens: int  # query tokens in this chunk
-    context_len: int  # keys to attend to: computed tokens + this chunk
-    block_ids: torch.Tensor | None  # (ceil(ctx_len / block_size),) long; None when the chunk is the whole context
-    attn_mask: torch.Tensor | None  # (num_tokens, ctx_len) bool, True = may attend; None = plain causal
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # (T,) long: cache slot (block_id * block_size + offset) of each new token
-    block_size: int = 16
-    num_decode_tokens: int = 0  # Bd: the first Bd tokens are single-token decodes
-    decode_block_table: torch.Tensor | None = None  # (Bd, max_blocks) long, padded with block 0
-    decode_mask: torch.Tensor | None = None  # (Bd, 1, 1, max_blocks * block_size) bool, True = valid key
-    prefills: list[PrefillChunk] = field(default_factory=list)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -65,17 +44,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
         inv_freq = torch.where(is_medium, smoothed, scaled)
     return inv_freq
-
-
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
-    """(num_slots, kv_heads, head_dim) cache, (*, nb) block ids -> (*, nb * block_size, kv_heads, head_dim).
-
-    Whole blocks are copied as contiguous rows (index_select), several times faster than
-    gathering slot by slot with advanced indexing."""
-    num_slots, kv_heads, head_dim = cache.shape
-    rows = cache.view(num_slots // block_size, block_size * kv_heads * head_dim)
-    gathered = rows.index_select(0, block_ids.reshape(-1))
-    return gathered.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, kv_heads, head_dim)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -146,35 +114,11 @@ class LlamaAttention(nn.Module):
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=cache_dtype, device=x.device)
         num_decodes = meta.num_decode_tokens
         if num_decodes:
-            group = self.num_heads // self.num_kv_heads
-            # GQA without copying K/V: the query heads sharing a KV head act as that
-            # head's query "positions", none of them causal. (Bd, kv_heads, group, head_dim)
-            dq = q[:num_decodes].view(num_decodes, self.num_kv_heads, group, self.head_dim)
-            table = meta.decode_block_table
-            dk = gather_blocks(k_cache, table, meta.block_size).transpose(1, 2)  # (Bd, kv_heads, L, head_dim)
-            dv = gather_blocks(v_cache, table, meta.block_size).transpose(1, 2)
-            attn = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=meta.decode_mask, scale=self.scale)
-            out[:num_decodes] = attn.reshape(num_decodes, self.num_heads, self.head_dim)
+            out[:num_decodes] = decode_attention(q[:num_decodes], k_cache, v_cache, meta, self.scale)
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            pq = q[rows].transpose(0, 1).unsqueeze(0)  # (1, heads, n, head_dim)
-            if chunk.block_ids is None:
-                pk, pv = k[rows], v[rows]
-            else:
-                pk = gather_blocks(k_cache, chunk.block_ids, meta.block_size)[: chunk.context_len]
-                pv = gather_blocks(v_cache, chunk.block_ids, meta.block_size)[: chunk.context_len]
-            pk = pk.transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx, head_dim)
-            pv = pv.transpose(0, 1).unsqueeze(0)
-            attn = F.scaled_dot_product_attention(
-                pq,
-                pk,
-                pv,
-                attn_mask=chunk.attn_mask,
-                is_causal=chunk.attn_mask is None,
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            out[rows] = attn.squeeze(0).transpose(0, 1)
+            out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, meta.block_size,
+                                          self.scale)
         return linear(out.view(num_tokens, self.q_size), self.o_weight)
 
 

@@ -1,0 +1,137 @@
+"""Paged attention: shared-prefix (cascade) decode attention equals plain attention over
+each row's whole context, on random caches and on the real model in mixed steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tokenway import SamplingParams
+from tokenway.models.attention import AttentionMetadata, BlockRun, SharedPrefix, decode_attention, gather_blocks
+
+BS = 4
+KV_HEADS, GROUP, HEAD_DIM = 2, 3, 8
+
+
+def reference_decode(q, k_cache, v_cache, tables, context_lens, scale):
+    """Each row on its own: its context gathered slot by slot, softmax in float64."""
+    out = []
+    for row, (table, length) in enumerate(zip(tables, context_lens)):
+        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(length)])
+        k = k_cache[slots].double().repeat_interleave(GROUP, dim=1)  # (L, heads, d)
+        v = v_cache[slots].double().repeat_interleave(GROUP, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[row].double(), k) * scale
+        out.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+def layout(tables, context_lens, prefixes):
+    """AttentionMetadata as the runner lays it out; prefixes: [(rows, num_blocks)]."""
+    skip = [0] * len(tables)
+    shared = []
+    for rows, num_blocks in prefixes:
+        shared.append(SharedPrefix(torch.tensor(rows), BlockRun.of(tables[rows[0]][:num_blocks], torch.device("cpu"))))
+        for row in rows:
+            skip[row] = num_blocks
+    own = [t[s: (n + BS - 1) // BS] for t, s, n in zip(tables, skip, context_lens)]
+    width = max(map(len, own))
+    lens = torch.tensor([n - s * BS for n, s in zip(context_lens, skip)])
+    mask = torch.arange(width * BS).unsqueeze(0) < lens.unsqueeze(1)
+    return AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=BS,
+                             num_decode_tokens=len(tables),
+                             decode_block_table=torch.tensor([t + [0] * (width - len(t)) for t in own]),
+                             decode_mask=mask.view(len(tables), 1, 1, width * BS), shared_prefixes=shared)
+
+
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_cascade_equals_attention_over_whole_contexts(consecutive):
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    num_blocks = 64
+    k_cache = torch.randn(num_blocks * BS, KV_HEADS, HEAD_DIM)
+    v_cache = torch.randn(num_blocks * BS, KV_HEADS, HEAD_DIM)
+    free = list(range(1, num_blocks))
+    if not consecutive:
+        rng.shuffle(free)
+    prefix_a = [free.pop(0) for _ in range(5)]  # 3 rows share 5 blocks
+    prefix_b = [free.pop(0) for _ in range(2)]  # 2 rows share 2 blocks
+    tables, context_lens = [], []
+    for prefix, extra_tokens in [(prefix_a, 3), (prefix_b, 9), (prefix_a, 1), ([], 30), (prefix_a, 14), (prefix_b, 4)]:
+        own = [free.pop(0) for _ in range((extra_tokens + BS - 1) // BS)]
+        tables.append(prefix + own)
+        context_lens.append(len(prefix) * BS + extra_tokens)
+    assert (BlockRun.of(prefix_a, torch.device("cpu")).first_block is not None) == consecutive
+    q = torch.randn(len(tables), KV_HEADS * GROUP, HEAD_DIM)
+    scale = HEAD_DIM ** -0.5
+    expected = reference_decode(q, k_cache, v_cache, tables, context_lens, scale)
+
+    plain = decode_attention(q, k_cache, v_cache, layout(tables, context_lens, []), scale)
+    cascade = decode_attention(q, k_cache, v_cache, layout(tables, context_lens, [([0, 2, 4], 5), ([1, 5], 2)]), scale)
+    torch.testing.assert_close(plain.double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cascade.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_consecutive_block_run_is_read_without_a_copy():
+    cache = torch.randn(10 * BS, KV_HEADS, HEAD_DIM)
+    run = BlockRun.of([3, 4, 5], torch.device("cpu"))
+    view = run.read(cache, BS)
+    assert view.data_ptr() == cache[3 * BS].data_ptr()
+    torch.testing.assert_close(view, gather_blocks(cache, torch.tensor([3, 4, 5]), BS))
+    scattered = BlockRun.of([3, 5, 4], torch.device("cpu"))
+    assert scattered.first_block is None
+    torch.testing.assert_close(scattered.read(cache, BS), torch.cat([cache[12:16], cache[20:24], cache[16:20]]))
+
+
+def test_cascade_in_the_engine_matches_plain_attention_in_a_mixed_step(llm):
+    """Rows sharing a 3-block prefix, rows sharing another of 2 blocks, a row sharing nothing and
+    a prompt chunk in the same step: the step's logits are the same with and without cascade."""
+    core = llm.engine
+    runner, scheduler = core.runner, core.scheduler
+    rng = random.Random(1)
+
+    def tokens(n):
+        return [rng.randrange(100, 40000) for _ in range(n)]
+
+    system_a, system_b = tokens(3 * 16 + 5), tokens(2 * 16 + 9)
+    warm = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([{"prompt_token_ids": system_a + tokens(3)}, {"prompt_token_ids": system_b + tokens(3)}], warm)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [system_a + tokens(n) for n in (4, 20, 37)] + [system_b + tokens(n) for n in (2, 11)] + [tokens(45)]
+    ids = [f"cascade-{i}" for i in range(len(prompts))]
+    try:
+        for request_id, prompt in zip(ids, prompts):
+            core.add_request(request_id, prompt, params)
+        while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.requests.values()):
+            core.step()
+        for _ in range(3):
+            core.step()
+        assert {r.num_cached_tokens for r in scheduler.requests.values()} >= {48, 32}  # the prefix cache shared them
+        core.add_request("cascade-prompt", tokens(70), params)
+        ids.append("cascade-prompt")
+        out = scheduler.schedule()
+        assert sorted(out.num_scheduled_tokens)[-1] > 1 and out.num_scheduled_tokens.count(1) == len(prompts)
+        runner.cascade_attention = False
+        plain = runner.execute(out)
+        runner.cascade_attention = True
+        cascade = runner.execute(out)
+        torch.testing.assert_close(cascade, plain, atol=2e-4, rtol=1e-4)
+        assert cascade.argmax(-1).tolist() == plain.argmax(-1).tolist()
+        scheduler.update_from_output(out, plain.argmax(-1).tolist(), [None] * len(plain))
+    finally:
+        runner.cascade_attention = True
+        core.abort_requests(ids)
+
+
+def test_a_shared_prefix_is_laid_out_once_for_its_rows(llm):
+    runner = llm.engine.runner
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=16, num_decode_tokens=4)
+    # rows 0, 1, 3 share blocks 7, 8 (block 9 only by rows 0 and 3, and row 3's newest token is in it).
+    runner._decode_layout(meta, [[7, 8, 9, 20], [7, 8, 30], [40, 41], [7, 8, 9]], [60, 40, 20, 33])
+    assert len(meta.shared_prefixes) == 1
+    prefix = meta.shared_prefixes[0]
+    assert prefix.rows.tolist() == [0, 1, 3] and prefix.blocks.block_ids.tolist() == [7, 8]
+    assert prefix.blocks.first_block == 7
+    assert meta.decode_block_table.tolist() == [[9, 20], [30, 0], [40, 41], [9, 0]]
+    assert meta.decode_mask.view(4, -1).sum(-1).tolist() == [60 - 32, 40 - 32, 20, 33 - 32]

@@ -1,0 +1,170 @@
+"""Attention over the paged KV cache, for one step's flat batch [decode tokens | prefill chunks].
+
+The cache of one layer is (num_slots, kv_heads, head_dim), slot = block_id * block_size + offset.
+
+Decode rows (one query token each) attend in one batched call. What a row reads is split in two:
+  - a shared prefix: the first blocks it holds in common with other decode rows (a system prompt
+    the prefix cache handed to all of them). Their keys and values are read ONCE per step for the
+    whole group, and the group's queries meet them in one matmul: (kv_heads, rows x group, d) x
+    (kv_heads, d, prefix). Without it, 16 requests behind a 1,000-token system prompt copied 16
+    contexts out of the cache every layer of every step (cascade attention, as FlashInfer and
+    vLLM call it);
+  - its own blocks: the rest of its context, gathered per row and padded.
+The scores of both parts are softmaxed together, so the result is ordinary attention over the
+whole context. Block runs that happen to be consecutive in the cache (a long prompt allocated
+at once usually is) are read as a view, with no copy at all.
+
+Prefill chunks attend one by one: a whole prompt to itself (causal), a later chunk or the tail
+after a prefix-cache hit to its cached context too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class BlockRun:
+    """Whole blocks read in order: their ids, and the first id when they are consecutive."""
+
+    block_ids: torch.Tensor  # (num_blocks,) long
+    first_block: int | None  # block_ids == first_block + arange(num_blocks): read as a view
+
+    @classmethod
+    def of(cls, block_ids: list[int], device: torch.device) -> BlockRun:
+        first = block_ids[0] if block_ids and block_ids[-1] - block_ids[0] == len(block_ids) - 1 \
+            and all(b - a == 1 for a, b in zip(block_ids, block_ids[1:])) else None
+        return cls(torch.tensor(block_ids, dtype=torch.long, device=device), first)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+    def read(self, cache: torch.Tensor, block_size: int) -> torch.Tensor:
+        """(num_blocks * block_size, kv_heads, head_dim): a view when consecutive, else a copy."""
+        if self.first_block is not None:
+            start = self.first_block * block_size
+            return cache[start : start + self.num_blocks * block_size]
+        return gather_blocks(cache, self.block_ids, block_size)
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One request's run of query tokens that attends to its own context."""
+
+    token_start: int  # first index in the flat batch
+    num_tokens: int  # query tokens in this chunk
+    context_len: int  # keys to attend to: computed tokens + this chunk
+    context: BlockRun | None  # the blocks holding the context; None when the chunk is the whole context
+    attn_mask: torch.Tensor | None  # (num_tokens, ctx_len) bool, True = may attend; None = plain causal
+
+
+@dataclass(slots=True)
+class SharedPrefix:
+    """Decode rows whose contexts start with the same cached blocks."""
+
+    rows: torch.Tensor  # (num_rows,) long: indices among the decode rows
+    blocks: BlockRun
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) long: cache slot (block_id * block_size + offset) of each new token
+    block_size: int = 16
+    num_decode_tokens: int = 0  # Bd: the first Bd tokens are single-token decodes
+    # Each decode row's own blocks (its context after any shared prefix), padded with block 0.
+    decode_block_table: torch.Tensor | None = None  # (Bd, max_blocks) long
+    decode_mask: torch.Tensor | None = None  # (Bd, 1, 1, max_blocks * block_size) bool, True = valid key
+    shared_prefixes: list[SharedPrefix] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(num_slots, kv_heads, head_dim) cache, (*, nb) block ids -> (*, nb * block_size, kv_heads, head_dim).
+
+    Whole blocks are copied as contiguous rows (index_select), several times faster than
+    gathering slot by slot with advanced indexing."""
+    num_slots, kv_heads, head_dim = cache.shape
+    rows = cache.view(num_slots // block_size, block_size * kv_heads * head_dim)
+    gathered = rows.index_select(0, block_ids.reshape(-1))
+    return gathered.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, kv_heads, head_dim)
+
+
+def decode_attention(
+    q: torch.Tensor,  # (Bd, heads, head_dim)
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """(Bd, heads, head_dim) in q's dtype."""
+    num_decodes, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = num_heads // kv_heads
+    # GQA without copying K/V: the query heads sharing a KV head act as that head's query
+    # "positions", none of them causal. (Bd, kv_heads, group, head_dim)
+    dq = q.view(num_decodes, kv_heads, group, head_dim)
+    table = meta.decode_block_table
+    own_k = gather_blocks(k_cache, table, meta.block_size).transpose(1, 2)  # (Bd, kv_heads, L, head_dim)
+    own_v = gather_blocks(v_cache, table, meta.block_size).transpose(1, 2)
+    if not meta.shared_prefixes:
+        out = F.scaled_dot_product_attention(dq, own_k, own_v, attn_mask=meta.decode_mask, scale=scale)
+        return out.reshape(num_decodes, num_heads, head_dim)
+
+    # Scores in float32 whatever the cache holds (a bf16 matmul would round them to bf16).
+    dq32 = dq.float() * scale
+    own = torch.matmul(dq32, own_k.float().transpose(-1, -2))  # (Bd, kv_heads, group, L)
+    own.masked_fill_(~meta.decode_mask, float("-inf"))
+    shared_len = max(p.blocks.num_blocks for p in meta.shared_prefixes) * meta.block_size
+    scores = torch.full((num_decodes, kv_heads, group, shared_len + own.shape[-1]), float("-inf"), device=q.device)
+    scores[..., shared_len:] = own
+    prefix_values = []
+    for prefix in meta.shared_prefixes:
+        rows, num_rows = prefix.rows, len(prefix.rows)
+        pk = prefix.blocks.read(k_cache, meta.block_size).float()  # (P, kv_heads, head_dim)
+        pv = prefix.blocks.read(v_cache, meta.block_size).float()
+        length = pk.shape[0]
+        # (kv_heads, rows * group, head_dim) x (kv_heads, head_dim, P): one matmul for the group.
+        pq = dq32[rows].transpose(0, 1).reshape(kv_heads, num_rows * group, head_dim)
+        prefix_scores = torch.matmul(pq, pk.permute(1, 2, 0))  # (kv_heads, rows * group, P)
+        scores[rows, :, :, :length] = prefix_scores.view(kv_heads, num_rows, group, length).transpose(0, 1)
+        prefix_values.append(pv)
+    probs = scores.softmax(dim=-1)
+    out = torch.matmul(probs[..., shared_len:], own_v.float())  # (Bd, kv_heads, group, head_dim)
+    for prefix, pv in zip(meta.shared_prefixes, prefix_values):
+        rows, num_rows, length = prefix.rows, len(prefix.rows), pv.shape[0]
+        pp = probs[rows, :, :, :length].transpose(0, 1).reshape(kv_heads, num_rows * group, length)
+        prefix_out = torch.matmul(pp, pv.transpose(0, 1))  # (kv_heads, rows * group, head_dim)
+        out[rows] += prefix_out.view(kv_heads, num_rows, group, head_dim).transpose(0, 1)
+    return out.reshape(num_decodes, num_heads, head_dim).to(q.dtype)
+
+
+def prefill_attention(
+    q: torch.Tensor,  # (n, heads, head_dim)
+    k: torch.Tensor,  # (n, kv_heads, head_dim): this chunk's fresh keys
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: PrefillChunk,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """(n, heads, head_dim)."""
+    if chunk.context is None:
+        pk, pv = k, v
+    else:
+        pk = chunk.context.read(k_cache, block_size)[: chunk.context_len]
+        pv = chunk.context.read(v_cache, block_size)[: chunk.context_len]
+    attn = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # (1, heads, n, head_dim)
+        pk.transpose(0, 1).unsqueeze(0),  # (1, kv_heads, ctx, head_dim)
+        pv.transpose(0, 1).unsqueeze(0),
+        attn_mask=chunk.attn_mask,
+        is_causal=chunk.attn_mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return attn.squeeze(0).transpose(0, 1)
