@@ -30,6 +30,7 @@ SERVE_OPTIONS = {
     "max_model_len": (int, None),
     "kv_cache_memory": (str, "2GiB"),
     "dtype": (str, "auto"),
+    "linear_kernels": (str, "auto"),
     "max_num_batched_tokens": (int, 512),
     "max_num_seqs": (int, 128),
     "enable_prefix_caching": (bool, True),
@@ -101,6 +102,8 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--kv-cache-memory", help="KV cache budget, e.g. 2GiB")
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    serve.add_argument("--linear-kernels", choices=["auto", "default", "onednn"],
+                       help="CPU matmul per weight: auto measures torch's default against oneDNN's packed layout")
     serve.add_argument("--max-num-batched-tokens", type=int)
     serve.add_argument("--max-num-seqs", type=int)
     serve.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False)
@@ -154,6 +157,7 @@ def run_serve(options: dict) -> int:
     engine_config = EngineConfig(
         model=options["model"], max_model_len=options["max_model_len"],
         kv_cache_memory=options["kv_cache_memory"], dtype=options["dtype"],
+        linear_kernels=options["linear_kernels"],
         max_num_batched_tokens=options["max_num_batched_tokens"], max_num_seqs=options["max_num_seqs"],
         enable_prefix_caching=options["enable_prefix_caching"],
     )

@@ -41,6 +41,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # "auto": bfloat16 where the CPU has bf16 dot products (AVX512-BF16 / AMX), else float32.
     dtype: str = "auto"
+    # CPU matmul layout per weight: "auto" measures MKL against oneDNN's packed layout at load
+    # (models/linear.py); "default" keeps torch's own; "onednn" packs every float32 weight.
+    linear_kernels: str = "auto"
     device: str = "auto"  # "auto": cuda when present, else cpu
     cache_dir: str | None = None  # converted models; default $TOKENWAY_CACHE_DIR or ~/.cache/tokenway
     show_progress: bool = True
@@ -55,5 +58,7 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.linear_kernels not in ("auto", "default", "onednn"):
+            raise ValueError(f"linear_kernels: must be auto, default or onednn, got {self.linear_kernels!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

@@ -25,6 +25,7 @@ from tokenway.engine.structured_output import StructuredOutputManager
 from tokenway.frontend.tokenizer import Tokenizer
 from tokenway.kv_cache.manager import KVCacheManager
 from tokenway.models.config import ModelConfig
+from tokenway.models.linear import select_kernels
 from tokenway.models.llama import LlamaForCausalLM
 from tokenway.models.loader import iter_weights, resolve_model
 
@@ -78,6 +79,8 @@ class EngineCore:
         model = LlamaForCausalLM(self.model_config, self.dtype)
         model.load_weights(iter_weights(model_dir))
         self.model = model.to(self.device).eval()
+        backends = select_kernels(model.linear_kernels(), config.linear_kernels)
+        packed = sum(backend == "onednn" for backend in backends.values())
 
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
@@ -110,7 +113,8 @@ class EngineCore:
             print(
                 f"tokenway: loaded {config.model} ({self.model_config.architecture}, {self.dtype}, {self.device}) "
                 f"in {time.monotonic() - started:.1f}s; KV cache {num_blocks} blocks x {config.block_size} tokens "
-                f"({num_blocks * block_bytes / 2**30:.2f} GiB), max_model_len {self.max_model_len}",
+                f"({num_blocks * block_bytes / 2**30:.2f} GiB), max_model_len {self.max_model_len}; "
+                f"oneDNN-packed matmuls for {packed} of {len(backends)} weight shapes",
                 file=sys.stderr,
             )
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from tokenway.models.attention import AttentionMetadata, decode_attention, prefill_attention
 from tokenway.models.config import ModelConfig
+from tokenway.models.linear import LinearKernel
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -62,11 +63,6 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T computed in the weight's dtype; the result is float32 (the residual stream's)."""
-    return F.linear(x.to(weight.dtype), weight, bias).to(torch.float32)
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -86,6 +82,8 @@ class LlamaAttention(nn.Module):
             else None
         )
         self.o_weight = nn.Parameter(torch.empty(config.hidden_size, self.q_size, dtype=dtype), requires_grad=False)
+        self.qkv = LinearKernel(self.qkv_weight, self.qkv_bias)
+        self.o = LinearKernel(self.o_weight)
 
     def forward(
         self,
@@ -96,7 +94,7 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv(x)
         # RoPE on q and k in one go: (T, heads + kv_heads, head_dim), in float32 as HF does.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = qk * cos + rotate_half(qk) * sin
@@ -119,7 +117,7 @@ class LlamaAttention(nn.Module):
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, meta.block_size,
                                           self.scale)
-        return linear(out.view(num_tokens, self.q_size), self.o_weight)
+        return self.o(out.view(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -133,10 +131,12 @@ class LlamaMLP(nn.Module):
         self.down_weight = nn.Parameter(
             torch.empty(config.hidden_size, config.intermediate_size, dtype=dtype), requires_grad=False
         )
+        self.gate_up = LinearKernel(self.gate_up_weight)
+        self.down = LinearKernel(self.down_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_weight).split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight)
+        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -162,6 +162,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
+        self.head = LinearKernel(self.lm_head)
         # (max_positions, head_dim) cos/sin tables, computed as HF does (fp32 outer product).
         positions = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
         freqs = torch.outer(positions, rope_inv_freq(config))
@@ -185,7 +186,14 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32; the final norm runs only on the N rows that sample."""
-        return linear(self.norm(hidden), self.lm_head).float()
+        return self.head(self.norm(hidden))
+
+    def linear_kernels(self) -> list[LinearKernel]:
+        """Every matmul's weight, for models/linear.select_kernels (after loading)."""
+        kernels = [self.head]
+        for layer in self.layers:
+            kernels += [layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down]
+        return kernels
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be filled."""
