@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from tokenway.engine.scheduler import SchedulerOutput
-from tokenway.models.config import ModelConfig
 from tokenway.models.attention import AttentionMetadata, BlockRun, PrefillChunk, SharedPrefix
+from tokenway.models.config import ModelConfig
 from tokenway.models.llama import LlamaForCausalLM
 
 # Decode rows sharing fewer cached blocks than this read them on their own: the split costs
