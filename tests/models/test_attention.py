@@ -135,3 +135,24 @@ def test_a_shared_prefix_is_laid_out_once_for_its_rows(llm):
     assert prefix.blocks.first_block == 7
     assert meta.decode_block_table.tolist() == [[9, 20], [30, 0], [40, 41], [9, 0]]
     assert meta.decode_mask.view(4, -1).sum(-1).tolist() == [60 - 32, 40 - 32, 20, 33 - 32]
+
+
+def test_a_single_row_with_consecutive_blocks_reads_its_context_as_a_view(llm):
+    torch.manual_seed(2)
+    k_cache = torch.randn(40 * BS, KV_HEADS, HEAD_DIM)
+    v_cache = torch.randn(40 * BS, KV_HEADS, HEAD_DIM)
+    q = torch.randn(1, KV_HEADS * GROUP, HEAD_DIM)
+    scale = HEAD_DIM ** -0.5
+    table, length = [5, 6, 7, 8, 9], 18
+    expected = reference_decode(q, k_cache, v_cache, [table], [length], scale)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=BS, num_decode_tokens=1,
+                             decode_context=BlockRun.of(table, torch.device("cpu")), decode_context_len=length)
+    torch.testing.assert_close(decode_attention(q, k_cache, v_cache, meta, scale).double(), expected,
+                               atol=1e-5, rtol=1e-5)
+    runner = llm.engine.runner
+    laid_out = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=16, num_decode_tokens=1)
+    runner._decode_layout(laid_out, [[5, 6, 7, 8]], [60])
+    assert laid_out.decode_context.first_block == 5 and laid_out.decode_context_len == 60
+    scattered = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=16, num_decode_tokens=1)
+    runner._decode_layout(scattered, [[5, 7, 6, 8]], [60])
+    assert scattered.decode_context is None and scattered.decode_block_table.tolist() == [[5, 7, 6, 8]]

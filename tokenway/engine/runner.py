@@ -135,6 +135,11 @@ class ModelRunner:
         own_tables = [table[skip: (context_len + bs - 1) // bs]
                       for table, skip, context_len in zip(tables, num_shared, context_lens)]
         own_lens = [context_len - skip * bs for context_len, skip in zip(context_lens, num_shared)]
+        if len(own_tables) == 1:
+            run = BlockRun.of(own_tables[0], self.device)
+            if run.first_block is not None:
+                meta.decode_context, meta.decode_context_len = run, own_lens[0]
+                return
         max_blocks = max(len(table) for table in own_tables)
         # Padding points at block 0 and is masked out.
         meta.decode_block_table = torch.tensor([table + [0] * (max_blocks - len(table)) for table in own_tables],

@@ -78,6 +78,9 @@ class AttentionMetadata:
     # Each decode row's own blocks (its context after any shared prefix), padded with block 0.
     decode_block_table: torch.Tensor | None = None  # (Bd, max_blocks) long
     decode_mask: torch.Tensor | None = None  # (Bd, 1, 1, max_blocks * block_size) bool, True = valid key
+    # A single decode row whose blocks are consecutive: its context is read as a view instead.
+    decode_context: BlockRun | None = None
+    decode_context_len: int = 0
     shared_prefixes: list[SharedPrefix] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
@@ -107,6 +110,12 @@ def decode_attention(
     # GQA without copying K/V: the query heads sharing a KV head act as that head's query
     # "positions", none of them causal. (Bd, kv_heads, group, head_dim)
     dq = q.view(num_decodes, kv_heads, group, head_dim)
+    if meta.decode_context is not None:  # one row, consecutive blocks: no copy, no mask
+        length = meta.decode_context_len
+        own_k = meta.decode_context.read(k_cache, meta.block_size)[:length].transpose(0, 1).unsqueeze(0)
+        own_v = meta.decode_context.read(v_cache, meta.block_size)[:length].transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(dq, own_k, own_v, scale=scale)
+        return out.reshape(num_decodes, num_heads, head_dim)
     table = meta.decode_block_table
     own_k = gather_blocks(k_cache, table, meta.block_size).transpose(1, 2)  # (Bd, kv_heads, L, head_dim)
     own_v = gather_blocks(v_cache, table, meta.block_size).transpose(1, 2)
