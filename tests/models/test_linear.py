@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not onednn_available(torch.empty(1, 1)), reason=
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("tokens", [1, 3, 16, 70])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 17, 70])
 def test_packed_equals_default(bias, tokens):
     torch.manual_seed(0)
     weight, b = torch.randn(96, 64), torch.randn(96) if bias else None

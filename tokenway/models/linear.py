@@ -18,6 +18,12 @@ import torch
 import torch.nn.functional as F
 
 BATCH_SIZES = (1, 4, 16)
+# oneDNN keeps a compiled primitive per input shape (ONEDNN_PRIMITIVE_CACHE_CAPACITY, 1024 by
+# default), and a step's token count takes any value up to max_num_batched_tokens: with every
+# count its own shape, RSS grew ~20 MiB a minute under steady load (bench/soak.py). Token counts
+# above ROW_BUCKET are padded up to a multiple of it, so each weight sees at most
+# ROW_BUCKET + max_num_batched_tokens / ROW_BUCKET shapes.
+ROW_BUCKET = 16
 # A packed layout must beat the default by this much (summed relative time over BATCH_SIZES)
 # to be chosen, so that near ties keep the default and the choice is stable between starts.
 MARGIN = 0.10
@@ -36,8 +42,13 @@ class LinearKernel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.float().contiguous(), self.packed, self.packed_bias,
-                                                      "none", [], "")
+            num_rows = x.shape[0]
+            padded = num_rows if num_rows <= ROW_BUCKET else -(-num_rows // ROW_BUCKET) * ROW_BUCKET
+            x = x.float()
+            if padded != num_rows:
+                x = F.pad(x, (0, 0, 0, padded - num_rows))
+            out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.packed_bias, "none", [], "")
+            return out[:num_rows]
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).float()
 
     @property
