@@ -35,8 +35,7 @@ class BlockRun:
 
     @classmethod
     def of(cls, block_ids: list[int], device: torch.device) -> BlockRun:
-        first = block_ids[0] if block_ids and block_ids[-1] - block_ids[0] == len(block_ids) - 1 \
-            and all(b - a == 1 for a, b in zip(block_ids, block_ids[1:])) else None
+        first = block_ids[0] if block_ids and all(b - a == 1 for a, b in zip(block_ids, block_ids[1:])) else None
         return cls(torch.tensor(block_ids, dtype=torch.long, device=device), first)
 
     @property

@@ -55,9 +55,9 @@ class LinearKernel:
     def backend(self) -> str:
         return "onednn" if self.packed is not None else "default"
 
-    def pack(self) -> None:
-        """Switch to oneDNN's layout; the plain weight's storage is released."""
-        self.packed = pack_weight(self.weight.data)
+    def pack(self, packed: torch.Tensor | None = None) -> None:
+        """Switch to oneDNN's layout (packed: this weight already packed); the plain weight's storage is released."""
+        self.packed = pack_weight(self.weight.data) if packed is None else packed
         self.packed_bias = None if self.bias is None else self.bias.data.float()
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
@@ -81,8 +81,9 @@ def _time(fn, x: torch.Tensor, repeats: int = 5) -> float:
     return statistics.median(samples)
 
 
-def measure(weight: torch.Tensor) -> tuple[float, float]:
-    """(default, onednn) summed time relative to the faster of the two at each batch size."""
+def measure(weight: torch.Tensor) -> tuple[float, float, torch.Tensor]:
+    """(default, onednn) summed time relative to the faster of the two at each batch size, and
+    the packed weight (so the kernel measured need not be packed again)."""
     trial = LinearKernel(weight)
     packed = LinearKernel(weight)
     packed.packed = pack_weight(weight)
@@ -93,7 +94,7 @@ def measure(weight: torch.Tensor) -> tuple[float, float]:
         best = min(default_time, onednn_time)
         default_score += default_time / best
         onednn_score += onednn_time / best
-    return default_score, onednn_score
+    return default_score, onednn_score, packed.packed
 
 
 @torch.inference_mode()
@@ -104,14 +105,15 @@ def select_kernels(kernels: list[LinearKernel], mode: str = "auto") -> dict[tupl
     for kernel in kernels:
         weight = kernel.weight.data
         shape = tuple(weight.shape)
+        packed = None
         if not onednn_available(weight) or mode == "default":
             chosen.setdefault(shape, "default")
         elif shape not in chosen:
             if mode == "onednn":
                 chosen[shape] = "onednn"
             else:
-                default_score, onednn_score = measure(weight)
+                default_score, onednn_score, packed = measure(weight)
                 chosen[shape] = "onednn" if onednn_score * (1 + MARGIN) < default_score else "default"
         if chosen[shape] == "onednn":
-            kernel.pack()
+            kernel.pack(packed)
     return chosen
