@@ -11,8 +11,20 @@ from tokenway.engine.client import AsyncEngine
 from tokenway.engine.request import SamplingParams
 
 
+PRINTING_PRESS = "The history of the printing press"
+GREEDY_20 = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
 @pytest.fixture(scope="module")
-def engine(llm):
+def offline(llm):
+    """Offline outputs, taken before the engine thread starts: once it drives llm's core, a
+    second driver stepping the same core from this thread would race it."""
+    prompt = llm.tokenizer.encode(PRINTING_PRESS, add_special_tokens=False)
+    return {PRINTING_PRESS: llm.generate([{"prompt_token_ids": prompt}], GREEDY_20)[0].outputs[0]}
+
+
+@pytest.fixture(scope="module")
+def engine(llm, offline):
     engine = AsyncEngine(core=llm.engine)
     yield engine
     engine.shutdown()
@@ -30,15 +42,13 @@ async def collect(engine, prompt, params, request_id=None):
     return deltas, last
 
 
-def test_streams_deltas_that_add_up_to_the_offline_text(engine, llm):
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    prompt = prompt_ids(engine, "The history of the printing press")
-    deltas, last = asyncio.run(collect(engine, prompt, params))
+def test_streams_deltas_that_add_up_to_the_offline_text(engine, offline):
+    deltas, last = asyncio.run(collect(engine, prompt_ids(engine, PRINTING_PRESS), GREEDY_20))
     assert last.finished and last.outputs[0].finish_reason == "length"
     assert "".join(deltas) == last.outputs[0].text
     assert len(deltas) > 5  # it streamed, not one lump
-    offline = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
-    assert last.outputs[0].token_ids == offline.token_ids and last.outputs[0].text == offline.text
+    reference = offline[PRINTING_PRESS]
+    assert last.outputs[0].token_ids == reference.token_ids and last.outputs[0].text == reference.text
 
 
 def test_event_loop_stays_responsive_while_the_engine_works(engine):
