@@ -32,6 +32,15 @@ def test_packed_equals_default(bias, tokens):
         torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("tokens", [1, 16, 17, 70])
+def test_bf16_rows_padded_to_a_bucket_give_the_unpadded_product(tokens):
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16(), torch.randn(tokens, 64)
+    out = LinearKernel(weight, bias)(x)
+    assert out.dtype == torch.float32 and out.shape == (tokens, 96)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x.bfloat16(), weight, bias).float())
+
+
 def test_modes_choose_per_shape_and_skip_what_onednn_cannot_take():
     def kernels():
         return [LinearKernel(torch.nn.Parameter(torch.randn(*shape, dtype=dtype), requires_grad=False))

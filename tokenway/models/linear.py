@@ -24,6 +24,8 @@ BATCH_SIZES = (1, 4, 16)
 # above ROW_BUCKET are padded up to a multiple of it, so each weight sees at most
 # ROW_BUCKET + max_num_batched_tokens / ROW_BUCKET shapes.
 ROW_BUCKET = 16
+# Weight dtypes whose CPU matmuls torch hands to oneDNN (float32 goes to MKL).
+ONEDNN_DTYPES = (torch.bfloat16, torch.float16)
 # A packed layout must beat the default by this much (summed relative time over BATCH_SIZES)
 # to be chosen, so that near ties keep the default and the choice is stable between starts.
 MARGIN = 0.10
@@ -43,12 +45,15 @@ class LinearKernel:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             num_rows = x.shape[0]
-            padded = num_rows if num_rows <= ROW_BUCKET else -(-num_rows // ROW_BUCKET) * ROW_BUCKET
-            x = x.float()
-            if padded != num_rows:
-                x = F.pad(x, (0, 0, 0, padded - num_rows))
+            x = bucket_rows(x.float())
             out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.packed_bias, "none", [], "")
             return out[:num_rows]
+        if self.weight.dtype in ONEDNN_DTYPES and self.weight.device.type == "cpu":
+            # torch runs bf16/fp16 CPU matmuls through oneDNN, which caches a primitive, with
+            # its own reordered copy of the weight, per input shape (~0.7 MiB per token count
+            # for a 1536x576 bf16 weight): bucketed like the packed path.
+            num_rows = x.shape[0]
+            return F.linear(bucket_rows(x.to(self.weight.dtype)), self.weight, self.bias)[:num_rows].float()
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).float()
 
     @property
@@ -60,6 +65,14 @@ class LinearKernel:
         self.packed = pack_weight(self.weight.data) if packed is None else packed
         self.packed_bias = None if self.bias is None else self.bias.data.float()
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
+
+def bucket_rows(x: torch.Tensor) -> torch.Tensor:
+    """x with its rows padded (zeros) up to the next multiple of ROW_BUCKET when above it."""
+    num_rows = x.shape[0]
+    if num_rows <= ROW_BUCKET or num_rows % ROW_BUCKET == 0:
+        return x
+    return F.pad(x, (0, 0, 0, ROW_BUCKET - num_rows % ROW_BUCKET))
 
 
 def onednn_available(weight: torch.Tensor) -> bool:
