@@ -1,30 +1,96 @@
-"""Paged attention: shared-prefix (cascade) decode attention equals plain attention over
-each row's whole context, on random caches and on the real model in mixed steps."""
+"""Paged decode attention: the C++ kernel and the torch path's shared-prefix (cascade) layout
+both equal plain attention over each row's whole context, on random caches and on the real
+model in mixed steps."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
 import torch
 
 from tokenway import SamplingParams
-from tokenway.models.attention import AttentionMetadata, BlockRun, SharedPrefix, decode_attention, gather_blocks
+from tokenway.models.attention import (
+    AttentionMetadata,
+    BlockRun,
+    SharedPrefix,
+    decode_attention,
+    gather_blocks,
+    native_decode_kernel,
+)
 
 BS = 4
 KV_HEADS, GROUP, HEAD_DIM = 2, 3, 8
 
 
-def reference_decode(q, k_cache, v_cache, tables, context_lens, scale):
+def reference_decode(q, k_cache, v_cache, tables, context_lens, scale, block_size=BS):
     """Each row on its own: its context gathered slot by slot, softmax in float64."""
+    group = q.shape[1] // k_cache.shape[1]
     out = []
     for row, (table, length) in enumerate(zip(tables, context_lens)):
-        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(length)])
-        k = k_cache[slots].double().repeat_interleave(GROUP, dim=1)  # (L, heads, d)
-        v = v_cache[slots].double().repeat_interleave(GROUP, dim=1)
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(length)])
+        k = k_cache[slots].double().repeat_interleave(group, dim=1)  # (L, heads, d)
+        v = v_cache[slots].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[row].double(), k) * scale
         out.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v))
     return torch.stack(out)
+
+
+@contextlib.contextmanager
+def torch_path(runner):
+    """The runner laying decode attention out for the torch path (the native kernel off)."""
+    kernel = runner.decode_kernel
+    runner.decode_kernel = None
+    try:
+        yield runner
+    finally:
+        runner.decode_kernel = kernel
+
+
+def native_kernel(dtype=torch.float32, head_dim=64):
+    kernel = native_decode_kernel(dtype, head_dim, torch.device("cpu"))
+    if kernel is None:
+        pytest.skip("the native attention kernel does not build here")
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_equals_attention_over_whole_contexts(dtype):
+    """GQA groups, shuffled tables longer than the context, one long context (split into chunks
+    and merged), a row of one token, a shared prefix, strided queries."""
+    kernel = native_kernel(dtype)
+    torch.manual_seed(3)
+    block_size, num_blocks, kv_heads, heads, head_dim = 16, 160, 3, 9, 64
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim).to(dtype)
+    free = torch.randperm(num_blocks).tolist()
+    shared = [free.pop() for _ in range(4)]
+    context_lens = [1, 37, 1500, 64 + 5, 64 + 30]
+    tables = []
+    for row, length in enumerate(context_lens):
+        own = (length + block_size - 1) // block_size
+        tables.append(shared + [free.pop() for _ in range(own - 4)] if row >= 3 else
+                      [free.pop() for _ in range(own + 1)])  # one block more than it reads
+    q = torch.randn(len(tables), heads, 2 * head_dim).to(dtype)[:, :, :head_dim]  # rows and heads strided
+    scale = head_dim ** -0.5
+    width = max(map(len, tables))
+    got = kernel(q, k_cache, v_cache, torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+                 torch.tensor(context_lens, dtype=torch.int32), block_size, scale)
+    expected = reference_decode(q.float(), k_cache.float(), v_cache.float(), tables, context_lens, scale, block_size)
+    assert got.dtype == dtype and got.shape == q.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_native_kernel_refuses_a_table_outside_the_cache():
+    kernel = native_kernel()
+    cache = torch.zeros(4 * 16, 1, 64)
+    q = torch.zeros(1, 1, 64)
+    with pytest.raises(RuntimeError, match="block_tables"):
+        kernel(q, cache, cache, torch.tensor([[1, 9]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32), 16, 1.0)
+    with pytest.raises(RuntimeError, match="context_lens"):
+        kernel(q, cache, cache, torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([33], dtype=torch.int32), 16, 1.0)
 
 
 def layout(tables, context_lens, prefixes):
@@ -84,9 +150,10 @@ def test_a_consecutive_block_run_is_read_without_a_copy():
     torch.testing.assert_close(scattered.read(cache, BS), torch.cat([cache[12:16], cache[20:24], cache[16:20]]))
 
 
-def test_cascade_in_the_engine_matches_plain_attention_in_a_mixed_step(llm):
+def test_cascade_and_native_in_the_engine_match_plain_attention_in_a_mixed_step(llm):
     """Rows sharing a 3-block prefix, rows sharing another of 2 blocks, a row sharing nothing and
-    a prompt chunk in the same step: the step's logits are the same with and without cascade."""
+    a prompt chunk in the same step: the step's logits are the same with and without cascade, and
+    with the native kernel."""
     core = llm.engine
     runner, scheduler = core.runner, core.scheduler
     rng = random.Random(1)
@@ -112,12 +179,17 @@ def test_cascade_in_the_engine_matches_plain_attention_in_a_mixed_step(llm):
         ids.append("cascade-prompt")
         out = scheduler.schedule()
         assert sorted(out.num_scheduled_tokens)[-1] > 1 and out.num_scheduled_tokens.count(1) == len(prompts)
-        runner.cascade_attention = False
-        plain = runner.execute(out)
-        runner.cascade_attention = True
-        cascade = runner.execute(out)
+        native = runner.execute(out) if runner.decode_kernel is not None else None
+        with torch_path(runner):
+            runner.cascade_attention = False
+            plain = runner.execute(out)
+            runner.cascade_attention = True
+            cascade = runner.execute(out)
         torch.testing.assert_close(cascade, plain, atol=2e-4, rtol=1e-4)
         assert cascade.argmax(-1).tolist() == plain.argmax(-1).tolist()
+        if native is not None:
+            torch.testing.assert_close(native, plain, atol=2e-4, rtol=1e-4)
+            assert native.argmax(-1).tolist() == plain.argmax(-1).tolist()
         scheduler.update_from_output(out, plain.argmax(-1).tolist(), [None] * len(plain))
     finally:
         runner.cascade_attention = True
@@ -125,10 +197,10 @@ def test_cascade_in_the_engine_matches_plain_attention_in_a_mixed_step(llm):
 
 
 def test_a_shared_prefix_is_laid_out_once_for_its_rows(llm):
-    runner = llm.engine.runner
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=16, num_decode_tokens=4)
     # rows 0, 1, 3 share blocks 7, 8 (block 9 only by rows 0 and 3, and row 3's newest token is in it).
-    runner._decode_layout(meta, [[7, 8, 9, 20], [7, 8, 30], [40, 41], [7, 8, 9]], [60, 40, 20, 33])
+    with torch_path(llm.engine.runner) as runner:
+        runner._decode_layout(meta, [[7, 8, 9, 20], [7, 8, 30], [40, 41], [7, 8, 9]], [60, 40, 20, 33])
     assert len(meta.shared_prefixes) == 1
     prefix = meta.shared_prefixes[0]
     assert prefix.rows.tolist() == [0, 1, 3] and prefix.blocks.block_ids.tolist() == [7, 8]
@@ -149,10 +221,10 @@ def test_a_single_row_with_consecutive_blocks_reads_its_context_as_a_view(llm):
                              decode_context=BlockRun.of(table, torch.device("cpu")), decode_context_len=length)
     torch.testing.assert_close(decode_attention(q, k_cache, v_cache, meta, scale).double(), expected,
                                atol=1e-5, rtol=1e-5)
-    runner = llm.engine.runner
     laid_out = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=16, num_decode_tokens=1)
-    runner._decode_layout(laid_out, [[5, 6, 7, 8]], [60])
-    assert laid_out.decode_context.first_block == 5 and laid_out.decode_context_len == 60
     scattered = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=16, num_decode_tokens=1)
-    runner._decode_layout(scattered, [[5, 7, 6, 8]], [60])
+    with torch_path(llm.engine.runner) as runner:
+        runner._decode_layout(laid_out, [[5, 6, 7, 8]], [60])
+        runner._decode_layout(scattered, [[5, 7, 6, 8]], [60])
+    assert laid_out.decode_context.first_block == 5 and laid_out.decode_context_len == 60
     assert scattered.decode_context is None and scattered.decode_block_table.tolist() == [[5, 7, 6, 8]]

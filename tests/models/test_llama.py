@@ -62,14 +62,18 @@ def run_step(runner: ModelRunner, requests, chunks, tables) -> torch.Tensor:
     return logits
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-attention", "torch-attention"])
 @pytest.mark.parametrize("kind", ["llama", "llama3-rope", "linear-rope", "qwen2", "mistral"])
-def test_prefill_chunks_and_decode_match_transformers(kind):
+def test_prefill_chunks_and_decode_match_transformers(kind, native):
     hf, ours = tiny(kind)
     torch.manual_seed(1)
     tokens = torch.randint(0, 96, (40,)).tolist()
     expected = hf_logits(hf, tokens)  # (40, vocab)
 
-    runner = ModelRunner(ours, num_blocks=32, block_size=BLOCK_SIZE, device=torch.device("cpu"))
+    runner = ModelRunner(ours, num_blocks=32, block_size=BLOCK_SIZE, device=torch.device("cpu"),
+                         native_attention=native)
+    if native and runner.decode_kernel is None:
+        pytest.skip("the native attention kernel does not build here")
     table = list(range(31, 31 - 10, -1))  # blocks out of order: paging must not matter
     request = Request("r", tokens[:25], SamplingParams(temperature=0))
     # A 25-token prompt in chunks of 7, 7 and 11: only the last chunk yields logits.
@@ -83,13 +87,15 @@ def test_prefill_chunks_and_decode_match_transformers(kind):
         torch.testing.assert_close(got[0], expected[position], atol=1e-4, rtol=1e-4)
 
 
-def test_mixed_batch_matches_each_alone():
+@pytest.mark.parametrize("native", [True, False], ids=["native-attention", "torch-attention"])
+def test_mixed_batch_matches_each_alone(native):
     hf, ours = tiny("llama")
     torch.manual_seed(2)
     a_tokens = torch.randint(0, 96, (18,)).tolist()
     b_tokens = torch.randint(0, 96, (9,)).tolist()
     c_tokens = torch.randint(0, 96, (13,)).tolist()
-    runner = ModelRunner(ours, num_blocks=32, block_size=BLOCK_SIZE, device=torch.device("cpu"))
+    runner = ModelRunner(ours, num_blocks=32, block_size=BLOCK_SIZE, device=torch.device("cpu"),
+                         native_attention=native)
     a = Request("a", a_tokens[:17], SamplingParams(temperature=0))
     b = Request("b", b_tokens[:8], SamplingParams(temperature=0))
     c = Request("c", c_tokens, SamplingParams(temperature=0))

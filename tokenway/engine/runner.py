@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from tokenway.engine.scheduler import SchedulerOutput
-from tokenway.models.attention import AttentionMetadata, BlockRun, PrefillChunk, SharedPrefix
+from tokenway.models.attention import AttentionMetadata, BlockRun, PrefillChunk, SharedPrefix, native_decode_kernel
 from tokenway.models.config import ModelConfig
 from tokenway.models.llama import LlamaForCausalLM
 
@@ -27,10 +27,12 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 cascade_attention: bool = True) -> None:
+                 cascade_attention: bool = True, native_attention: bool = True) -> None:
         config = model.config
         self.model = model
-        self.cascade_attention = cascade_attention  # read prefixes shared by decode rows once per step
+        self.cascade_attention = cascade_attention  # torch path: read prefixes shared by decode rows once per step
+        # The C++ paged decode kernel reads every row's blocks in place (None: the torch path).
+        self.decode_kernel = native_decode_kernel(model.dtype, config.head_dim, device) if native_attention else None
         self.block_size = block_size
         self.device = device
         num_slots = num_blocks * block_size
@@ -109,9 +111,17 @@ class ModelRunner:
         return self.model.compute_logits(hidden[torch.tensor(sample_index, device=self.device)]).cpu()
 
     def _decode_layout(self, meta: AttentionMetadata, tables: list[list[int]], context_lens: list[int]) -> None:
-        """Which blocks each decode row reads: a prefix shared with other rows (read once for all
-        of them), then its own blocks, padded into one table."""
+        """Which blocks each decode row reads. The native kernel takes every row's block table as
+        it is; the torch path reads a prefix shared with other rows once for all of them, then each
+        row's own blocks, padded into one table."""
         bs = self.block_size
+        if self.decode_kernel is not None:
+            max_blocks = max(len(table) for table in tables)
+            meta.decode_kernel = self.decode_kernel
+            meta.decode_block_tables = torch.tensor([table + [0] * (max_blocks - len(table)) for table in tables],
+                                                    dtype=torch.int32)
+            meta.decode_context_lens = torch.tensor(context_lens, dtype=torch.int32)
+            return
         num_shared = [0] * len(tables)  # per row: leading blocks read through a shared prefix
         if self.cascade_attention and len(tables) > 1:
             by_first_block: dict[int, list[int]] = {}

@@ -2,7 +2,13 @@
 
 The cache of one layer is (num_slots, kv_heads, head_dim), slot = block_id * block_size + offset.
 
-Decode rows (one query token each) attend in one batched call. What a row reads is split in two:
+Decode rows (one query token each) attend in one batched call. Where tokenway's C++ kernel
+(csrc/attention.cpp) builds, it reads each row's blocks in place through its block table: no
+copy, no padding, and no per-shape state (a torch bf16 matmul keeps a oneDNN primitive per shape,
+and decode shapes change every step). The runner asks `native_decode_kernel` once; the metadata
+it lays out (block tables, or the torch path's layout below) says which path a step takes.
+
+On the torch path, what a row reads is split in two:
   - a shared prefix: the first blocks it holds in common with other decode rows (a system prompt
     the prefix cache handed to all of them). Their keys and values are read ONCE per step for the
     whole group, and the group's queries meet them in one matmul: (kv_heads, rows x group, d) x
@@ -21,9 +27,14 @@ after a prefix-cache hit to its cached context too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from tokenway import native
+
+DecodeKernel = Callable[..., torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -74,7 +85,11 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) long: cache slot (block_id * block_size + offset) of each new token
     block_size: int = 16
     num_decode_tokens: int = 0  # Bd: the first Bd tokens are single-token decodes
-    # Each decode row's own blocks (its context after any shared prefix), padded with block 0.
+    # The native kernel's layout: every decode row's whole block table and context length.
+    decode_kernel: DecodeKernel | None = None
+    decode_block_tables: torch.Tensor | None = None  # (Bd, max_blocks) int32; entries past a row's blocks unused
+    decode_context_lens: torch.Tensor | None = None  # (Bd,) int32
+    # The torch path's layout. Each decode row's own blocks (its context after any shared prefix), padded with block 0.
     decode_block_table: torch.Tensor | None = None  # (Bd, max_blocks) long
     decode_mask: torch.Tensor | None = None  # (Bd, 1, 1, max_blocks * block_size) bool, True = valid key
     # A single decode row whose blocks are consecutive: its context is read as a view instead.
@@ -95,6 +110,16 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int)
     return gathered.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, kv_heads, head_dim)
 
 
+def native_decode_kernel(dtype: torch.dtype, head_dim: int, device: torch.device) -> DecodeKernel | None:
+    """The C++ paged decode kernel when it is built and handles these caches, else None (torch path).
+
+    It takes float32 or bfloat16 caches on the CPU, head_dim a multiple of 16 (up to 512)."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or head_dim % 16 or head_dim > 512:
+        return None
+    ops = native.load("attention")
+    return None if ops is None else ops.paged_decode_attention
+
+
 def decode_attention(
     q: torch.Tensor,  # (Bd, heads, head_dim)
     k_cache: torch.Tensor,
@@ -103,6 +128,9 @@ def decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """(Bd, heads, head_dim) in q's dtype."""
+    if meta.decode_kernel is not None:
+        return meta.decode_kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                  meta.block_size, scale)
     num_decodes, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = num_heads // kv_heads
