@@ -41,8 +41,8 @@ def llm(default_model_dir):
     """The default model in float32, so it can be compared with the reference exactly."""
     from tokenway import LLM
 
-    return LLM(str(default_model_dir), dtype="float32", kv_cache_memory="512MiB", max_num_batched_tokens=256,
-               show_progress=False)
+    return LLM(str(default_model_dir), dtype="float32", quantization="none", kv_cache_memory="512MiB",
+               max_num_batched_tokens=256, show_progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,7 @@ SERVE_OPTIONS = {
     "kv_cache_memory": (str, "2GiB"),
     "dtype": (str, "auto"),
     "linear_kernels": (str, "auto"),
+    "quantization": (str, "auto"),
     "max_num_batched_tokens": (int, 512),
     "max_num_seqs": (int, 128),
     "enable_prefix_caching": (bool, True),
@@ -102,6 +103,9 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--kv-cache-memory", help="KV cache budget, e.g. 2GiB")
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    serve.add_argument("--quantization", choices=["auto", "none"],
+                       help="auto: compute on a GGUF's Q4_1/Q8_0 blocks directly (CPU); none: dequantize at load "
+                            "(default auto)")
     serve.add_argument("--linear-kernels", choices=["auto", "default", "onednn"],
                        help="CPU matmul per weight: auto measures torch's default against oneDNN's packed layout")
     serve.add_argument("--max-num-batched-tokens", type=int)
@@ -158,6 +162,7 @@ def run_serve(options: dict) -> int:
         model=options["model"], max_model_len=options["max_model_len"],
         kv_cache_memory=options["kv_cache_memory"], dtype=options["dtype"],
         linear_kernels=options["linear_kernels"],
+        quantization=options["quantization"],
         max_num_batched_tokens=options["max_num_batched_tokens"], max_num_seqs=options["max_num_seqs"],
         enable_prefix_caching=options["enable_prefix_caching"],
     )

@@ -44,6 +44,10 @@ class EngineConfig:
     # CPU matmul layout per weight: "auto" measures MKL against oneDNN's packed layout at load
     # (models/linear.py); "default" keeps torch's own; "onednn" packs every float32 weight.
     linear_kernels: str = "auto"
+    # Weights a GGUF keeps quantized: "auto" computes on its blocks directly where tokenway has
+    # a kernel for their type (models/quant.py: Q4_1, Q8_0) and it builds on this machine;
+    # "none" dequantizes them into `dtype` at load.
+    quantization: str = "auto"
     device: str = "auto"  # "auto": cuda when present, else cpu
     cache_dir: str | None = None  # converted models; default $TOKENWAY_CACHE_DIR or ~/.cache/tokenway
     show_progress: bool = True
@@ -60,5 +64,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.linear_kernels not in ("auto", "default", "onednn"):
             raise ValueError(f"linear_kernels: must be auto, default or onednn, got {self.linear_kernels!r}")
+        if self.quantization not in ("auto", "none"):
+            raise ValueError(f"quantization: must be auto or none, got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

@@ -10,7 +10,6 @@ import pytest
 from tokenway.engine.client import AsyncEngine
 from tokenway.engine.request import SamplingParams
 
-
 PRINTING_PRESS = "The history of the printing press"
 GREEDY_20 = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 

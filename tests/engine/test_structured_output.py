@@ -234,7 +234,7 @@ def test_a_preempted_constrained_request_resumes_its_grammar(llm, default_model_
     params = SamplingParams(temperature=0, max_tokens=200, structured_output=PERSON)
     expected = [o.token_ids for o in generate(llm, prompts, params)]
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4  # layers x block x kv heads x head dim x fp32, K and V
-    tiny = LLM(str(default_model_dir), dtype="float32", kv_cache_memory=20 * block_bytes, max_model_len=256,
+    tiny = LLM(str(default_model_dir), dtype="float32", quantization="none", kv_cache_memory=20 * block_bytes, max_model_len=256,
                show_progress=False)
     outputs = generate(tiny, prompts, params)
     assert tiny.engine.scheduler.num_preemptions > 0

@@ -14,7 +14,7 @@ import torch
 import tokenway.models.loader as loader
 from tokenway.models.config import ModelConfig
 from tokenway.models.gguf import CONVERTER_VERSION
-from tokenway.models.loader import DEFAULT_MODEL, iter_weights, resolve_model
+from tokenway.models.loader import DEFAULT_MODEL, iter_weights, quantized_weights, resolve_model
 
 
 @pytest.fixture(scope="session")
@@ -39,11 +39,29 @@ def test_default_model_is_converted_into_the_cache(converted_dir, cache_dir):
     assert names == {
         "config.json",
         "generation_config.json",
+        "gguf-blocks.safetensors",
         "model.safetensors",
         "tokenizer.json",
         "tokenizer_config.json",
     }
     assert not [p for p in cache_dir.joinpath("gguf").iterdir() if p.name.startswith(".")]  # no temporaries left
+
+
+def test_kept_gguf_blocks_dequantize_to_the_converted_weights(converted_dir):
+    """The quantized blocks kept for direct use are the converted float weights, row for row
+    (q/k un-permuted as whole block rows)."""
+    from safetensors import safe_open
+
+    kept = quantized_weights(converted_dir)
+    assert {t.qtype for t in kept.values()} == {"Q4_1", "Q8_0"}
+    assert len(kept) == 30 * 7 + 1  # q, k, v, o, gate, up, down per layer + the embedding
+    with safe_open(converted_dir / "model.safetensors", framework="pt") as floats:
+        for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
+                     "model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight"):
+            tensor = kept[name]
+            qtype = gguf.GGMLQuantizationType[tensor.qtype]
+            dequantized = gguf.quants.dequantize(tensor.blocks.numpy(), qtype).reshape(tensor.shape)
+            assert torch.equal(torch.from_numpy(dequantized), floats.get_tensor(name)), name
 
 
 def test_alias_is_case_insensitive(converted_dir, cache_dir):

@@ -27,7 +27,7 @@ from tokenway.kv_cache.manager import KVCacheManager
 from tokenway.models.config import ModelConfig
 from tokenway.models.linear import select_kernels
 from tokenway.models.llama import LlamaForCausalLM
-from tokenway.models.loader import iter_weights, resolve_model
+from tokenway.models.loader import iter_weights, quantized_weights, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,13 @@ class EngineCore:
             torch.set_num_threads(max(1, os.cpu_count() or 1))
 
         model = LlamaForCausalLM(self.model_config, self.dtype)
-        model.load_weights(iter_weights(model_dir))
+        quantized: set[str] = set()
+        if config.quantization == "auto" and self.device.type == "cpu":
+            from tokenway.models import quant
+
+            if quant.available():
+                quantized = model.use_quantized(quantized_weights(model_dir))
+        model.load_weights(iter_weights(model_dir, skip=quantized))
         self.model = model.to(self.device).eval()
         backends = select_kernels(model.linear_kernels(), config.linear_kernels)
         packed = sum(backend == "onednn" for backend in backends.values())
@@ -114,7 +120,8 @@ class EngineCore:
                 f"tokenway: loaded {config.model} ({self.model_config.architecture}, {self.dtype}, {self.device}) "
                 f"in {time.monotonic() - started:.1f}s; KV cache {num_blocks} blocks x {config.block_size} tokens "
                 f"({num_blocks * block_bytes / 2**30:.2f} GiB), max_model_len {self.max_model_len}; "
-                f"oneDNN-packed matmuls for {packed} of {len(backends)} weight shapes",
+                f"{model.num_quantized_matmuls} matmuls on GGUF blocks; "
+                f"oneDNN-packed matmuls for {packed} of {len(backends)} float weight shapes",
                 file=sys.stderr,
             )
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+import safetensors.numpy
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
@@ -27,7 +28,9 @@ from tqdm import tqdm
 from tokenway.models.config import ModelConfig
 
 # Bump whenever the output for the same GGUF changes: it is part of the cache key.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
+# Beside the float32 model.safetensors: the GGUF's quantized weights as stored.
+QUANTIZED_FILE = "gguf-blocks.safetensors"
 
 GGUF_ARCH_TO_HF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -90,6 +93,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_safetensors(out_dir / "model.safetensors", plans, desc=f"Converting {gguf_path.name}")
+    _write_quantized(out_dir / QUANTIZED_FILE, plans)
 
 
 class _Metadata:
@@ -187,6 +191,24 @@ def _tensor_plans(reader: gguf.GGUFReader, hf_config: dict[str, Any], meta: _Met
                 )
         plans.append(_TensorPlan(tensor, hf_name, hf_shape, num_heads))
     return plans
+
+
+def _write_quantized(path: Path, plans: list[_TensorPlan]) -> None:
+    """The 2-D weights the GGUF keeps quantized, as stored (uint8 rows of blocks, HF row order:
+    a row is whole blocks, so un-permuting rows moves blocks), for kernels that compute on them
+    directly (models/quant.py). The metadata names each tensor's GGUF type and HF shape."""
+    tensors, metadata = {}, {"format": "tokenway-gguf-blocks"}
+    for plan in plans:
+        qtype = plan.source.tensor_type
+        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                     gguf.GGMLQuantizationType.BF16) or len(plan.hf_shape) != 2:
+            continue
+        blocks = np.asarray(plan.source.data).reshape(plan.hf_shape[0], -1)
+        if plan.unpermute_num_heads is not None:
+            blocks = _unpermute(blocks, plan.unpermute_num_heads)
+        tensors[plan.hf_name] = np.ascontiguousarray(blocks)
+        metadata[plan.hf_name] = f"{qtype.name}:{plan.hf_shape[0]}x{plan.hf_shape[1]}"
+    safetensors.numpy.save_file(tensors, str(path), metadata=metadata)
 
 
 def _hf_tensor_name(name: str) -> str | None:

