@@ -3,6 +3,8 @@
     python bench/step_profile.py                 # step times, three workloads
     python bench/step_profile.py --profile       # plus torch.profiler's top ops per workload
     python bench/step_profile.py --dtype bfloat16 --steps 64
+    python bench/step_profile.py --quantization none      # float weights (GGUF blocks off)
+    TOKENWAY_NATIVE=0 python bench/step_profile.py       # torch operators only (no C++ kernels)
 
 Workloads (every request decodes with ignore_eos, greedy):
   single     1 request, short prompt;
@@ -107,9 +109,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--workloads", default="single,batch16,shared16")
+    parser.add_argument("--quantization", default="auto", choices=("auto", "none"))
     args = parser.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=2048)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {llm.engine.dtype}")
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, quantization=args.quantization)
+    model = llm.engine.model
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {llm.engine.dtype}, "
+          f"{model.num_quantized_matmuls} matmuls on GGUF blocks, native decode attention "
+          f"{'on' if llm.engine.runner.decode_kernel is not None else 'off'}")
     for workload in args.workloads.split(","):
         run(llm, workload, args.steps, args.profile)
 

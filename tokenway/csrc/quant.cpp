@@ -1,25 +1,21 @@
-// Matmuls on GGUF-quantized weights, used as they are stored (never dequantized to floats).
+// Matmuls on GGUF-quantized weights, read as they are stored (never kept as floats).
 //
-//   y (T, N) = x (T, K) @ W.T (+ bias),  W (N, K) in 32-weight blocks, each with a scale d and an offset m:
-//     Q4_1: w = d * q + m,          q in 0..15 (two per byte: byte j holds element j low, j + 16 high)
-//     Q8_0: w = d * q,  q in -128..127, kept as q + 128 (0..255) with m = -128 * d, so both types
-//           are "unsigned codes times d, plus m" and share one kernel.
+//   y (T, N) = x (T, K) @ W.T (+ bias),  W (N, K) in blocks of 32 weights with a scale d and offset m:
+//     Q4_1: w = d * q + m, q in 0..15, two per byte (byte j: element j in the low nibble, j + 16 high)
+//     Q8_0: w = d * q,     q in -128..127 (m = 0)
 //
-// The activations are quantized per 32-block too (int8, scale dx = max|x| / 127, block sum
-// sx = dx * sum(qx)), as llama.cpp does, so a block's dot product is
-//     sum_j w_j x_j  ~=  d * dx * sum_j q_j qx_j  +  m * sx,
-// one integer dot product (AVX512-VNNI vpdpbusd: 64 unsigned x signed byte products per
-// instruction) and two float multiply-adds. A 512-bit register holds two blocks, so the integer
-// sums of its lanes 0-7 belong to the first block and 8-15 to the second; each lane is scaled by
-// its block's d * dx and all lanes of a row are summed once at the end.
+// Each block is dequantized in registers (two vectors of 16 floats) and met by every token of
+// a tile of up to 8: in float32 multiply-adds for a float32 model, or, for a bfloat16 model on
+// a CPU with AVX512-BF16, rounded to bfloat16 and met by bfloat16 activations in vdpbf16ps
+// (32 products an instruction, twice the float32 rate). Either way the arithmetic is the float
+// model's with the dequantized weights (no int8 activations, unlike llama.cpp's vec_dot, whose
+// rounding flipped near-ties of this 135M model's first token), and a weight byte is read once
+// per tile. At one token the matmul is bound by memory: 5-8.5 bits a weight where bfloat16 reads 16.
 //
-// Work: rows of W in chunks (parallel, each chunk's weights small enough to stay in L2), then
-// tokens in tiles of up to 8 (a register accumulator each): a weight pair is unpacked once per
-// tile. At one token it reads each weight byte once: the matmul runs at memory speed on ~4.5
-// bits per weight where bfloat16 reads 16.
-//
-// On CPUs without AVX512-VNNI a scalar loop computes the same thing (tests and odd machines;
-// `fast()` says which one this build has, and the engine only picks quantized weights when fast).
+// Work: rows of W in chunks (parallel; a chunk's weights stay in L2 across token tiles), tokens
+// in tiles of up to 8 (a register accumulator each). AVX512F/BW; elsewhere a scalar loop computes
+// the same (tests and odd machines: `fast()` says which one was built, and the engine picks
+// quantized weights only when fast).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -61,48 +57,6 @@ inline float fp16_to_float(uint16_t h) {
   return out;
 }
 
-// Activations quantized per block: codes (T, K) int8, and per block dx and sx.
-struct QuantizedActivations {
-  std::vector<int8_t> codes;
-  std::vector<float> dx, sx;  // (T, K / 32)
-};
-
-void quantize_activations(const float* x, int64_t rows, int64_t k, QuantizedActivations& out) {
-  const int64_t blocks = k / QK;
-  out.codes.resize(rows * k);
-  out.dx.resize(rows * blocks);
-  out.sx.resize(rows * blocks);
-  at::parallel_for(0, rows * blocks, 256, [&](int64_t first, int64_t last) {
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t row = item / blocks, block = item % blocks;
-      const float* src = x + row * k + block * QK;
-      int8_t* dst = out.codes.data() + row * k + block * QK;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-      __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
-      __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qb));
-      const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-#else
-      float amax = 0.0f;
-      for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(src[j]));
-      const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int sum = 0;
-      for (int j = 0; j < QK; ++j) {
-        const int q = int(std::nearbyint(src[j] * inv));
-        dst[j] = int8_t(std::clamp(q, -127, 127));
-        sum += dst[j];
-      }
-#endif
-      out.dx[item] = d;
-      out.sx[item] = d * float(sum);
-    }
-  });
-}
-
 struct Weights {
   const uint8_t* codes;  // (N, row_code_bytes)
   const uint16_t* d;     // (N, K / 32) fp16
@@ -111,107 +65,94 @@ struct Weights {
   bool four_bit;
 };
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr bool kFast = true;
 
-// Two blocks of codes as 64 unsigned bytes in element order.
+// One block's 32 weights as floats, d * q + m, in element order (lo: 0-15, hi: 16-31).
 template <bool FourBit>
-inline __m512i load_pair(const uint8_t* codes) {
+inline void dequantize_block(const uint8_t* codes, __m512 d, __m512 m, __m512& lo, __m512& hi) {
   if constexpr (FourBit) {
-    // 32 bytes [a (16), b (16)] -> [a & 15, a >> 4, b & 15, b >> 4]
-    const __m512i both = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
-    const __m512i twice = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), both);
-    const __m512i shifted = _mm512_mask_blend_epi64(0xCC, twice, _mm512_srli_epi16(twice, 4));
-    return _mm512_and_si512(shifted, _mm512_set1_epi8(0x0F));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
   } else {
-    return _mm512_loadu_si512(codes);
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16))));
   }
+  lo = _mm512_fmadd_ps(lo, d, m);
+  hi = _mm512_fmadd_ps(hi, d, m);
 }
 
-// A pair's lanes: block 2j in lanes 0-7, block 2j+1 in 8-15, from 16 blocks' values.
-inline __m512 pair_lanes(__m512 sixteen, int j) {
-  const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(2 * j),
-                                         _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
-  return _mm512_permutexvar_ps(index, sixteen);
-}
-
-inline __m512 load_fp16x16(const uint16_t* p, int count) {
-  if (count == 16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(__mmask16((1u << count) - 1), p));
-}
-
-// One weight row against TT tokens: out[t] = sum over the row.
-// dx_lanes / sx_lanes: (T, K / 64, 16): each pair's dx (and sx / 8) spread over its lanes.
-template <bool FourBit, int TT>
-inline void row_tile(const Weights& w, int64_t row, const int8_t* codes_x, const float* dx_lanes,
-                     const float* sx_lanes, int64_t k, float* out) {
-  const int64_t blocks = k / QK, pairs = blocks / 2;
-  const uint8_t* row_codes = w.codes + row * w.row_code_bytes;
-  const uint16_t* row_d = w.d + row * blocks;
-  const uint16_t* row_m = w.m + row * blocks;
-  constexpr int pair_bytes = FourBit ? QK : 2 * QK;
+// One weight row against TT tokens (rows of x, K apart; float32, or bfloat16 bits when Bf16):
+// out[t] = x_t . w. d, m: the row's scales and offsets as floats (K / 32 each).
+template <bool FourBit, bool Bf16, int TT>
+inline void row_tile(const uint8_t* row_codes, const float* d, const float* m, const void* x, int64_t k,
+                     float* out) {
+  constexpr int block_bytes = FourBit ? QK / 2 : QK;
   __m512 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t group = 0; group < pairs; group += 8) {
-    const int in_group = int(std::min<int64_t>(8, pairs - group));
-    const __m512 d16 = load_fp16x16(row_d + 2 * group, 2 * in_group);
-    const __m512 m16 = load_fp16x16(row_m + 2 * group, 2 * in_group);
-    for (int j = 0; j < in_group; ++j) {
-      const int64_t pair = group + j;
-      const __m512i wv = load_pair<FourBit>(row_codes + pair * pair_bytes);
-      const __m512 dw = pair_lanes(d16, j), mw = pair_lanes(m16, j);
+  for (int64_t b = 0; b < k / QK; ++b) {
+    __m512 lo, hi;
+    dequantize_block<FourBit>(row_codes + b * block_bytes, _mm512_set1_ps(d[b]), _mm512_set1_ps(m[b]), lo, hi);
+    if constexpr (Bf16) {
+#if defined(__AVX512BF16__)
+      // The block as 32 bfloat16 in element order; vdpbf16ps sums adjacent pairs: 32 products an instruction.
+      const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);
+      const uint16_t* xb = static_cast<const uint16_t*>(x) + b * QK;
+#pragma GCC unroll 8
+      for (int t = 0; t < TT; ++t)
+        acc[t] = _mm512_dpbf16_ps(acc[t], w, (__m512bh)_mm512_loadu_si512(xb + t * k));
+#endif
+    } else {
+      const float* xf = static_cast<const float*>(x) + b * QK;
 #pragma GCC unroll 8
       for (int t = 0; t < TT; ++t) {
-        const __m512i xv = _mm512_loadu_si512(codes_x + t * k + pair * 2 * QK);
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv));
-        const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(dx_lanes + (t * pairs + pair) * 16));
-        acc[t] = _mm512_fmadd_ps(dot, scale, acc[t]);
-        acc[t] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(sx_lanes + (t * pairs + pair) * 16), acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + t * k), lo, acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + t * k + 16), hi, acc[t]);
       }
     }
   }
   for (int t = 0; t < TT; ++t) out[t] = _mm512_reduce_add_ps(acc[t]);
 }
 
-template <bool FourBit>
-void rows_times_tokens(const Weights& w, int64_t row_begin, int64_t row_end, const QuantizedActivations& a,
-                       const std::vector<float>& dx_lanes, const std::vector<float>& sx_lanes, int64_t tokens,
+inline void fp16_row(const uint16_t* src, int64_t count, float* dst) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  for (; i < count; ++i) dst[i] = fp16_to_float(src[i]);
+}
+
+template <bool FourBit, bool Bf16>
+void rows_times_tokens(const Weights& w, int64_t row_begin, int64_t row_end, const void* x, int64_t tokens,
                        float* y) {
-  const int64_t k = w.k, pairs = k / (2 * QK);
+  const int64_t k = w.k, blocks = k / QK;
+  std::vector<float> d(blocks), m(blocks);
   float partial[kTile];
   for (int64_t t0 = 0; t0 < tokens; t0 += kTile) {
     const int tile = int(std::min<int64_t>(kTile, tokens - t0));
-    const int8_t* codes_x = a.codes.data() + t0 * k;
-    const float* dxl = dx_lanes.data() + t0 * pairs * 16;
-    const float* sxl = sx_lanes.data() + t0 * pairs * 16;
+    const void* xt = static_cast<const char*>(x) + t0 * k * (Bf16 ? 2 : 4);
     for (int64_t row = row_begin; row < row_end; ++row) {
+      const uint8_t* codes = w.codes + row * w.row_code_bytes;
+      fp16_row(w.d + row * blocks, blocks, d.data());
+      fp16_row(w.m + row * blocks, blocks, m.data());
       switch (tile) {
-        case 8: row_tile<FourBit, 8>(w, row, codes_x, dxl, sxl, k, partial); break;
-        case 7: row_tile<FourBit, 7>(w, row, codes_x, dxl, sxl, k, partial); break;
-        case 6: row_tile<FourBit, 6>(w, row, codes_x, dxl, sxl, k, partial); break;
-        case 5: row_tile<FourBit, 5>(w, row, codes_x, dxl, sxl, k, partial); break;
-        case 4: row_tile<FourBit, 4>(w, row, codes_x, dxl, sxl, k, partial); break;
-        case 3: row_tile<FourBit, 3>(w, row, codes_x, dxl, sxl, k, partial); break;
-        case 2: row_tile<FourBit, 2>(w, row, codes_x, dxl, sxl, k, partial); break;
-        default: row_tile<FourBit, 1>(w, row, codes_x, dxl, sxl, k, partial); break;
+        case 8: row_tile<FourBit, Bf16, 8>(codes, d.data(), m.data(), xt, k, partial); break;
+        case 7: row_tile<FourBit, Bf16, 7>(codes, d.data(), m.data(), xt, k, partial); break;
+        case 6: row_tile<FourBit, Bf16, 6>(codes, d.data(), m.data(), xt, k, partial); break;
+        case 5: row_tile<FourBit, Bf16, 5>(codes, d.data(), m.data(), xt, k, partial); break;
+        case 4: row_tile<FourBit, Bf16, 4>(codes, d.data(), m.data(), xt, k, partial); break;
+        case 3: row_tile<FourBit, Bf16, 3>(codes, d.data(), m.data(), xt, k, partial); break;
+        case 2: row_tile<FourBit, Bf16, 2>(codes, d.data(), m.data(), xt, k, partial); break;
+        default: row_tile<FourBit, Bf16, 1>(codes, d.data(), m.data(), xt, k, partial); break;
       }
       for (int t = 0; t < tile; ++t) y[(t0 + t) * w.n + row] = partial[t];
     }
   }
 }
 
-void matmul(const Weights& w, const QuantizedActivations& a, int64_t tokens, float* y) {
-  const int64_t k = w.k, blocks = k / QK, pairs = blocks / 2;
-  // Each pair's dx and sx / 8 over its 16 lanes (lanes 0-7: first block; 8-15: second).
-  std::vector<float> dx_lanes(tokens * pairs * 16), sx_lanes(tokens * pairs * 16);
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t p = 0; p < pairs; ++p)
-      for (int lane = 0; lane < 16; ++lane) {
-        const int64_t block = t * blocks + 2 * p + lane / 8;
-        dx_lanes[(t * pairs + p) * 16 + lane] = a.dx[block];
-        sx_lanes[(t * pairs + p) * 16 + lane] = a.sx[block] * 0.125f;
-      }
-  const int64_t row_bytes = w.row_code_bytes + 4 * blocks;
+// x: float32 (T, K), or bfloat16 when bf16 (products then in bfloat16 as a bfloat16 model's are).
+void matmul(const Weights& w, const void* x, bool bf16, int64_t tokens, float* y) {
+  const int64_t row_bytes = w.row_code_bytes + 4 * (w.k / QK);
   const int64_t threads = at::get_num_threads();
   int64_t chunks = std::max<int64_t>(threads, (w.n * row_bytes + kChunkBytes - 1) / kChunkBytes);
   chunks = (chunks + threads - 1) / threads * threads;
@@ -220,10 +161,14 @@ void matmul(const Weights& w, const QuantizedActivations& a, int64_t tokens, flo
     for (int64_t chunk = first; chunk < last; ++chunk) {
       const int64_t begin = chunk * rows_per_chunk, end = std::min(w.n, begin + rows_per_chunk);
       if (begin >= end) continue;
-      if (w.four_bit)
-        rows_times_tokens<true>(w, begin, end, a, dx_lanes, sx_lanes, tokens, y);
+      if (w.four_bit && bf16)
+        rows_times_tokens<true, true>(w, begin, end, x, tokens, y);
+      else if (w.four_bit)
+        rows_times_tokens<true, false>(w, begin, end, x, tokens, y);
+      else if (bf16)
+        rows_times_tokens<false, true>(w, begin, end, x, tokens, y);
       else
-        rows_times_tokens<false>(w, begin, end, a, dx_lanes, sx_lanes, tokens, y);
+        rows_times_tokens<false, false>(w, begin, end, x, tokens, y);
     }
   });
 }
@@ -231,29 +176,24 @@ void matmul(const Weights& w, const QuantizedActivations& a, int64_t tokens, flo
 #else
 constexpr bool kFast = false;
 
-void matmul(const Weights& w, const QuantizedActivations& a, int64_t tokens, float* y) {
+void matmul(const Weights& w, const void* input, bool /*bf16: never requested*/, int64_t tokens, float* y) {
+  const float* x = static_cast<const float*>(input);
   const int64_t k = w.k, blocks = k / QK;
   at::parallel_for(0, w.n, 16, [&](int64_t first, int64_t last) {
+    std::vector<float> weight(k);
     for (int64_t row = first; row < last; ++row) {
       const uint8_t* codes = w.codes + row * w.row_code_bytes;
-      for (int64_t t = 0; t < tokens; ++t) {
-        const int8_t* x = a.codes.data() + t * k;
-        float total = 0.0f;
-        for (int64_t b = 0; b < blocks; ++b) {
-          int dot = 0;
-          for (int j = 0; j < QK; ++j) {
-            int q;
-            if (w.four_bit) {
-              const uint8_t byte = codes[b * 16 + (j % 16)];
-              q = j < 16 ? (byte & 15) : (byte >> 4);
-            } else {
-              q = codes[b * QK + j];
-            }
-            dot += q * x[b * QK + j];
-          }
-          total += fp16_to_float(w.d[row * blocks + b]) * a.dx[t * blocks + b] * float(dot) +
-                   fp16_to_float(w.m[row * blocks + b]) * a.sx[t * blocks + b];
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float d = fp16_to_float(w.d[row * blocks + b]), m = fp16_to_float(w.m[row * blocks + b]);
+        for (int j = 0; j < QK; ++j) {
+          const float q = w.four_bit ? float(j < 16 ? (codes[b * 16 + j] & 15) : (codes[b * 16 + j - 16] >> 4))
+                                     : float(int8_t(codes[b * QK + j]));
+          weight[b * QK + j] = q * d + m;
         }
+      }
+      for (int64_t t = 0; t < tokens; ++t) {
+        float total = 0.0f;
+        for (int64_t i = 0; i < k; ++i) total += x[t * k + i] * weight[i];
         y[t * w.n + row] = total;
       }
     }
@@ -263,27 +203,34 @@ void matmul(const Weights& w, const QuantizedActivations& a, int64_t tokens, flo
 
 bool fast() { return kFast; }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+constexpr bool kBf16 = true;
+#else
+constexpr bool kBf16 = false;
+#endif
+
+bool has_bf16() { return kBf16; }
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
-                        int64_t bits, const c10::optional<at::Tensor>& bias) {
+                        int64_t bits, bool bf16, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
               "x (T, K), codes (N, K * bits / 8) uint8");
   const int64_t tokens = x.size(0), k = x.size(1), n = codes.size(0);
-  TORCH_CHECK(k % (2 * QK) == 0, "in_features must be a multiple of 64");
+  TORCH_CHECK(k % QK == 0, "in_features must be a multiple of 32");
   TORCH_CHECK(codes.size(1) == k * bits / 8, "codes have ", codes.size(1), " bytes per row, expected ", k * bits / 8);
   for (const at::Tensor* scale : {&d, &m})
     TORCH_CHECK(scale->scalar_type() == at::kHalf && scale->is_contiguous() && scale->dim() == 2 &&
                     scale->size(0) == n && scale->size(1) == k / QK,
                 "d and m: (N, K / 32) float16");
-  const at::Tensor input = x.to(at::kFloat).contiguous();
+  bf16 = bf16 && kBf16;  // elsewhere float32 products
+  const at::Tensor input = x.to(bf16 ? at::kBFloat16 : at::kFloat).contiguous();
   at::Tensor y = at::empty({tokens, n}, x.options().dtype(at::kFloat));
   if (tokens == 0 || n == 0) return y;
-  QuantizedActivations activations;
-  quantize_activations(input.data_ptr<float>(), tokens, k, activations);
   const Weights w{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
                   reinterpret_cast<const uint16_t*>(m.data_ptr()), n, k, codes.size(1), bits == 4};
-  matmul(w, activations, tokens, y.data_ptr<float>());
+  matmul(w, input.data_ptr(), bf16, tokens, y.data_ptr<float>());
   if (bias.has_value() && bias->defined() && bias->numel() > 0) {
     TORCH_CHECK(bias->numel() == n, "bias has ", bias->numel(), " values, expected ", n);
     y.add_(bias->to(at::kFloat));
@@ -294,6 +241,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
 }  // namespace
 
 TORCH_LIBRARY(tokenway_quant, m) {
-  m.def("quant_linear(Tensor x, Tensor codes, Tensor d, Tensor m, int bits, Tensor? bias) -> Tensor", &quant_linear);
+  m.def("quant_linear(Tensor x, Tensor codes, Tensor d, Tensor m, int bits, bool bf16, Tensor? bias) -> Tensor",
+        &quant_linear);
   m.def("fast() -> bool", &fast);
+  m.def("has_bf16() -> bool", &has_bf16);
 }

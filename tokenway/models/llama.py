@@ -232,7 +232,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             kernel = getattr(module, attr)
             blocks = torch.cat([t.blocks for t in found]) if len(found) > 1 else found[0].blocks
-            setattr(module, attr, QuantKernel(blocks, found[0].qtype, found[0].shape[1], bias=kernel.bias))
+            setattr(module, attr, QuantKernel(blocks, found[0].qtype, found[0].shape[1], bias=kernel.bias,
+                                                dtype=self.dtype))
             kernel.weight.data = torch.empty(0, dtype=kernel.weight.dtype)
             self._quantized_params.add(param_name)
             if attr != "head":  # the tied embedding is still read as floats for the lookup

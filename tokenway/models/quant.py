@@ -1,14 +1,14 @@
 """Matmuls on GGUF-quantized weights as they are stored (csrc/quant.cpp).
 
-A GGUF's Q4_1 weights are 4.5-5 bits a weight; converted to bfloat16 they are 16, and a decode
-step at one token reads every weight once, so its time is the bytes it reads. QuantKernel keeps
-a weight's blocks (the converter saves them beside the float weights, models/gguf.py) and runs
-y = x @ W.T on them with integer dot products: the activations are quantized per 32-block to
-int8 on the way in, as llama.cpp does.
+A GGUF's Q4_1 weights are 5 bits a weight (Q8_0: 8.5); converted to bfloat16 they are 16, and
+a decode step at one token reads every weight once, so its time is the bytes it reads.
+QuantKernel keeps a weight's blocks (the converter saves them beside the float weights,
+models/gguf.py) and runs y = x @ W.T on them, dequantizing each block in registers: the
+products are the float model's, in float32.
 
-The blocks are re-laid out once at load, split into codes (one byte per two Q4_1 weights, one
-per Q8_0 weight, offset to 0..255), and per-block fp16 scale d and offset m: Q4_1 is
-w = d * q + m; Q8_0 is w = d * q = d * (q + 128) - 128 * d, the same form.
+The blocks are re-laid out once at load into codes (one byte per two Q4_1 weights, one signed
+byte per Q8_0 weight) and per-block fp16 scale d and offset m (Q4_1: w = d * q + m; Q8_0:
+w = d * q, m = 0), so the kernel reads three dense streams.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ def _ops():
 
 
 def available() -> bool:
-    """The kernel built, with its vector path (AVX512-VNNI): the scalar one is for tests."""
+    """The kernel built, with its vector path (AVX512): the scalar one is for tests."""
     ops = _ops()
     return ops is not None and bool(ops.fast())
 
 
 def supports(qtype: str, in_features: int) -> bool:
-    return qtype in QTYPES and in_features % (2 * BLOCK) == 0
+    return qtype in QTYPES and in_features % BLOCK == 0
 
 
 def relayout(blocks: torch.Tensor, qtype: str, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,8 +47,8 @@ def relayout(blocks: torch.Tensor, qtype: str, in_features: int) -> tuple[torch.
         m = np.ascontiguousarray(raw[:, :, 2:4]).view(np.float16).reshape(-1, num_blocks)
         codes = raw[:, :, 4:].reshape(-1, num_blocks * 16)
     else:
-        m = (d.astype(np.float32) * -128.0).astype(np.float16)
-        codes = (raw[:, :, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(-1, in_features)
+        m = np.zeros_like(d)
+        codes = raw[:, :, 2:].reshape(-1, in_features)  # int8 bits
     return (torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(np.ascontiguousarray(d)),
             torch.from_numpy(np.ascontiguousarray(m)))
 
@@ -57,10 +57,10 @@ class QuantKernel:
     """y = x @ weight.T (+ bias), float32 out, for x (T, in_features), on quantized blocks.
     The same call as models/linear.LinearKernel, which it replaces for a quantized weight."""
 
-    __slots__ = ("qtype", "in_features", "codes", "d", "m", "bias", "_op")
+    __slots__ = ("qtype", "in_features", "codes", "d", "m", "bias", "bf16", "_op")
 
     def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> None:
         if not supports(qtype, in_features):
             raise ValueError(f"no quantized kernel for {qtype} with {in_features} input features")
         ops = _ops()
@@ -70,6 +70,8 @@ class QuantKernel:
         self.in_features = in_features
         self.codes, self.d, self.m = relayout(blocks, qtype, in_features)
         self.bias = bias  # the module's Parameter: loading fills it after this kernel exists
+        # A bfloat16 model's products in bfloat16 (twice the float32 rate where the CPU has AVX512-BF16).
+        self.bf16 = dtype == torch.bfloat16 and bool(ops.has_bf16())
         self._op = ops.quant_linear
 
     @property
@@ -86,7 +88,7 @@ class QuantKernel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.bias is not None and self.bias.numel() else None
-        return self._op(x, self.codes, self.d, self.m, 4 if self.qtype == "Q4_1" else 8, bias)
+        return self._op(x, self.codes, self.d, self.m, 4 if self.qtype == "Q4_1" else 8, self.bf16, bias)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight (out_features, in_features) these blocks stand for."""
@@ -95,6 +97,6 @@ class QuantKernel:
             packed = self.codes.view(-1, num_blocks, 16)
             q = torch.cat([packed & 15, packed >> 4], dim=-1)
         else:
-            q = self.codes.view(-1, num_blocks, BLOCK)
+            q = self.codes.view(torch.int8).view(-1, num_blocks, BLOCK)
         w = q.float() * self.d.float().unsqueeze(-1) + self.m.float().unsqueeze(-1)
         return w.reshape(-1, self.in_features)
