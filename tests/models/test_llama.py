@@ -62,10 +62,13 @@ def run_step(runner: ModelRunner, requests, chunks, tables) -> torch.Tensor:
     return logits
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-attention", "torch-attention"])
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernels", "torch-operators"])
 @pytest.mark.parametrize("kind", ["llama", "llama3-rope", "linear-rope", "qwen2", "mistral"])
 def test_prefill_chunks_and_decode_match_transformers(kind, native):
+    """native: the C++ decode attention and fused layer kernels; else torch operators only."""
     hf, ours = tiny(kind)
+    if native and not ours.use_fused_kernels():
+        pytest.skip("the native kernels do not build here")
     torch.manual_seed(1)
     tokens = torch.randint(0, 96, (40,)).tolist()
     expected = hf_logits(hf, tokens)  # (40, vocab)
@@ -87,9 +90,11 @@ def test_prefill_chunks_and_decode_match_transformers(kind, native):
         torch.testing.assert_close(got[0], expected[position], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-attention", "torch-attention"])
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernels", "torch-operators"])
 def test_mixed_batch_matches_each_alone(native):
     hf, ours = tiny("llama")
+    if native and not ours.use_fused_kernels():
+        pytest.skip("the native kernels do not build here")
     torch.manual_seed(2)
     a_tokens = torch.randint(0, 96, (18,)).tolist()
     b_tokens = torch.randint(0, 96, (9,)).tolist()

@@ -85,6 +85,7 @@ class EngineCore:
                 quantized = model.use_quantized(quantized_weights(model_dir))
         model.load_weights(iter_weights(model_dir, skip=quantized))
         self.model = model.to(self.device).eval()
+        fused = self.device.type == "cpu" and model.use_fused_kernels()
         backends = select_kernels(model.linear_kernels(), config.linear_kernels)
         packed = sum(backend == "onednn" for backend in backends.values())
 
@@ -120,7 +121,7 @@ class EngineCore:
                 f"tokenway: loaded {config.model} ({self.model_config.architecture}, {self.dtype}, {self.device}) "
                 f"in {time.monotonic() - started:.1f}s; KV cache {num_blocks} blocks x {config.block_size} tokens "
                 f"({num_blocks * block_bytes / 2**30:.2f} GiB), max_model_len {self.max_model_len}; "
-                f"{model.num_quantized_matmuls} matmuls on GGUF blocks; "
+                f"{model.num_quantized_matmuls} matmuls on GGUF blocks; fused layer kernels {'on' if fused else 'off'}; "
                 f"oneDNN-packed matmuls for {packed} of {len(backends)} float weight shapes",
                 file=sys.stderr,
             )

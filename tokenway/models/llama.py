@@ -12,12 +12,14 @@ Activations and the residual stream stay float32; linear weights and the KV cach
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenway import native
 from tokenway.models.attention import AttentionMetadata, decode_attention, prefill_attention
 from tokenway.models.config import ModelConfig
 from tokenway.models.linear import LinearKernel
@@ -51,6 +53,15 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass(frozen=True, slots=True)
+class RopeInputs:
+    """What the fused RoPE reads: the model's (max_positions, head_dim) tables and each token's position."""
+
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+    positions: torch.Tensor  # (T,) int64
 
 
 class RMSNorm(nn.Module):
@@ -120,6 +131,28 @@ class LlamaAttention(nn.Module):
                                           self.scale)
         return self.o(out.view(num_tokens, self.q_size))
 
+    def forward_fused(self, x: torch.Tensor, rope: RopeInputs, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                      meta: AttentionMetadata, ops) -> torch.Tensor:
+        """forward with RoPE, the cache writes and the casts in one native call (csrc/fused.cpp)."""
+        num_tokens = x.shape[0]
+        k_cache, v_cache = kv_cache
+        q = ops.rope_and_cache(self.qkv(x), rope.cos_table, rope.sin_table, rope.positions, k_cache, v_cache,
+                               meta.slot_mapping, self.num_heads, self.num_kv_heads)
+        num_decodes = meta.num_decode_tokens
+        if not meta.prefills:
+            return self.o(decode_attention(q, k_cache, v_cache, meta, self.scale).reshape(num_tokens, self.q_size))
+        # A prompt chunk reads its own new keys and values back from where they were just written.
+        k = k_cache.index_select(0, meta.slot_mapping)
+        v = v_cache.index_select(0, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if num_decodes:
+            out[:num_decodes] = decode_attention(q[:num_decodes], k_cache, v_cache, meta, self.scale)
+        for chunk in meta.prefills:
+            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, meta.block_size,
+                                          self.scale)
+        return self.o(out.view(num_tokens, self.q_size))
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
@@ -135,7 +168,9 @@ class LlamaMLP(nn.Module):
         self.gate_up = LinearKernel(self.gate_up_weight)
         self.down = LinearKernel(self.down_weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+        if ops is not None:
+            return self.down(ops.silu_and_mul(self.gate_up(x)))
         gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
         return self.down(F.silu(gate) * up)
 
@@ -152,6 +187,18 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs,
+                      kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, ops):
+        """(this layer's output, the residual stream before it): the residual add of the previous
+        layer is fused into this layer's input norm (residual += x; x = norm(residual))."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            ops.add_rms_norm_(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        x = self.self_attn.forward_fused(x, rope, kv_cache, meta, ops)
+        ops.add_rms_norm_(x, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        return self.mlp(x, ops), residual
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
@@ -165,6 +212,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
         self.head = LinearKernel(self.lm_head)
         self._quantized_params: set[str] = set()  # weights whose matmul runs on quantized blocks
+        self.fused = None  # csrc/fused.cpp's operators once use_fused_kernels() found them
         # (max_positions, head_dim) cos/sin tables, computed as HF does (fp32 outer product).
         positions = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
         freqs = torch.outer(positions, rope_inv_freq(config))
@@ -180,6 +228,12 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed_tokens[input_ids]  # (T, hidden)
+        if self.fused is not None:
+            rope = RopeInputs(self.rope_cos, self.rope_sin, positions)
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, residual = layer.forward_fused(x, residual, rope, kv_cache, meta, self.fused)
+            return x + residual
         cos = self.rope_cos[positions].unsqueeze(1)  # (T, 1, head_dim)
         sin = self.rope_sin[positions].unsqueeze(1)
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -189,6 +243,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32; the final norm runs only on the N rows that sample."""
         return self.head(self.norm(hidden))
+
+    def use_fused_kernels(self) -> bool:
+        """Run RoPE + cache writes, residual add + norm and silu * up as native fused operators
+        (csrc/fused.cpp) when they build and the model is float32 activations on the CPU."""
+        on_cpu = self.rope_cos.device.type == "cpu" and self.norm.weight.dtype == torch.float32
+        self.fused = native.load("fused") if on_cpu and self.config.head_dim % 2 == 0 else None
+        return self.fused is not None
 
     def _matmuls(self) -> list[tuple[str, nn.Module, str]]:
         """(weight parameter name, module, kernel attribute) of every matmul."""
