@@ -19,6 +19,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -238,6 +239,45 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   return y;
 }
 
+// The float weight (N, K) in `dtype` (float32 or bfloat16): for long prompt chunks, where a
+// GEMM library's blocked kernels beat dequantizing each block once per 8-token tile.
+at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t bits,
+                      at::ScalarType dtype) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes uint8 (N, bytes)");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16 only");
+  const int64_t n = codes.size(0), k = codes.size(1) * 8 / bits, blocks = k / QK;
+  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && d.is_contiguous() && m.is_contiguous() &&
+                  d.numel() == n * blocks && m.numel() == n * blocks,
+              "d and m: (N, K / 32) float16");
+  at::Tensor out = at::empty({n, k}, codes.options().dtype(dtype));
+  const uint8_t* src = codes.data_ptr<uint8_t>();
+  const uint16_t* ds = reinterpret_cast<const uint16_t*>(d.data_ptr());
+  const uint16_t* ms = reinterpret_cast<const uint16_t*>(m.data_ptr());
+  const int64_t row_bytes = codes.size(1);
+  at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
+    std::vector<float> row(k);
+    for (int64_t r = first; r < last; ++r) {
+      const uint8_t* c = src + r * row_bytes;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float scale = fp16_to_float(ds[r * blocks + b]), offset = fp16_to_float(ms[r * blocks + b]);
+        for (int j = 0; j < QK; ++j) {
+          const float q = bits == 4 ? float(j < 16 ? (c[b * 16 + j] & 15) : (c[b * 16 + j - 16] >> 4))
+                                    : float(int8_t(c[b * QK + j]));
+          row[b * QK + j] = q * scale + offset;
+        }
+      }
+      if (dtype == at::kFloat) {
+        std::memcpy(out.data_ptr<float>() + r * k, row.data(), k * sizeof(float));
+      } else {
+        c10::BFloat16* dst = out.data_ptr<c10::BFloat16>() + r * k;
+        for (int64_t i = 0; i < k; ++i) dst[i] = c10::BFloat16(row[i]);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenway_quant, m) {
@@ -245,4 +285,5 @@ TORCH_LIBRARY(tokenway_quant, m) {
         &quant_linear);
   m.def("fast() -> bool", &fast);
   m.def("has_bf16() -> bool", &has_bf16);
+  m.def("dequantize(Tensor codes, Tensor d, Tensor m, int bits, ScalarType dtype) -> Tensor", &dequantize);
 }

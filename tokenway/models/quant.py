@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from tokenway import native
+from tokenway.models.linear import bucket_rows
 
 # GGUF block types the kernel reads directly.
 QTYPES = ("Q4_1", "Q8_0")
 BLOCK = 32
+# Above this many tokens (prompt chunks) a weight is dequantized for the call and multiplied by
+# torch's GEMM (oneDNN for bfloat16, MKL for float32): their blocked kernels reuse each weight
+# across many tokens, where the block kernel dequantizes each block once per 8-token tile
+# (bench/quant_bench.py: 0.6-0.8x of bfloat16 at 64 tokens).
+GEMM_ROWS = 48
 _BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 
 
@@ -57,7 +64,7 @@ class QuantKernel:
     """y = x @ weight.T (+ bias), float32 out, for x (T, in_features), on quantized blocks.
     The same call as models/linear.LinearKernel, which it replaces for a quantized weight."""
 
-    __slots__ = ("qtype", "in_features", "codes", "d", "m", "bias", "bf16", "_op")
+    __slots__ = ("qtype", "in_features", "codes", "d", "m", "bias", "bf16", "_ops")
 
     def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int,
                  bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> None:
@@ -72,7 +79,7 @@ class QuantKernel:
         self.bias = bias  # the module's Parameter: loading fills it after this kernel exists
         # A bfloat16 model's products in bfloat16 (twice the float32 rate where the CPU has AVX512-BF16).
         self.bf16 = dtype == torch.bfloat16 and bool(ops.has_bf16())
-        self._op = ops.quant_linear
+        self._ops = ops
 
     @property
     def out_features(self) -> int:
@@ -86,9 +93,20 @@ class QuantKernel:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.d.nbytes + self.m.nbytes
 
+    @property
+    def bits(self) -> int:
+        return 4 if self.qtype == "Q4_1" else 8
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.bias is not None and self.bias.numel() else None
-        return self._op(x, self.codes, self.d, self.m, 4 if self.qtype == "Q4_1" else 8, self.bf16, bias)
+        num_rows = x.shape[0]
+        if num_rows <= GEMM_ROWS:
+            return self._ops.quant_linear(x, self.codes, self.d, self.m, self.bits, self.bf16, bias)
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        weight = self._ops.dequantize(self.codes, self.d, self.m, self.bits, dtype)
+        # Token counts padded to a bucket: oneDNN keeps a primitive per shape (models/linear.py).
+        out = F.linear(bucket_rows(x.to(dtype)), weight, None if bias is None else bias.to(dtype))
+        return out[:num_rows].float()
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight (out_features, in_features) these blocks stand for."""
