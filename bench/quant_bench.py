@@ -13,9 +13,7 @@ packing chosen by measurement for float32).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tokenway.config import DEFAULT_MODEL  # noqa: E402
 from tokenway.models import quant  # noqa: E402
-from tokenway.models.linear import LinearKernel, select_kernels  # noqa: E402
+from tokenway.models.linear import LinearKernel, median_time, select_kernels  # noqa: E402
 from tokenway.models.loader import quantized_weights, resolve_model  # noqa: E402
 
 SHAPES = {  # name in the checkpoint -> what it is in a layer
@@ -34,17 +32,6 @@ SHAPES = {  # name in the checkpoint -> what it is in a layer
     "model.layers.0.mlp.down_proj.weight": "down",
     "model.embed_tokens.weight": "head (tied)",
 }
-
-
-def median_ms(fn, x: torch.Tensor, repeats: int) -> float:
-    for _ in range(3):
-        fn(x)
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn(x)
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples) * 1e3
 
 
 @torch.inference_mode()
@@ -71,7 +58,7 @@ def main() -> None:
         select_kernels([fp32])
         for tokens in token_counts:
             x = torch.randn(tokens, tensor.shape[1])
-            times = [median_ms(fn, x, args.repeats) for fn in (kernel, kernel_bf16, bf16, fp32)]
+            times = [median_time(fn, x, args.repeats, warmup=3) * 1e3 for fn in (kernel, kernel_bf16, bf16, fp32)]
             print(f"{label:20s} {tensor.shape[0]:5d}x{tensor.shape[1]:<5d} {tensor.qtype:5s} {tokens:3d} "
                   f"{times[0]:11.3f} {times[1]:11.3f} {times[2]:8.3f} {times[3]:8.3f} "
                   f"{times[2] / min(times[:2]):7.2f}x  "

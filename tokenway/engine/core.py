@@ -85,7 +85,7 @@ class EngineCore:
                 quantized = model.use_quantized(quantized_weights(model_dir))
         model.load_weights(iter_weights(model_dir, skip=quantized))
         self.model = model.to(self.device).eval()
-        fused = self.device.type == "cpu" and model.use_fused_kernels()
+        fused = model.use_fused_kernels()
         backends = select_kernels(model.linear_kernels(), config.linear_kernels)
         packed = sum(backend == "onednn" for backend in backends.values())
 

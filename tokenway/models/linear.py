@@ -84,8 +84,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), max(BATCH_SIZES))
 
 
-def _time(fn, x: torch.Tensor, repeats: int = 5) -> float:
-    fn(x)
+def median_time(fn, x: torch.Tensor, repeats: int = 5, warmup: int = 1) -> float:
+    """Median seconds of fn(x) over `repeats` calls, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn(x)
     samples = []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -103,7 +105,7 @@ def measure(weight: torch.Tensor) -> tuple[float, float, torch.Tensor]:
     default_score = onednn_score = 0.0
     for batch in BATCH_SIZES:
         x = torch.randn(batch, weight.shape[1])
-        default_time, onednn_time = _time(trial, x), _time(packed, x)
+        default_time, onednn_time = median_time(trial, x), median_time(packed, x)
         best = min(default_time, onednn_time)
         default_score += default_time / best
         onednn_score += onednn_time / best

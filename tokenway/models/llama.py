@@ -120,31 +120,28 @@ class LlamaAttention(nn.Module):
         # another request in this same step is filling (a prefix-cache hit).
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-
-        out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=cache_dtype, device=x.device)
-        num_decodes = meta.num_decode_tokens
-        if num_decodes:
-            out[:num_decodes] = decode_attention(q[:num_decodes], k_cache, v_cache, meta, self.scale)
-        for chunk in meta.prefills:
-            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, meta.block_size,
-                                          self.scale)
-        return self.o(out.view(num_tokens, self.q_size))
+        return self._attend(q, k, v, k_cache, v_cache, meta)
 
     def forward_fused(self, x: torch.Tensor, rope: RopeInputs, kv_cache: tuple[torch.Tensor, torch.Tensor],
                       meta: AttentionMetadata, ops) -> torch.Tensor:
         """forward with RoPE, the cache writes and the casts in one native call (csrc/fused.cpp)."""
-        num_tokens = x.shape[0]
         k_cache, v_cache = kv_cache
         q = ops.rope_and_cache(self.qkv(x), rope.cos_table, rope.sin_table, rope.positions, k_cache, v_cache,
                                meta.slot_mapping, self.num_heads, self.num_kv_heads)
-        num_decodes = meta.num_decode_tokens
+        k = v = None
+        if meta.prefills:  # prompt chunks read their new keys and values back from where they were just written
+            k, v = k_cache.index_select(0, meta.slot_mapping), v_cache.index_select(0, meta.slot_mapping)
+        return self._attend(q, k, v, k_cache, v_cache, meta)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Decode rows through the paged decode attention, prompt chunks (with their new keys and
+        values k, v) through prefill attention, then o. q, k, v: (T, heads, head_dim) in the cache's dtype."""
+        num_tokens = q.shape[0]
         if not meta.prefills:
             return self.o(decode_attention(q, k_cache, v_cache, meta, self.scale).reshape(num_tokens, self.q_size))
-        # A prompt chunk reads its own new keys and values back from where they were just written.
-        k = k_cache.index_select(0, meta.slot_mapping)
-        v = v_cache.index_select(0, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        num_decodes = meta.num_decode_tokens
         if num_decodes:
             out[:num_decodes] = decode_attention(q[:num_decodes], k_cache, v_cache, meta, self.scale)
         for chunk in meta.prefills:

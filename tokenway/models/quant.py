@@ -86,10 +86,6 @@ class QuantKernel:
         return self.codes.shape[0]
 
     @property
-    def backend(self) -> str:
-        return self.qtype
-
-    @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.d.nbytes + self.m.nbytes
 
