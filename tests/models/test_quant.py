@@ -55,18 +55,26 @@ def test_kernel_is_the_float_product_with_the_dequantized_weight(qtype, tokens, 
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", quant.QTYPES)
-def test_a_bfloat16_model_gets_the_bfloat16_product(qtype):
-    """With bfloat16 products (AVX512-BF16), the result is F.linear's in bfloat16 on the
-    dequantized weight rounded to bfloat16: what the bfloat16 model computed before."""
-    blocks, weight = quantized(100, 576, qtype)
-    kernel = quant.QuantKernel(blocks, qtype, 576, dtype=torch.bfloat16)
-    for tokens in (11, quant.GEMM_ROWS + 20):
-        x = torch.randn(tokens, 576)
-        expected = (x.bfloat16().double() @ weight.bfloat16().double().T)
-        tolerance = 1e-4 if kernel.bf16 else 2e-2  # without AVX512-BF16: float32 products
-        if tokens > quant.GEMM_ROWS:  # oneDNN's bfloat16 GEMM may round partial sums to bfloat16
-            tolerance = 2e-2
-        torch.testing.assert_close(kernel(x).double(), expected, atol=tolerance, rtol=tolerance)
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 11, quant.GEMM_ROWS + 20])
+@pytest.mark.parametrize("in_features", [32, 96, 576])
+def test_a_bfloat16_model_gets_bfloat16_activations_on_the_exact_weights(qtype, tokens, in_features):
+    """With bfloat16 products (AVX512-BF16) the activations are rounded to bfloat16 as a bfloat16
+    model's are, the weights are the exact d * q + m, and the sums are float32: so the result is
+    the float64 product of those two up to float32 summation (of sums the kernel biases by 128 or
+    2304 times the block's activation sum: 1e-4 of the largest output here, where rounding the
+    weights to bfloat16 costs 1e-2). 37 rows: a partial group of 16."""
+    blocks, weight = quantized(37, in_features, qtype, seed=tokens)
+    kernel = quant.QuantKernel(blocks, qtype, in_features, dtype=torch.bfloat16)
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, in_features)
+    x[0, :5] = torch.tensor([0.0, -0.0, 1e-39, 3e4, -2.5])  # zeros, a subnormal, a large value
+    got = kernel(x)
+    if tokens > quant.GEMM_ROWS or not kernel.bf16:
+        # oneDNN's GEMM on the bfloat16-rounded weight; without AVX512-BF16, float32 products.
+        expected, tolerance = x.bfloat16().double() @ weight.bfloat16().double().T, 2e-2
+    else:
+        expected, tolerance = x.bfloat16().double() @ weight.double().T, 1e-4
+    torch.testing.assert_close(got.double(), expected, atol=tolerance * expected.abs().max().item(), rtol=tolerance)
 
 
 @needs_kernel
@@ -92,7 +100,7 @@ def test_unsupported_shapes_are_refused():
         quant.QuantKernel(torch.zeros(4, 144, dtype=torch.uint8), "Q4_K", 256)
     blocks, _ = quantized(8, 128, "Q8_0")
     kernel = quant.QuantKernel(blocks, "Q8_0", 128)
-    with pytest.raises(RuntimeError, match="bytes per row"):
+    with pytest.raises(RuntimeError, match="bytes expected for 8 rows of 64 in_features"):
         kernel(torch.randn(2, 64))
 
 

@@ -4,11 +4,11 @@ A GGUF's Q4_1 weights are 5 bits a weight (Q8_0: 8.5); converted to bfloat16 the
 a decode step at one token reads every weight once, so its time is the bytes it reads.
 QuantKernel keeps a weight's blocks (the converter saves them beside the float weights,
 models/gguf.py) and runs y = x @ W.T on them, dequantizing each block in registers: the
-products are the float model's, in float32.
+weights are exactly the ones gguf-py dequantizes; a float32 model's products are float32, a
+bfloat16 model's meet bfloat16 activations (csrc/quant.cpp says how).
 
-The blocks are re-laid out once at load into codes (one byte per two Q4_1 weights, one signed
-byte per Q8_0 weight) and per-block fp16 scale d and offset m (Q4_1: w = d * q + m; Q8_0:
-w = d * q, m = 0), so the kernel reads three dense streams.
+The blocks are re-laid out once at load (relayout): rows in groups of 16, a vector lane each,
+so a block's 16 scales are one load and 16 rows' sums build side by side.
 """
 
 from __future__ import annotations
@@ -45,26 +45,43 @@ def supports(qtype: str, in_features: int) -> bool:
     return qtype in QTYPES and in_features % BLOCK == 0
 
 
+ROWS = 16  # rows per group: a vector lane each (csrc/quant.cpp)
+
+
 def relayout(blocks: torch.Tensor, qtype: str, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GGUF block rows (N, bytes per row) uint8 -> (codes uint8, d fp16, m fp16)."""
-    num_blocks = in_features // BLOCK
-    raw = blocks.numpy().reshape(blocks.shape[0], num_blocks, _BLOCK_BYTES[qtype])
-    d = np.ascontiguousarray(raw[:, :, 0:2]).view(np.float16).reshape(-1, num_blocks)
+    """GGUF block rows (N, bytes per row) uint8 -> the kernel's (codes, d, m), rows in groups of 16
+    (padded with zero rows). For each group and block, 32-byte lines: line e holds, row by row,
+    the codes of elements 2e and 2e + 1 (Q4_1: low nibble; the high nibble has elements 16 + 2e
+    and 17 + 2e; Q8_0: q + 128, a byte each). d and m: (groups, blocks, 16) fp16; Q8_0 has no m."""
+    rows, num_blocks = blocks.shape[0], in_features // BLOCK
+    groups = -(-rows // ROWS)
+    raw = np.zeros((groups * ROWS, num_blocks, _BLOCK_BYTES[qtype]), dtype=np.uint8)
+    raw[:rows] = blocks.numpy().reshape(rows, num_blocks, _BLOCK_BYTES[qtype])
+    raw = raw.reshape(groups, ROWS, num_blocks, -1)
+
+    def scales(offset: int) -> torch.Tensor:  # (groups, ROWS, blocks) -> (groups, blocks, ROWS)
+        values = np.ascontiguousarray(raw[..., offset:offset + 2]).view(np.float16)[..., 0]
+        return torch.from_numpy(np.ascontiguousarray(values.transpose(0, 2, 1)))
+
     if qtype == "Q4_1":
-        m = np.ascontiguousarray(raw[:, :, 2:4]).view(np.float16).reshape(-1, num_blocks)
-        codes = raw[:, :, 4:].reshape(-1, num_blocks * 16)
+        packed = raw[..., 4:]  # (groups, ROWS, blocks, 16): element j low nibble, j + 16 high
+        q = np.concatenate([packed & 15, packed >> 4], axis=-1)  # (groups, ROWS, blocks, 32)
+        lines = q[..., :16] | (q[..., 16:] << 4)  # byte for elements j, j + 16 (j < 16)
+        lines = lines.reshape(groups, ROWS, num_blocks, 8, 2)
+        m = scales(2)
     else:
-        m = np.zeros_like(d)
-        codes = raw[:, :, 2:].reshape(-1, in_features)  # int8 bits
-    return (torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(np.ascontiguousarray(d)),
-            torch.from_numpy(np.ascontiguousarray(m)))
+        codes = raw[..., 2:] ^ np.uint8(0x80)  # q + 128
+        lines = codes.reshape(groups, ROWS, num_blocks, 16, 2)
+        m = torch.zeros(0, dtype=torch.float16)
+    codes = np.ascontiguousarray(lines.transpose(0, 2, 3, 1, 4)).reshape(groups, -1)  # (g, blocks, line, row, 2)
+    return torch.from_numpy(codes), scales(0), m
 
 
 class QuantKernel:
     """y = x @ weight.T (+ bias), float32 out, for x (T, in_features), on quantized blocks.
     The same call as models/linear.LinearKernel, which it replaces for a quantized weight."""
 
-    __slots__ = ("qtype", "in_features", "codes", "d", "m", "bias", "bf16", "_ops")
+    __slots__ = ("qtype", "in_features", "out_features", "codes", "d", "m", "bias", "bf16", "_ops")
 
     def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int,
                  bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> None:
@@ -75,15 +92,12 @@ class QuantKernel:
             raise RuntimeError("the native quant kernel is not built on this machine")
         self.qtype = qtype
         self.in_features = in_features
+        self.out_features = blocks.shape[0]
         self.codes, self.d, self.m = relayout(blocks, qtype, in_features)
         self.bias = bias  # the module's Parameter: loading fills it after this kernel exists
         # A bfloat16 model's products in bfloat16 (twice the float32 rate where the CPU has AVX512-BF16).
         self.bf16 = dtype == torch.bfloat16 and bool(ops.has_bf16())
         self._ops = ops
-
-    @property
-    def out_features(self) -> int:
-        return self.codes.shape[0]
 
     @property
     def nbytes(self) -> int:
@@ -97,20 +111,16 @@ class QuantKernel:
         bias = self.bias if self.bias is not None and self.bias.numel() else None
         num_rows = x.shape[0]
         if num_rows <= GEMM_ROWS:
-            return self._ops.quant_linear(x, self.codes, self.d, self.m, self.bits, self.bf16, bias)
+            return self._ops.quant_linear(x, self.codes, self.d, self.m, self.out_features, self.bits, self.bf16, bias)
         dtype = torch.bfloat16 if self.bf16 else torch.float32
-        weight = self._ops.dequantize(self.codes, self.d, self.m, self.bits, dtype)
+        weight = self._dequantize(dtype)
         # Token counts padded to a bucket: oneDNN keeps a primitive per shape (models/linear.py).
         out = F.linear(bucket_rows(x.to(dtype)), weight, None if bias is None else bias.to(dtype))
         return out[:num_rows].float()
 
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._ops.dequantize(self.codes, self.d, self.m, self.out_features, self.in_features, self.bits, dtype)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight (out_features, in_features) these blocks stand for."""
-        num_blocks = self.in_features // BLOCK
-        if self.qtype == "Q4_1":
-            packed = self.codes.view(-1, num_blocks, 16)
-            q = torch.cat([packed & 15, packed >> 4], dim=-1)
-        else:
-            q = self.codes.view(torch.int8).view(-1, num_blocks, BLOCK)
-        w = q.float() * self.d.float().unsqueeze(-1) + self.m.float().unsqueeze(-1)
-        return w.reshape(-1, self.in_features)
+        return self._dequantize(torch.float32)
