@@ -120,6 +120,7 @@ constexpr bool kFast = true;
 // Activations as each path reads them, made once per call.
 struct Activations {
   const void* x;              // (T, K): bfloat16 bits, or float32
+  std::vector<uint16_t> xb;   // float32 input to bfloat16 products: x rounded to bfloat16 (x points here)
   std::vector<uint16_t> x16;  // bfloat16 Q8_0: 16 x, exact
   std::vector<float> sums;    // (T, blocks): sum of each block's x, as the products see them
 };
@@ -278,9 +279,22 @@ void groups_times_tokens(const Weights& w, int64_t group_begin, int64_t group_en
   }
 }
 
-Activations prepare(const Weights& w, const void* x, bool bf16, int64_t tokens) {
+// x_is_float: a float32 x for bfloat16 products, rounded here (to nearest even, as torch's
+// .to(torch.bfloat16)) rather than by a separate torch op per matmul.
+Activations prepare(const Weights& w, const void* x, bool x_is_float, bool bf16, int64_t tokens) {
   const int64_t k = w.k, blocks = w.blocks();
-  Activations a{x, {}, std::vector<float>(tokens * blocks)};
+  Activations a{x, {}, {}, std::vector<float>(tokens * blocks)};
+#if defined(__AVX512BF16__)
+  if (bf16 && x_is_float) {
+    a.xb.resize(tokens * k);
+    const float* src = static_cast<const float*>(x);
+    int64_t i = 0;
+    for (; i + 16 <= tokens * k; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.xb.data() + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+    for (; i < tokens * k; ++i) a.xb[i] = c10::BFloat16(src[i]).x;
+    a.x = x = a.xb.data();
+  }
+#endif
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t b = 0; b < blocks; ++b) {
       float sum = 0.0f;
@@ -305,8 +319,8 @@ Activations prepare(const Weights& w, const void* x, bool bf16, int64_t tokens) 
 }
 
 // x: float32 (T, K), or bfloat16 when bf16 (products then in bfloat16 as a bfloat16 model's are).
-void matmul(const Weights& w, const void* x, bool bf16, int64_t tokens, float* y) {
-  const Activations a = prepare(w, x, bf16, tokens);
+void matmul(const Weights& w, const void* x, bool x_is_float, bool bf16, int64_t tokens, float* y) {
+  const Activations a = prepare(w, x, x_is_float, bf16, tokens);
   const int64_t group_bytes = w.blocks() * (w.block_bytes() + (w.four_bit ? 64 : 32));
   const int64_t threads = at::get_num_threads();
   int64_t chunks = std::max<int64_t>(threads, (w.groups() * group_bytes + kChunkBytes - 1) / kChunkBytes);
@@ -331,7 +345,8 @@ void matmul(const Weights& w, const void* x, bool bf16, int64_t tokens, float* y
 #else
 constexpr bool kFast = false;
 
-void matmul(const Weights& w, const void* input, bool /*bf16: never requested*/, int64_t tokens, float* y) {
+void matmul(const Weights& w, const void* input, bool /*x_is_float: always*/, bool /*bf16: never requested*/,
+            int64_t tokens, float* y) {
   const float* x = static_cast<const float*>(input);
   const int64_t k = w.k;
   at::parallel_for(0, w.n, 16, [&](int64_t first, int64_t last) {
@@ -383,10 +398,12 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   const int64_t tokens = x.size(0), k = x.size(1);
   const Weights w = checked_weights(codes, d, m, n, k, bits);
   bf16 = bf16 && kBf16;  // elsewhere float32 products
-  const at::Tensor input = x.to(bf16 ? at::kBFloat16 : at::kFloat).contiguous();
+  // bfloat16 products take a bfloat16 x as it is and round a float32 one themselves.
+  const bool keep_float = bf16 && x.scalar_type() == at::kFloat;
+  const at::Tensor input = x.to(bf16 && !keep_float ? at::kBFloat16 : at::kFloat).contiguous();
   at::Tensor y = at::empty({tokens, n}, x.options().dtype(at::kFloat));
   if (tokens == 0 || n == 0) return y;
-  matmul(w, input.data_ptr(), bf16, tokens, y.data_ptr<float>());
+  matmul(w, input.data_ptr(), input.scalar_type() == at::kFloat, bf16, tokens, y.data_ptr<float>());
   if (bias.has_value() && bias->defined() && bias->numel() > 0) {
     TORCH_CHECK(bias->numel() == n, "bias has ", bias->numel(), " values, expected ", n);
     y.add_(bias->to(at::kFloat));
