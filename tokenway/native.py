@@ -69,7 +69,8 @@ def _build(name: str) -> ModuleType | None:
         logger.warning("tokenway: no g++/ninja on this machine: native %s kernels off (torch operators instead)", name)
         return None
     sources = [SOURCE_DIR / f"{name}.cpp"]
-    build_dir = default_cache_dir() / "native" / f"{name}-{_key(sources)}"
+    headers = sorted(SOURCE_DIR.glob("*.h"))  # shared by the kernels: a change rebuilds them all
+    build_dir = default_cache_dir() / "native" / f"{name}-{_key(sources + headers)}"
     build_dir.mkdir(parents=True, exist_ok=True)
     from torch.utils import cpp_extension
 

@@ -16,11 +16,16 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
+
+#include "vec.h"
 
 template <typename T>
 inline T from_float(float x) {
@@ -136,7 +141,12 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
       const float* gate = src + row * 2 * width;
       const float* up = gate + width;
       float* o = dst + row * width;
-      for (int64_t i = 0; i < width; ++i) o[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+      int64_t i = 0;
+      for (; i + W <= width; i += W) {  // vectorised e^-g (vec.h, ~1 ulp, as torch's own vectorised silu)
+        const Vec g = vload(gate + i);
+        vstore(o + i, vmul(vdiv(g, vadd(vset(1.0f), vexp(vsub(vzero(), g)))), vload(up + i)));
+      }
+      for (; i < width; ++i) o[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
     }
   });
   return out;
