@@ -44,6 +44,8 @@
 
 namespace {
 
+#include "vec.h"
+
 constexpr int QK = 32;                      // weights per block
 constexpr int kRows = 16;                   // rows per group (a vector of lanes)
 constexpr int64_t kChunkBytes = 96 * 1024;  // weight bytes per work item
@@ -68,13 +70,6 @@ inline float fp16_to_float(uint16_t h) {
   }
   float out;
   std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-inline float bf16_bits_to_float(uint16_t bits) {
-  const uint32_t wide = uint32_t(bits) << 16;
-  float out;
-  std::memcpy(&out, &wide, sizeof(out));
   return out;
 }
 
@@ -300,7 +295,7 @@ Activations prepare(const Weights& w, const void* x, bool x_is_float, bool bf16,
       float sum = 0.0f;
       for (int j = 0; j < QK; ++j) {
         const int64_t i = t * k + b * QK + j;
-        sum += bf16 ? bf16_bits_to_float(static_cast<const uint16_t*>(x)[i]) : static_cast<const float*>(x)[i];
+        sum += bf16 ? bf16_to_float(static_cast<const uint16_t*>(x)[i]) : static_cast<const float*>(x)[i];
       }
       a.sums[t * blocks + b] = sum;
     }

@@ -1,8 +1,16 @@
-// Vectors of W floats for the C++ kernels (attention.cpp, fused.cpp): the few operations they
+// Vectors of W floats for the C++ kernels (attention.cpp, fused.cpp, quant.cpp): the few operations they
 // need, per instruction set: 16 floats (AVX512), 8 (AVX2) or 1 (anything else), whatever
 // -march=native allows. Included inside each kernel's anonymous namespace, after <immintrin.h>,
 // <cstdint> and <cstring>.
 #pragma once
+
+// One bfloat16 (its bits) as a float.
+inline float bf16_to_float(uint16_t x) {
+  uint32_t bits = uint32_t(x) << 16;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
 
 #if defined(__AVX512F__)
 constexpr int W = 16;
@@ -151,12 +159,6 @@ inline float vmaxval(Vec v) { return v; }
 inline Vec vround(Vec v) { return __builtin_nearbyintf(v); }
 inline Vec vexp2int(Vec n) {
   uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
-}
-inline float bf16_to_float(uint16_t x) {
-  uint32_t bits = uint32_t(x) << 16;
   float out;
   std::memcpy(&out, &bits, 4);
   return out;

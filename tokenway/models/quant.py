@@ -64,10 +64,8 @@ def relayout(blocks: torch.Tensor, qtype: str, in_features: int) -> tuple[torch.
         return torch.from_numpy(np.ascontiguousarray(values.transpose(0, 2, 1)))
 
     if qtype == "Q4_1":
-        packed = raw[..., 4:]  # (groups, ROWS, blocks, 16): element j low nibble, j + 16 high
-        q = np.concatenate([packed & 15, packed >> 4], axis=-1)  # (groups, ROWS, blocks, 32)
-        lines = q[..., :16] | (q[..., 16:] << 4)  # byte for elements j, j + 16 (j < 16)
-        lines = lines.reshape(groups, ROWS, num_blocks, 8, 2)
+        # GGUF's byte j already holds element j (low nibble) and j + 16 (high): the lines' pairing.
+        lines = raw[..., 4:].reshape(groups, ROWS, num_blocks, 8, 2)
         m = scales(2)
     else:
         codes = raw[..., 2:] ^ np.uint8(0x80)  # q + 128
