@@ -83,6 +83,66 @@ def test_native_kernel_equals_attention_over_whole_contexts(dtype):
     torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 64), (torch.bfloat16, 64), (torch.bfloat16, 128)])
+def test_native_cascade_equals_attention_over_whole_contexts(dtype, head_dim):
+    """Two groups of rows behind shared prefixes (one of 20 rows: several blocks of queries, the
+    prefix cut into chunks; one row whose whole context is the prefix), rows of their own, and
+    the same call without the prefix arguments: all plain attention over each whole context."""
+    kernel = native_kernel(dtype, head_dim)
+    torch.manual_seed(5)
+    block_size, num_blocks, kv_heads, heads = 16, 400, 3, 9
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim).to(dtype)
+    free = torch.randperm(num_blocks).tolist()
+    long_prefix, short_prefix = [free.pop() for _ in range(40)], [free.pop() for _ in range(3)]
+    rng = random.Random(5)
+    tables, context_lens, leaders, prefix_lens = [], [], [], []
+    for row in range(26):
+        if row in (0, 7):  # rows of their own
+            prefix, leader = [], row
+        elif row % 5 == 1:
+            prefix, leader = short_prefix, 1
+        else:
+            prefix, leader = long_prefix, 2
+        length = len(prefix) * block_size + (0 if row == 9 else rng.randint(1, 70))
+        tables.append(prefix + [free.pop() for _ in range((length + block_size - 1) // block_size - len(prefix))])
+        context_lens.append(length)
+        leaders.append(leader)
+        prefix_lens.append(len(prefix) * block_size)
+    q = torch.randn(len(tables), heads, head_dim).to(dtype)
+    width = max(map(len, tables))
+    args = (q, k_cache, v_cache, torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            torch.tensor(context_lens, dtype=torch.int32), block_size, head_dim ** -0.5)
+    got = kernel(*args, torch.tensor(leaders, dtype=torch.int32), torch.tensor(prefix_lens, dtype=torch.int32))
+    expected = reference_decode(q.float(), k_cache.float(), v_cache.float(), tables, context_lens,
+                                head_dim ** -0.5, block_size)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(kernel(*args).double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_native_kernel_refuses_a_prefix_its_rows_do_not_share():
+    kernel = native_kernel()
+    cache = torch.zeros(8 * 16, 1, 64)
+    q = torch.zeros(2, 1, 64)
+    tables = torch.tensor([[1, 2, 3], [1, 4, 5]], dtype=torch.int32)
+    lens = torch.tensor([40, 40], dtype=torch.int32)
+
+    def call(leaders, prefix_lens):
+        kernel(q, cache, cache, tables, lens, 16, 1.0, torch.tensor(leaders, dtype=torch.int32),
+               torch.tensor(prefix_lens, dtype=torch.int32))
+
+    call([0, 0], [16, 16])  # block 1 is shared
+    with pytest.raises(RuntimeError, match="does not hold its leader's prefix block 1"):
+        call([0, 0], [32, 32])
+    with pytest.raises(RuntimeError, match="whole blocks"):
+        call([0, 0], [8, 8])
+    with pytest.raises(RuntimeError, match="earlier row"):
+        call([1, 1], [16, 16])
+    with pytest.raises(RuntimeError, match="go together"):
+        kernel(q, cache, cache, tables, lens, 16, 1.0, torch.tensor([0, 0], dtype=torch.int32), None)
+
+
 def test_native_kernel_refuses_a_table_outside_the_cache():
     kernel = native_kernel()
     cache = torch.zeros(4 * 16, 1, 64)

@@ -1,21 +1,27 @@
 // Decode attention over the paged KV cache: one query token per row, keys and values read in
 // place from each row's blocks (no gather, no padding), float32 scores and softmax.
 //
-//   q             (B, heads, D)                 float32 or bfloat16 (rows and heads may be strided)
-//   k/v_cache     (num_slots, kv_heads, D)      same dtype; slot = block_id * block_size + offset
-//   block_tables  (B, max_blocks) int32         each row's blocks in order; entries past its length unused
-//   context_lens  (B,) int32                    keys each row attends to (its newest token included)
-//   -> out        (B, heads, D)                 q's dtype
+//   q              (B, heads, D)                float32 or bfloat16 (rows and heads may be strided)
+//   k/v_cache      (num_slots, kv_heads, D)     same dtype; slot = block_id * block_size + offset
+//   block_tables   (B, max_blocks) int32        each row's blocks in order; entries past its length unused
+//   context_lens   (B,) int32                   keys each row attends to (its newest token included)
+//   prefix_leaders (B,) int32, optional         rows sharing a cached prefix (cascade attention): each
+//   prefix_lens    (B,) int32, optional         row's first prefix_lens[r] positions (whole blocks) are
+//                                               the same blocks as row prefix_leaders[r]'s (0: none)
+//   -> out         (B, heads, D)                q's dtype
 //
-// Work items are (row, kv head, chunk of the context). The heads/kv_heads query heads of a GQA
-// group run together, so each key and value is loaded (and converted) once for the group. A
-// chunk is the whole context unless there are too few (row, kv head) pairs to keep every thread
-// busy (one long request): then contexts are cut into equal chunks whose partial softmaxes are
-// merged at the end (flash-decoding).
+// The work is cut into segments: runs of context positions, each read through one block table and
+// attended by a set of query rows. A row's own positions are one segment (or several, when there
+// are too few rows to keep every thread busy: flash-decoding); a prefix shared by several rows is
+// one segment attended by all their queries at once, so its keys and values are read and
+// converted once per step for the whole group instead of once per row. Segments of one row merge
+// their partial softmaxes at the end. A work item is (segment, kv head): the heads/kv_heads query
+// heads of a GQA group run together. Items go to threads largest first, one at a time.
 //
-// Rows that share leading blocks (a common system prompt) simply read them from cache: a layer's
-// K and V of a 1,000-token prefix is 0.75 MB in bfloat16, so the second row to read it finds it
-// in L2. Processing a group's queries against each shared block together measured no faster.
+// bfloat16 caches on CPUs with AVX512-BF16 use vdpbf16ps (two products per lane per
+// instruction, float32 sums): a 16-token key tile is transposed so that scores land one token
+// per lane, and values are interleaved in token pairs against bfloat16 probabilities. Elsewhere
+// keys and values are converted to float32 and go through FMAs.
 //
 // Vectors are 16 floats (AVX512), 8 (AVX2) or 1 (anything else): whatever -march=native allows.
 // No state survives a call: unlike a torch matmul (oneDNN caches a primitive per shape), context
@@ -28,18 +34,111 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
 
 #include "vec.h"
 
-// ---- Rows of head_dim values, as floats. ----
+// ---- The kernel. ----
+
+template <typename T>
+struct Problem {
+  const T* q;
+  int64_t q_row_stride, q_head_stride;
+  const T* k_cache;
+  const T* v_cache;
+  const int32_t* block_tables;
+  int64_t max_blocks;
+  const int32_t* context_lens;
+  T* out;
+  int heads, kv_heads, group, head_dim, block_size;
+
+  const T* query(int row, int head) const { return q + row * q_row_stride + head * q_head_stride; }
+  const int32_t* table(int row) const { return block_tables + row * max_blocks; }
+  // Where `count` consecutive positions of one kv head's context, from `pos`, sit in a cache;
+  // rows[count..tile) point at `zeros`.
+  // Asks for the rows of positions [pos, end) of one kv head to be brought into the
+  // cache ahead of use: the blocks of a context are scattered, so the hardware prefetcher cannot guess.
+  template <int Hint>
+  void prefetch(const T* cache, const int32_t* table, int kv_head, int pos, int end) const {
+    const int64_t slot_stride = int64_t(kv_heads) * head_dim;
+    const int row_bytes = head_dim * int(sizeof(T));
+    for (int t = pos; t < end; ++t) {
+      const char* row = reinterpret_cast<const char*>(
+          cache + (int64_t(table[t / block_size]) * block_size + t % block_size) * slot_stride + int64_t(kv_head) * head_dim);
+      for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, static_cast<enum _mm_hint>(Hint));
+    }
+  }
+  void locate(const T* cache, const int32_t* table, int kv_head, int pos, int count, int tile, const T* zeros,
+              const T** rows) const {
+    const int64_t slot_stride = int64_t(kv_heads) * head_dim;
+    int block = pos / block_size, offset = pos % block_size;
+    for (int t = 0; t < count; ++t) {
+      rows[t] = cache + (int64_t(table[block]) * block_size + offset) * slot_stride + int64_t(kv_head) * head_dim;
+      if (++offset == block_size) offset = 0, ++block;
+    }
+    for (int t = count; t < tile; ++t) rows[t] = zeros;
+  }
+};
+
+// Positions per tile: keys and values are read 16 at a time (a multiple of W everywhere).
+constexpr int kTile = 16;
+inline int round_up(int n, int m) { return (n + m - 1) / m * m; }
+
+// A run of context positions [begin, end) read through row `table_row`'s block table and
+// attended, for every kv head, by the query heads of rows[rows_begin .. rows_begin + num_rows).
+struct Segment {
+  int table_row, begin, end, rows_begin, num_rows;
+  int64_t partial;  // first partial slot (kv head 0, query 0); -1: its row's only segment, written out directly
+};
+
+// Per-thread scratch, sized for the largest item, allocated once per call and thread.
+struct Scratch {
+  std::vector<float> scores;   // (queries, positions rounded up to kTile): scores, then probabilities
+  std::vector<float> q;        // (queries, head_dim): the queries as floats (float32 path)
+  std::vector<float> tile;     // (kTile, head_dim): a bfloat16 tile's rows as floats (float32 path)
+  std::vector<float> acc;      // (queries, head_dim): sum of probability x value, for direct output
+  std::vector<float> max, sum;  // (queries,)
+  std::vector<uint32_t> keys;   // (head_dim / 2, kTile): a key tile transposed (dot-product path)
+  std::vector<uint16_t> probs;  // (queries, positions): probabilities in bfloat16 (dot-product path)
+  std::vector<uint32_t> values; // (positions / 2, head_dim): values interleaved in token pairs (dot-product path)
+  Scratch(int queries, int head_dim, int positions)
+      : scores(int64_t(queries) * positions), q(int64_t(queries) * head_dim), tile(kTile * head_dim),
+        acc(int64_t(queries) * head_dim), max(queries), sum(queries), keys(head_dim / 2 * kTile + 16),
+        probs(int64_t(queries) * positions + 32), values(int64_t(positions) / 2 * head_dim + 16) {}
+};
+
+// Scores (scaled here) of `count` positions, padded to `padded`, become probabilities in place:
+// the padding gets 0. Returns the max score and the probabilities' sum.
+inline void softmax(float* s, int count, int padded, float scale, float* max_out, float* sum_out) {
+  for (int j = 0; j < count; j += W) vstore(s + j, vmul(vload(s + j), vset(scale)));
+  for (int j = count; j < padded; ++j) s[j] = -FLT_MAX;
+  Vec m = vset(-FLT_MAX);
+  for (int j = 0; j < padded; j += W) m = vmax(m, vload(s + j));
+  const float max_score = vmaxval(m);
+  Vec total = vzero(), shift = vset(max_score);
+  for (int j = 0; j < padded; j += W) {
+    Vec e = vexp(vsub(vload(s + j), shift));
+    vstore(s + j, e);
+    total = vadd(total, e);
+  }
+  float sum = vsum(total);
+  for (int j = count; j < padded; ++j) sum -= s[j], s[j] = 0.0f;  // the padding's ~1e-38s
+  *max_out = max_score;
+  *sum_out = sum;
+}
+
+// ---- float32 arithmetic: keys and values converted to floats, FMAs. ----
 //
 // bfloat16 rows convert pairwise into (even elements, odd elements) vectors, which costs one
 // instruction per W values instead of a widening shuffle. q, keys, values and the output all go
@@ -71,56 +170,25 @@ inline void store_row(const float* src, float factor, float* dst, int head_dim) 
   for (int i = 0; i < head_dim; i += W) vstore(dst + i, vmul(vload(src + i), f));
 }
 
-// ---- The kernel. ----
-
-template <typename T>
-struct Problem {
-  const T* q;
-  int64_t q_row_stride, q_head_stride;
-  const T* k_cache;
-  const T* v_cache;
-  const int32_t* block_tables;
-  int64_t max_blocks;
-  const int32_t* context_lens;
-  T* out;
-  int heads, kv_heads, group, head_dim, block_size;
-};
-
-// Per-thread scratch, allocated once per call and thread.
-struct Scratch {
-  std::vector<float> q;       // (group, head_dim): the group's queries, scaled, as floats
-  std::vector<float> scores;  // (group, chunk_len rounded up to W), then the probabilities
-  std::vector<float> tile;    // (W, head_dim): a bfloat16 tile's rows as floats
-  std::vector<float> zeros;   // (head_dim,): what a tile's missing tokens read
-  std::vector<float> acc;     // (group, head_dim): sum of probability x value
-  Scratch(int group, int head_dim, int64_t chunk_len)
-      : q(group * head_dim), scores(group * ((chunk_len + W - 1) / W * W)), tile(W * head_dim),
-        zeros(head_dim, 0.0f), acc(group * head_dim) {}
-};
-
-// Points rows[0..W) at the float values of `count` consecutive positions of one kv head's
-// context, starting at `pos`; rows past `count` read zeros. float32 caches are read in place,
-// bfloat16 rows are converted into the tile.
+// Points rows[0..kTile) at the float values of `count` positions from `pos`; rows past `count`
+// read zeros. float32 caches are read in place, bfloat16 rows are converted into the tile.
 template <typename T>
 void read_tile(const Problem<T>& p, const T* cache, const int32_t* table, int kv_head, int pos, int count,
-               Scratch& scratch, const float** rows) {
-  int64_t slot_stride = int64_t(p.kv_heads) * p.head_dim;
-  int block = pos / p.block_size, offset = pos % p.block_size;
-  for (int t = 0; t < count; ++t) {
-    const T* src = cache + (int64_t(table[block]) * p.block_size + offset) * slot_stride + int64_t(kv_head) * p.head_dim;
+               const T* zeros, Scratch& scratch, const float** rows) {
+  const T* src[kTile];
+  p.locate(cache, table, kv_head, pos, count, kTile, zeros, src);
+  for (int t = 0; t < kTile; ++t) {
     if constexpr (std::is_same_v<T, float>) {
-      rows[t] = src;
+      rows[t] = src[t];
     } else {
       float* dst = scratch.tile.data() + t * p.head_dim;
-      load_row(src, dst, p.head_dim);
+      load_row(src[t], dst, p.head_dim);
       rows[t] = dst;
     }
-    if (++offset == p.block_size) offset = 0, ++block;
   }
-  for (int t = count; t < W; ++t) rows[t] = scratch.zeros.data();
 }
 
-// W scores of one query against a tile's keys.
+// W scores of one query against W of a tile's keys.
 inline Vec score_tile(const float* q, const float* const* rows, int head_dim) {
   Vec acc[W];
   for (int t = 0; t < W; ++t) acc[t] = vzero();
@@ -131,7 +199,7 @@ inline Vec score_tile(const float* q, const float* const* rows, int head_dim) {
   return transpose_sum(acc);
 }
 
-// acc += sum over the tile's tokens of probs[t] * value[t] (probs of missing tokens are 0).
+// acc += sum over W of a tile's tokens of probs[t] * value[t] (probs of missing tokens are 0).
 inline void accumulate_tile(float* acc, const float* probs, const float* const* rows, int head_dim) {
   for (int i = 0; i < head_dim; i += W) {
     Vec sums[4] = {vload(acc + i), vzero(), vzero(), vzero()};  // four chains hide the FMA latency
@@ -140,137 +208,343 @@ inline void accumulate_tile(float* acc, const float* probs, const float* const* 
   }
 }
 
-// Attention of row's query group `kv_head` over context positions [begin, end): leaves the
-// unnormalised sum of probability x value in scratch.acc and returns each query's max score
-// and probability sum in max_out/sum_out (group,).
+// Attention of `nq` queries over positions [begin, end) of one kv head: each query's max score,
+// probability sum and unnormalised sum of probability x value (in load_row's order).
 template <typename T>
-void attend(const Problem<T>& p, int row, int kv_head, int begin, int end, float scale, Scratch& scratch,
-            float* max_out, float* sum_out) {
-  const int head_dim = p.head_dim, group = p.group;
-  const int32_t* table = p.block_tables + row * p.max_blocks;
-  const int padded = (end - begin + W - 1) / W * W;
+void attend_float(const Problem<T>& p, const int32_t* table, int kv_head, int begin, int end,
+                  const T* const* queries, int nq, float scale, const T* zeros, Scratch& scratch,
+                  float* max_out, float* sum_out, float* acc) {
+  const int head_dim = p.head_dim, count = end - begin, padded = round_up(count, kTile);
   float* q = scratch.q.data();
-  for (int g = 0; g < group; ++g) {
-    const T* src = p.q + row * p.q_row_stride + (kv_head * group + g) * p.q_head_stride;
-    float* dst = q + g * head_dim;
-    load_row(src, dst, head_dim);
-    for (int i = 0; i < head_dim; i += W) vstore(dst + i, vmul(vload(dst + i), vset(scale)));
-  }
-  const float* rows[W];
+  for (int j = 0; j < nq; ++j) load_row(queries[j], q + j * head_dim, head_dim);
+  const float* rows[kTile];
   float* scores = scratch.scores.data();
-  for (int pos = begin; pos < end; pos += W) {
-    read_tile(p, p.k_cache, table, kv_head, pos, std::min(W, end - pos), scratch, rows);
-    for (int g = 0; g < group; ++g) vstore(scores + g * padded + (pos - begin), score_tile(q + g * head_dim, rows, head_dim));
+  for (int pos = begin; pos < end; pos += kTile) {
+    read_tile(p, p.k_cache, table, kv_head, pos, std::min(kTile, end - pos), zeros, scratch, rows);
+    for (int j = 0; j < nq; ++j)
+      for (int t = 0; t < kTile; t += W)
+        vstore(scores + j * padded + (pos - begin) + t, score_tile(q + j * head_dim, rows + t, head_dim));
   }
-  for (int g = 0; g < group; ++g) {
-    float* s = scores + g * padded;
-    for (int j = end - begin; j < padded; ++j) s[j] = -FLT_MAX;
-    Vec m = vset(-FLT_MAX);
-    for (int j = 0; j < padded; j += W) m = vmax(m, vload(s + j));
-    float max_score = vmaxval(m);
-    Vec total = vzero(), shift = vset(max_score);
-    for (int j = 0; j < padded; j += W) {
-      Vec e = vexp(vsub(vload(s + j), shift));
-      vstore(s + j, e);
-      total = vadd(total, e);
-    }
-    float sum = vsum(total);
-    for (int j = end - begin; j < padded; ++j) sum -= s[j], s[j] = 0.0f;  // the padding's ~1e-38s
-    max_out[g] = max_score;
-    sum_out[g] = sum;
-  }
-  float* acc = scratch.acc.data();
-  std::fill(scratch.acc.begin(), scratch.acc.end(), 0.0f);
-  for (int pos = begin; pos < end; pos += W) {
-    read_tile(p, p.v_cache, table, kv_head, pos, std::min(W, end - pos), scratch, rows);
-    for (int g = 0; g < group; ++g) accumulate_tile(acc + g * head_dim, scores + g * padded + (pos - begin), rows, head_dim);
+  for (int j = 0; j < nq; ++j) softmax(scores + j * padded, count, padded, scale, max_out + j, sum_out + j);
+  std::fill(acc, acc + int64_t(nq) * head_dim, 0.0f);
+  for (int pos = begin; pos < end; pos += kTile) {
+    read_tile(p, p.v_cache, table, kv_head, pos, std::min(kTile, end - pos), zeros, scratch, rows);
+    for (int j = 0; j < nq; ++j)
+      for (int t = 0; t < kTile; t += W)
+        accumulate_tile(acc + j * head_dim, scores + j * padded + (pos - begin) + t, rows + t, head_dim);
   }
 }
 
-// Contexts are cut into chunks of this many tokens or more (a multiple of W) only when there are
-// too few (row, kv head) pairs to give every thread several.
-constexpr int kMinChunk = 128;
-constexpr int kItemsPerThread = 8;
-// A thread gets at least this many (token, kv head) pairs: below it, waking the pool costs more
-// than it saves (a short single request runs on the calling thread).
-constexpr int64_t kMinWorkPerThread = 4096;
+// ---- bfloat16 dot products (AVX512-BF16). ----
+#if defined(__AVX512BF16__)
+constexpr bool kDotProducts = true;
 
-template <typename T>
-void run(const Problem<T>& p, int batch, float scale) {
-  int max_len = 0;
-  int64_t total_len = 0;
-  for (int row = 0; row < batch; ++row) max_len = std::max(max_len, p.context_lens[row]), total_len += p.context_lens[row];
-  if (max_len == 0) return;
-  const int threads = at::get_num_threads();
-  int64_t chunk_len = max_len;
-  const int64_t pairs = int64_t(batch) * p.kv_heads;
-  if (threads > 1 && pairs < int64_t(kItemsPerThread) * threads) {
-    int64_t splits = (int64_t(kItemsPerThread) * threads + pairs - 1) / pairs;
-    chunk_len = std::max<int64_t>(kMinChunk, ((max_len + splits - 1) / splits + W - 1) / W * W);
+// 16 x 16 32-bit elements: r[t] (row t) -> r[j] (column j).
+inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane k: (r2i, r2i+1) columns 4k, 4k+1 / 4k+2, 4k+3
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
   }
-  // Items in order (row, chunk, kv head); chunk_start[row] is the row's first chunk.
-  std::vector<int64_t> chunk_start(batch + 1, 0);
-  for (int row = 0; row < batch; ++row)
-    chunk_start[row + 1] = chunk_start[row] + (p.context_lens[row] + chunk_len - 1) / chunk_len;
-  const int64_t num_chunks = chunk_start[batch];
-  const int64_t num_items = num_chunks * p.kv_heads;
-  const bool split = num_chunks > batch;
-  // Partial results of split contexts: (item, group) max and sum, (item, group, head_dim) acc.
-  std::vector<float> part_max, part_sum, part_acc;
-  if (split) {
-    part_max.resize(num_items * p.group);
-    part_sum.resize(num_items * p.group);
-    part_acc.resize(num_items * p.group * p.head_dim);
+  for (int i = 0; i < 4; ++i) {  // u[4i + c], lane k: rows 4i..4i+3 of column 4k + c
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
   }
-  std::vector<int> item_row(num_chunks);
-  for (int row = 0; row < batch; ++row)
-    std::fill(item_row.begin() + chunk_start[row], item_row.begin() + chunk_start[row + 1], row);
+  for (int c = 0; c < 4; ++c) {  // column 4k + c: lane k of u[c], u[4 + c], u[8 + c], u[12 + c]
+    __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+    __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[4 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
 
-  const int64_t work_per_item = std::max<int64_t>(1, total_len * p.kv_heads / num_items);
-  const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / work_per_item);
-  at::parallel_for(0, num_items, grain, [&](int64_t first, int64_t last) {
-    Scratch scratch(p.group, p.head_dim, chunk_len);
-    std::vector<float> max_score(p.group), sum(p.group);
-    float* acc = scratch.acc.data();
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t chunk = item / p.kv_heads;
-      const int kv_head = int(item % p.kv_heads);
-      const int row = item_row[chunk];
-      const int begin = int((chunk - chunk_start[row]) * chunk_len);
-      const int end = int(std::min<int64_t>(begin + chunk_len, p.context_lens[row]));
-      if (split) {
-        attend(p, row, kv_head, begin, end, scale, scratch, part_max.data() + item * p.group,
-               part_sum.data() + item * p.group);
-        std::memcpy(part_acc.data() + item * p.group * p.head_dim, acc, p.group * p.head_dim * sizeof(float));
-        continue;
-      }
-      attend(p, row, kv_head, begin, end, scale, scratch, max_score.data(), sum.data());
-      for (int g = 0; g < p.group; ++g) {
-        T* dst = p.out + (int64_t(row) * p.heads + kv_head * p.group + g) * p.head_dim;
-        store_row(acc + g * p.head_dim, 1.0f / sum[g], dst, p.head_dim);
+inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+
+// Scores of NB queries (their bfloat16 pairs) against a transposed key tile: one token per lane.
+template <int NB>
+inline void score_block(const uint32_t* const* q, const uint32_t* keys, int pairs, float* scores, int stride) {
+  __m512 acc[NB];
+  for (int j = 0; j < NB; ++j) acc[j] = _mm512_setzero_ps();
+  for (int d = 0; d < pairs; ++d) {
+    const __m512bh k = as_bh(_mm512_loadu_si512(keys + d * kTile));
+    for (int j = 0; j < NB; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], k, as_bh(_mm512_set1_epi32(int(q[j][d]))));
+  }
+  for (int j = 0; j < NB; ++j) _mm512_storeu_ps(scores + j * stride, acc[j]);
+}
+
+// acc (NB queries x 32 values, two vectors each: token pairs interleaved as unpacklo/hi leave
+// them) += probability pairs x value pairs, over `pairs` token pairs.
+template <int NB>
+inline void value_block(const uint32_t* const* probs, const uint32_t* values, int pairs, int row_dwords,
+                        __m512* out) {
+  __m512 acc[2 * NB];  // locals, so they stay in registers
+  for (int j = 0; j < 2 * NB; ++j) acc[j] = _mm512_setzero_ps();
+  for (int u = 0; u < pairs; ++u) {
+    const __m512bh lo = as_bh(_mm512_loadu_si512(values + u * row_dwords));
+    const __m512bh hi = as_bh(_mm512_loadu_si512(values + u * row_dwords + 16));
+    for (int j = 0; j < NB; ++j) {
+      const __m512bh pr = as_bh(_mm512_set1_epi32(int(probs[j][u])));
+      acc[2 * j] = _mm512_dpbf16_ps(acc[2 * j], lo, pr);
+      acc[2 * j + 1] = _mm512_dpbf16_ps(acc[2 * j + 1], hi, pr);
+    }
+  }
+  for (int j = 0; j < 2 * NB; ++j) out[j] = acc[j];
+}
+
+template <int NB>
+void score_queries(const uint32_t* const* q, const uint32_t* keys, int pairs, float* scores, int stride, int nq) {
+  int j = 0;
+  for (; j + NB <= nq; j += NB) score_block<NB>(q + j, keys, pairs, scores + int64_t(j) * stride, stride);
+  switch (nq - j) {
+#define TW_CASE(n) case n: score_block<n>(q + j, keys, pairs, scores + int64_t(j) * stride, stride); break;
+    TW_CASE(1) TW_CASE(2) TW_CASE(3) TW_CASE(4) TW_CASE(5) TW_CASE(6) TW_CASE(7)
+#undef TW_CASE
+    default: break;
+  }
+}
+
+// Where the 32 values of one unpacklo/unpackhi accumulator pair go in load_row's order (16 even
+// elements, then 16 odd): value d sits in lane 4k + i of lo (d = 8k + i, i < 4) or of hi (d = 8k + 4 + i).
+inline void store_values(const __m512* acc, float* dst) {
+  alignas(64) int32_t even[16], odd[16];
+  for (int m = 0; m < 16; ++m) {
+    for (int parity = 0; parity < 2; ++parity) {
+      const int d = 2 * m + parity, k = d / 8, i = d % 8;
+      (parity ? odd : even)[m] = i < 4 ? 4 * k + i : 16 + 4 * k + i - 4;
+    }
+  }
+  _mm512_storeu_ps(dst, _mm512_permutex2var_ps(acc[0], _mm512_load_si512(even), acc[1]));
+  _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(acc[0], _mm512_load_si512(odd), acc[1]));
+}
+
+template <int NB>
+void value_queries(const uint32_t* const* probs, const uint32_t* values, int pairs, int head_dim, float* acc, int nq) {
+  __m512 sums[16];
+  auto run_block = [&](auto block, int j) {
+    constexpr int n = decltype(block)::value;
+    for (int half = 0; half < head_dim / 32; ++half) {
+      value_block<n>(probs + j, values + half * 32, pairs, head_dim, sums);
+      for (int b = 0; b < n; ++b) store_values(sums + 2 * b, acc + int64_t(j + b) * head_dim + half * 32);
+    }
+  };
+  int j = 0;
+  for (; j + NB <= nq; j += NB) run_block(std::integral_constant<int, NB>(), j);
+  switch (nq - j) {
+#define TW_CASE(n) case n: run_block(std::integral_constant<int, n>(), j); break;
+    TW_CASE(1) TW_CASE(2) TW_CASE(3) TW_CASE(4) TW_CASE(5) TW_CASE(6) TW_CASE(7)
+#undef TW_CASE
+    default: break;
+  }
+}
+
+void attend_dot(const Problem<uint16_t>& p, const int32_t* table, int kv_head, int begin, int end,
+                const uint16_t* const* queries, int nq, float scale, const uint16_t* zeros, Scratch& scratch,
+                float* max_out, float* sum_out, float* acc) {
+  const int head_dim = p.head_dim, pairs = head_dim / 2, count = end - begin, padded = round_up(count, kTile);
+  std::vector<const uint32_t*> qd(nq), pd(nq);
+  for (int j = 0; j < nq; ++j) qd[j] = reinterpret_cast<const uint32_t*>(queries[j]);
+  uint32_t* keys = scratch.keys.data();
+  float* scores = scratch.scores.data();
+  const uint16_t* src[kTile];
+  p.template prefetch<2>(p.k_cache, table, kv_head, begin, end);  // the whole item, into L2
+  p.template prefetch<2>(p.v_cache, table, kv_head, begin, end);
+  for (int pos = begin; pos < end; pos += kTile) {
+    p.locate(p.k_cache, table, kv_head, pos, std::min(kTile, end - pos), kTile, zeros, src);
+    for (int h = 0; h < pairs / 16; ++h) {
+      __m512i r[16];
+      for (int t = 0; t < 16; ++t) r[t] = _mm512_loadu_si512(src[t] + 32 * h);
+      transpose16(r);
+      for (int d = 0; d < 16; ++d) _mm512_storeu_si512(keys + (16 * h + d) * kTile, r[d]);
+    }
+    score_queries<8>(qd.data(), keys, pairs, scores + (pos - begin), padded, nq);
+  }
+  // Softmax in one pass over each query's scores, probabilities stored in bfloat16; their sum is
+  // taken after rounding, so the weights used sum to 1. (scale > 0: the max of the scaled scores
+  // is scale times the max.)
+  uint16_t* probs = scratch.probs.data();
+  for (int j = 0; j < nq; ++j) {
+    float* s = scores + int64_t(j) * padded;
+    uint16_t* b = probs + int64_t(j) * padded;
+    __m512 m = _mm512_set1_ps(-FLT_MAX);
+    int i = 0;
+    for (; i + 16 <= count; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + i));
+    if (i < count) m = _mm512_mask_max_ps(m, __mmask16((1u << (count - i)) - 1), m, _mm512_loadu_ps(s + i));
+    const float max_score = _mm512_reduce_max_ps(m) * scale;
+    const __m512 shift = _mm512_set1_ps(max_score), factor = _mm512_set1_ps(scale);
+    __m512 total = _mm512_setzero_ps();
+    for (i = 0; i < padded; i += 16) {
+      const __mmask16 valid = i + 16 <= count ? __mmask16(0xFFFF) : __mmask16((1u << (count - i)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(valid, vexp(_mm512_fmsub_ps(_mm512_loadu_ps(s + i), factor, shift)));
+      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(b + i), rounded);
+      total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+    }
+    max_out[j] = max_score;
+    sum_out[j] = _mm512_reduce_add_ps(total);
+    pd[j] = reinterpret_cast<const uint32_t*>(b);
+  }
+  // Values in token pairs: (v[t][d], v[t + 1][d]) per 32-bit lane, in unpacklo/hi's lane order.
+  uint32_t* values = scratch.values.data();
+  for (int pos = begin; pos < begin + padded; pos += kTile) {
+    p.locate(p.v_cache, table, kv_head, pos, std::max(0, std::min(kTile, end - pos)), kTile, zeros, src);
+    for (int t = 0; t < kTile; t += 2) {
+      uint32_t* dst = values + int64_t(pos - begin + t) / 2 * head_dim;
+      for (int h = 0; h < head_dim / 32; ++h) {
+        const __m512i a = _mm512_loadu_si512(src[t] + 32 * h), b = _mm512_loadu_si512(src[t + 1] + 32 * h);
+        _mm512_storeu_si512(dst + 32 * h, _mm512_unpacklo_epi16(a, b));
+        _mm512_storeu_si512(dst + 32 * h + 16, _mm512_unpackhi_epi16(a, b));
       }
     }
-  });
-  if (!split) return;
-  // Merge the chunks' softmaxes: rescale each to the largest max, then normalise.
-  at::parallel_for(0, pairs, std::max<int64_t>(1, pairs / threads), [&](int64_t first, int64_t last) {
-    std::vector<float> merged(p.head_dim);
-    for (int64_t pair = first; pair < last; ++pair) {
-      const int row = int(pair / p.kv_heads), kv_head = int(pair % p.kv_heads);
-      for (int g = 0; g < p.group; ++g) {
-        auto index = [&](int64_t chunk) { return (chunk * p.kv_heads + kv_head) * p.group + g; };
-        float max_score = -FLT_MAX;
-        for (int64_t c = chunk_start[row]; c < chunk_start[row + 1]; ++c) max_score = std::max(max_score, part_max[index(c)]);
-        float total = 0.0f;
-        std::fill(merged.begin(), merged.end(), 0.0f);
-        for (int64_t c = chunk_start[row]; c < chunk_start[row + 1]; ++c) {
-          const float weight = std::exp(part_max[index(c)] - max_score);
-          total += weight * part_sum[index(c)];
-          const float* src = part_acc.data() + index(c) * p.head_dim;
-          for (int i = 0; i < p.head_dim; i += W) vstore(&merged[i], vfma(vset(weight), vload(src + i), vload(&merged[i])));
+  }
+  value_queries<8>(pd.data(), values, padded / 2, head_dim, acc, nq);
+}
+#else
+constexpr bool kDotProducts = false;
+void attend_dot(const Problem<uint16_t>&, const int32_t*, int, int, int, const uint16_t* const*, int, float,
+                const uint16_t*, Scratch&, float*, float*, float*) {}
+#endif
+
+// Below this many units of work (positions x (queries + kPositionCost), summed over kv heads)
+// per thread, waking the pool costs more than it saves: a short single request runs on the
+// calling thread.
+constexpr int64_t kPositionCost = 4;  // reading and converting a position, in queries' worth of work
+constexpr int64_t kMinWorkPerThread = 4096;
+// Segments are cut (flash-decoding) only when there are too few to give every thread this many,
+// and never below kMinChunk positions.
+constexpr int64_t kItemsPerThread = 8;
+constexpr int kMinChunk = 64;
+// A segment's scores (queries x positions) stay within this many floats.
+constexpr int64_t kMaxScores = 1 << 16;
+
+template <typename T>
+void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, const int32_t* prefix_lens) {
+  const int group = p.group, head_dim = p.head_dim;
+  auto cost = [](int64_t positions, int64_t queries) { return positions * (queries + kPositionCost); };
+  // Rows sharing a prefix, by leader.
+  std::vector<std::vector<int>> members(batch);
+  std::vector<int> shared(batch, 0);
+  int64_t total = 0;
+  for (int row = 0; row < batch; ++row) {
+    if (prefix_lens != nullptr && prefix_lens[row] > 0) shared[row] = prefix_lens[row], members[leaders[row]].push_back(row);
+    total += cost(p.context_lens[row] - shared[row], group);
+  }
+  for (int row = 0; row < batch; ++row)
+    if (!members[row].empty()) total += cost(shared[row], int64_t(members[row].size()) * group);
+  total *= p.kv_heads;
+  if (total == 0) return;
+  const int threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total / kMinWorkPerThread));
+  const int64_t target = threads > 1 ? std::max(total / (threads * kItemsPerThread), cost(kMinChunk, group))
+                                     : std::numeric_limits<int64_t>::max();
+
+  std::vector<int> rows;
+  std::vector<Segment> segments;
+  std::vector<std::vector<int>> parts(batch);  // per row: its segments
+  int64_t partials = 0;
+  auto add = [&](int table_row, int begin, int end, const int* seg_rows, int num_rows) {
+    const int64_t queries = int64_t(num_rows) * group, length = end - begin;
+    const int64_t pieces = std::max<int64_t>(1, cost(length, queries) / target);
+    int chunk = round_up(int((length + pieces - 1) / pieces), kTile);
+    chunk = std::max(chunk, std::min(round_up(int(length), kTile), kMinChunk));
+    chunk = std::min<int64_t>(chunk, std::max<int64_t>(kMinChunk, kMaxScores / queries / kTile * kTile));
+    const int rows_begin = int(rows.size());
+    rows.insert(rows.end(), seg_rows, seg_rows + num_rows);
+    for (int b = begin; b < end; b += chunk) {
+      segments.push_back({table_row, b, std::min(end, b + chunk), rows_begin, num_rows, partials});
+      partials += queries * p.kv_heads;
+      for (int i = 0; i < num_rows; ++i) parts[seg_rows[i]].push_back(int(segments.size()) - 1);
+    }
+  };
+  for (int row = 0; row < batch; ++row)
+    if (!members[row].empty()) add(row, 0, shared[row], members[row].data(), int(members[row].size()));
+  for (int row = 0; row < batch; ++row) {
+    if (p.context_lens[row] == shared[row]) continue;
+    add(row, shared[row], p.context_lens[row], &row, 1);
+    if (parts[row].size() == 1) segments[parts[row][0]].partial = -1, partials -= int64_t(group) * p.kv_heads;
+  }
+  // A direct segment was the last added, so dropping its slots leaves the others' in place.
+
+  std::vector<float> part_max(partials), part_sum(partials), part_acc(partials * head_dim);
+  int max_queries = 0, max_positions = 0;
+  std::vector<std::pair<int64_t, int64_t>> items;  // (cost, segment x kv_heads + kv head), largest first
+  for (size_t s = 0; s < segments.size(); ++s) {
+    const Segment& seg = segments[s];
+    max_queries = std::max(max_queries, seg.num_rows * group);
+    max_positions = std::max(max_positions, round_up(seg.end - seg.begin, kTile));
+    for (int h = 0; h < p.kv_heads; ++h)
+      items.push_back({cost(seg.end - seg.begin, int64_t(seg.num_rows) * group), int64_t(s) * p.kv_heads + h});
+  }
+  std::stable_sort(items.begin(), items.end(), [](auto& a, auto& b) { return a.first > b.first; });
+  const bool dot = kDotProducts && std::is_same_v<T, uint16_t> && head_dim % 32 == 0;
+  std::atomic<int64_t> next{0};
+  auto work = [&](int64_t, int64_t) {
+    Scratch scratch(max_queries, head_dim, max_positions);
+    std::vector<T> zeros(head_dim, T(0));
+    std::vector<const T*> queries(max_queries);
+    for (int64_t i; (i = next.fetch_add(1)) < int64_t(items.size());) {
+      const Segment& seg = segments[items[i].second / p.kv_heads];
+      const int kv_head = int(items[i].second % p.kv_heads), nq = seg.num_rows * group;
+      for (int j = 0; j < nq; ++j) queries[j] = p.query(rows[seg.rows_begin + j / group], kv_head * group + j % group);
+      const int64_t slot = seg.partial + int64_t(kv_head) * nq;
+      float* max_out = seg.partial < 0 ? scratch.max.data() : part_max.data() + slot;
+      float* sum_out = seg.partial < 0 ? scratch.sum.data() : part_sum.data() + slot;
+      float* acc = seg.partial < 0 ? scratch.acc.data() : part_acc.data() + slot * head_dim;
+      const int32_t* table = p.table(seg.table_row);
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        if (dot) {
+          attend_dot(p, table, kv_head, seg.begin, seg.end, queries.data(), nq, scale, zeros.data(), scratch,
+                     max_out, sum_out, acc);
+        } else {
+          attend_float(p, table, kv_head, seg.begin, seg.end, queries.data(), nq, scale, zeros.data(), scratch,
+                       max_out, sum_out, acc);
         }
-        T* dst = p.out + (int64_t(row) * p.heads + kv_head * p.group + g) * p.head_dim;
-        store_row(merged.data(), 1.0f / total, dst, p.head_dim);
+      } else {
+        attend_float(p, table, kv_head, seg.begin, seg.end, queries.data(), nq, scale, zeros.data(), scratch,
+                     max_out, sum_out, acc);
+      }
+      if (seg.partial >= 0) continue;
+      for (int g = 0; g < group; ++g) {
+        T* dst = p.out + (int64_t(seg.table_row) * p.heads + kv_head * group + g) * head_dim;
+        store_row(acc + g * head_dim, 1.0f / sum_out[g], dst, head_dim);
+      }
+    }
+  };
+  if (threads > 1) at::parallel_for(0, threads, 1, work); else work(0, 1);
+
+  // Merge each split row's partial softmaxes: rescale each to the largest max, then normalise.
+  std::vector<int> split;
+  for (int row = 0; row < batch; ++row)
+    if (parts[row].size() > 1 || (parts[row].size() == 1 && segments[parts[row][0]].partial >= 0)) split.push_back(row);
+  if (split.empty()) return;
+  const int64_t pairs = int64_t(split.size()) * p.kv_heads;
+  at::parallel_for(0, pairs, std::max<int64_t>(1, pairs / threads), [&](int64_t first, int64_t last) {
+    std::vector<float> merged(head_dim);
+    std::vector<int64_t> slots;
+    for (int64_t pair = first; pair < last; ++pair) {
+      const int row = split[pair / p.kv_heads], kv_head = int(pair % p.kv_heads);
+      for (int g = 0; g < group; ++g) {
+        slots.clear();
+        for (int s : parts[row]) {
+          const Segment& seg = segments[s];
+          const int position = int(std::find(rows.begin() + seg.rows_begin, rows.begin() + seg.rows_begin + seg.num_rows, row) -
+                                   (rows.begin() + seg.rows_begin));
+          slots.push_back(seg.partial + int64_t(kv_head) * seg.num_rows * group + position * group + g);
+        }
+        float max_score = -FLT_MAX;
+        for (int64_t slot : slots) max_score = std::max(max_score, part_max[slot]);
+        float total_sum = 0.0f;
+        std::fill(merged.begin(), merged.end(), 0.0f);
+        for (int64_t slot : slots) {
+          const float weight = std::exp(part_max[slot] - max_score);
+          total_sum += weight * part_sum[slot];
+          const float* src = part_acc.data() + slot * head_dim;
+          for (int i = 0; i < head_dim; i += W) vstore(&merged[i], vfma(vset(weight), vload(src + i), vload(&merged[i])));
+        }
+        T* dst = p.out + (int64_t(row) * p.heads + kv_head * group + g) * head_dim;
+        store_row(merged.data(), 1.0f / total_sum, dst, head_dim);
       }
     }
   });
@@ -278,7 +552,8 @@ void run(const Problem<T>& p, int batch, float scale) {
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
-                                  double scale) {
+                                  double scale, const std::optional<at::Tensor>& prefix_leaders,
+                                  const std::optional<at::Tensor>& prefix_lens) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "q (B, heads, head_dim), k_cache and v_cache (num_slots, kv_heads, head_dim)");
@@ -304,6 +579,29 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       TORCH_CHECK(tables[row * max_blocks + b] >= 0 && tables[row * max_blocks + b] < num_blocks,
                   "block_tables[", row, ", ", b, "] out of range");
   }
+  TORCH_CHECK(scale > 0, "scale must be positive");
+  TORCH_CHECK(prefix_leaders.has_value() == prefix_lens.has_value(), "prefix_leaders and prefix_lens go together");
+  const int32_t* leaders = nullptr;
+  const int32_t* shared = nullptr;
+  if (prefix_lens.has_value()) {
+    TORCH_CHECK(prefix_leaders->scalar_type() == at::kInt && prefix_lens->scalar_type() == at::kInt &&
+                    prefix_leaders->dim() == 1 && prefix_lens->dim() == 1 && prefix_leaders->size(0) == batch &&
+                    prefix_lens->size(0) == batch && prefix_leaders->is_contiguous() && prefix_lens->is_contiguous(),
+                "prefix_leaders and prefix_lens (B,) int32");
+    leaders = prefix_leaders->data_ptr<int32_t>();
+    shared = prefix_lens->data_ptr<int32_t>();
+    for (int row = 0; row < batch; ++row) {  // a shared prefix is whole blocks its leader holds too
+      if (shared[row] == 0) continue;
+      const int leader = leaders[row];
+      TORCH_CHECK(shared[row] > 0 && shared[row] % block_size == 0 && shared[row] <= lens[row],
+                  "prefix_lens[", row, "] must be whole blocks within the context");
+      TORCH_CHECK(leader >= 0 && leader <= row && leaders[leader] == leader && shared[leader] == shared[row],
+                  "prefix_leaders[", row, "] must be an earlier row leading the same prefix");
+      for (int64_t b = 0; b < shared[row] / block_size; ++b)
+        TORCH_CHECK(tables[row * max_blocks + b] == tables[leader * max_blocks + b],
+                    "row ", row, " does not hold its leader's prefix block ", b);
+    }
+  }
   at::Tensor out = at::zeros({batch, heads, head_dim}, q.options());  // zeros: an empty context reads nothing
   auto problem = [&](auto* elem) {
     using T = std::remove_pointer_t<decltype(elem)>;
@@ -313,9 +611,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                       heads, kv_heads, heads / kv_heads, head_dim, int(block_size)};
   };
   if (q.scalar_type() == at::kFloat)
-    run(problem(static_cast<float*>(nullptr)), batch, float(scale));
+    run(problem(static_cast<float*>(nullptr)), batch, float(scale), leaders, shared);
   else
-    run(problem(static_cast<uint16_t*>(nullptr)), batch, float(scale));
+    run(problem(static_cast<uint16_t*>(nullptr)), batch, float(scale), leaders, shared);
   return out;
 }
 
@@ -323,6 +621,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY(tokenway_attention, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, int block_size, float scale) -> Tensor",
+        "Tensor context_lens, int block_size, float scale, Tensor? prefix_leaders=None, "
+        "Tensor? prefix_lens=None) -> Tensor",
         &paged_decode_attention);
 }

@@ -30,7 +30,7 @@ class ModelRunner:
                  cascade_attention: bool = True, native_attention: bool = True) -> None:
         config = model.config
         self.model = model
-        self.cascade_attention = cascade_attention  # torch path: read prefixes shared by decode rows once per step
+        self.cascade_attention = cascade_attention  # read prefixes shared by decode rows once per step
         # The C++ paged decode kernel reads every row's blocks in place (None: the torch path).
         self.decode_kernel = native_decode_kernel(model.dtype, config.head_dim, device) if native_attention else None
         self.block_size = block_size
@@ -110,38 +110,55 @@ class ModelRunner:
             return torch.empty(0, self.model.config.vocab_size)
         return self.model.compute_logits(hidden[torch.tensor(sample_index, device=self.device)]).cpu()
 
+    def _shared_prefixes(self, tables: list[list[int]], context_lens: list[int]) -> list[tuple[list[int], int]]:
+        """Decode rows whose contexts start with the same cached blocks (a system prompt the prefix
+        cache handed to all of them): (rows, number of shared blocks) per group. Both attention
+        paths read such a prefix once per step for the whole group (cascade attention)."""
+        if not self.cascade_attention or len(tables) < 2:
+            return []
+        by_first_block: dict[int, list[int]] = {}
+        for row, table in enumerate(tables):
+            by_first_block.setdefault(table[0], []).append(row)
+        groups = []
+        for rows in by_first_block.values():
+            if len(rows) < 2:
+                continue
+            first = tables[rows[0]]
+            # Full blocks before each row's newest token only: every row keeps a block of its own.
+            limit = min((context_lens[row] - 1) // self.block_size for row in rows)
+            length = 0
+            while length < limit and all(tables[row][length] == first[length] for row in rows):
+                length += 1
+            if length >= MIN_SHARED_BLOCKS:
+                groups.append((rows, length))
+        return groups
+
     def _decode_layout(self, meta: AttentionMetadata, tables: list[list[int]], context_lens: list[int]) -> None:
         """Which blocks each decode row reads. The native kernel takes every row's block table as
-        it is; the torch path reads a prefix shared with other rows once for all of them, then each
-        row's own blocks, padded into one table."""
+        it is, plus which rows lead a shared prefix; the torch path reads a shared prefix once for
+        its group, then each row's own blocks, padded into one table."""
         bs = self.block_size
+        shared = self._shared_prefixes(tables, context_lens)
         if self.decode_kernel is not None:
             max_blocks = max(len(table) for table in tables)
             meta.decode_kernel = self.decode_kernel
             meta.decode_block_tables = torch.tensor([table + [0] * (max_blocks - len(table)) for table in tables],
                                                     dtype=torch.int32)
             meta.decode_context_lens = torch.tensor(context_lens, dtype=torch.int32)
+            if shared:
+                leaders, lengths = list(range(len(tables))), [0] * len(tables)
+                for rows, length in shared:
+                    for row in rows:
+                        leaders[row], lengths[row] = rows[0], length * bs
+                meta.decode_prefix_leaders = torch.tensor(leaders, dtype=torch.int32)
+                meta.decode_prefix_lens = torch.tensor(lengths, dtype=torch.int32)
             return
         num_shared = [0] * len(tables)  # per row: leading blocks read through a shared prefix
-        if self.cascade_attention and len(tables) > 1:
-            by_first_block: dict[int, list[int]] = {}
-            for row, table in enumerate(tables):
-                by_first_block.setdefault(table[0], []).append(row)
-            for rows in by_first_block.values():
-                if len(rows) < 2:
-                    continue
-                first = tables[rows[0]]
-                # Full blocks before each row's newest token only: every row keeps a block of its own.
-                limit = min((context_lens[row] - 1) // bs for row in rows)
-                length = 0
-                while length < limit and all(tables[row][length] == first[length] for row in rows):
-                    length += 1
-                if length < MIN_SHARED_BLOCKS:
-                    continue
-                meta.shared_prefixes.append(SharedPrefix(torch.tensor(rows, device=self.device),
-                                                         BlockRun.of(first[:length], self.device)))
-                for row in rows:
-                    num_shared[row] = length
+        for rows, length in shared:
+            meta.shared_prefixes.append(SharedPrefix(torch.tensor(rows, device=self.device),
+                                                     BlockRun.of(tables[rows[0]][:length], self.device)))
+            for row in rows:
+                num_shared[row] = length
         own_tables = [table[skip: (context_len + bs - 1) // bs]
                       for table, skip, context_len in zip(tables, num_shared, context_lens)]
         own_lens = [context_len - skip * bs for context_len, skip in zip(context_lens, num_shared)]

@@ -5,8 +5,10 @@ The cache of one layer is (num_slots, kv_heads, head_dim), slot = block_id * blo
 Decode rows (one query token each) attend in one batched call. Where tokenway's C++ kernel
 (csrc/attention.cpp) builds, it reads each row's blocks in place through its block table: no
 copy, no padding, and no per-shape state (a torch bf16 matmul keeps a oneDNN primitive per shape,
-and decode shapes change every step). The runner asks `native_decode_kernel` once; the metadata
-it lays out (block tables, or the torch path's layout below) says which path a step takes.
+and decode shapes change every step). Rows behind a shared cached prefix (the runner finds them
+once for both paths) name their group's leader and the prefix length: the kernel reads those
+blocks once for all the group's queries. The runner asks `native_decode_kernel` once; the
+metadata it lays out (block tables, or the torch path's layout below) says which path a step takes.
 
 On the torch path, what a row reads is split in two:
   - a shared prefix: the first blocks it holds in common with other decode rows (a system prompt
@@ -89,6 +91,9 @@ class AttentionMetadata:
     decode_kernel: DecodeKernel | None = None
     decode_block_tables: torch.Tensor | None = None  # (Bd, max_blocks) int32; entries past a row's blocks unused
     decode_context_lens: torch.Tensor | None = None  # (Bd,) int32
+    # Rows sharing a cached prefix: each row's first prefix_lens[r] keys are row prefix_leaders[r]'s blocks.
+    decode_prefix_leaders: torch.Tensor | None = None  # (Bd,) int32, None: no shared prefix this step
+    decode_prefix_lens: torch.Tensor | None = None  # (Bd,) int32 tokens, whole blocks (0: none)
     # The torch path's layout. Each decode row's own blocks (its context after any shared prefix), padded with block 0.
     decode_block_table: torch.Tensor | None = None  # (Bd, max_blocks) long
     decode_mask: torch.Tensor | None = None  # (Bd, 1, 1, max_blocks * block_size) bool, True = valid key
@@ -130,7 +135,7 @@ def decode_attention(
     """(Bd, heads, head_dim) in q's dtype."""
     if meta.decode_kernel is not None:
         return meta.decode_kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                  meta.block_size, scale)
+                                  meta.block_size, scale, meta.decode_prefix_leaders, meta.decode_prefix_lens)
     num_decodes, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = num_heads // kv_heads
