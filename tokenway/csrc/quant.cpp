@@ -37,6 +37,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -321,8 +322,11 @@ void matmul(const Weights& w, const void* x, bool x_is_float, bool bf16, int64_t
   int64_t chunks = std::max<int64_t>(threads, (w.groups() * group_bytes + kChunkBytes - 1) / kChunkBytes);
   chunks = std::min(w.groups(), (chunks + threads - 1) / threads * threads);
   const int64_t groups_per_chunk = (w.groups() + chunks - 1) / chunks;
-  at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t chunk = first; chunk < last; ++chunk) {
+  // Chunks are handed out one at a time, so a thread the OS preempts (the HTTP server and the
+  // clients share these cores) holds up at most the chunk it is in.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, chunks), 1, [&](int64_t, int64_t) {
+    for (int64_t chunk; (chunk = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
       const int64_t begin = chunk * groups_per_chunk, end = std::min(w.groups(), begin + groups_per_chunk);
       if (begin >= end) continue;
       if (w.four_bit && bf16)
