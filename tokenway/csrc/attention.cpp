@@ -442,7 +442,7 @@ void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, co
 
   std::vector<int> rows;
   std::vector<Segment> segments;
-  std::vector<std::vector<int>> parts(batch);  // per row: its segments
+  std::vector<std::vector<std::pair<int, int>>> parts(batch);  // per row: (segment, the row's place among its rows)
   int64_t partials = 0;
   auto add = [&](int table_row, int begin, int end, const int* seg_rows, int num_rows) {
     const int64_t queries = int64_t(num_rows) * group, length = end - begin;
@@ -455,7 +455,7 @@ void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, co
     for (int b = begin; b < end; b += chunk) {
       segments.push_back({table_row, b, std::min(end, b + chunk), rows_begin, num_rows, partials});
       partials += queries * p.kv_heads;
-      for (int i = 0; i < num_rows; ++i) parts[seg_rows[i]].push_back(int(segments.size()) - 1);
+      for (int i = 0; i < num_rows; ++i) parts[seg_rows[i]].push_back({int(segments.size()) - 1, i});
     }
   };
   for (int row = 0; row < batch; ++row)
@@ -463,7 +463,7 @@ void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, co
   for (int row = 0; row < batch; ++row) {
     if (p.context_lens[row] == shared[row]) continue;
     add(row, shared[row], p.context_lens[row], &row, 1);
-    if (parts[row].size() == 1) segments[parts[row][0]].partial = -1, partials -= int64_t(group) * p.kv_heads;
+    if (parts[row].size() == 1) segments[parts[row][0].first].partial = -1, partials -= int64_t(group) * p.kv_heads;
   }
   // A direct segment was the last added, so dropping its slots leaves the others' in place.
 
@@ -517,7 +517,7 @@ void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, co
   // Merge each split row's partial softmaxes: rescale each to the largest max, then normalise.
   std::vector<int> split;
   for (int row = 0; row < batch; ++row)
-    if (parts[row].size() > 1 || (parts[row].size() == 1 && segments[parts[row][0]].partial >= 0)) split.push_back(row);
+    if (parts[row].size() > 1 || (parts[row].size() == 1 && segments[parts[row][0].first].partial >= 0)) split.push_back(row);
   if (split.empty()) return;
   const int64_t pairs = int64_t(split.size()) * p.kv_heads;
   at::parallel_for(0, pairs, std::max<int64_t>(1, pairs / threads), [&](int64_t first, int64_t last) {
@@ -527,10 +527,8 @@ void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, co
       const int row = split[pair / p.kv_heads], kv_head = int(pair % p.kv_heads);
       for (int g = 0; g < group; ++g) {
         slots.clear();
-        for (int s : parts[row]) {
+        for (auto [s, position] : parts[row]) {
           const Segment& seg = segments[s];
-          const int position = int(std::find(rows.begin() + seg.rows_begin, rows.begin() + seg.rows_begin + seg.num_rows, row) -
-                                   (rows.begin() + seg.rows_begin));
           slots.push_back(seg.partial + int64_t(kv_head) * seg.num_rows * group + position * group + g);
         }
         float max_score = -FLT_MAX;
