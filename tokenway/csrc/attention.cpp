@@ -65,29 +65,31 @@ struct Problem {
 
   const T* query(int row, int head) const { return q + row * q_row_stride + head * q_head_stride; }
   const int32_t* table(int row) const { return block_tables + row * max_blocks; }
-  // Where `count` consecutive positions of one kv head's context, from `pos`, sit in a cache;
-  // rows[count..tile) point at `zeros`.
-  // Asks for the rows of positions [pos, end) of one kv head to be brought into the
-  // cache ahead of use: the blocks of a context are scattered, so the hardware prefetcher cannot guess.
-  template <int Hint>
-  void prefetch(const T* cache, const int32_t* table, int kv_head, int pos, int end) const {
-    const int64_t slot_stride = int64_t(kv_heads) * head_dim;
-    const int row_bytes = head_dim * int(sizeof(T));
-    for (int t = pos; t < end; ++t) {
-      const char* row = reinterpret_cast<const char*>(
-          cache + (int64_t(table[t / block_size]) * block_size + t % block_size) * slot_stride + int64_t(kv_head) * head_dim);
-      for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, static_cast<enum _mm_hint>(Hint));
-    }
-  }
-  void locate(const T* cache, const int32_t* table, int kv_head, int pos, int count, int tile, const T* zeros,
-              const T** rows) const {
-    const int64_t slot_stride = int64_t(kv_heads) * head_dim;
+  // Calls f(t, row) for the rows of one kv head at context positions pos, pos + 1, ... (count of
+  // them) in a cache, walking the block table (no division per position).
+  template <typename F>
+  void walk(const T* cache, const int32_t* table, int kv_head, int pos, int count, F&& f) const {
     int block = pos / block_size, offset = pos % block_size;
     for (int t = 0; t < count; ++t) {
-      rows[t] = cache + (int64_t(table[block]) * block_size + offset) * slot_stride + int64_t(kv_head) * head_dim;
+      f(t, cache + ((int64_t(table[block]) * block_size + offset) * kv_heads + kv_head) * head_dim);
       if (++offset == block_size) offset = 0, ++block;
     }
+  }
+  // Where `count` consecutive positions of one kv head's context, from `pos`, sit in a cache;
+  // rows[count..tile) point at `zeros`.
+  void locate(const T* cache, const int32_t* table, int kv_head, int pos, int count, int tile, const T* zeros,
+              const T** rows) const {
+    walk(cache, table, kv_head, pos, count, [&](int t, const T* row) { rows[t] = row; });
     for (int t = count; t < tile; ++t) rows[t] = zeros;
+  }
+  // Asks for the rows of positions [pos, end) of one kv head to be brought into the cache ahead of
+  // use: the blocks of a context are scattered, so the hardware prefetcher cannot guess.
+  template <int Hint>
+  void prefetch(const T* cache, const int32_t* table, int kv_head, int pos, int end) const {
+    walk(cache, table, kv_head, pos, end - pos, [&](int, const T* row) {
+      const char* bytes = reinterpret_cast<const char*>(row);
+      for (int b = 0; b < head_dim * int(sizeof(T)); b += 64) _mm_prefetch(bytes + b, static_cast<enum _mm_hint>(Hint));
+    });
   }
 };
 
@@ -112,10 +114,12 @@ struct Scratch {
   std::vector<uint32_t> keys;   // (head_dim / 2, kTile): a key tile transposed (dot-product path)
   std::vector<uint16_t> probs;  // (queries, positions): probabilities in bfloat16 (dot-product path)
   std::vector<uint32_t> values; // (positions / 2, head_dim): values interleaved in token pairs (dot-product path)
+  std::vector<const uint32_t*> query_pairs, prob_pairs;  // (queries,): rows as 32-bit pairs (dot-product path)
   Scratch(int queries, int head_dim, int positions)
       : scores(int64_t(queries) * positions), q(int64_t(queries) * head_dim), tile(kTile * head_dim),
         acc(int64_t(queries) * head_dim), max(queries), sum(queries), keys(head_dim / 2 * kTile + 16),
-        probs(int64_t(queries) * positions + 32), values(int64_t(positions) / 2 * head_dim + 16) {}
+        probs(int64_t(queries) * positions + 32), values(int64_t(positions) / 2 * head_dim + 16),
+        query_pairs(queries), prob_pairs(queries) {}
 };
 
 // Scores (scaled here) of `count` positions, padded to `padded`, become probabilities in place:
@@ -295,57 +299,58 @@ inline void value_block(const uint32_t* const* probs, const uint32_t* values, in
   for (int j = 0; j < 2 * NB; ++j) out[j] = acc[j];
 }
 
-template <int NB>
-void score_queries(const uint32_t* const* q, const uint32_t* keys, int pairs, float* scores, int stride, int nq) {
+// Calls block(std::integral_constant<int, n>(), j) over queries [0, nq) in blocks of n = NB,
+// then one block of the rest: block sizes are compile-time, so accumulators stay in registers.
+template <int NB, typename Block>
+void in_blocks(int nq, Block&& block) {
+  static_assert(NB == 8, "the tail below covers 1..7");
   int j = 0;
-  for (; j + NB <= nq; j += NB) score_block<NB>(q + j, keys, pairs, scores + int64_t(j) * stride, stride);
+  for (; j + NB <= nq; j += NB) block(std::integral_constant<int, NB>(), j);
   switch (nq - j) {
-#define TW_CASE(n) case n: score_block<n>(q + j, keys, pairs, scores + int64_t(j) * stride, stride); break;
+#define TW_CASE(n) case n: block(std::integral_constant<int, n>(), j); break;
     TW_CASE(1) TW_CASE(2) TW_CASE(3) TW_CASE(4) TW_CASE(5) TW_CASE(6) TW_CASE(7)
 #undef TW_CASE
     default: break;
   }
+}
+
+void score_queries(const uint32_t* const* q, const uint32_t* keys, int pairs, float* scores, int stride, int nq) {
+  in_blocks<8>(nq, [&](auto block, int j) {
+    score_block<decltype(block)::value>(q + j, keys, pairs, scores + int64_t(j) * stride, stride);
+  });
 }
 
 // Where the 32 values of one unpacklo/unpackhi accumulator pair go in load_row's order (16 even
 // elements, then 16 odd): value d sits in lane 4k + i of lo (d = 8k + i, i < 4) or of hi (d = 8k + 4 + i).
-inline void store_values(const __m512* acc, float* dst) {
-  alignas(64) int32_t even[16], odd[16];
-  for (int m = 0; m < 16; ++m) {
-    for (int parity = 0; parity < 2; ++parity) {
-      const int d = 2 * m + parity, k = d / 8, i = d % 8;
-      (parity ? odd : even)[m] = i < 4 ? 4 * k + i : 16 + 4 * k + i - 4;
-    }
+struct ValueOrder {
+  alignas(64) int32_t lanes[2][16];  // [parity][m]: where value 2m + parity sits (lo lanes 0-15, hi 16-31)
+  ValueOrder() {
+    for (int d = 0; d < 32; ++d) lanes[d % 2][d / 2] = d % 8 < 4 ? 4 * (d / 8) + d % 8 : 16 + 4 * (d / 8) + d % 8 - 4;
   }
-  _mm512_storeu_ps(dst, _mm512_permutex2var_ps(acc[0], _mm512_load_si512(even), acc[1]));
-  _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(acc[0], _mm512_load_si512(odd), acc[1]));
+};
+inline void store_values(const __m512* acc, float* dst) {
+  static const ValueOrder order;
+  _mm512_storeu_ps(dst, _mm512_permutex2var_ps(acc[0], _mm512_load_si512(order.lanes[0]), acc[1]));
+  _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(acc[0], _mm512_load_si512(order.lanes[1]), acc[1]));
 }
 
-template <int NB>
 void value_queries(const uint32_t* const* probs, const uint32_t* values, int pairs, int head_dim, float* acc, int nq) {
-  __m512 sums[16];
-  auto run_block = [&](auto block, int j) {
+  in_blocks<8>(nq, [&](auto block, int j) {
     constexpr int n = decltype(block)::value;
+    __m512 sums[2 * n];
     for (int half = 0; half < head_dim / 32; ++half) {
       value_block<n>(probs + j, values + half * 32, pairs, head_dim, sums);
       for (int b = 0; b < n; ++b) store_values(sums + 2 * b, acc + int64_t(j + b) * head_dim + half * 32);
     }
-  };
-  int j = 0;
-  for (; j + NB <= nq; j += NB) run_block(std::integral_constant<int, NB>(), j);
-  switch (nq - j) {
-#define TW_CASE(n) case n: run_block(std::integral_constant<int, n>(), j); break;
-    TW_CASE(1) TW_CASE(2) TW_CASE(3) TW_CASE(4) TW_CASE(5) TW_CASE(6) TW_CASE(7)
-#undef TW_CASE
-    default: break;
-  }
+  });
 }
 
 void attend_dot(const Problem<uint16_t>& p, const int32_t* table, int kv_head, int begin, int end,
                 const uint16_t* const* queries, int nq, float scale, const uint16_t* zeros, Scratch& scratch,
                 float* max_out, float* sum_out, float* acc) {
   const int head_dim = p.head_dim, pairs = head_dim / 2, count = end - begin, padded = round_up(count, kTile);
-  std::vector<const uint32_t*> qd(nq), pd(nq);
+  const uint32_t** qd = scratch.query_pairs.data();
+  const uint32_t** pd = scratch.prob_pairs.data();
   for (int j = 0; j < nq; ++j) qd[j] = reinterpret_cast<const uint32_t*>(queries[j]);
   uint32_t* keys = scratch.keys.data();
   float* scores = scratch.scores.data();
@@ -360,7 +365,7 @@ void attend_dot(const Problem<uint16_t>& p, const int32_t* table, int kv_head, i
       transpose16(r);
       for (int d = 0; d < 16; ++d) _mm512_storeu_si512(keys + (16 * h + d) * kTile, r[d]);
     }
-    score_queries<8>(qd.data(), keys, pairs, scores + (pos - begin), padded, nq);
+    score_queries(qd, keys, pairs, scores + (pos - begin), padded, nq);
   }
   // Softmax in one pass over each query's scores, probabilities stored in bfloat16; their sum is
   // taken after rounding, so the weights used sum to 1. (scale > 0: the max of the scaled scores
@@ -400,7 +405,7 @@ void attend_dot(const Problem<uint16_t>& p, const int32_t* table, int kv_head, i
       }
     }
   }
-  value_queries<8>(pd.data(), values, padded / 2, head_dim, acc, nq);
+  value_queries(pd, values, padded / 2, head_dim, acc, nq);
 }
 #else
 constexpr bool kDotProducts = false;
@@ -478,7 +483,11 @@ void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, co
       items.push_back({cost(seg.end - seg.begin, int64_t(seg.num_rows) * group), int64_t(s) * p.kv_heads + h});
   }
   std::stable_sort(items.begin(), items.end(), [](auto& a, auto& b) { return a.first > b.first; });
-  const bool dot = kDotProducts && std::is_same_v<T, uint16_t> && head_dim % 32 == 0;
+  using Attend = void (*)(const Problem<T>&, const int32_t*, int, int, int, const T* const*, int, float, const T*,
+                          Scratch&, float*, float*, float*);
+  Attend attend = attend_float<T>;
+  if constexpr (std::is_same_v<T, uint16_t>)
+    if (kDotProducts && head_dim % 32 == 0) attend = attend_dot;
   std::atomic<int64_t> next{0};
   auto work = [&](int64_t, int64_t) {
     Scratch scratch(max_queries, head_dim, max_positions);
@@ -492,19 +501,8 @@ void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, co
       float* max_out = seg.partial < 0 ? scratch.max.data() : part_max.data() + slot;
       float* sum_out = seg.partial < 0 ? scratch.sum.data() : part_sum.data() + slot;
       float* acc = seg.partial < 0 ? scratch.acc.data() : part_acc.data() + slot * head_dim;
-      const int32_t* table = p.table(seg.table_row);
-      if constexpr (std::is_same_v<T, uint16_t>) {
-        if (dot) {
-          attend_dot(p, table, kv_head, seg.begin, seg.end, queries.data(), nq, scale, zeros.data(), scratch,
-                     max_out, sum_out, acc);
-        } else {
-          attend_float(p, table, kv_head, seg.begin, seg.end, queries.data(), nq, scale, zeros.data(), scratch,
-                       max_out, sum_out, acc);
-        }
-      } else {
-        attend_float(p, table, kv_head, seg.begin, seg.end, queries.data(), nq, scale, zeros.data(), scratch,
-                     max_out, sum_out, acc);
-      }
+      attend(p, p.table(seg.table_row), kv_head, seg.begin, seg.end, queries.data(), nq, scale, zeros.data(),
+             scratch, max_out, sum_out, acc);
       if (seg.partial >= 0) continue;
       for (int g = 0; g < group; ++g) {
         T* dst = p.out + (int64_t(seg.table_row) * p.heads + kv_head * group + g) * head_dim;
