@@ -4,7 +4,8 @@
     python bench/accuracy_bench.py --tokens 48
 
 Reference: the float32 model on float weights (`--dtype float32 --quantization none`). For
-each other choice (`--dtype` x `--quantization`) and a fixed set of 16 prompts:
+each other choice (`--dtype` x `--quantization` x `--quant-activations`) and a fixed set of 16
+prompts:
 
   - identical: prompts whose whole greedy continuation equals the reference's;
   - first divergence: mean number of tokens generated before the first different one;
@@ -50,8 +51,9 @@ PROMPTS = [
 ]
 
 
-def load(model: str, dtype: str, quantization: str) -> LLM:
-    return LLM(model, dtype=dtype, quantization=quantization, kv_cache_memory="512MiB", show_progress=False)
+def load(model: str, dtype: str, quantization: str, activations: str = "dtype") -> LLM:
+    return LLM(model, dtype=dtype, quantization=quantization, quant_activations=activations,
+               kv_cache_memory="512MiB", show_progress=False)
 
 
 def main() -> None:
@@ -71,12 +73,16 @@ def main() -> None:
     del reference
 
     print(f"{args.model}: {len(PROMPTS)} prompts x {args.tokens} greedy tokens; reference float32, float weights")
-    print(f"{'choice':38s} {'identical':>9s} {'first divergence':>17s} {'next-token agreement':>21s} {'mean |dlogprob|':>16s}")
-    for dtype, quantization in (("bfloat16", "none"), ("float32", "auto"), ("bfloat16", "auto")):
-        llm = load(args.model, dtype, quantization)
+    print(f"{'choice':50s} {'identical':>9s} {'first divergence':>17s} {'next-token agreement':>21s} {'mean |dlogprob|':>16s}")
+    choices = (("bfloat16", "none", "dtype"), ("float32", "auto", "dtype"), ("bfloat16", "auto", "dtype"),
+               ("bfloat16", "auto", "int8"))
+    for dtype, quantization, activations in choices:
+        llm = load(args.model, dtype, quantization, activations)
         model = llm.engine.model
+        products = {kernel.products for kernel in model.quant_kernels()}
         label = f"{str(model.dtype).removeprefix('torch.')}, " + (
-            f"{model.num_quantized_matmuls} matmuls on GGUF blocks" if model.num_quantized_matmuls else "float weights")
+            f"{model.num_quantized_matmuls} matmuls on GGUF blocks ({'/'.join(sorted(products))} products)"
+            if model.num_quantized_matmuls else "float weights")
         outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
         identical = sum(out == ref for out, ref in zip(outs, ref_out))
         divergence = statistics.mean(
@@ -87,7 +93,7 @@ def main() -> None:
         # The reference token's logprob where it is still this choice's pick (else it is not reported).
         diffs = [abs(o.outputs[0].logprobs[0].logprob - lp) for o, t, lp in zip(steps, targets, ref_logprobs)
                  if o.outputs[0].token_ids[0] == t]
-        print(f"{label:38s} {identical:6d}/{len(PROMPTS):<2d} {divergence:13.1f} tok {agree * 100:18.1f}% "
+        print(f"{label:50s} {identical:6d}/{len(PROMPTS):<2d} {divergence:13.1f} tok {agree * 100:18.1f}% "
               f"{statistics.mean(diffs):16.4f}")
         del llm
 

@@ -4,8 +4,8 @@ float kernels the engine would otherwise use, at 1, 4, 16 and 64 tokens.
     python bench/quant_bench.py
     python bench/quant_bench.py --tokens 1,16 --repeats 200
 
-Columns: the median time (ms) of y = x @ W.T for each kernel (blocks with float32 or bfloat16
-products), the best blocks kernel against bfloat16, and the bytes of weight each reads.
+Columns: the median time (ms) of y = x @ W.T for each kernel (blocks with float32, bfloat16 or
+int8 products), the best blocks kernel against bfloat16, and the bytes of weight each reads.
 bfloat16 and float32 run through models/linear.LinearKernel as the engine runs them (oneDNN
 packing chosen by measurement for float32).
 """
@@ -47,21 +47,24 @@ def main() -> None:
     token_counts = [int(n) for n in args.tokens.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'weight':20s} {'shape':>11s} {'type':5s} {'T':>3s} {'blocks fp32':>11s} {'blocks bf16':>11s} "
-          f"{'bf16 ms':>8s} {'fp32 ms':>8s} {'vs bf16':>8s}  bytes blocks/bf16")
+          f"{'blocks int8':>11s} {'bf16 ms':>8s} {'fp32 ms':>8s} {'vs bf16':>8s}  bytes blocks/bf16")
     for name, label in SHAPES.items():
         tensor = kept[name]
         kernel = quant.QuantKernel(tensor.blocks, tensor.qtype, tensor.shape[1])
         kernel_bf16 = quant.QuantKernel(tensor.blocks, tensor.qtype, tensor.shape[1], dtype=torch.bfloat16)
+        kernel_int8 = quant.QuantKernel(tensor.blocks, tensor.qtype, tensor.shape[1], dtype=torch.bfloat16,
+                                        activations="int8")
         weight = kernel.dequantize()
         bf16 = LinearKernel(weight.bfloat16())
         fp32 = LinearKernel(weight.clone())
         select_kernels([fp32])
         for tokens in token_counts:
             x = torch.randn(tokens, tensor.shape[1])
-            times = [median_time(fn, x, args.repeats, warmup=3) * 1e3 for fn in (kernel, kernel_bf16, bf16, fp32)]
+            times = [median_time(fn, x, args.repeats, warmup=3) * 1e3
+                     for fn in (kernel, kernel_bf16, kernel_int8, bf16, fp32)]
             print(f"{label:20s} {tensor.shape[0]:5d}x{tensor.shape[1]:<5d} {tensor.qtype:5s} {tokens:3d} "
-                  f"{times[0]:11.3f} {times[1]:11.3f} {times[2]:8.3f} {times[3]:8.3f} "
-                  f"{times[2] / min(times[:2]):7.2f}x  "
+                  f"{times[0]:11.3f} {times[1]:11.3f} {times[2]:11.3f} {times[3]:8.3f} {times[4]:8.3f} "
+                  f"{times[3] / min(times[:3]):7.2f}x  "
                   f"{kernel.nbytes / 2**20:.2f}/{weight.numel() * 2 / 2**20:.2f} MiB")
 
 

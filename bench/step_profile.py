@@ -4,6 +4,7 @@
     python bench/step_profile.py --profile       # plus torch.profiler's top ops per workload
     python bench/step_profile.py --dtype bfloat16 --steps 64
     python bench/step_profile.py --quantization none      # float weights (GGUF blocks off)
+    python bench/step_profile.py --quant-activations dtype  # blocks met by bfloat16 activations
     TOKENWAY_NATIVE=0 python bench/step_profile.py       # torch operators only (no C++ kernels)
 
 Workloads (every request decodes with ignore_eos, greedy):
@@ -110,8 +111,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--workloads", default="single,batch16,shared16")
     parser.add_argument("--quantization", default="auto", choices=("auto", "none"))
+    parser.add_argument("--quant-activations", default="auto", choices=("auto", "int8", "dtype"))
     args = parser.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, quantization=args.quantization)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, quantization=args.quantization,
+              quant_activations=args.quant_activations)
     model = llm.engine.model
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {llm.engine.dtype}, "
           f"{model.num_quantized_matmuls} matmuls on GGUF blocks, native decode attention "

@@ -32,6 +32,7 @@ SERVE_OPTIONS = {
     "dtype": (str, "auto"),
     "linear_kernels": (str, "auto"),
     "quantization": (str, "auto"),
+    "quant_activations": (str, "auto"),
     "max_num_batched_tokens": (int, 512),
     "max_num_seqs": (int, 128),
     "enable_prefix_caching": (bool, True),
@@ -106,6 +107,9 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--quantization", choices=["auto", "none"],
                        help="auto: compute on a GGUF's Q4_1/Q8_0 blocks directly (CPU); none: dequantize at load "
                             "(default auto)")
+    serve.add_argument("--quant-activations", choices=["auto", "int8", "dtype"],
+                       help="what activations meet the GGUF blocks in: int8 (AVX512-VNNI, as llama.cpp) or the "
+                            "model dtype; auto: int8 unless --dtype float32 (default auto)")
     serve.add_argument("--linear-kernels", choices=["auto", "default", "onednn"],
                        help="CPU matmul per weight: auto measures torch's default against oneDNN's packed layout")
     serve.add_argument("--max-num-batched-tokens", type=int)
@@ -162,7 +166,7 @@ def run_serve(options: dict) -> int:
         model=options["model"], max_model_len=options["max_model_len"],
         kv_cache_memory=options["kv_cache_memory"], dtype=options["dtype"],
         linear_kernels=options["linear_kernels"],
-        quantization=options["quantization"],
+        quantization=options["quantization"], quant_activations=options["quant_activations"],
         max_num_batched_tokens=options["max_num_batched_tokens"], max_num_seqs=options["max_num_seqs"],
         enable_prefix_caching=options["enable_prefix_caching"],
     )

@@ -48,6 +48,10 @@ class EngineConfig:
     # a kernel for their type (models/quant.py: Q4_1, Q8_0) and it builds on this machine;
     # "none" dequantizes them into `dtype` at load.
     quantization: str = "auto"
+    # What the activations meet those blocks in: "auto" is "int8" unless dtype is "float32";
+    # "int8": quantized per block of 32 to int8 where the CPU has AVX512-VNNI (llama.cpp's
+    # choice: twice bfloat16's products an instruction); "dtype": the model dtype's products.
+    quant_activations: str = "auto"
     device: str = "auto"  # "auto": cuda when present, else cpu
     cache_dir: str | None = None  # converted models; default $TOKENWAY_CACHE_DIR or ~/.cache/tokenway
     show_progress: bool = True
@@ -66,5 +70,7 @@ class EngineConfig:
             raise ValueError(f"linear_kernels: must be auto, default or onednn, got {self.linear_kernels!r}")
         if self.quantization not in ("auto", "none"):
             raise ValueError(f"quantization: must be auto or none, got {self.quantization!r}")
+        if self.quant_activations not in ("auto", "int8", "dtype"):
+            raise ValueError(f"quant_activations: must be auto, int8 or dtype, got {self.quant_activations!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

@@ -69,12 +69,58 @@ def test_a_bfloat16_model_gets_bfloat16_activations_on_the_exact_weights(qtype, 
     x = torch.randn(tokens, in_features)
     x[0, :5] = torch.tensor([0.0, -0.0, 1e-39, 3e4, -2.5])  # zeros, a subnormal, a large value
     got = kernel(x)
-    if tokens > quant.GEMM_ROWS or not kernel.bf16:
+    if tokens > quant.GEMM_ROWS or kernel.products != "bfloat16":
         # oneDNN's GEMM on the bfloat16-rounded weight; without AVX512-BF16, float32 products.
         expected, tolerance = x.bfloat16().double() @ weight.bfloat16().double().T, 2e-2
     else:
         expected, tolerance = x.bfloat16().double() @ weight.double().T, 1e-4
     torch.testing.assert_close(got.double(), expected, atol=tolerance * expected.abs().max().item(), rtol=tolerance)
+
+
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as int8 products see it: per block of 32, dx * round(x / dx), dx = max |x| / 127."""
+    blocks = x.double().reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    rounded = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1.0)), 0.0)
+    return (rounded * scale).reshape(x.shape)
+
+
+needs_int8 = pytest.mark.skipif(not quant.available() or quant.products_for(torch.float32, "int8") != "int8",
+                                reason="no AVX512-VNNI")
+
+
+@needs_int8
+@pytest.mark.parametrize("qtype", quant.QTYPES)
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 11, quant.GEMM_ROWS + 20])
+@pytest.mark.parametrize("in_features", [32, 96, 576])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_products_are_exact_on_the_int8_rounded_activations(qtype, tokens, in_features, dtype):
+    """int8 products (AVX512-VNNI): each block of 32 activations is rounded to int8 with one
+    scale, and the result is the float64 product of those and the exact weights up to float32
+    summation, offsets included (Q4_1's m and Q8_0's 128 meet the same rounded activations).
+    Past GEMM_ROWS they stay on the blocks. Zero blocks, a large value, 37 rows (a partial group)."""
+    blocks, weight = quantized(37, in_features, qtype, seed=tokens)
+    kernel = quant.QuantKernel(blocks, qtype, in_features, dtype=torch.bfloat16, activations="int8")
+    assert kernel.products == "int8"
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, in_features).to(dtype)
+    x[0, :5] = torch.tensor([0.0, -0.0, 1e-39, 3e4, -2.5])
+    if in_features >= 64:
+        x[-1, 32:64] = 0.0  # a block of zeros: scale 0
+    got = kernel(x)
+    expected = int8_rounded(x.float()) @ weight.double().T
+    torch.testing.assert_close(got.double(), expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-4)
+    # and within int8's rounding of the float product: about 1/254 of each block's largest |x|
+    exact = x.double() @ weight.double().T
+    assert (got.double() - exact).norm() / exact.norm() < 0.02
+
+
+def test_activation_choices():
+    assert quant.products_for(torch.float32) == "float32"
+    assert quant.products_for(torch.float32, "int8") in ("int8", "float32")
+    assert quant.products_for(torch.bfloat16) in ("bfloat16", "float32")
+    with pytest.raises(ValueError, match="activations"):
+        quant.products_for(torch.bfloat16, "int4")
 
 
 @needs_kernel
@@ -131,3 +177,33 @@ def test_the_default_gguf_serves_on_its_blocks(quantized_llm, llm):
         q_first, f_first = q.outputs[0].logprobs[0], f.outputs[0].logprobs[0]
         assert [t for t, _ in q_first.top] == [t for t, _ in f_first.top]
         np.testing.assert_allclose([lp for _, lp in q_first.top], [lp for _, lp in f_first.top], atol=1e-3)
+
+
+@needs_int8
+def test_a_bfloat16_engine_meets_its_blocks_in_int8_unless_told(default_model_dir, llm):
+    """The default (`quant_activations="auto"`, a bfloat16 or auto dtype) runs every matmul on
+    int8 products where the CPU has AVX512-VNNI; "dtype" keeps the model dtype's. Either
+    answers as the float model does at the first token: the same pick and a log-probability
+    within int8's rounding (bench/accuracy_bench.py measures the whole continuation)."""
+    from tokenway import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": llm.tokenizer.encode(text)} for text in
+               ("The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,")]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=3, ignore_eos=True)
+    reference = llm.generate(prompts, params)
+    for activations, products in (("auto", "int8"), ("dtype", "bfloat16" if quant.products_for(
+            torch.bfloat16) == "bfloat16" else "float32")):
+        engine = LLM(str(default_model_dir), dtype="bfloat16", quant_activations=activations,
+                     kv_cache_memory="256MiB", show_progress=False)
+        assert {kernel.products for kernel in engine.engine.model.quant_kernels()} == {products}
+        for got, want in zip(engine.generate(prompts, params), reference):
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            assert abs(got.outputs[0].logprobs[0].logprob - want.outputs[0].logprobs[0].logprob) < 0.1
+        del engine
+
+
+def test_quant_activations_is_checked():
+    from tokenway.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quant_activations"):
+        EngineConfig(quant_activations="int4")

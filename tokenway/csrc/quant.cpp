@@ -21,6 +21,17 @@
 // x . w = d (S - 2304 sum(x)). The weights are the exact d q + m; only the activations are bfloat16,
 // as a bfloat16 model's are.
 //
+// int8 (AVX512-VNNI; the default for a bfloat16 model, as llama.cpp meets its blocks): each token's
+// activations are quantized per block of 32 to int8 with one float scale (x ~ dx qx, |qx| <= 127,
+// round to nearest), and vpdpbusd multiplies the unsigned weight codes by them four products a
+// lane: 16 rows x 4 products an instruction, twice vdpbf16ps's count, with no conversion of the
+// codes beyond a nibble mask. A pair of lines is one 64-byte load whose words are interleaved
+// (vpermw) so lane r holds row r's elements 4p..4p+3. Then, with S the integer sum of code x qx:
+//   Q4_1: x . w = d dx S + m dx sum(qx)
+//   Q8_0: x . w = d dx (S - 128 sum(qx))
+// which is exactly w . (dx qx).
+// The weights are exact; the activations carry int8's rounding, as in llama.cpp's Q8 dot products.
+//
 // float32 (a float32 model, or no AVX512-BF16): codes widened to float32 lanes of (row, element
 // parity), met in multiply-adds by the two elements' activations; the two parities are added at
 // the end. Products are the float model's with the dequantized weights, up to summation order.
@@ -41,6 +52,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
@@ -110,6 +122,9 @@ struct Weights {
   }
 };
 
+// The precision activations meet the weights in (the weights are always exact).
+enum class Products { kFloat32, kBFloat16, kInt8 };
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr bool kFast = true;
 
@@ -119,6 +134,10 @@ struct Activations {
   std::vector<uint16_t> xb;   // float32 input to bfloat16 products: x rounded to bfloat16 (x points here)
   std::vector<uint16_t> x16;  // bfloat16 Q8_0: 16 x, exact
   std::vector<float> sums;    // (T, blocks): sum of each block's x, as the products see them
+  // int8 products
+  std::vector<int8_t> xq;     // (T, K): x / dx rounded, per block
+  std::vector<float> dx;      // (T, blocks): the block's scale
+  std::vector<float> offset;  // (T, blocks): Q4_1 dx sum(qx); Q8_0 -128 dx sum(qx)
 };
 
 inline void store_rows(const Weights& w, int64_t g, __m512 value, float* y_row) {
@@ -176,6 +195,71 @@ void group_tile_bf16(const Weights& w, int64_t g, const Activations& a, int64_t 
       for (int c = 1; c < kChains; ++c) total = _mm512_add_ps(total, s[t][c]);
       acc[t] = _mm512_fmadd_ps(total, d, acc[t]);
       acc[t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.sums[(t0 + t) * blocks + b]), acc[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) store_rows(w, g, acc[t], y + (t0 + t) * w.n);
+}
+#endif
+
+#if defined(__AVX512VNNI__)
+// Words of a pair of lines (line 2p: words 0..15, line 2p + 1: words 16..31, word r = row r's two
+// codes) interleaved so dword r is row r's: words r and 16 + r.
+inline __m512i rows_of_line_pair() {
+  return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+}
+
+inline __m512i quad_of(const int8_t* x) {  // four neighbouring int8 activations in every lane
+  int32_t bits;
+  std::memcpy(&bits, x, sizeof(bits));
+  return _mm512_set1_epi32(bits);
+}
+
+template <bool FourBit, int TT>
+void group_tile_int8(const Weights& w, int64_t g, const Activations& a, int64_t t0, float* y) {
+  constexpr int kChains = TT == 1 ? 4 : TT == 2 ? 2 : 1;  // independent dot-product chains per token
+  constexpr int kPairs = FourBit ? 4 : 8;                  // line pairs a block
+  const int64_t k = w.k, blocks = w.blocks();
+  const __m512i interleave = rows_of_line_pair(), low_nibble = _mm512_set1_epi8(0x0F);
+  const int8_t* x = a.xq.data() + t0 * k;
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* codes = w.block_codes(g, b);
+    __m512i s[TT][kChains];
+    for (int t = 0; t < TT; ++t)
+      for (int c = 0; c < kChains; ++c) s[t][c] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int p = 0; p < kPairs; ++p) {
+      const __m512i lines = _mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(codes + p * 64));
+      const __m512i lo = FourBit ? _mm512_and_si512(lines, low_nibble) : lines;
+      const __m512i hi = FourBit ? _mm512_and_si512(_mm512_srli_epi16(lines, 4), low_nibble) : lines;
+#pragma GCC unroll 8
+      for (int t = 0; t < TT; ++t) {
+        const int8_t* xt = x + t * k + b * QK + 4 * p;
+        if constexpr (FourBit) {
+          s[t][(2 * p) % kChains] = _mm512_dpbusd_epi32(s[t][(2 * p) % kChains], lo, quad_of(xt));
+          s[t][(2 * p + 1) % kChains] = _mm512_dpbusd_epi32(s[t][(2 * p + 1) % kChains], hi, quad_of(xt + 16));
+        } else {
+          s[t][p % kChains] = _mm512_dpbusd_epi32(s[t][p % kChains], lo, quad_of(xt));
+        }
+      }
+    }
+    const int64_t si = w.scale_index(g, b);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + si)));
+    const __m512 m =
+        FourBit ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + si))) : _mm512_setzero_ps();
+    for (int t = 0; t < TT; ++t) {
+      __m512i total = s[t][0];
+      for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, s[t][c]);
+      const int64_t tb = (t0 + t) * blocks + b;
+      const __m512 dx = _mm512_set1_ps(a.dx[tb]), offset = _mm512_set1_ps(a.offset[tb]);
+      if constexpr (FourBit) {
+        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(total), dx), d, acc[t]);
+        acc[t] = _mm512_fmadd_ps(m, offset, acc[t]);
+      } else {
+        acc[t] = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(total), dx, offset), d, acc[t]);
+      }
     }
   }
   for (int t = 0; t < TT; ++t) store_rows(w, g, acc[t], y + (t0 + t) * w.n);
@@ -247,39 +331,78 @@ void group_tile_fp32(const Weights& w, int64_t g, const Activations& a, int64_t 
   }
 }
 
-template <bool FourBit, bool Bf16, int TT>
+template <bool FourBit, Products P, int TT>
 inline void group_tile(const Weights& w, int64_t g, const Activations& a, int64_t t0, float* y) {
-#if defined(__AVX512BF16__)
-  if constexpr (Bf16) return group_tile_bf16<FourBit, TT>(w, g, a, t0, y);
+#if defined(__AVX512VNNI__)
+  if constexpr (P == Products::kInt8) return group_tile_int8<FourBit, TT>(w, g, a, t0, y);
 #endif
-  if constexpr (!Bf16) group_tile_fp32<FourBit, TT>(w, g, a, t0, y);
+#if defined(__AVX512BF16__)
+  if constexpr (P == Products::kBFloat16) return group_tile_bf16<FourBit, TT>(w, g, a, t0, y);
+#endif
+  if constexpr (P == Products::kFloat32) group_tile_fp32<FourBit, TT>(w, g, a, t0, y);
 }
 
-template <bool FourBit, bool Bf16>
+template <bool FourBit, Products P>
 void groups_times_tokens(const Weights& w, int64_t group_begin, int64_t group_end, const Activations& a,
                          int64_t tokens, float* y) {
   for (int64_t t0 = 0; t0 < tokens; t0 += kTile) {
     const int tile = int(std::min<int64_t>(kTile, tokens - t0));
     for (int64_t g = group_begin; g < group_end; ++g) {
       switch (tile) {
-        case 8: group_tile<FourBit, Bf16, 8>(w, g, a, t0, y); break;
-        case 7: group_tile<FourBit, Bf16, 7>(w, g, a, t0, y); break;
-        case 6: group_tile<FourBit, Bf16, 6>(w, g, a, t0, y); break;
-        case 5: group_tile<FourBit, Bf16, 5>(w, g, a, t0, y); break;
-        case 4: group_tile<FourBit, Bf16, 4>(w, g, a, t0, y); break;
-        case 3: group_tile<FourBit, Bf16, 3>(w, g, a, t0, y); break;
-        case 2: group_tile<FourBit, Bf16, 2>(w, g, a, t0, y); break;
-        default: group_tile<FourBit, Bf16, 1>(w, g, a, t0, y); break;
+        case 8: group_tile<FourBit, P, 8>(w, g, a, t0, y); break;
+        case 7: group_tile<FourBit, P, 7>(w, g, a, t0, y); break;
+        case 6: group_tile<FourBit, P, 6>(w, g, a, t0, y); break;
+        case 5: group_tile<FourBit, P, 5>(w, g, a, t0, y); break;
+        case 4: group_tile<FourBit, P, 4>(w, g, a, t0, y); break;
+        case 3: group_tile<FourBit, P, 3>(w, g, a, t0, y); break;
+        case 2: group_tile<FourBit, P, 2>(w, g, a, t0, y); break;
+        default: group_tile<FourBit, P, 1>(w, g, a, t0, y); break;
       }
     }
   }
 }
 
+#if defined(__AVX512VNNI__)
+// Each token's blocks of 32 activations to int8 with one scale each (round to nearest even).
+void quantize_int8(const Weights& w, const void* x, bool x_is_float, int64_t tokens, Activations& a) {
+  const int64_t k = w.k, blocks = w.blocks();
+  a.xq.resize(tokens * k);
+  a.dx.resize(tokens * blocks);
+  a.offset.resize(tokens * blocks);
+  for (int64_t i = 0; i < tokens * blocks; ++i) {
+    __m512 v[2];
+    for (int h = 0; h < 2; ++h)
+      v[h] = x_is_float ? _mm512_loadu_ps(static_cast<const float*>(x) + i * QK + h * 16)
+                        : load_bf16(static_cast<const uint16_t*>(x) + i * QK + h * 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    const float dx = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m512i q[2];
+    for (int h = 0; h < 2; ++h) {
+      q[h] = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inverse)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.xq.data() + i * QK + h * 16), _mm512_cvtsepi32_epi8(q[h]));
+    }
+    // The products are the exact ones with the int8 activations dx qx, offsets too: sum(x) in Q4_1's
+    // m term would leave the error of d dx S uncentred (codes 0..15 average 7.5), 2x larger.
+    const float sum = dx * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1])));
+    a.dx[i] = dx;
+    a.offset[i] = w.four_bit ? sum : -128.0f * sum;
+  }
+}
+#endif
+
 // x_is_float: a float32 x for bfloat16 products, rounded here (to nearest even, as torch's
 // .to(torch.bfloat16)) rather than by a separate torch op per matmul.
-Activations prepare(const Weights& w, const void* x, bool x_is_float, bool bf16, int64_t tokens) {
+Activations prepare(const Weights& w, const void* x, bool x_is_float, Products products, int64_t tokens) {
+  Activations a{x, {}, {}, {}, {}, {}, {}};
+#if defined(__AVX512VNNI__)
+  if (products == Products::kInt8) {
+    quantize_int8(w, x, x_is_float, tokens, a);
+    return a;
+  }
+#endif
+  const bool bf16 = products == Products::kBFloat16;
   const int64_t k = w.k, blocks = w.blocks();
-  Activations a{x, {}, {}, std::vector<float>(tokens * blocks)};
+  a.sums.resize(tokens * blocks);
 #if defined(__AVX512BF16__)
   if (bf16 && x_is_float) {
     a.xb.resize(tokens * k);
@@ -314,9 +437,9 @@ Activations prepare(const Weights& w, const void* x, bool x_is_float, bool bf16,
   return a;
 }
 
-// x: float32 (T, K), or bfloat16 when bf16 (products then in bfloat16 as a bfloat16 model's are).
-void matmul(const Weights& w, const void* x, bool x_is_float, bool bf16, int64_t tokens, float* y) {
-  const Activations a = prepare(w, x, x_is_float, bf16, tokens);
+// x: float32 or bfloat16 (T, K); bfloat16 only for bfloat16 or int8 products.
+void matmul(const Weights& w, const void* x, bool x_is_float, Products products, int64_t tokens, float* y) {
+  const Activations a = prepare(w, x, x_is_float, products, tokens);
   const int64_t group_bytes = w.blocks() * (w.block_bytes() + (w.four_bit ? 64 : 32));
   const int64_t threads = at::get_num_threads();
   int64_t chunks = std::max<int64_t>(threads, (w.groups() * group_bytes + kChunkBytes - 1) / kChunkBytes);
@@ -329,14 +452,20 @@ void matmul(const Weights& w, const void* x, bool x_is_float, bool bf16, int64_t
     for (int64_t chunk; (chunk = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
       const int64_t begin = chunk * groups_per_chunk, end = std::min(w.groups(), begin + groups_per_chunk);
       if (begin >= end) continue;
-      if (w.four_bit && bf16)
-        groups_times_tokens<true, true>(w, begin, end, a, tokens, y);
-      else if (w.four_bit)
-        groups_times_tokens<true, false>(w, begin, end, a, tokens, y);
-      else if (bf16)
-        groups_times_tokens<false, true>(w, begin, end, a, tokens, y);
-      else
-        groups_times_tokens<false, false>(w, begin, end, a, tokens, y);
+      switch (products) {
+        case Products::kInt8:
+          w.four_bit ? groups_times_tokens<true, Products::kInt8>(w, begin, end, a, tokens, y)
+                     : groups_times_tokens<false, Products::kInt8>(w, begin, end, a, tokens, y);
+          break;
+        case Products::kBFloat16:
+          w.four_bit ? groups_times_tokens<true, Products::kBFloat16>(w, begin, end, a, tokens, y)
+                     : groups_times_tokens<false, Products::kBFloat16>(w, begin, end, a, tokens, y);
+          break;
+        case Products::kFloat32:
+          w.four_bit ? groups_times_tokens<true, Products::kFloat32>(w, begin, end, a, tokens, y)
+                     : groups_times_tokens<false, Products::kFloat32>(w, begin, end, a, tokens, y);
+          break;
+      }
     }
   });
 }
@@ -344,7 +473,7 @@ void matmul(const Weights& w, const void* x, bool x_is_float, bool bf16, int64_t
 #else
 constexpr bool kFast = false;
 
-void matmul(const Weights& w, const void* input, bool /*x_is_float: always*/, bool /*bf16: never requested*/,
+void matmul(const Weights& w, const void* input, bool /*x_is_float: always*/, Products /*always float32*/,
             int64_t tokens, float* y) {
   const float* x = static_cast<const float*>(input);
   const int64_t k = w.k;
@@ -364,13 +493,28 @@ void matmul(const Weights& w, const void* input, bool /*x_is_float: always*/, bo
 
 bool fast() { return kFast; }
 
+// Which products this build computes (the vector path's; the scalar one has float32 only).
+bool computes(Products products) {
+  switch (products) {
+    case Products::kFloat32: return true;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-constexpr bool kBf16 = true;
-#else
-constexpr bool kBf16 = false;
+    case Products::kBFloat16: return true;
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    case Products::kInt8: return true;
+#endif
+    default: return false;
+  }
+}
 
-bool has_bf16() { return kBf16; }
+Products products_named(const std::string& name) {
+  if (name == "float32") return Products::kFloat32;
+  if (name == "bfloat16") return Products::kBFloat16;
+  TORCH_CHECK(name == "int8", "products: float32, bfloat16 or int8, got ", name);
+  return Products::kInt8;
+}
+
+bool has_products(const std::string& name) { return computes(products_named(name)); }
 
 Weights checked_weights(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t n, int64_t k,
                         int64_t bits) {
@@ -392,17 +536,20 @@ Weights checked_weights(const at::Tensor& codes, const at::Tensor& d, const at::
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
-                        int64_t n, int64_t bits, bool bf16, const c10::optional<at::Tensor>& bias) {
+                        int64_t n, int64_t bits, c10::string_view products_name,
+                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x: (T, K) on the CPU");
   const int64_t tokens = x.size(0), k = x.size(1);
   const Weights w = checked_weights(codes, d, m, n, k, bits);
-  bf16 = bf16 && kBf16;  // elsewhere float32 products
-  // bfloat16 products take a bfloat16 x as it is and round a float32 one themselves.
-  const bool keep_float = bf16 && x.scalar_type() == at::kFloat;
-  const at::Tensor input = x.to(bf16 && !keep_float ? at::kBFloat16 : at::kFloat).contiguous();
+  const Products products = products_named(std::string(products_name));
+  TORCH_CHECK(computes(products), "this build has no ", std::string(products_name), " products (has_products)");
+  // bfloat16 and int8 products take a bfloat16 x as it is and a float32 one too (rounded as they read it).
+  const bool as_is = products != Products::kFloat32 &&
+                     (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
+  const at::Tensor input = (as_is ? x : x.to(at::kFloat)).contiguous();
   at::Tensor y = at::empty({tokens, n}, x.options().dtype(at::kFloat));
   if (tokens == 0 || n == 0) return y;
-  matmul(w, input.data_ptr(), input.scalar_type() == at::kFloat, bf16, tokens, y.data_ptr<float>());
+  matmul(w, input.data_ptr(), input.scalar_type() == at::kFloat, products, tokens, y.data_ptr<float>());
   if (bias.has_value() && bias->defined() && bias->numel() > 0) {
     TORCH_CHECK(bias->numel() == n, "bias has ", bias->numel(), " values, expected ", n);
     y.add_(bias->to(at::kFloat));
@@ -435,10 +582,10 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Te
 }  // namespace
 
 TORCH_LIBRARY(tokenway_quant, m) {
-  m.def("quant_linear(Tensor x, Tensor codes, Tensor d, Tensor m, int n, int bits, bool bf16, Tensor? bias) -> Tensor",
+  m.def("quant_linear(Tensor x, Tensor codes, Tensor d, Tensor m, int n, int bits, str products, Tensor? bias) -> Tensor",
         &quant_linear);
   m.def("fast() -> bool", &fast);
-  m.def("has_bf16() -> bool", &has_bf16);
+  m.def("has_products(str products) -> bool", &has_products);
   m.def("dequantize(Tensor codes, Tensor d, Tensor m, int n, int k, int bits, ScalarType dtype) -> Tensor",
         &dequantize);
 }

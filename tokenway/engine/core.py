@@ -82,7 +82,10 @@ class EngineCore:
             from tokenway.models import quant
 
             if quant.available():
-                quantized = model.use_quantized(quantized_weights(model_dir))
+                activations = config.quant_activations
+                if activations == "auto":
+                    activations = "dtype" if config.dtype == "float32" else "int8"
+                quantized = model.use_quantized(quantized_weights(model_dir), activations)
         model.load_weights(iter_weights(model_dir, skip=quantized))
         self.model = model.to(self.device).eval()
         fused = model.use_fused_kernels()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,9 @@ from tokenway.models.attention import AttentionMetadata, decode_attention, prefi
 from tokenway.models.config import ModelConfig
 from tokenway.models.linear import LinearKernel
 from tokenway.models.loader import QuantizedTensor
+
+if TYPE_CHECKING:
+    from tokenway.models.quant import QuantKernel
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -264,14 +267,20 @@ class LlamaForCausalLM(nn.Module):
         kernels = (getattr(module, attr) for _, module, attr in self._matmuls())
         return [kernel for kernel in kernels if isinstance(kernel, LinearKernel)]
 
+    def quant_kernels(self) -> list[QuantKernel]:
+        """Every matmul on GGUF blocks (models/quant.py)."""
+        kernels = (getattr(module, attr) for _, module, attr in self._matmuls())
+        return [kernel for kernel in kernels if not isinstance(kernel, LinearKernel)]
+
     @property
     def num_quantized_matmuls(self) -> int:
         return len(self._quantized_params)
 
-    def use_quantized(self, tensors: dict[str, QuantizedTensor]) -> set[str]:
+    def use_quantized(self, tensors: dict[str, QuantizedTensor], activations: str = "dtype") -> set[str]:
         """Run the matmuls whose weights are stored in blocks models/quant.py reads on those
         blocks: q/k/v and gate/up fuse when all their parts share one type. Their float
-        parameters are released. Returns the HF names used, which load_weights then skips."""
+        parameters are released. Returns the HF names used, which load_weights then skips.
+        activations: "int8" or "dtype" (quant.products_for)."""
         from tokenway.models.quant import QuantKernel, supports
 
         config = self.config
@@ -291,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
             kernel = getattr(module, attr)
             blocks = torch.cat([t.blocks for t in found]) if len(found) > 1 else found[0].blocks
             setattr(module, attr, QuantKernel(blocks, found[0].qtype, found[0].shape[1], bias=kernel.bias,
-                                                dtype=self.dtype))
+                                                dtype=self.dtype, activations=activations))
             kernel.weight.data = torch.empty(0, dtype=kernel.weight.dtype)
             self._quantized_params.add(param_name)
             if attr != "head":  # the tied embedding is still read as floats for the lookup

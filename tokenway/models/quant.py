@@ -5,7 +5,9 @@ a decode step at one token reads every weight once, so its time is the bytes it 
 QuantKernel keeps a weight's blocks (the converter saves them beside the float weights,
 models/gguf.py) and runs y = x @ W.T on them, dequantizing each block in registers: the
 weights are exactly the ones gguf-py dequantizes; a float32 model's products are float32, a
-bfloat16 model's meet bfloat16 activations (csrc/quant.cpp says how).
+bfloat16 model's meet bfloat16 activations, or, with `activations="int8"` where the CPU has
+AVX512-VNNI, activations quantized to int8 per block of 32 as llama.cpp meets its blocks (twice
+the products an instruction; csrc/quant.cpp says how, bench/accuracy_bench.py what it costs).
 
 The blocks are re-laid out once at load (relayout): rows in groups of 16, a vector lane each,
 so a block's 16 scales are one load and 16 rows' sums build side by side.
@@ -26,7 +28,9 @@ BLOCK = 32
 # Above this many tokens (prompt chunks) a weight is dequantized for the call and multiplied by
 # torch's GEMM (oneDNN for bfloat16, MKL for float32): their blocked kernels reuse each weight
 # across many tokens, where the block kernel dequantizes each block once per 8-token tile
-# (bench/quant_bench.py: 0.6-0.8x of bfloat16 at 64 tokens).
+# (bench/quant_bench.py: 0.6-0.8x of bfloat16 at 64 tokens). int8 products never do: their
+# blocks beat bfloat16's GEMM on the ready weight up to 512 tokens (1.4x at 512 on gate_up), let
+# alone dequantizing it for each call (4x slower at 64 tokens).
 GEMM_ROWS = 48
 _BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 
@@ -46,6 +50,20 @@ def supports(qtype: str, in_features: int) -> bool:
 
 
 ROWS = 16  # rows per group: a vector lane each (csrc/quant.cpp)
+ACTIVATIONS = ("int8", "dtype")
+
+
+def products_for(dtype: torch.dtype, activations: str = "dtype") -> str:
+    """The products a kernel computes: "int8" when asked and the CPU has AVX512-VNNI, else the
+    model dtype's (bfloat16 where the CPU has AVX512-BF16, else float32)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations: must be one of {ACTIVATIONS}, got {activations!r}")
+    ops = _ops()
+    if activations == "int8" and ops is not None and ops.has_products("int8"):
+        return "int8"
+    if dtype == torch.bfloat16 and ops is not None and ops.has_products("bfloat16"):
+        return "bfloat16"
+    return "float32"
 
 
 def relayout(blocks: torch.Tensor, qtype: str, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,10 +97,10 @@ class QuantKernel:
     """y = x @ weight.T (+ bias), float32 out, for x (T, in_features), on quantized blocks.
     The same call as models/linear.LinearKernel, which it replaces for a quantized weight."""
 
-    __slots__ = ("qtype", "in_features", "out_features", "codes", "d", "m", "bias", "bf16", "_ops")
+    __slots__ = ("qtype", "in_features", "out_features", "codes", "d", "m", "bias", "products", "gemm_dtype", "_ops")
 
-    def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int,
-                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int, bias: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.float32, activations: str = "dtype") -> None:
         if not supports(qtype, in_features):
             raise ValueError(f"no quantized kernel for {qtype} with {in_features} input features")
         ops = _ops()
@@ -93,8 +111,11 @@ class QuantKernel:
         self.out_features = blocks.shape[0]
         self.codes, self.d, self.m = relayout(blocks, qtype, in_features)
         self.bias = bias  # the module's Parameter: loading fills it after this kernel exists
-        # A bfloat16 model's products in bfloat16 (twice the float32 rate where the CPU has AVX512-BF16).
-        self.bf16 = dtype == torch.bfloat16 and bool(ops.has_bf16())
+        # A bfloat16 model's products in bfloat16 (twice the float32 rate where the CPU has
+        # AVX512-BF16), int8 ones twice that again (AVX512-VNNI).
+        self.products = products_for(dtype, activations)
+        # Long prompt chunks: torch's GEMM on the dequantized weight, in the model's dtype.
+        self.gemm_dtype = torch.bfloat16 if products_for(dtype) == "bfloat16" else torch.float32
         self._ops = ops
 
     @property
@@ -108,9 +129,10 @@ class QuantKernel:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.bias is not None and self.bias.numel() else None
         num_rows = x.shape[0]
-        if num_rows <= GEMM_ROWS:
-            return self._ops.quant_linear(x, self.codes, self.d, self.m, self.out_features, self.bits, self.bf16, bias)
-        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        if num_rows <= GEMM_ROWS or self.products == "int8":
+            return self._ops.quant_linear(x, self.codes, self.d, self.m, self.out_features, self.bits, self.products,
+                                          bias)
+        dtype = self.gemm_dtype
         weight = self._dequantize(dtype)
         # Token counts padded to a bucket: oneDNN keeps a primitive per shape (models/linear.py).
         out = F.linear(bucket_rows(x.to(dtype)), weight, None if bias is None else bias.to(dtype))
