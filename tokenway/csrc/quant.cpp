@@ -140,6 +140,11 @@ struct Activations {
   std::vector<float> offset;  // (T, blocks): Q4_1 dx sum(qx); Q8_0 -128 dx sum(qx)
 };
 
+// 16 fp16 values from `at` (a block's d or m, a row of the group each) as floats.
+inline __m512 halves(const uint16_t* values, int64_t at) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + at)));
+}
+
 inline void store_rows(const Weights& w, int64_t g, __m512 value, float* y_row) {
   const int64_t valid = std::min<int64_t>(kRows, w.n - g * kRows);
   _mm512_mask_storeu_ps(y_row + g * kRows, __mmask16((1u << valid) - 1), value);
@@ -185,11 +190,9 @@ void group_tile_bf16(const Weights& w, int64_t g, const Activations& a, int64_t 
       }
     }
     const int64_t si = w.scale_index(g, b);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + si)));
-    const __m512 offset =
-        FourBit ? _mm512_fnmadd_ps(d, _mm512_set1_ps(128.0f),
-                                   _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + si))))
-                : _mm512_mul_ps(d, _mm512_set1_ps(-2304.0f));
+    const __m512 d = halves(w.d, si);
+    const __m512 offset = FourBit ? _mm512_fnmadd_ps(d, _mm512_set1_ps(128.0f), halves(w.m, si))
+                                  : _mm512_mul_ps(d, _mm512_set1_ps(-2304.0f));
     for (int t = 0; t < TT; ++t) {
       __m512 total = s[t][0];
       for (int c = 1; c < kChains; ++c) total = _mm512_add_ps(total, s[t][c]);
@@ -246,9 +249,8 @@ void group_tile_int8(const Weights& w, int64_t g, const Activations& a, int64_t 
       }
     }
     const int64_t si = w.scale_index(g, b);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + si)));
-    const __m512 m =
-        FourBit ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + si))) : _mm512_setzero_ps();
+    const __m512 d = halves(w.d, si);
+    const __m512 m = FourBit ? halves(w.m, si) : _mm512_setzero_ps();
     for (int t = 0; t < TT; ++t) {
       __m512i total = s[t][0];
       for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, s[t][c]);
@@ -307,12 +309,10 @@ void group_tile_fp32(const Weights& w, int64_t g, const Activations& a, int64_t 
       }
     }
     const int64_t si = w.scale_index(g, b);
-    const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + si)));
+    const __m512 d16 = halves(w.d, si);
     // Half of each row's offset term goes to each of its two parity lanes.
-    const __m512 offset16 =
-        FourBit ? _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + si))),
-                                _mm512_set1_ps(0.5f))
-                : _mm512_mul_ps(d16, _mm512_set1_ps(-64.0f));
+    const __m512 offset16 = FourBit ? _mm512_mul_ps(halves(w.m, si), _mm512_set1_ps(0.5f))
+                                    : _mm512_mul_ps(d16, _mm512_set1_ps(-64.0f));
     for (int h = 0; h < 2; ++h) {
       const __m512i index = h == 0 ? first_half : second_half;
       const __m512 d = _mm512_permutexvar_ps(index, d16), offset = _mm512_permutexvar_ps(index, offset16);
