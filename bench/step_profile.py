@@ -5,6 +5,7 @@
     python bench/step_profile.py --dtype bfloat16 --steps 64
     python bench/step_profile.py --quantization none      # float weights (GGUF blocks off)
     python bench/step_profile.py --quant-activations dtype  # blocks met by bfloat16 activations
+    python bench/step_profile.py --native-layers both --rounds 3  # decode stack on/off, alternated
     TOKENWAY_NATIVE=0 python bench/step_profile.py       # torch operators only (no C++ kernels)
 
 Workloads (every request decodes with ignore_eos, greedy):
@@ -61,7 +62,7 @@ class Timed:
             self.total += time.perf_counter() - started
 
 
-def run(llm: LLM, workload: str, steps: int, profile: bool) -> None:
+def run(llm: LLM, workload: str, steps: int, profile: bool, label: str = "") -> None:
     core = llm.engine
     prompts = prompts_for(workload, core.model_config.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
@@ -95,7 +96,7 @@ def run(llm: LLM, workload: str, steps: int, profile: bool) -> None:
         core.abort_requests([f"{workload}-{i}" for i in range(len(prompts))])
     total = sum(times)
     batch = len(prompts)
-    print(f"{workload:9s} batch {batch:2d}: step p50 {statistics.median(times) * 1e3:6.1f} ms  "
+    print(f"{workload:9s}{label} batch {batch:2d}: step p50 {statistics.median(times) * 1e3:6.1f} ms  "
           f"({batch / statistics.median(times):6.1f} tok/s)  runner {runner_time / total:4.0%}  "
           f"sampler {sampler_time / total:4.0%}  other {1 - (runner_time + sampler_time) / total:4.0%}",
           flush=True)
@@ -112,6 +113,9 @@ def main() -> None:
     parser.add_argument("--workloads", default="single,batch16,shared16")
     parser.add_argument("--quantization", default="auto", choices=("auto", "none"))
     parser.add_argument("--quant-activations", default="auto", choices=("auto", "int8", "dtype"))
+    parser.add_argument("--native-layers", default="on", choices=("on", "off", "both"),
+                        help="decode-only steps' layers in one native call (models/decode_stack.py)")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat each workload (with both: alternating)")
     args = parser.parse_args()
     llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, quantization=args.quantization,
               quant_activations=args.quant_activations)
@@ -119,8 +123,15 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {llm.engine.dtype}, "
           f"{model.num_quantized_matmuls} matmuls on GGUF blocks, native decode attention "
           f"{'on' if llm.engine.runner.decode_kernel is not None else 'off'}")
+    stack = model.decode_stack
+    modes = {"on": ["on"], "off": ["off"], "both": ["on", "off"]}[args.native_layers]
+    if "on" in modes and stack is None:
+        print("(no decode stack for this model: every step runs the Python layer loop)")
     for workload in args.workloads.split(","):
-        run(llm, workload, args.steps, args.profile)
+        for _ in range(args.rounds):
+            for mode in modes:
+                model.decode_stack = stack if mode == "on" else None
+                run(llm, workload, args.steps, args.profile, f" layers {mode:3s}" if len(modes) > 1 else "")
 
 
 if __name__ == "__main__":

@@ -169,6 +169,7 @@ def test_the_default_gguf_serves_on_its_blocks(quantized_llm, llm):
     model = quantized_llm.engine.model
     assert model.num_quantized_matmuls == 30 * 4 + 1 and model.linear_kernels() == []
     assert all(p.numel() == 0 for name, p in model.named_parameters() if name.endswith(("_weight", "lm_head")))
+    assert quantized_llm.engine.runner.native_layers == (quantized_llm.engine.runner.decode_kernel is not None)
     prompts = [{"prompt_token_ids": quantized_llm.tokenizer.encode(text)} for text in
                ("The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot", "1, 2, 3, 4, 5,")]
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True)

@@ -27,7 +27,7 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 cascade_attention: bool = True, native_attention: bool = True) -> None:
+                 cascade_attention: bool = True, native_attention: bool = True, native_layers: bool = True) -> None:
         config = model.config
         self.model = model
         self.cascade_attention = cascade_attention  # read prefixes shared by decode rows once per step
@@ -42,6 +42,9 @@ class ModelRunner:
             (torch.zeros(shape, dtype=model.dtype, device=device), torch.zeros(shape, dtype=model.dtype, device=device))
             for _ in range(config.num_hidden_layers)
         ]
+        # Decode-only steps' layers in one native call, where the model's layers allow it.
+        self.native_layers = native_layers and self.decode_kernel is not None and model.use_decode_stack(
+            self.kv_caches, block_size)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size

@@ -22,6 +22,7 @@ from torch import nn
 from tokenway import native
 from tokenway.models.attention import AttentionMetadata, decode_attention, prefill_attention
 from tokenway.models.config import ModelConfig
+from tokenway.models.decode_stack import DecodeStack
 from tokenway.models.linear import LinearKernel
 from tokenway.models.loader import QuantizedTensor
 
@@ -213,6 +214,7 @@ class LlamaForCausalLM(nn.Module):
         self.head = LinearKernel(self.lm_head)
         self._quantized_params: set[str] = set()  # weights whose matmul runs on quantized blocks
         self.fused = None  # csrc/fused.cpp's operators once use_fused_kernels() found them
+        self.decode_stack: DecodeStack | None = None  # decode-only steps in one native call (use_decode_stack)
         # (max_positions, head_dim) cos/sin tables, computed as HF does (fp32 outer product).
         positions = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
         freqs = torch.outer(positions, rope_inv_freq(config))
@@ -228,6 +230,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed_tokens[input_ids]  # (T, hidden)
+        if self.decode_stack is not None and self.decode_stack.takes(x.shape[0], kv_caches, meta):
+            return self.decode_stack(x, positions, meta)
         if self.fused is not None:
             rope = RopeInputs(self.rope_cos, self.rope_sin, positions)
             residual = None
@@ -250,6 +254,12 @@ class LlamaForCausalLM(nn.Module):
         on_cpu = self.rope_cos.device.type == "cpu" and self.norm.weight.dtype == torch.float32
         self.fused = native.load("fused") if on_cpu and self.config.head_dim % 2 == 0 else None
         return self.fused is not None
+
+    def use_decode_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> bool:
+        """Run decode-only steps on these caches as one native call (models/decode_stack.py) when
+        every layer can; after use_fused_kernels and use_quantized, with the caches the runner keeps."""
+        self.decode_stack = DecodeStack.build(self, kv_caches, block_size)
+        return self.decode_stack is not None
 
     def _matmuls(self) -> list[tuple[str, nn.Module, str]]:
         """(weight parameter name, module, kernel attribute) of every matmul."""

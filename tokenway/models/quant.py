@@ -126,10 +126,19 @@ class QuantKernel:
     def bits(self) -> int:
         return 4 if self.qtype == "Q4_1" else 8
 
+    @property
+    def bias_or_none(self) -> torch.Tensor | None:
+        return self.bias if self.bias is not None and self.bias.numel() else None
+
+    def reads_blocks(self, num_rows: int) -> bool:
+        """True when num_rows tokens run on the blocks as they are (quant_linear), False when on
+        torch's GEMM over the dequantized weight."""
+        return num_rows <= GEMM_ROWS or self.products == "int8"
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if self.bias is not None and self.bias.numel() else None
+        bias = self.bias_or_none
         num_rows = x.shape[0]
-        if num_rows <= GEMM_ROWS or self.products == "int8":
+        if self.reads_blocks(num_rows):
             return self._ops.quant_linear(x, self.codes, self.d, self.m, self.out_features, self.bits, self.products,
                                           bias)
         dtype = self.gemm_dtype

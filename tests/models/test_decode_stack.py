@@ -1,0 +1,134 @@
+"""A decode-only step's layers in one native call (models/decode_stack.py, csrc/layers.cpp):
+it serves exactly the steps it should, and its logits are the Python layer loop's bit for bit,
+with biases, mixed block types, a prefix shared by several rows (cascade attention) and
+both kinds of products."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from tokenway.engine.request import Request, SamplingParams  # noqa: E402
+from tokenway.engine.runner import ModelRunner  # noqa: E402
+from tokenway.engine.scheduler import SchedulerOutput  # noqa: E402
+from tokenway.models import quant  # noqa: E402
+from tokenway.models.config import ModelConfig  # noqa: E402
+from tokenway.models.decode_stack import DecodeStack  # noqa: E402
+from tokenway.models.llama import LlamaForCausalLM  # noqa: E402
+from tokenway.models.loader import QuantizedTensor  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not quant.available(), reason="the quant kernel has no vector path on this CPU")
+
+BLOCK_SIZE = 4
+# Q4_1 attention, Q8_0 MLP: a stack holds blocks of both kinds.
+QTYPES = {"q_proj": "Q4_1", "k_proj": "Q4_1", "v_proj": "Q4_1", "o_proj": "Q8_0", "gate_proj": "Q8_0",
+          "up_proj": "Q8_0", "down_proj": "Q4_1"}
+
+
+def tiny_quantized(dtype: torch.dtype, activations: str) -> LlamaForCausalLM:
+    """A tiny Qwen2 (q/k/v biases, non-zero) whose layers' matmuls run on GGUF blocks."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   tie_word_embeddings=True)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    state = {name: p.detach().clone() for name, p in hf.state_dict().items()}
+    for name, p in state.items():
+        if name.endswith("bias"):
+            p.normal_(0, 0.5)
+    blocks = {}
+    for name, weight in state.items():
+        kind = name.split(".")[-2]
+        if kind in QTYPES and name.endswith("weight"):
+            qtype = QTYPES[kind]
+            data = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType[qtype])
+            blocks[name] = QuantizedTensor(qtype, torch.from_numpy(data), tuple(weight.shape))
+    model = LlamaForCausalLM(ModelConfig.from_dict(cfg.to_dict()), dtype)
+    used = model.use_quantized(blocks, activations)
+    model.load_weights((name, p) for name, p in state.items() if name not in used)
+    if not model.use_fused_kernels():
+        pytest.skip("the fused kernels do not build here")
+    return model.eval()
+
+
+def step(runner: ModelRunner, requests, chunks, tables, native: bool) -> torch.Tensor:
+    """Run one step (without advancing the requests): with the stack where it serves, or the Python loop."""
+    model = runner.model
+    stack = model.decode_stack
+    model.decode_stack = stack if native else None
+    try:
+        return runner.execute(SchedulerOutput(list(requests), list(chunks), [list(t) for t in tables]))
+    finally:
+        model.decode_stack = stack
+
+
+def advance(requests, chunks) -> None:
+    for request, num_new in zip(requests, chunks):
+        request.num_computed_tokens += num_new
+
+
+PRODUCTS = [(torch.float32, "dtype"), (torch.bfloat16, "int8")]
+
+
+@pytest.mark.parametrize("dtype,activations", PRODUCTS, ids=["float32-products", "int8-products"])
+def test_decode_steps_equal_the_python_loop(dtype, activations, monkeypatch):
+    if activations == "int8" and quant.products_for(dtype, "int8") != "int8":
+        pytest.skip("no AVX512-VNNI: no int8 products")
+    model = tiny_quantized(dtype, activations)
+    runner = ModelRunner(model, num_blocks=48, block_size=BLOCK_SIZE, device=torch.device("cpu"))
+    if runner.decode_kernel is None:
+        pytest.skip("the native attention kernel does not build here")
+    assert runner.native_layers and isinstance(model.decode_stack, DecodeStack)
+    groups = []
+    shared_prefixes = runner._shared_prefixes
+    monkeypatch.setattr(runner, "_shared_prefixes", lambda *args: groups.append(shared_prefixes(*args)) or groups[-1])
+    calls = []
+    native_call = DecodeStack.__call__
+    monkeypatch.setattr(DecodeStack, "__call__", lambda self, *args: calls.append(1) or native_call(self, *args))
+
+    torch.manual_seed(1)
+    prefix = torch.randint(0, 96, (9,)).tolist()  # two whole shared blocks and one token more
+    own = [torch.randint(0, 96, (n,)).tolist() for n in (5, 3, 8)]
+    requests = [Request(f"r{i}", prefix + tokens, SamplingParams(temperature=0)) for i, tokens in enumerate(own)]
+    tables = [[0, 1, 2, 3, 4, 5, 6], [0, 1, 10, 11, 12, 13], [0, 1, 20, 21, 22, 23, 24]]  # rows 1 and 2 hold row 0's prefix
+    # Row 0's prompt fills the shared blocks; rows 1 and 2 start after them, as a prefix-cache hit would.
+    step(runner, requests[:1], [len(requests[0].prompt_token_ids)], tables[:1], native=True)
+    advance(requests[:1], [len(requests[0].prompt_token_ids)])
+    for request, table in zip(requests[1:], tables[1:]):
+        request.num_computed_tokens = 8
+        step(runner, [request], [request.num_tokens - 8], [table], native=True)
+        request.num_computed_tokens = request.num_tokens
+    assert calls == []  # prompt chunks run the Python loop
+
+    for position in range(6):
+        for request in requests:
+            request.append_output_token_ids((position * 7 + len(request.request_id)) % 96)
+        chunks = [1] * len(requests)
+        got = step(runner, requests, chunks, tables, native=True)
+        assert len(calls) == position + 1
+        want = step(runner, requests, chunks, tables, native=False)  # rewrites the same K/V
+        assert len(calls) == position + 1
+        assert torch.equal(got, want)
+        assert groups[-1] == [([0, 1, 2], 2)]  # the three rows read their two shared blocks once (cascade)
+        advance(requests, chunks)
+
+    # A step with a prompt chunk among the decodes is the Python loop's.
+    late = Request("late", torch.randint(0, 96, (6,)).tolist(), SamplingParams(temperature=0))
+    for request in requests:
+        request.append_output_token_ids(5)
+    step(runner, requests + [late], [1, 1, 1, 6], tables + [[30, 31]], native=True)
+    assert len(calls) == 6
+
+
+def test_no_stack_where_a_layer_cannot_run_in_it():
+    model = tiny_quantized(torch.float32, "dtype")
+    runner_caches = [(torch.zeros(8, 2, 16), torch.zeros(8, 2, 16)) for _ in model.layers]
+    assert model.use_decode_stack(runner_caches, BLOCK_SIZE)  # every layer on blocks: built
+    # A float weight in one layer: no stack, every step runs the Python loop.
+    from tokenway.models.linear import LinearKernel
+
+    model.layers[1].mlp.down = LinearKernel(torch.nn.Parameter(torch.zeros(64, 128), requires_grad=False))
+    assert not model.use_decode_stack(runner_caches, BLOCK_SIZE) and model.decode_stack is None

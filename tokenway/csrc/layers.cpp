@@ -1,0 +1,157 @@
+// A decode step's decoder layers in one native call.
+//
+// A decode-only step at one token is ~8 operator calls a layer (qkv, RoPE + cache writes,
+// attention, o, two residual norms, gate_up, silu * up, down): 240 for SmolLM2's 30 layers,
+// each a Python call and a dispatch of a few microseconds around kernels that, at one token,
+// run little longer. This loop makes those calls from C++ through the dispatcher (well under a
+// microsecond each), to the same operators the Python path calls (quant.cpp, fused.cpp,
+// attention.cpp), in the same order with the same arguments, so its output is the Python
+// path's bit for bit.
+//
+//   Stack(tensors, ints, eps, scale, products)   built once per model and KV cache:
+//     tensors: cos_table, sin_table, then per layer
+//              input_norm, post_norm, k_cache, v_cache, and for each of qkv, o, gate_up, down
+//              codes, d, m, bias (an empty tensor: no bias)
+//     ints:    heads, kv_heads, head_dim, block_size, then per layer and matmul (n, bits)
+//   decode(stack, x, positions, slot_mapping, block_tables, context_lens, prefix_leaders?, prefix_lens?)
+//     x (T, hidden) float32 embeddings of T decode tokens -> (T, hidden) float32 hidden states
+//     before the final norm (x + residual of the last layer), as LlamaForCausalLM.forward.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int kMatmuls = 4;      // qkv, o, gate_up, down
+constexpr int kPerMatmul = 4;    // codes, d, m, bias
+constexpr int kPerLayer = 4 + kMatmuls * kPerMatmul;
+constexpr int kHeader = 4;       // heads, kv_heads, head_dim, block_size
+
+struct Matmul {
+  at::Tensor codes, d, m;
+  std::optional<at::Tensor> bias;
+  int64_t n = 0, bits = 0;
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm, k_cache, v_cache;
+  Matmul qkv, o, gate_up, down;
+};
+
+struct Stack : torch::CustomClassHolder {
+  at::Tensor cos_table, sin_table;
+  std::vector<Layer> layers;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0, block_size = 0;
+  double eps = 0.0, scale = 0.0;
+  std::string products;
+
+  Stack(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, double eps, double scale, std::string products)
+      : eps(eps), scale(scale), products(std::move(products)) {
+    TORCH_CHECK(tensors.size() >= 2 && (tensors.size() - 2) % kPerLayer == 0,
+                "tensors: cos_table, sin_table, then ", kPerLayer, " per layer");
+    const size_t num_layers = (tensors.size() - 2) / kPerLayer;
+    TORCH_CHECK(num_layers > 0 && ints.size() == kHeader + num_layers * kMatmuls * 2,
+                "ints: heads, kv_heads, head_dim, block_size, then (n, bits) per layer and matmul");
+    cos_table = tensors[0], sin_table = tensors[1];
+    heads = ints[0], kv_heads = ints[1], head_dim = ints[2], block_size = ints[3];
+    TORCH_CHECK(heads > 0 && kv_heads > 0 && head_dim > 0 && block_size > 0, "positive shapes");
+    for (size_t l = 0; l < num_layers; ++l) {
+      const at::Tensor* t = tensors.data() + 2 + l * kPerLayer;
+      const int64_t* shape = ints.data() + kHeader + l * kMatmuls * 2;
+      Layer layer{t[0], t[1], t[2], t[3], {}, {}, {}, {}};
+      Matmul* matmuls[kMatmuls] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+      for (int i = 0; i < kMatmuls; ++i) {
+        const at::Tensor* w = t + 4 + i * kPerMatmul;
+        *matmuls[i] = Matmul{w[0], w[1], w[2], w[3].numel() ? std::optional<at::Tensor>(w[3]) : std::nullopt,
+                             shape[2 * i], shape[2 * i + 1]};
+      }
+      layers.push_back(std::move(layer));
+    }
+  }
+};
+
+// The operators, found once: their libraries are loaded (native.load) before a Stack is built.
+struct Ops {
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      int64_t, int64_t, c10::string_view, const std::optional<at::Tensor>&)>
+      quant_linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      at::Tensor, at::Tensor, const at::Tensor&, int64_t, int64_t)>
+      rope_and_cache;
+  c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, const at::Tensor&, double)> add_rms_norm_;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, int64_t, double, const std::optional<at::Tensor>&,
+                                      const std::optional<at::Tensor>&)>
+      attention;
+
+  static const Ops& get() {
+    static const Ops ops = [] {
+      auto& d = c10::Dispatcher::singleton();
+      return Ops{
+          d.findSchemaOrThrow("tokenway_quant::quant_linear", "")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                int64_t, c10::string_view, const std::optional<at::Tensor>&)>(),
+          d.findSchemaOrThrow("tokenway_fused::rope_and_cache", "")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                at::Tensor, at::Tensor, const at::Tensor&, int64_t, int64_t)>(),
+          d.findSchemaOrThrow("tokenway_fused::add_rms_norm_", "")
+              .typed<void(at::Tensor, at::Tensor, const at::Tensor&, double)>(),
+          d.findSchemaOrThrow("tokenway_fused::silu_and_mul", "").typed<at::Tensor(const at::Tensor&)>(),
+          d.findSchemaOrThrow("tokenway_attention::paged_decode_attention", "")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, int64_t, double, const std::optional<at::Tensor>&,
+                                const std::optional<at::Tensor>&)>(),
+      };
+    }();
+    return ops;
+  }
+};
+
+at::Tensor decode(const c10::intrusive_ptr<Stack>& s, const at::Tensor& x, const at::Tensor& positions,
+                  const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                  const std::optional<at::Tensor>& prefix_leaders, const std::optional<at::Tensor>& prefix_lens) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x (T, hidden) float32");
+  const Ops& ops = Ops::get();
+  const int64_t tokens = x.size(0), hidden = x.size(1), q_size = s->heads * s->head_dim;
+  const c10::string_view products(s->products);
+  auto linear = [&](const at::Tensor& input, const Matmul& w) {
+    return ops.quant_linear.call(input, w.codes, w.d, w.m, w.n, w.bits, products, w.bias);
+  };
+  // The residual add of each layer is fused into the next layer's input norm (llama.py forward_fused).
+  at::Tensor residual = x;
+  at::Tensor h;
+  for (size_t l = 0; l < s->layers.size(); ++l) {
+    const Layer& layer = s->layers[l];
+    if (l == 0)
+      h = at::rms_norm(residual, {hidden}, layer.input_norm, s->eps);
+    else
+      ops.add_rms_norm_.call(h, residual, layer.input_norm, s->eps);
+    const at::Tensor q = ops.rope_and_cache.call(linear(h, layer.qkv), s->cos_table, s->sin_table, positions,
+                                                 layer.k_cache, layer.v_cache, slot_mapping, s->heads, s->kv_heads);
+    const at::Tensor attended = ops.attention.call(q, layer.k_cache, layer.v_cache, block_tables, context_lens,
+                                                   s->block_size, s->scale, prefix_leaders, prefix_lens);
+    h = linear(attended.reshape({tokens, q_size}), layer.o);
+    ops.add_rms_norm_.call(h, residual, layer.post_norm, s->eps);
+    h = linear(ops.silu_and_mul.call(linear(h, layer.gate_up)), layer.down);
+  }
+  return h + residual;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenway_layers, m) {
+  m.class_<Stack>("Stack").def(
+      torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, double, std::string>());
+  m.def("decode(__torch__.torch.classes.tokenway_layers.Stack stack, Tensor(a!) x, Tensor positions, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, Tensor? prefix_leaders=None, "
+        "Tensor? prefix_lens=None) -> Tensor",
+        &decode);
+}

@@ -1,0 +1,81 @@
+"""A decode-only step's decoder layers as one native call (csrc/layers.cpp).
+
+At one token a layer is ~8 operator calls whose kernels run a few microseconds each, so the
+Python around them (module calls, argument parsing, dispatch: ~1 ms of a 6-9 ms step for
+SmolLM2's 30 layers) is a real share of the step. The stack holds every layer's weights and
+KV cache once and makes the same calls, in the same order, from C++: the output is the Python
+loop's (LlamaForCausalLM.forward with the fused kernels) bit for bit.
+
+It serves steps where every token is a decode (prompt chunks take the Python loop, whose
+prefill attention is torch's) and every layer's matmuls read GGUF blocks (models/quant.py)
+with one kind of products.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenway import native
+from tokenway.models.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from tokenway.models.llama import LlamaForCausalLM
+
+
+class DecodeStack:
+    __slots__ = ("kv_caches", "kernels", "_stack", "_decode")
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, ops) -> None:
+        config = model.config
+        self.kv_caches = kv_caches
+        tensors = [model.rope_cos, model.rope_sin]
+        ints = [config.num_attention_heads, config.num_key_value_heads, config.head_dim, block_size]
+        self.kernels = []  # every layer's matmuls, in call order
+        empty = torch.empty(0)
+        for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, k_cache, v_cache]
+            for kernel in (attn.qkv, attn.o, mlp.gate_up, mlp.down):
+                bias = kernel.bias_or_none
+                tensors += [kernel.codes, kernel.d, kernel.m, empty if bias is None else bias]
+                ints += [kernel.out_features, kernel.bits]
+                self.kernels.append(kernel)
+        scale = model.layers[0].self_attn.scale
+        self._stack = torch.classes.tokenway_layers.Stack(tensors, ints, config.rms_norm_eps, scale,
+                                                          self.kernels[0].products)
+        self._decode = ops.decode
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+              block_size: int) -> DecodeStack | None:
+        """The stack for these caches, or None when a layer cannot run in it (a float weight,
+        mixed products, the fused kernels off) or the native kernels are not built."""
+        from tokenway.models.quant import QuantKernel
+
+        if model.fused is None or len(kv_caches) != len(model.layers):
+            return None
+        kernels = [kernel for layer in model.layers
+                   for kernel in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down)]
+        if not all(isinstance(kernel, QuantKernel) for kernel in kernels) or len({k.products for k in kernels}) != 1:
+            return None
+        # The operators the stack calls must be registered before it looks them up.
+        if native.load("quant") is None or native.load("attention") is None:
+            return None
+        ops = native.load("layers")
+        return None if ops is None else cls(model, kv_caches, block_size, ops)
+
+    def takes(self, num_tokens: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+              meta: AttentionMetadata) -> bool:
+        """A decode-only step on these caches through the native attention kernel, at a token
+        count every matmul runs on its blocks (as the Python loop would)."""
+        return (not meta.prefills and meta.decode_kernel is not None and kv_caches is self.kv_caches
+                and num_tokens == meta.num_decode_tokens and self.kernels[0].reads_blocks(num_tokens))  # one products: one answer
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """(T, hidden) float32 embeddings (used as the residual stream, so overwritten) -> (T, hidden)
+        hidden states before the final norm."""
+        return self._decode(self._stack, x, positions, meta.slot_mapping, meta.decode_block_tables,
+                            meta.decode_context_lens, meta.decode_prefix_leaders, meta.decode_prefix_lens)
