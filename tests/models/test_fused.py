@@ -60,3 +60,21 @@ def test_add_rms_norm_and_silu_and_mul_equal_the_torch_operators():
     torch.testing.assert_close(x, expected, atol=1e-5, rtol=1e-5)
     gate_up = torch.randn(3, 2 * 40) * 4
     torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :40]) * gate_up[:, 40:], atol=1e-6, rtol=1e-5)
+    x = torch.randn(4, 576) * 3
+    torch.testing.assert_close(ops.rms_norm(x, weight.repeat(9), 1e-6), F.rms_norm(x, (576,), weight.repeat(9), 1e-6),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152, 49157])
+def test_argmax_rows_answers_as_torch(vocab):
+    """The first of equal maxima, the first NaN, all -inf rows, tails past the last 16 values."""
+    torch.manual_seed(vocab)
+    logits = torch.randn(6, vocab)
+    logits[1] = float("-inf")
+    if vocab > 3:
+        logits[2, [1, vocab - 2]] = 50.0  # a tie: the first wins
+        logits[3, vocab - 1] = 50.0  # the maximum in the tail
+        logits[4, [vocab // 2, vocab - 1]] = float("nan")  # the first NaN, as torch answers
+        logits[5] = 0.0
+    assert torch.equal(ops.argmax_rows(logits), logits.argmax(dim=-1))
+    assert ops.argmax_rows(torch.empty(0, vocab)).shape == (0,)

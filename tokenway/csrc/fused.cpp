@@ -6,6 +6,8 @@
 //                       written to their cache slots, q returned: all in the cache's dtype.
 //   add_rms_norm_       residual += x; x = rms_norm(residual) * weight  (both in place, float32)
 //   silu_and_mul        silu(gate) * up of a fused gate_up row
+//   rms_norm            x * rsqrt(mean(x^2) + eps) * weight (the first layer's input, the final norm)
+//   argmax_rows         each row's greedy token (a sampler's common path)
 //
 // Float32 arithmetic as torch's operators do it (products rounded before sums where torch rounds
 // them; bfloat16 rounding to nearest even, c10::BFloat16's own), so outputs equal the torch
@@ -103,12 +105,24 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos_table, co
   return q;
 }
 
+// out = residual * rsqrt(mean(residual^2) + eps) * weight for one row.
+inline void norm_row(const float* residual, const float* weight, float* out, int64_t hidden, float eps) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < hidden; ++i) sum += residual[i] * residual[i];
+  const float inv = 1.0f / std::sqrt(sum / float(hidden) + eps);
+  for (int64_t i = 0; i < hidden; ++i) out[i] = residual[i] * inv * weight[i];
+}
+
+void check_norm(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.numel() == x.size(1),
+              "x (T, hidden) contiguous, weight (hidden,)");
+}
+
 void add_rms_norm_(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && residual.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "float32 only");
-  TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes() && x.is_contiguous() && residual.is_contiguous() &&
-                  weight.is_contiguous() && weight.numel() == x.size(1),
-              "x and residual (T, hidden) contiguous, weight (hidden,)");
+  check_norm(x, weight);
+  TORCH_CHECK(residual.scalar_type() == at::kFloat && x.sizes() == residual.sizes() && residual.is_contiguous(),
+              "residual (T, hidden) float32, contiguous");
   const int64_t rows = x.size(0), hidden = x.size(1);
   float* xs = x.data_ptr<float>();
   float* rs = residual.data_ptr<float>();
@@ -117,15 +131,72 @@ void add_rms_norm_(at::Tensor x, at::Tensor residual, const at::Tensor& weight, 
     for (int64_t row = first; row < last; ++row) {
       float* xr = xs + row * hidden;
       float* rr = rs + row * hidden;
-      float sum = 0.0f;
-      for (int64_t i = 0; i < hidden; ++i) {
-        rr[i] += xr[i];
-        sum += rr[i] * rr[i];
-      }
-      const float inv = 1.0f / std::sqrt(sum / float(hidden) + float(eps));
-      for (int64_t i = 0; i < hidden; ++i) xr[i] = rr[i] * inv * w[i];
+      for (int64_t i = 0; i < hidden; ++i) rr[i] += xr[i];
+      norm_row(rr, w, xr, hidden, float(eps));
     }
   });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm(x, weight);
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  const float* xs = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+    for (int64_t row = first; row < last; ++row) norm_row(xs + row * hidden, w, os + row * hidden, hidden, float(eps));
+  });
+  return out;
+}
+
+// The index of each row's largest value, the first where several tie and the first NaN where
+// there is one (torch.argmax's answers), vectorised: torch's reduction reads ~1 value a
+// nanosecond, 0.5 ms a step for 16 rows of a 49,152-token vocabulary.
+int64_t argmax_row(const float* x, int64_t n) {
+  int64_t i = 0, best = 0;
+  float best_value = x[0];
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 values = _mm512_loadu_ps(x);
+    __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i lanes = index;
+    __mmask16 nan = _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q);
+    for (i = 16; i + 16 <= n && !nan; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      const __m512i at = _mm512_add_epi32(lanes, _mm512_set1_epi32(int(i)));
+      const __mmask16 greater = _mm512_cmp_ps_mask(v, values, _CMP_GT_OQ);  // strict: a tie keeps the earlier
+      values = _mm512_mask_blend_ps(greater, values, v);
+      index = _mm512_mask_blend_epi32(greater, index, at);
+      nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    if (nan) {
+      i = 0;  // a NaN: the scalar scan below finds the first
+    } else {
+      best_value = _mm512_reduce_max_ps(values);
+      const __mmask16 top = _mm512_cmp_ps_mask(values, _mm512_set1_ps(best_value), _CMP_EQ_OQ);
+      best = _mm512_mask_reduce_min_epi32(top, index);
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > best_value) best_value = x[i], best = i;
+  }
+  return best;
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.size(1) > 0,
+              "logits (rows, vocab) float32, contiguous, vocab > 0");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
+    for (int64_t row = first; row < last; ++row) o[row] = argmax_row(x + row * n, n);
+  });
+  return out;
 }
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
@@ -160,4 +231,6 @@ TORCH_LIBRARY(tokenway_fused, m) {
         &rope_and_cache);
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm_);
   m.def("silu_and_mul(Tensor gate_up) -> Tensor", &silu_and_mul);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("argmax_rows(Tensor logits) -> Tensor", &argmax_rows);
 }

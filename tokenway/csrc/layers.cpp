@@ -87,6 +87,7 @@ struct Ops {
       rope_and_cache;
   c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, const at::Tensor&, double)> add_rms_norm_;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, int64_t, double, const std::optional<at::Tensor>&,
                                       const std::optional<at::Tensor>&)>
@@ -105,6 +106,8 @@ struct Ops {
           d.findSchemaOrThrow("tokenway_fused::add_rms_norm_", "")
               .typed<void(at::Tensor, at::Tensor, const at::Tensor&, double)>(),
           d.findSchemaOrThrow("tokenway_fused::silu_and_mul", "").typed<at::Tensor(const at::Tensor&)>(),
+          d.findSchemaOrThrow("tokenway_fused::rms_norm", "")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(),
           d.findSchemaOrThrow("tokenway_attention::paged_decode_attention", "")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, int64_t, double, const std::optional<at::Tensor>&,
@@ -120,7 +123,7 @@ at::Tensor decode(const c10::intrusive_ptr<Stack>& s, const at::Tensor& x, const
                   const std::optional<at::Tensor>& prefix_leaders, const std::optional<at::Tensor>& prefix_lens) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x (T, hidden) float32");
   const Ops& ops = Ops::get();
-  const int64_t tokens = x.size(0), hidden = x.size(1), q_size = s->heads * s->head_dim;
+  const int64_t tokens = x.size(0), q_size = s->heads * s->head_dim;
   const c10::string_view products(s->products);
   auto linear = [&](const at::Tensor& input, const Matmul& w) {
     return ops.quant_linear.call(input, w.codes, w.d, w.m, w.n, w.bits, products, w.bias);
@@ -131,7 +134,7 @@ at::Tensor decode(const c10::intrusive_ptr<Stack>& s, const at::Tensor& x, const
   for (size_t l = 0; l < s->layers.size(); ++l) {
     const Layer& layer = s->layers[l];
     if (l == 0)
-      h = at::rms_norm(residual, {hidden}, layer.input_norm, s->eps);
+      h = ops.rms_norm.call(residual, layer.input_norm, s->eps);
     else
       ops.add_rms_norm_.call(h, residual, layer.input_norm, s->eps);
     const at::Tensor q = ops.rope_and_cache.call(linear(h, layer.qkv), s->cos_table, s->sin_table, positions,

@@ -111,7 +111,9 @@ class ModelRunner:
         ]
         if not sample_index:
             return torch.empty(0, self.model.config.vocab_size)
-        return self.model.compute_logits(hidden[torch.tensor(sample_index, device=self.device)]).cpu()
+        if sample_index != list(range(hidden.shape[0])):  # else a decode-only step: every row samples, in order
+            hidden = hidden.index_select(0, torch.tensor(sample_index, device=self.device))
+        return self.model.compute_logits(hidden).cpu()
 
     def _shared_prefixes(self, tables: list[list[int]], context_lens: list[int]) -> list[tuple[list[int], int]]:
         """Decode rows whose contexts start with the same cached blocks (a system prompt the prefix

@@ -193,7 +193,7 @@ class LlamaDecoderLayer(nn.Module):
         """(this layer's output, the residual stream before it): the residual add of the previous
         layer is fused into this layer's input norm (residual += x; x = norm(residual))."""
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, x = x, ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
         else:
             ops.add_rms_norm_(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
         x = self.self_attn.forward_fused(x, rope, kv_cache, meta, ops)
@@ -229,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.embed_tokens[input_ids]  # (T, hidden)
+        x = self.embed_tokens.index_select(0, input_ids)  # (T, hidden)
         if self.decode_stack is not None and self.decode_stack.takes(x.shape[0], kv_caches, meta):
             return self.decode_stack(x, positions, meta)
         if self.fused is not None:
@@ -246,6 +246,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32; the final norm runs only on the N rows that sample."""
+        if self.fused is not None:
+            return self.head(self.fused.rms_norm(hidden, self.norm.weight, self.norm.eps))
         return self.head(self.norm(hidden))
 
     def use_fused_kernels(self) -> bool:
