@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import threading
+import time
 
 import httpx
 import pytest
@@ -61,3 +64,41 @@ def test_sigterm_lets_the_in_flight_stream_finish_then_exits_0(default_model_dir
     finish = [line for line in lines if '"finish_reason":"length"' in line]
     assert finish, lines[-5:]
     assert "tokenway: stopped" in server.read_log()
+
+
+def test_the_engine_process_killed_under_load_is_restarted(default_model_dir):
+    """With --engine-process the engine runs in its own process: killed mid-stream, the stream
+    ends with an error event (no hang), new calls get 503 + Retry-After and /ready says not
+    ready until it is back, then the server serves again without being restarted itself."""
+    server = Server("--engine-process")
+    try:
+        engine_pid = server.stats()["engine_pid"]
+        assert engine_pid not in (None, server.process.pid)
+        lines: list[str] = []
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to a thousand."}],
+                "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                lines.append(line)
+                if len(lines) == 6:
+                    os.kill(engine_pid, signal.SIGKILL)
+        errors = [json.loads(line[6:]) for line in lines if line.startswith("data: {") and '"error"' in line]
+        assert errors and errors[-1]["error"]["type"] == "internal_error", lines[-4:]
+        assert "engine stopped" in errors[-1]["error"]["message"]
+
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        refused = httpx.post(f"{server.base_url}/v1/chat/completions", json=chat, timeout=10)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "engine_unavailable"
+        assert httpx.get(f"{server.base_url}/ready", timeout=5).status_code == 503
+
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{server.base_url}/ready", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, server.read_log()[-2000:]
+            time.sleep(0.2)
+        assert server.stats()["engine_restarts"] == 1 and server.stats()["engine_pid"] != engine_pid
+        again = httpx.post(f"{server.base_url}/v1/chat/completions", json=chat, timeout=60)
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] > 0
+    finally:
+        assert server.stop() == 0, server.read_log()[-3000:]

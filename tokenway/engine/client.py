@@ -1,9 +1,10 @@
-"""AsyncEngine: the engine for asyncio callers (the HTTP server).
+"""The engine for asyncio callers (the HTTP server): EngineClient, and AsyncEngine, which steps
+an EngineCore in a thread of this process. engine/process.py's ProcessEngine steps it in a
+child process behind the same interface (what `tokenway serve` runs).
 
-The EngineCore steps in its own thread; the event loop never waits on the model. Commands
-(add, abort) cross into the thread through a queue; each step's outputs cross back with
-one call_soon_threadsafe into a per-request asyncio.Queue. Detokenizing and stop strings
-run in the engine thread, so a stop string ends the request in the same step.
+Commands (add, abort) cross to the engine through a queue; each step's outputs are folded into
+RequestOutputs (detokenizing, stop strings: fold_outputs) and cross back with one
+call_soon_threadsafe into a per-request asyncio.Queue.
 
     async for output in engine.generate(prompt_token_ids, params, request_id):
         ...           # RequestOutput with delta_text / delta_token_ids
@@ -21,15 +22,17 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from tokenway.config import EngineConfig
-from tokenway.engine.core import EngineCore
+from tokenway.engine.core import EngineCore, PromptChecker
 from tokenway.engine.request import SamplingParams
+from tokenway.engine.scheduler import EngineOutput
 from tokenway.frontend.output import RequestOutput, RequestState
+from tokenway.frontend.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread has stopped; no request can be served."""
+    """The engine has stopped (or is restarting); no request can be served now."""
 
 
 @dataclass(slots=True)
@@ -44,7 +47,114 @@ class _Abort:
     request_id: str
 
 
-class AsyncEngine:
+def fold_outputs(live: dict[str, _Add], engine_outputs: list[EngineOutput]
+                 ) -> tuple[list[tuple[_Add, RequestOutput]], list[tuple[str, str | None]]]:
+    """Fold one step's outputs into their requests: (what to deliver, requests a stop string
+    ended that the engine must now finish: (request_id, stop_reason)). Finished requests leave
+    `live`; outputs of requests no longer live are dropped."""
+    deliveries, stopped = [], []
+    for engine_output in engine_outputs:
+        entry = live.get(engine_output.request_id)
+        if entry is None:
+            continue
+        result = entry.state.process(engine_output)
+        completion = result.outputs[0]
+        if result.finished:
+            del live[engine_output.request_id]
+            if not engine_output.finished:  # a stop string matched
+                stopped.append((engine_output.request_id, completion.stop_reason))
+        if completion.delta_text or completion.delta_token_ids or result.finished:
+            deliveries.append((entry, result))
+    return deliveries, stopped
+
+
+def deliver(items: list[tuple[_Add, object]]) -> None:
+    """Hand results (RequestOutputs or exceptions) to their callers: one wake-up per event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+    for entry, item in items:
+        by_loop.setdefault(entry.loop, []).append((entry.outputs, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # that event loop is closed; nobody is listening
+            pass
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for outputs, item in batch:
+        outputs.put_nowait(item)
+
+
+class EngineClient:
+    """The asyncio side of an engine: what callers may read of it (tokenizer, vocab_size,
+    max_model_len, stats()), the checks it would refuse a prompt for, and generate/abort.
+    Subclasses say where the engine runs (_submit, stats, is_alive, shutdown)."""
+
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_model_len: int
+    _prompts: PromptChecker
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        """What runs, what waits, how full the KV cache is (EngineCore.snapshot; may be one step stale)."""
+        raise NotImplementedError
+
+    @property
+    def is_alive(self) -> bool:
+        raise NotImplementedError
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        raise NotImplementedError
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (naming the field) for what the engine would refuse: ids outside the
+        vocabulary, a prompt over the window, a response_format that cannot be compiled;
+        EngineDeadError when no engine is running to take it."""
+        self._prompts.check(prompt_token_ids, params)
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield a RequestOutput per step that releases something; the last has finished=True.
+        Raises ValueError (before anything runs) for a bad prompt, EngineDeadError when the
+        engine is down or dies meanwhile. Leaving the loop early, or cancelling the task,
+        aborts the request in the engine within one step."""
+        self.validate_prompt(prompt_token_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        outputs: asyncio.Queue = asyncio.Queue()
+        state = RequestState(request_id, prompt, list(prompt_token_ids), params, self.tokenizer)
+        self._submit(_Add(state, outputs, asyncio.get_running_loop()))
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._submit(_Abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._submit(_Abort(request_id))
+
+
+class AsyncEngine(EngineClient):
+    """The EngineCore stepped by a thread of this process (tests and embedding; `tokenway
+    serve` runs engine/process.py's ProcessEngine)."""
+
     def __init__(self, config: EngineConfig | None = None, core: EngineCore | None = None) -> None:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request_id -> (state, queue, loop); touched only by the engine thread.
@@ -63,57 +173,13 @@ class AsyncEngine:
         self.tokenizer = self.core.tokenizer
         self.vocab_size = self.core.model_config.vocab_size
         self.max_model_len = self.core.max_model_len
+        self._prompts = self.core.prompts
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        self._commands.put(command)
 
     def stats(self) -> dict:
-        """What runs, what waits, how full the KV cache is (counts read without a lock: a
-        snapshot may be one step stale, never torn within a number)."""
-        core = self.core
-        kv = core.kv_manager
-        return {"num_running": len(core.scheduler.running), "num_waiting": len(core.scheduler.waiting),
-                "kv_blocks_total": kv.num_blocks, "kv_blocks_free": kv.num_free_blocks,
-                "prefix_cache_hit_rate": kv.prefix_cache_hit_rate, "prefix_cache_queried_tokens": kv.num_queried_tokens,
-                "prefix_cache_hit_tokens": kv.num_hit_tokens, "num_preemptions": core.scheduler.num_preemptions}
-
-    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError (naming the field) for what the engine would refuse: ids outside the
-        vocabulary, a prompt over the window, a response_format that cannot be compiled."""
-        self.core.validate_prompt(prompt_token_ids, params)
-
-    # -- asyncio side ----------------------------------------------------------------
-
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        prompt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield a RequestOutput per step that releases something; the last has finished=True.
-        Raises ValueError (before anything runs) for a bad prompt. Leaving the loop early,
-        or cancelling the task, aborts the request in the engine within one step."""
-        if self._stopped.is_set():
-            raise EngineDeadError("the engine has stopped") from self._error
-        self.validate_prompt(prompt_token_ids, params)
-        request_id = request_id or uuid.uuid4().hex
-        outputs: asyncio.Queue = asyncio.Queue()
-        state = RequestState(request_id, prompt, list(prompt_token_ids), params, self.tokenizer)
-        self._commands.put(_Add(state, outputs, asyncio.get_running_loop()))
-        finished = False
-        try:
-            while True:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self._commands.put(_Abort(request_id))
-
-    async def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        return self.core.snapshot()  # read without a lock: a count may be one step stale, never torn
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._commands.put(None)
@@ -151,29 +217,20 @@ class AsyncEngine:
                 except Exception as exc:  # a bug or a device failure: fail these requests, keep serving
                     logger.exception("engine step failed; aborting %d requests", len(self._live))
                     core.abort_requests(list(self._live))
-                    self._deliver([(live, exc) for live in self._live.values()])
+                    deliver([(live, exc) for live in self._live.values()])
                     self._live.clear()
                     continue
-                deliveries = []
-                for engine_output in engine_outputs:
-                    live = self._live.get(engine_output.request_id)
-                    if live is None:
-                        continue
-                    result = live.state.process(engine_output)
-                    if result.finished:
-                        del self._live[engine_output.request_id]
-                        if not engine_output.finished:  # a stop string matched
-                            core.finish_request(engine_output.request_id, result.outputs[0].stop_reason)
-                    if result.outputs[0].delta_text or result.outputs[0].delta_token_ids or result.finished:
-                        deliveries.append((live, result))
-                self._deliver(deliveries)
+                deliveries, stopped = fold_outputs(self._live, engine_outputs)
+                for request_id, stop_reason in stopped:  # in the same step: nothing more is computed
+                    core.finish_request(request_id, stop_reason)
+                deliver(deliveries)
         except BaseException as exc:  # pragma: no cover - the thread must never die silently
             logger.exception("engine thread died")
             self._error = exc
         finally:
             self._stopped.set()
             dead = EngineDeadError("the engine stopped")
-            self._deliver([(live, dead) for live in self._live.values()])
+            deliver([(live, dead) for live in self._live.values()])
             self._live.clear()
 
     def _drain(self, block: bool) -> bool:
@@ -192,26 +249,10 @@ class AsyncEngine:
                 try:
                     self.core.add_request(request_id, command.state.prompt_token_ids, command.state.params)
                 except ValueError as exc:
-                    self._deliver([(command, exc)])
+                    deliver([(command, exc)])
                     continue
                 self._live[request_id] = command
             elif (live := self._live.pop(command.request_id, None)) is not None:
                 # The caller may still be listening (an explicit abort): tell it.
                 for engine_output in self.core.abort_requests([command.request_id]):
-                    self._deliver([(live, live.state.process(engine_output))])
-
-    @staticmethod
-    def _deliver(items: list[tuple[_Add, object]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
-        for live, item in items:
-            by_loop.setdefault(live.loop, []).append((live.outputs, item))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:  # that event loop is closed; nobody is listening
-                pass
-
-
-def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
-    for outputs, item in batch:
-        outputs.put_nowait(item)
+                    deliver([(live, live.state.process(engine_output))])

@@ -57,6 +57,51 @@ def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.
     return device, torch.bfloat16 if cpu_has_bf16() else torch.float32
 
 
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The context window served: the config's, which may not exceed the model's."""
+    if config.max_model_len and config.max_model_len > model_config.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len: {config.max_model_len} exceeds the model's context window "
+            f"({model_config.max_position_embeddings})"
+        )
+    return min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
+
+
+def eos_token_ids(tokenizer: Tokenizer, model_config: ModelConfig) -> frozenset[int]:
+    return frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptChecker:
+    """What the engine refuses before a request runs, checkable without the weights (an engine
+    in another process checks here, on the caller's side, so a refusal is a 400 before any byte
+    of a stream): ids outside the vocabulary, a prompt over the window, a response_format that
+    cannot be compiled. Raises ValueError naming the field."""
+
+    vocab_size: int
+    max_model_len: int
+    structured_output: StructuredOutputManager
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt: must not be empty")
+        vocab_size = self.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens do not fit the context window of "
+                f"{self.max_model_len} tokens (at least one output token is needed)"
+            )
+        if params.logit_bias:
+            bad = next((t for t in params.logit_bias if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        if params.structured_output is not None:
+            self.structured_output.compile(params.structured_output)  # cached: add_request reuses it
+
+
 @dataclass(slots=True)
 class StepStats:
     num_steps: int = 0
@@ -92,13 +137,7 @@ class EngineCore:
         backends = select_kernels(model.linear_kernels(), config.linear_kernels)
         packed = sum(backend == "onednn" for backend in backends.values())
 
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
-        if config.max_model_len and config.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len: {config.max_model_len} exceeds the model's context window "
-                f"({self.model_config.max_position_embeddings})"
-            )
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
         block_bytes = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
         num_blocks = config.kv_cache_memory // block_bytes
         if num_blocks * config.block_size < self.max_model_len:
@@ -108,7 +147,7 @@ class EngineCore:
                 f"raise kv_cache_memory to at least {-(-self.max_model_len // config.block_size) * block_bytes} "
                 f"or lower max_model_len"
             )
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, namespace=str(model_dir)
         )
@@ -118,6 +157,7 @@ class EngineCore:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device)
         self.sampler = Sampler()
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.prompts = PromptChecker(self.model_config.vocab_size, self.max_model_len, self.structured_output)
         self.stats = StepStats()
         if config.show_progress:
             print(
@@ -132,23 +172,7 @@ class EngineCore:
     # -- requests -----------------------------------------------------------------
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise ValueError("prompt: must not be empty")
-        vocab_size = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(prompt_token_ids)} tokens do not fit the context window of "
-                f"{self.max_model_len} tokens (at least one output token is needed)"
-            )
-        if params.logit_bias:
-            bad = next((t for t in params.logit_bias if not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
-        if params.structured_output is not None:
-            self.structured_output.compile(params.structured_output)  # cached: add_request reuses it
+        self.prompts.check(prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.validate_prompt(prompt_token_ids, params)
@@ -162,6 +186,15 @@ class EngineCore:
 
     def finish_request(self, request_id: str, stop_reason: str | None = None) -> None:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
+
+    def snapshot(self) -> dict:
+        """What runs, what waits, how full the KV cache is: the engine's published counts."""
+        kv = self.kv_manager
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_blocks_total": kv.num_blocks, "kv_blocks_free": kv.num_free_blocks,
+                "prefix_cache_hit_rate": kv.prefix_cache_hit_rate, "prefix_cache_queried_tokens": kv.num_queried_tokens,
+                "prefix_cache_hit_tokens": kv.num_hit_tokens, "num_preemptions": self.scheduler.num_preemptions,
+                "num_steps": self.stats.num_steps}
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished_requests > 0

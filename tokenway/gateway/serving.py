@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 from starlette.responses import JSONResponse, Response
 
-from tokenway.engine.client import AsyncEngine
+from tokenway.engine.client import EngineClient, EngineDeadError
 from tokenway.engine.request import SamplingParams
 from tokenway.engine.structured_output import StructuredOutputSpec
 from tokenway.frontend.output import RequestOutput
@@ -52,7 +52,7 @@ class ServerConfig:
 
 @dataclass(slots=True)
 class ServerState:
-    engine: AsyncEngine
+    engine: EngineClient
     config: ServerConfig
     model_names: tuple[str, ...]
     gatekeeper: Gatekeeper | None = None  # None: no auth, limits or ledger (benchmarks only)
@@ -280,6 +280,11 @@ def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_to
     }
 
 
+def engine_unavailable() -> ServiceUnavailableError:
+    return ServiceUnavailableError("The engine is restarting; retry shortly.", retry_after=1,
+                                   code="engine_unavailable")
+
+
 class Generation:
     """One API call's engine work: prompt, per-choice params, the stage clock, the log line."""
 
@@ -306,6 +311,8 @@ class Generation:
                 state.engine.validate_prompt(prompt_token_ids, params)
             except ValueError as exc:
                 raise InvalidRequestError(str(exc), param=str(exc).split(":", 1)[0]) from None
+            except EngineDeadError:
+                raise engine_unavailable() from None
         self.completion_tokens = [0] * self.num_choices
         self.finish_reasons: list[str | None] = [None] * self.num_choices
         self.num_cached_tokens = 0
@@ -336,6 +343,10 @@ class Generation:
                 yield index, output
         except TokenwayError:
             raise
+        except EngineDeadError as exc:
+            if not any(self.completion_tokens):  # refused before it ran: the caller may retry
+                raise engine_unavailable() from exc
+            raise InternalServerError("The engine stopped while generating this request.") from exc
         except Exception as exc:
             # The engine failed this step (its thread logged the traceback): a plain 500.
             raise InternalServerError("The engine failed while generating this request.") from exc

@@ -1,0 +1,117 @@
+"""ProcessEngine (engine/process.py): the engine in a child process answers as the in-process
+engine does, streams, stops, aborts and refuses as it does, and outlives its process being
+killed: requests in flight fail, new ones are refused while it restarts, then it serves again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from tokenway.config import EngineConfig
+from tokenway.engine.client import EngineDeadError
+from tokenway.engine.process import ProcessEngine
+from tokenway.engine.request import SamplingParams
+
+TEXTS = ("The history of the printing press", "def fibonacci(n):")
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def offline(llm):
+    prompts = [{"prompt_token_ids": llm.tokenizer.encode(text, add_special_tokens=False)} for text in TEXTS]
+    return [output.outputs[0] for output in llm.generate(prompts, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_dir):
+    # The `llm` fixture's engine: float32 on float weights, so greedy text is comparable exactly.
+    engine = ProcessEngine(EngineConfig(model=str(default_model_dir), dtype="float32", quantization="none",
+                                        kv_cache_memory="256MiB", max_model_len=2048, max_num_batched_tokens=256,
+                                        show_progress=False))
+    yield engine
+    engine.shutdown()
+
+
+def ids(engine, text: str) -> list[int]:
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+async def collect(engine, prompt, params, request_id=None):
+    deltas, last = [], None
+    async for output in engine.generate(prompt, params, request_id):
+        deltas.append(output.outputs[0].delta_text)
+        last = output
+    return deltas, last
+
+
+def wait_until(condition, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def test_streams_what_the_in_process_engine_answers(engine, offline):
+    async def main():
+        return await asyncio.gather(*(collect(engine, ids(engine, text), GREEDY) for text in TEXTS))
+
+    assert engine.is_alive and engine.pid not in (None, os.getpid())
+    for (deltas, last), reference in zip(asyncio.run(main()), offline):
+        assert last.finished and last.outputs[0].finish_reason == "length"
+        assert last.outputs[0].token_ids == reference.token_ids and last.outputs[0].text == reference.text
+        assert "".join(deltas) == reference.text and len(deltas) > 5
+        assert last.metrics.first_scheduled_time <= last.metrics.first_token_time <= last.metrics.last_token_time
+
+
+def test_a_stop_string_ends_the_request_in_the_engine_too(engine, offline):
+    stop = offline[0].text.split()[3]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, stop=[stop])
+    deltas, last = asyncio.run(collect(engine, ids(engine, TEXTS[0]), params))
+    assert last.outputs[0].finish_reason == "stop" and last.outputs[0].stop_reason == stop
+    assert last.outputs[0].text == offline[0].text[: offline[0].text.index(stop)]
+    assert wait_until(lambda: engine.stats()["num_running"] == 0)  # told to finish, not left decoding to 64
+
+
+def test_leaving_early_aborts_in_the_engine(engine):
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+        async for output in engine.generate(ids(engine, TEXTS[1]), params):
+            if len(output.outputs[0].token_ids) >= 3:
+                break
+
+    asyncio.run(main())
+    assert wait_until(lambda: engine.stats()["num_running"] == 0 and engine.stats()["num_waiting"] == 0)
+    assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"]
+
+
+def test_bad_prompts_are_refused_on_the_callers_side(engine):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.validate_prompt([engine.vocab_size], GREEDY)
+    with pytest.raises(ValueError, match="context window"):
+        engine.validate_prompt([1] * engine.max_model_len, GREEDY)
+
+
+def test_a_killed_engine_fails_what_was_in_flight_and_comes_back(engine):
+    dead_pid = engine.pid
+
+    async def in_flight():
+        params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+        async for output in engine.generate(ids(engine, TEXTS[0]), params):
+            if len(output.outputs[0].token_ids) == 2:
+                os.kill(dead_pid, signal.SIGKILL)
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(asyncio.wait_for(in_flight(), 30))
+    assert not engine.is_alive
+    with pytest.raises(EngineDeadError):  # refused at once while it restarts, before anything queues
+        engine.validate_prompt(ids(engine, TEXTS[1]), GREEDY)
+    assert wait_until(lambda: engine.is_alive, timeout=120)
+    assert engine.pid != dead_pid and engine.stats()["engine_restarts"] == 1
+    _, last = asyncio.run(collect(engine, ids(engine, TEXTS[1]), GREEDY))
+    assert last.outputs[0].finish_reason == "length" and len(last.outputs[0].token_ids) == 16

@@ -1,0 +1,294 @@
+"""ProcessEngine: the EngineCore stepped in a child process (as vLLM v1 runs it), so the HTTP
+process never runs model code or waits on Python's GIL behind a step.
+
+    HTTP process                                        engine process (spawned)
+    generate() -> _Add ----- writer thread ---(pipe)--> add / abort / stop
+    deliver <- reader thread <-----------------(pipe)--- one message a step: RequestOutputs + snapshot
+
+The HTTP side keeps what a caller needs without the weights: the tokenizer, the window and
+the prompt checks (engine/core.PromptChecker), so a bad prompt is still a 400 before anything
+runs. The engine process folds each step's tokens into RequestOutputs itself (detokenizing and
+stop strings, in the step's thread as the in-process engine does, so a stop string ends the
+request in that step) and sends them in one pickled message, without the prompt, which the
+HTTP side puts back. (Folding on the HTTP side instead, vLLM's split, puts that work beside the
+step's OpenMP threads on a small machine rather than after the step; it measured no faster.)
+
+If the engine process dies, every request in flight ends with EngineDeadError, new ones are
+refused with it (the server answers 503 + Retry-After, /ready says not ready) and the process
+is started again, with a backoff while it keeps failing to start.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from tokenway.config import EngineConfig
+from tokenway.engine.client import EngineClient, EngineDeadError, _Abort, _Add, deliver, fold_outputs
+from tokenway.engine.core import PromptChecker, eos_token_ids, resolve_max_model_len
+from tokenway.engine.structured_output import StructuredOutputManager
+from tokenway.frontend.output import RequestState
+from tokenway.frontend.tokenizer import Tokenizer
+from tokenway.models.config import ModelConfig
+from tokenway.models.loader import resolve_model
+
+logger = logging.getLogger(__name__)
+
+RESTART_BACKOFF_SECONDS = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0)  # after the 1st, 2nd, ... failure in a row
+
+
+class ProcessEngine(EngineClient):
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        # Resolve (convert a GGUF, once) here, so the engine process only loads.
+        model_dir = resolve_model(config.model, config.cache_dir)
+        model_config = ModelConfig.from_dir(model_dir)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = resolve_max_model_len(config, model_config)
+        self._prompts = PromptChecker(self.vocab_size, self.max_model_len, StructuredOutputManager(
+            self.tokenizer, self.vocab_size, eos_token_ids(self.tokenizer, model_config)))
+        self._config = config
+        self._lock = threading.Lock()  # guards _live, _child, _alive
+        self._live: dict[str, _Add] = {}
+        self._child: _Child | None = None
+        self._alive = False
+        self._closing = False
+        self._snapshot: dict = {}
+        self.num_restarts = 0
+        child = _Child.start(config)  # the first start's failure is the caller's error
+        ready = child.wait_ready()
+        if isinstance(ready, BaseException):
+            raise ready
+        self._snapshot = ready
+        self._attach(child)
+
+    # -- caller side -------------------------------------------------------------------
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        with self._lock:
+            child = self._child if self._alive else None
+            if isinstance(command, _Add):
+                if child is None:
+                    deliver([(command, EngineDeadError("the engine is restarting"))])
+                    return
+                self._live[command.state.request_id] = command
+                state = command.state
+                child.send(("add", state.request_id, state.prompt_token_ids, state.params))
+            elif child is not None and command.request_id in self._live:
+                child.send(("abort", command.request_id))  # its final output arrives as the engine aborts it
+
+    def stats(self) -> dict:
+        return {**self._snapshot, "engine_pid": self.pid, "engine_restarts": self.num_restarts}
+
+    @property
+    def is_alive(self) -> bool:
+        return self._alive
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's pid (None while none runs)."""
+        child = self._child
+        return child.process.pid if child is not None and self._alive else None
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        with self._lock:
+            self._closing = True
+            self._alive = False
+            child = self._child
+        if child is not None:
+            child.stop(timeout)
+        self._fail_live(EngineDeadError("the engine stopped"))
+
+    # -- engine side, on the reader thread ---------------------------------------------
+
+    def _attach(self, child: _Child) -> None:
+        with self._lock:
+            self._child, self._alive = child, True
+        threading.Thread(target=self._read, args=(child,), name="tokenway-engine-reader", daemon=True).start()
+
+    def _read(self, child: _Child) -> None:
+        """Fold the engine's messages into their requests until its pipe closes; then restart it."""
+        try:
+            while True:
+                message = child.results.recv()
+                kind = message[0]
+                if kind == "step":
+                    _, outputs, refused, snapshot = message
+                    self._snapshot = snapshot
+                    deliveries = []
+                    with self._lock:
+                        for request_id, reason in refused:  # raced past the checks here (rare)
+                            if (entry := self._live.pop(request_id, None)) is not None:
+                                deliveries.append((entry, ValueError(reason)))
+                        for output in outputs:
+                            entry = self._live.get(output.request_id)
+                            if entry is None:  # aborted here meanwhile
+                                continue
+                            output.prompt, output.prompt_token_ids = entry.state.prompt, entry.state.prompt_token_ids
+                            if output.finished:
+                                del self._live[output.request_id]
+                            deliveries.append((entry, output))
+                    deliver(deliveries)
+                elif kind == "step_failed":  # the engine logged it and aborted everything
+                    self._fail_live(RuntimeError(message[1]))
+        except (EOFError, OSError):  # the engine process is gone
+            pass
+        except Exception:  # noqa: BLE001 - a message this side could not fold: never leave callers waiting
+            logger.exception("tokenway: reading the engine's outputs failed; restarting the engine")
+        self._restart(child)
+
+    def _fail_live(self, error: BaseException) -> None:
+        with self._lock:
+            failed = [(entry, error) for entry in self._live.values()]
+            self._live.clear()
+        deliver(failed)
+
+    def _restart(self, dead: _Child) -> None:
+        with self._lock:
+            self._alive = False
+            closing = self._closing
+        if closing:
+            return
+        code = dead.stop(0.5)
+        logger.error("tokenway: the engine process exited (code %s); %d requests in flight failed; restarting",
+                     code, len(self._live))
+        self._fail_live(EngineDeadError("the engine process exited while generating this request"))
+        failures = 0
+        while not self._closing:
+            time.sleep(RESTART_BACKOFF_SECONDS[min(failures, len(RESTART_BACKOFF_SECONDS) - 1)])
+            child = _Child.start(self._config)
+            ready = child.wait_ready()
+            if not isinstance(ready, BaseException):
+                self.num_restarts += 1
+                self._snapshot = ready
+                logger.warning("tokenway: the engine process is back (pid %d)", child.process.pid)
+                self._attach(child)
+                return
+            child.stop(0.5)
+            failures += 1
+            logger.error("tokenway: the engine process failed to start again (%s)", ready)
+
+
+class _Child:
+    """One engine process and its two pipes; commands are sent by a writer thread, so a large
+    prompt never blocks the event loop on a full pipe while the engine is mid-step."""
+
+    def __init__(self, process, commands: Connection, results: Connection) -> None:
+        self.process, self.commands, self.results = process, commands, results
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._write, name="tokenway-engine-writer", daemon=True).start()
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> _Child:
+        context = multiprocessing.get_context("spawn")  # never fork a process holding torch's thread pools
+        commands_read, commands_write = context.Pipe(duplex=False)
+        results_read, results_write = context.Pipe(duplex=False)
+        process = context.Process(target=_engine_main, args=(config, commands_read, results_write),
+                                  name="tokenway-engine", daemon=True)
+        process.start()
+        commands_read.close()  # the child's ends: this process keeps only its own
+        results_write.close()
+        return cls(process, commands_write, results_read)
+
+    def wait_ready(self) -> dict | BaseException:
+        """The engine's first snapshot, or why it could not start."""
+        try:
+            message = self.results.recv()
+        except (EOFError, OSError):
+            self.process.join(1.0)
+            return EngineDeadError(f"the engine process exited while loading (code {self.process.exitcode})")
+        if message[0] == "ready":
+            return message[1]
+        _, text, is_value_error = message
+        return ValueError(text) if is_value_error else RuntimeError(text)
+
+    def send(self, message: tuple) -> None:
+        self._outbox.put(message)
+
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self.commands.send(message)
+            except (OSError, ValueError):  # the engine is gone: the reader restarts it
+                return
+
+    def stop(self, timeout: float) -> int | None:
+        """Ask the engine to exit, then make sure it has; its exit code."""
+        self._outbox.put(("stop",))
+        self._outbox.put(None)
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5.0)
+        return self.process.exitcode
+
+
+def _engine_main(config: EngineConfig, commands: Connection, results: Connection) -> None:
+    """The engine process: load, then step while there is work, reading commands between steps."""
+    from tokenway.engine.core import EngineCore
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which stops this process
+    try:
+        core = EngineCore(config)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        results.send(("failed", str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}",
+                      isinstance(exc, ValueError)))
+        return
+    results.send(("ready", core.snapshot()))
+    # request_id -> its RequestState: outputs are folded (detokenized, stop strings) here, in the
+    # step's own thread, as the in-process engine does; one message a step carries the results.
+    live: dict[str, _Folding] = {}
+    while True:
+        aborted, refused = [], []
+        # Wait for a command only when there is nothing to step; then take all that are queued.
+        # (The parent's exit closes the pipe: EOF ends this process.)
+        try:
+            pending = not core.has_unfinished_requests() or commands.poll()
+            while pending:
+                command = commands.recv()
+                kind = command[0]
+                if kind == "add":
+                    _, request_id, prompt_token_ids, params = command
+                    try:
+                        core.add_request(request_id, prompt_token_ids, params)
+                        live[request_id] = _Folding(RequestState(request_id, None, prompt_token_ids, params,
+                                                                 core.tokenizer))
+                    except ValueError as exc:
+                        refused.append((request_id, str(exc)))
+                elif kind == "abort":
+                    aborted += core.abort_requests([command[1]])
+                else:  # "stop"
+                    return
+                pending = commands.poll()
+        except (EOFError, OSError):
+            return
+        engine_outputs = []
+        if core.has_unfinished_requests():
+            try:
+                engine_outputs = core.step()
+            except Exception as exc:  # a bug or a device failure: fail these requests, keep serving
+                logging.getLogger(__name__).exception("engine step failed; aborting %d requests", len(live))
+                core.abort_requests(list(live))
+                live.clear()
+                results.send(("step_failed", f"the engine failed while generating: {type(exc).__name__}"))
+                continue
+        deliveries, stopped = fold_outputs(live, aborted + engine_outputs)
+        for request_id, stop_reason in stopped:  # in the same step: nothing more is computed
+            core.finish_request(request_id, stop_reason)
+        outputs = []
+        for _, output in deliveries:
+            output.prompt = output.prompt_token_ids = None  # the parent has them: not sent each step
+            outputs.append(output)
+        results.send(("step", outputs, refused, core.snapshot()))
+
+
+@dataclass(slots=True)
+class _Folding:
+    state: RequestState
