@@ -10,6 +10,8 @@ import pytest
 from tokenway.engine.client import AsyncEngine
 from tokenway.engine.request import SamplingParams
 
+from .conftest import collect, prompt_ids
+
 PRINTING_PRESS = "The history of the printing press"
 GREEDY_20 = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -27,18 +29,6 @@ def engine(llm, offline):
     engine = AsyncEngine(core=llm.engine)
     yield engine
     engine.shutdown()
-
-
-def prompt_ids(engine: AsyncEngine, text: str) -> list[int]:
-    return engine.tokenizer.encode(text, add_special_tokens=False)
-
-
-async def collect(engine, prompt, params, request_id=None):
-    deltas, last = [], None
-    async for output in engine.generate(prompt, params, request_id):
-        deltas.append(output.outputs[0].delta_text)
-        last = output
-    return deltas, last
 
 
 def test_streams_deltas_that_add_up_to_the_offline_text(engine, offline):

@@ -16,6 +16,8 @@ from tokenway.engine.client import EngineDeadError
 from tokenway.engine.process import ProcessEngine
 from tokenway.engine.request import SamplingParams
 
+from .conftest import collect, prompt_ids
+
 TEXTS = ("The history of the printing press", "def fibonacci(n):")
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -36,18 +38,6 @@ def engine(default_model_dir):
     engine.shutdown()
 
 
-def ids(engine, text: str) -> list[int]:
-    return engine.tokenizer.encode(text, add_special_tokens=False)
-
-
-async def collect(engine, prompt, params, request_id=None):
-    deltas, last = [], None
-    async for output in engine.generate(prompt, params, request_id):
-        deltas.append(output.outputs[0].delta_text)
-        last = output
-    return deltas, last
-
-
 def wait_until(condition, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -59,7 +49,7 @@ def wait_until(condition, timeout: float = 5.0) -> bool:
 
 def test_streams_what_the_in_process_engine_answers(engine, offline):
     async def main():
-        return await asyncio.gather(*(collect(engine, ids(engine, text), GREEDY) for text in TEXTS))
+        return await asyncio.gather(*(collect(engine, prompt_ids(engine, text), GREEDY) for text in TEXTS))
 
     assert engine.is_alive and engine.pid not in (None, os.getpid())
     for (deltas, last), reference in zip(asyncio.run(main()), offline):
@@ -72,7 +62,7 @@ def test_streams_what_the_in_process_engine_answers(engine, offline):
 def test_a_stop_string_ends_the_request_in_the_engine_too(engine, offline):
     stop = offline[0].text.split()[3]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, stop=[stop])
-    deltas, last = asyncio.run(collect(engine, ids(engine, TEXTS[0]), params))
+    deltas, last = asyncio.run(collect(engine, prompt_ids(engine, TEXTS[0]), params))
     assert last.outputs[0].finish_reason == "stop" and last.outputs[0].stop_reason == stop
     assert last.outputs[0].text == offline[0].text[: offline[0].text.index(stop)]
     assert wait_until(lambda: engine.stats()["num_running"] == 0)  # told to finish, not left decoding to 64
@@ -81,7 +71,7 @@ def test_a_stop_string_ends_the_request_in_the_engine_too(engine, offline):
 def test_leaving_early_aborts_in_the_engine(engine):
     async def main():
         params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
-        async for output in engine.generate(ids(engine, TEXTS[1]), params):
+        async for output in engine.generate(prompt_ids(engine, TEXTS[1]), params):
             if len(output.outputs[0].token_ids) >= 3:
                 break
 
@@ -102,7 +92,7 @@ def test_a_killed_engine_fails_what_was_in_flight_and_comes_back(engine):
 
     async def in_flight():
         params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
-        async for output in engine.generate(ids(engine, TEXTS[0]), params):
+        async for output in engine.generate(prompt_ids(engine, TEXTS[0]), params):
             if len(output.outputs[0].token_ids) == 2:
                 os.kill(dead_pid, signal.SIGKILL)
 
@@ -110,8 +100,8 @@ def test_a_killed_engine_fails_what_was_in_flight_and_comes_back(engine):
         asyncio.run(asyncio.wait_for(in_flight(), 30))
     assert not engine.is_alive
     with pytest.raises(EngineDeadError):  # refused at once while it restarts, before anything queues
-        engine.validate_prompt(ids(engine, TEXTS[1]), GREEDY)
+        engine.validate_prompt(prompt_ids(engine, TEXTS[1]), GREEDY)
     assert wait_until(lambda: engine.is_alive, timeout=120)
     assert engine.pid != dead_pid and engine.stats()["engine_restarts"] == 1
-    _, last = asyncio.run(collect(engine, ids(engine, TEXTS[1]), GREEDY))
+    _, last = asyncio.run(collect(engine, prompt_ids(engine, TEXTS[1]), GREEDY))
     assert last.outputs[0].finish_reason == "length" and len(last.outputs[0].token_ids) == 16

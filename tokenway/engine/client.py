@@ -1,6 +1,7 @@
 """The engine for asyncio callers (the HTTP server): EngineClient, and AsyncEngine, which steps
-an EngineCore in a thread of this process. engine/process.py's ProcessEngine steps it in a
-child process behind the same interface (what `tokenway serve` runs).
+an EngineCore in a thread of this process (what `tokenway serve` runs by default).
+engine/process.py's ProcessEngine steps it in a child process behind the same interface
+(`tokenway serve --engine-process`).
 
 Commands (add, abort) cross to the engine through a queue; each step's outputs are folded into
 RequestOutputs (detokenizing, stop strings: fold_outputs) and cross back with one
@@ -152,8 +153,8 @@ class EngineClient:
 
 
 class AsyncEngine(EngineClient):
-    """The EngineCore stepped by a thread of this process (tests and embedding; `tokenway
-    serve` runs engine/process.py's ProcessEngine)."""
+    """The EngineCore stepped by a thread of this process: `tokenway serve`'s default, tests and
+    embedding (`--engine-process` runs engine/process.py's ProcessEngine instead)."""
 
     def __init__(self, config: EngineConfig | None = None, core: EngineCore | None = None) -> None:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
