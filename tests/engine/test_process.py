@@ -68,6 +68,20 @@ def test_a_stop_string_ends_the_request_in_the_engine_too(engine, offline):
     assert wait_until(lambda: engine.stats()["num_running"] == 0)  # told to finish, not left decoding to 64
 
 
+def test_logprobs_and_cached_tokens_cross_as_the_in_process_engine_gives_them(engine, llm):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    ids = llm.tokenizer.encode(TEXTS[1] * 3, add_special_tokens=False)
+    reference = llm.generate([{"prompt_token_ids": ids}], params)[0]
+    first = asyncio.run(collect(engine, list(ids), params))[1]
+    again = asyncio.run(collect(engine, list(ids), params))[1]  # the prompt's full blocks are cached now
+    completion = again.outputs[0]
+    assert completion.token_ids == reference.outputs[0].token_ids and len(completion.logprobs) == 12
+    for got, want in zip(completion.logprobs, reference.outputs[0].logprobs):
+        assert got.token_id == want.token_id and got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == len(ids) // 16 * 16
+
+
 def test_leaving_early_aborts_in_the_engine(engine):
     async def main():
         params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)

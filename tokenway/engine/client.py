@@ -99,6 +99,11 @@ class EngineClient:
     def _submit(self, command: _Add | _Abort) -> None:
         raise NotImplementedError
 
+    def _request_state(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams) -> RequestState:
+        """What folds this request's outputs on this side (the engine thread detokenizes with it)."""
+        return RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
+
     def stats(self) -> dict:
         """What runs, what waits, how full the KV cache is (EngineCore.snapshot; may be one step stale)."""
         raise NotImplementedError
@@ -132,7 +137,7 @@ class EngineClient:
         self.validate_prompt(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
         outputs: asyncio.Queue = asyncio.Queue()
-        state = RequestState(request_id, prompt, list(prompt_token_ids), params, self.tokenizer)
+        state = self._request_state(request_id, prompt, list(prompt_token_ids), params)
         self._submit(_Add(state, outputs, asyncio.get_running_loop()))
         finished = False
         try:

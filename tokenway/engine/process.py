@@ -3,14 +3,14 @@ process never runs model code or waits on Python's GIL behind a step.
 
     HTTP process                                        engine process (spawned)
     generate() -> _Add ----- writer thread ---(pipe)--> add / abort / stop
-    deliver <- reader thread <-----------------(pipe)--- one message a step: RequestOutputs + snapshot
+    deliver <- reader thread <-----------------(pipe)--- one message a step: each request's delta + snapshot
 
 The HTTP side keeps what a caller needs without the weights: the tokenizer, the window and
 the prompt checks (engine/core.PromptChecker), so a bad prompt is still a 400 before anything
 runs. The engine process folds each step's tokens into RequestOutputs itself (detokenizing and
 stop strings, in the step's thread as the in-process engine does, so a stop string ends the
-request in that step) and sends them in one pickled message, without the prompt, which the
-HTTP side puts back. (Folding on the HTTP side instead, vLLM's split, puts that work beside the
+request in that step) and sends what each step added (new text, token ids, logprobs) in one
+pickled message; the HTTP side rebuilds the RequestOutputs (_Remote). (Folding on the HTTP side instead, vLLM's split, puts that work beside the
 step's OpenMP threads on a small machine rather than after the step; it measured no faster.)
 
 If the engine process dies, every request in flight ends with EngineDeadError, new ones are
@@ -32,8 +32,9 @@ from multiprocessing.connection import Connection
 from tokenway.config import EngineConfig
 from tokenway.engine.client import EngineClient, EngineDeadError, _Abort, _Add, deliver, fold_outputs
 from tokenway.engine.core import PromptChecker, eos_token_ids, resolve_max_model_len
+from tokenway.engine.request import SamplingParams
 from tokenway.engine.structured_output import StructuredOutputManager
-from tokenway.frontend.output import RequestState
+from tokenway.frontend.output import CompletionOutput, RequestMetrics, RequestOutput, RequestState
 from tokenway.frontend.tokenizer import Tokenizer
 from tokenway.models.config import ModelConfig
 from tokenway.models.loader import resolve_model
@@ -84,6 +85,10 @@ class ProcessEngine(EngineClient):
             elif child is not None and command.request_id in self._live:
                 child.send(("abort", command.request_id))  # its final output arrives as the engine aborts it
 
+    def _request_state(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams) -> _Remote:
+        return _Remote(request_id, prompt, prompt_token_ids, params)
+
     def stats(self) -> dict:
         return {**self._snapshot, "engine_pid": self.pid, "engine_restarts": self.num_restarts}
 
@@ -127,11 +132,11 @@ class ProcessEngine(EngineClient):
                         for request_id, reason in refused:  # raced past the checks here (rare)
                             if (entry := self._live.pop(request_id, None)) is not None:
                                 deliveries.append((entry, ValueError(reason)))
-                        for output in outputs:
-                            entry = self._live.get(output.request_id)
+                        for delta in outputs:
+                            entry = self._live.get(delta[0])
                             if entry is None:  # aborted here meanwhile
                                 continue
-                            output.prompt, output.prompt_token_ids = entry.state.prompt, entry.state.prompt_token_ids
+                            output = entry.state.apply(delta)
                             if output.finished:
                                 del self._live[output.request_id]
                             deliveries.append((entry, output))
@@ -282,13 +287,50 @@ def _engine_main(config: EngineConfig, commands: Connection, results: Connection
         deliveries, stopped = fold_outputs(live, aborted + engine_outputs)
         for request_id, stop_reason in stopped:  # in the same step: nothing more is computed
             core.finish_request(request_id, stop_reason)
-        outputs = []
-        for _, output in deliveries:
-            output.prompt = output.prompt_token_ids = None  # the parent has them: not sent each step
-            outputs.append(output)
-        results.send(("step", outputs, refused, core.snapshot()))
+        results.send(("step", [_step_delta(output) for _, output in deliveries], refused, core.snapshot()))
 
 
 @dataclass(slots=True)
 class _Folding:
     state: RequestState
+
+
+def _step_delta(output: RequestOutput) -> tuple:
+    """What one step added to a request, as a plain tuple (the cheapest thing to pickle): what
+    crosses the pipe grows with the step's new tokens, never with the request's length."""
+    completion = output.outputs[0]
+    new_logprobs = None
+    if completion.logprobs is not None and completion.delta_token_ids:
+        new_logprobs = completion.logprobs[len(completion.logprobs) - len(completion.delta_token_ids):]
+    metrics = output.metrics
+    return (output.request_id, completion.delta_text, completion.delta_token_ids, new_logprobs,
+            completion.finish_reason, completion.stop_reason, output.num_cached_tokens, output.cache_reason,
+            (metrics.arrival_time, metrics.first_scheduled_time, metrics.first_token_time, metrics.last_token_time))
+
+
+class _Remote:
+    """A request on the HTTP side: its RequestOutputs rebuilt from the engine process's step
+    deltas (the same values the engine thread's RequestState hands out; the engine process
+    detokenized and matched the stop strings)."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "text", "token_ids", "logprobs")
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams) -> None:
+        self.request_id, self.prompt, self.prompt_token_ids, self.params = request_id, prompt, prompt_token_ids, params
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+
+    def apply(self, delta: tuple) -> RequestOutput:
+        _, text, token_ids, new_logprobs, finish_reason, stop_reason, num_cached_tokens, cache_reason, times = delta
+        self.text += text
+        self.token_ids.extend(token_ids)
+        if self.logprobs is not None and new_logprobs:
+            self.logprobs.extend(new_logprobs)
+        # Copies: the caller may still hold this output when the next step's arrives.
+        completion = CompletionOutput(0, self.text, list(self.token_ids), finish_reason, stop_reason,
+                                      None if self.logprobs is None else list(self.logprobs), text, list(token_ids))
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
+                             finished=finish_reason is not None, num_cached_tokens=num_cached_tokens,
+                             cache_reason=cache_reason, metrics=RequestMetrics(*times))

@@ -10,7 +10,9 @@
     ├── UnsupportedMediaTypeError      415 invalid_request_error   code unsupported_media_type
     ├── RateLimitError                 429 rate_limit_error        retry_after -> retry-after, retry-after-ms
     ├── InternalServerError            500 internal_error          the message never carries a traceback
-    └── ServiceUnavailableError        503 service_unavailable     code overloaded; retry_after as for 429
+    ├── BadGatewayError                502 upstream_error          a replica answered with an error or garbage
+    ├── ServiceUnavailableError        503 service_unavailable     code overloaded; retry_after as for 429
+    └── GatewayTimeoutError            504 timeout_error           the per-request deadline passed upstream
 
 The same error renders in either wire shape: `openai_error_body` gives
 {"error": {"message", "type", "param", "code"}}, `anthropic_error_body` gives
@@ -164,6 +166,23 @@ class ServiceUnavailableError(TokenwayError):
     def __init__(self, message: str, *, retry_after: float | None = None, code: str | None = None) -> None:
         super().__init__(message, code=code)
         self.retry_after = retry_after
+
+
+class BadGatewayError(TokenwayError):
+    """A replica (an upstream engine or provider) failed the call: an error status it sent,
+    a malformed stream, a connection that closed. The message says which replica, never its key."""
+
+    status = 502
+    type = "upstream_error"
+    anthropic_type = "api_error"
+    default_code = "upstream_error"
+
+
+class GatewayTimeoutError(TokenwayError):
+    status = 504
+    type = "timeout_error"
+    anthropic_type = "timeout_error"
+    default_code = "upstream_timeout"
 
 
 def openai_error_body(err: TokenwayError) -> dict[str, Any]:

@@ -1,0 +1,100 @@
+"""What crosses a replica boundary, whatever the replica is (the local engine, a tokenway
+worker, an OpenAI- or Anthropic-compatible upstream):
+
+    API adaptor ─► GenerationJob (frozen) ─► Replica.generate(job) ─► ReplicaEvent ... ─► Usage
+
+A job is built once, by the API adaptor, from the caller's typed body. Chat jobs carry the
+conversation in OpenAI's chat format (an Anthropic body is converted first, so any client
+API reaches any upstream API). Where tokenway knows the model's tokenizer it also carries
+the templated prompt_token_ids: the local engine and tokenway workers run those, and the
+balancer hashes them for prefix affinity; an upstream ignores them.
+
+A replica answers with ReplicaEvents, one per choice and piece as they arrive, and ends with
+exactly one Usage (its own count, or tokenway's where the upstream reports none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tokenway.engine.request import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationJob:
+    request_id: str
+    model: str  # the served name the caller asked for (a replica may know it by another name)
+    kind: Literal["chat", "completion"]
+    params: SamplingParams  # one choice's; n choices share them (each with its own seed)
+    n: int = 1
+    # chat: OpenAI chat-format messages and tools
+    messages: tuple[dict[str, Any], ...] = ()
+    tools: tuple[dict[str, Any], ...] | None = None
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    response_format: dict[str, Any] | None = None
+    # completion: the prompt text (None when the caller sent token ids)
+    prompt: str | None = None
+    # the templated prompt, where tokenway has the model's tokenizer
+    prompt_token_ids: tuple[int, ...] | None = None
+    # absolute time.monotonic() by which the call must be done (None: no deadline)
+    deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind == "chat" and not self.messages and self.prompt_token_ids is None:
+            raise ValueError("messages: a chat job needs messages")
+        if self.kind == "completion" and self.prompt is None and self.prompt_token_ids is None:
+            raise ValueError("prompt: a completion job needs a prompt or its token ids")
+        if self.n < 1:
+            raise ValueError(f"n: must be >= 1, got {self.n}")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of one tool call: the first piece of a call carries id and name, later ones
+    argument fragments (OpenAI's streamed delta.tool_calls)."""
+
+    index: int  # the call's position in the choice's list of calls
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceDelta:
+    """What one choice released since the last event. finish_reason is OpenAI's vocabulary
+    (stop, length, tool_calls, content_filter) and is set on the choice's last event only."""
+
+    index: int
+    text: str = ""
+    token_ids: tuple[int, ...] = ()  # where the replica reports them (tokenway engines)
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or token that ended it, if known
+    logprobs: tuple[Any, ...] | None = None  # engine TokenLogprob per new token, tokenway engines only
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """The call's token counts, sent once, after every choice has finished."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    counted_by: Literal["replica", "tokenizer", "estimate"] = "replica"  # who counted them
+
+
+ReplicaEvent = ChoiceDelta | Usage
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    """A replica's load as the balancer sees it; published by the replica, read by anyone."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_outstanding_tokens: int = 0  # prompt + max_tokens of calls this gateway has in flight there
+    kv_cache_usage: float | None = None  # 0..1, where the replica reports it
+    prefix_cache_hit_rate: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
