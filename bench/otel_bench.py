@@ -34,8 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tokenway.gateway.stages import STAGES  # noqa: E402
 from tokenway.observability.traces import Trace, TraceRing  # noqa: E402
+from tokenway.stages import STAGES  # noqa: E402
 
 BURST = 10
 

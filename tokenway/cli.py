@@ -175,8 +175,8 @@ def run_serve(options: dict) -> int:
 
     from tokenway.engine.client import AsyncEngine
     from tokenway.engine.process import ProcessEngine
-    from tokenway.gateway.app import create_app
-    from tokenway.gateway.serving import ServerConfig, ServerState
+    from tokenway.server.app import create_app
+    from tokenway.server.serving import ServerConfig, ServerState
 
     logging.basicConfig(level=options["log_level"].upper(), format="%(message)s", stream=sys.stderr)
     engine_config = EngineConfig(
@@ -290,8 +290,8 @@ def build_gatekeeper(options: dict):
     from tokenway.billing.ledger import Ledger
     from tokenway.billing.pricing import PriceTable
     from tokenway.gateway.auth import KeyStore
+    from tokenway.gateway.gatekeeper import Defaults, Gatekeeper
     from tokenway.gateway.limits import make_limiter
-    from tokenway.gateway.policy import Defaults, Gatekeeper
     from tokenway.keys_cli import default_db_path
 
     db = Path(options["db"]) if options["db"] else default_db_path()

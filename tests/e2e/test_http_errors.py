@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from tokenway.gateway.stages import STAGES
+from tokenway.stages import STAGES
 
 from .conftest import Server
 

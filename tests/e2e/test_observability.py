@@ -11,7 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenway.gateway.stages import STAGES
+from tokenway.stages import STAGES
 
 from .conftest import REPO, Server
 

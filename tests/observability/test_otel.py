@@ -14,9 +14,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
-from tokenway.gateway.stages import STAGES
 from tokenway.observability.otel import OtelExporter, traces_url
 from tokenway.observability.traces import Trace
+from tokenway.stages import STAGES
 
 STARTED_AT = 1_750_000_000.25
 PARENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

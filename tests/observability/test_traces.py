@@ -1,11 +1,11 @@
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenway.gateway.policy import CallRecord
-from tokenway.gateway.stages import STAGES, StageClock
+from tokenway.gateway.gatekeeper import CallRecord
 from tokenway.observability.metrics import Metrics
 from tokenway.observability.observer import Observer
 from tokenway.observability.traces import Trace, TraceRing, render_summary, render_waterfall, summarize
+from tokenway.stages import STAGES, StageClock
 
 ENGINE_STATS = {"num_running": 2, "num_waiting": 1, "num_pending_http": 3, "kv_blocks_total": 100,
                 "kv_blocks_free": 75, "prefix_cache_hit_rate": 0.25, "prefix_cache_queried_tokens": 400,

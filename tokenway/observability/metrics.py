@@ -20,8 +20,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tokenway.gateway.stages import STAGES
 from tokenway.observability.traces import Trace
+from tokenway.stages import STAGES
 
 # Buckets in seconds. Latency: 1 ms .. 2 min; per token: 1 ms .. 2.5 s; stages: 10 µs .. 2 min.
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

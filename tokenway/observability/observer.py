@@ -11,9 +11,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from tokenway.gateway.stages import STAGES
 from tokenway.observability.metrics import Metrics
 from tokenway.observability.traces import Trace, TraceRing, summarize
+from tokenway.stages import STAGES
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from tokenway.gateway.stages import STAGES
 from tokenway.observability.traces import Trace
+from tokenway.stages import STAGES
 
 _TRACES_PATH = "/v1/traces"
 _SHUTDOWN_TIMEOUT_S = 5.0

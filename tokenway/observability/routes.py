@@ -18,9 +18,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 
-from tokenway.gateway.admin_routes import check_admin_key
 from tokenway.observability.traces import Trace, summarize
 from tokenway.protocol.errors import AuthenticationError, NotFoundError
+from tokenway.server.admin_api import check_admin_key
 
 DASHBOARD_DIR = Path(__file__).parent / "dashboard"
 STATIC_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",

@@ -13,7 +13,7 @@ import statistics
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
-from tokenway.gateway.stages import STAGES, StageClock
+from tokenway.stages import STAGES, StageClock
 
 # Why the prefix cache stopped where it did (kv_cache/manager.py sets the first four).
 CACHE_EXPLANATIONS = {

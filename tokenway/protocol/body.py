@@ -9,7 +9,7 @@ ledger, a TypeError in the tokenizer):
     then the model's own schema (pydantic)
 
 Pure and picklable: the gateway runs it on the event loop for small bodies and in a worker
-process for large ones (gateway/body_parser.py).
+process for large ones (server/body_parser.py).
 """
 
 from __future__ import annotations

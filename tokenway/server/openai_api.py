@@ -8,9 +8,10 @@ from typing import Any, AsyncIterator, Callable
 from tokenway.engine.request import TokenLogprob, choice_params
 from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.tools import parse_tool_reply
-from tokenway.gateway import sse
-from tokenway.gateway.policy import CallRecord
-from tokenway.gateway.serving import (
+from tokenway.gateway.gatekeeper import CallRecord
+from tokenway.protocol.errors import ContextLengthExceededError, InvalidRequestError, openai_error_body
+from tokenway.server import sse
+from tokenway.server.serving import (
     Generation,
     ServerState,
     context_window,
@@ -19,8 +20,7 @@ from tokenway.gateway.serving import (
     new_id,
     structured_output_spec,
 )
-from tokenway.gateway.stages import StageClock
-from tokenway.protocol.errors import ContextLengthExceededError, InvalidRequestError, openai_error_body
+from tokenway.stages import StageClock
 
 
 class TokenText:

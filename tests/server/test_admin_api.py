@@ -6,9 +6,9 @@ from fastapi.testclient import TestClient
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from tokenway.gateway.admin_routes import admin_router
 from tokenway.gateway.keystore import KeyStore
 from tokenway.protocol.errors import TokenwayError, openai_error_body
+from tokenway.server.admin_api import admin_router
 
 ADMIN_KEY = "admin-0123456789abcdef"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

@@ -7,7 +7,7 @@ chunk by chunk as they arrive, into a worker process (so the loop never copies a
 body), whose answer comes back as the already-checked request model (schema caps bound what
 that model can hold, so unpickling it is quick).
 
-A worker is `python -m tokenway.gateway.body_parser`, talking over its stdin and stdout:
+A worker is `python -m tokenway.server.body_parser`, talking over its stdin and stdout:
 
     server -> worker   frame(pickle(request model class)), frame(chunk)..., frame(b"")
                        (or, where the body stops coming: the client left, it grew too large,

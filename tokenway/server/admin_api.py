@@ -21,10 +21,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from tokenway.gateway.auth import MAX_NAME_CHARS
-from tokenway.gateway.body_parser import BodyParser
-from tokenway.gateway.http import parse_body
 from tokenway.gateway.keystore import KeyStore, UnknownKeyError
 from tokenway.protocol.errors import AuthenticationError, InvalidRequestError, NotFoundError, truncate
+from tokenway.server.body_parser import BodyParser
+from tokenway.server.http import parse_body
 
 PositiveInt = Annotated[int, pydantic.Field(ge=1)]
 

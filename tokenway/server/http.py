@@ -13,8 +13,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tokenway.gateway.body_parser import BodyParser
 from tokenway.protocol.errors import UnsupportedMediaTypeError, truncate
+from tokenway.server.body_parser import BodyParser
 
 T = TypeVar("T", bound=pydantic.BaseModel)
 

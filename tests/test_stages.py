@@ -1,6 +1,6 @@
 import pytest
 
-from tokenway.gateway.stages import STAGES, StageClock
+from tokenway.stages import STAGES, StageClock
 
 
 def completed_clock() -> StageClock:

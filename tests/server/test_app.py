@@ -9,9 +9,9 @@ import asyncio
 import httpx
 import pytest
 
-from tokenway.gateway import openai_routes
-from tokenway.gateway.policy import Gatekeeper
+from tokenway.gateway.gatekeeper import Gatekeeper
 from tokenway.protocol.errors import AuthenticationError
+from tokenway.server import openai_api
 
 MODEL = "smollm2-135m-instruct"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -38,7 +38,7 @@ def test_a_gateway_bug_is_a_plain_500_with_a_request_id_and_a_ledger_row(app_and
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in the gateway")
 
-    monkeypatch.setattr(openai_routes, "prepare_chat", broken)
+    monkeypatch.setattr(openai_api, "prepare_chat", broken)
     failed, other = call(app, ("POST", "/v1/chat/completions", {"json": CHAT}),
                          ("POST", "/v1/completions", {"json": {"model": MODEL, "prompt": "hi", "max_tokens": 1}}))
     assert failed.status_code == 500 and failed.json()["error"]["type"] == "internal_error"

@@ -19,11 +19,7 @@ from tokenway.engine.request import SamplingParams
 from tokenway.engine.structured_output import StructuredOutputSpec
 from tokenway.frontend.output import RequestOutput
 from tokenway.frontend.tokenizer import PromptTooLong
-from tokenway.gateway import sse
-from tokenway.gateway.body_parser import BodyParser
-from tokenway.gateway.http import ClientDisconnected, unless_disconnected
-from tokenway.gateway.policy import CallRecord, Gatekeeper
-from tokenway.gateway.stages import StageClock
+from tokenway.gateway.gatekeeper import CallRecord, Gatekeeper
 from tokenway.observability.observer import Observer
 from tokenway.protocol.errors import (
     ContextLengthExceededError,
@@ -33,6 +29,10 @@ from tokenway.protocol.errors import (
     ServiceUnavailableError,
     TokenwayError,
 )
+from tokenway.server import sse
+from tokenway.server.body_parser import BodyParser
+from tokenway.server.http import ClientDisconnected, unless_disconnected
+from tokenway.stages import StageClock
 
 access_log = logging.getLogger("tokenway.access")
 logger = logging.getLogger(__name__)

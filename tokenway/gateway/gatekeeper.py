@@ -22,9 +22,9 @@ from tokenway.billing.ledger import Ledger, UsageRecord
 from tokenway.billing.pricing import PriceTable, cost_usd
 from tokenway.gateway.auth import ANONYMOUS, KeyStore, Principal, authorize_model, needs_auth, principal_for
 from tokenway.gateway.limits import Decision, Limiter, LimitSpec
-from tokenway.gateway.stages import StageClock
 from tokenway.observability.traces import Trace
 from tokenway.protocol.errors import AuthenticationError, InvalidRequestError, RateLimitError
+from tokenway.stages import StageClock
 
 logger = logging.getLogger(__name__)
 

@@ -7,11 +7,11 @@ import pytest
 from tokenway.billing.ledger import Ledger
 from tokenway.billing.pricing import PriceTable
 from tokenway.engine.client import AsyncEngine
-from tokenway.gateway.app import create_app
 from tokenway.gateway.auth import KeyStore
+from tokenway.gateway.gatekeeper import Defaults, Gatekeeper
 from tokenway.gateway.limits import InProcessLimiter
-from tokenway.gateway.policy import Defaults, Gatekeeper
-from tokenway.gateway.serving import ServerConfig, ServerState
+from tokenway.server.app import create_app
+from tokenway.server.serving import ServerConfig, ServerState
 
 
 @pytest.fixture()

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from tokenway.gateway.body_parser import BodyParser
 from tokenway.protocol.body import decode_json_body
 from tokenway.protocol.errors import InvalidRequestError, ServiceUnavailableError
 from tokenway.protocol.openai import ChatCompletionRequest
+from tokenway.server.body_parser import BodyParser
 
 
 def big_chat(**fields) -> bytes:

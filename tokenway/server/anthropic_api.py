@@ -11,10 +11,12 @@ from starlette.responses import Response
 
 from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.tools import parse_tool_reply
-from tokenway.gateway import sse
-from tokenway.gateway.http import EventStreamResponse
-from tokenway.gateway.policy import CallRecord
-from tokenway.gateway.serving import (
+from tokenway.gateway.gatekeeper import CallRecord
+from tokenway.protocol.anthropic import map_stop_reason, to_chat_messages, to_chat_tools
+from tokenway.protocol.errors import anthropic_error_body
+from tokenway.server import sse
+from tokenway.server.http import EventStreamResponse
+from tokenway.server.serving import (
     Generation,
     ServerState,
     context_window,
@@ -23,9 +25,7 @@ from tokenway.gateway.serving import (
     new_id,
     structured_output_spec,
 )
-from tokenway.gateway.stages import StageClock
-from tokenway.protocol.anthropic import map_stop_reason, to_chat_messages, to_chat_tools
-from tokenway.protocol.errors import anthropic_error_body
+from tokenway.stages import StageClock
 
 
 def openai_tools(body) -> tuple[list[dict] | None, object]:

@@ -19,12 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenway.gateway import anthropic_routes, openai_routes
-from tokenway.gateway.admin_routes import admin_router
-from tokenway.gateway.http import ClientDisconnected, EventStreamResponse, parse_body
-from tokenway.gateway.policy import CallRecord, Gatekeeper
-from tokenway.gateway.serving import ServerState
-from tokenway.gateway.stages import StageClock
+from tokenway.gateway.gatekeeper import CallRecord, Gatekeeper
 from tokenway.observability.observer import Observer
 from tokenway.observability.routes import observability_router
 from tokenway.observability.traces import Trace
@@ -41,6 +36,11 @@ from tokenway.protocol.errors import (
     from_validation_error,
     openai_error_body,
 )
+from tokenway.server import anthropic_api, openai_api
+from tokenway.server.admin_api import admin_router
+from tokenway.server.http import ClientDisconnected, EventStreamResponse, parse_body
+from tokenway.server.serving import ServerState
+from tokenway.stages import StageClock
 
 logger = logging.getLogger(__name__)
 
@@ -246,39 +246,39 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def respond(request: Request, generation, build, stream: bool, stream_events) -> Response:
         if stream:
-            return EventStreamResponse(openai_routes.guarded_stream(stream_events, generation))
+            return EventStreamResponse(openai_api.guarded_stream(stream_events, generation))
         return await generation.json_response(request, build)
 
     @app.post("/v1/chat/completions", openapi_extra=_schema_extra(openai_schema.ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, openai_schema.ChatCompletionRequest, state.body_parser)
-        generation, generic_tools = await state.prepare(request, openai_routes.prepare_chat, state, body,
+        generation, generic_tools = await state.prepare(request, openai_api.prepare_chat, state, body,
                                                         clock_of(request), record_of(request))
         await state.admit(generation)
         return await respond(
             request, generation,
-            openai_routes.chat_response(state, body, generation, generic_tools) if not body.stream else None,
+            openai_api.chat_response(state, body, generation, generic_tools) if not body.stream else None,
             bool(body.stream),
-            openai_routes.chat_stream(state, body, generation, generic_tools) if body.stream else None,
+            openai_api.chat_stream(state, body, generation, generic_tools) if body.stream else None,
         )
 
     @app.post("/v1/completions", openapi_extra=_schema_extra(openai_schema.CompletionRequest))
     async def completions(request: Request) -> Response:
         body = await parse_body(request, openai_schema.CompletionRequest, state.body_parser)
-        generation, echo = await state.prepare(request, openai_routes.prepare_completion, state, body,
+        generation, echo = await state.prepare(request, openai_api.prepare_completion, state, body,
                                                clock_of(request), record_of(request))
         await state.admit(generation)
         return await respond(
             request, generation,
-            openai_routes.completion_response(state, body, generation, echo) if not body.stream else None,
+            openai_api.completion_response(state, body, generation, echo) if not body.stream else None,
             bool(body.stream),
-            openai_routes.completion_stream(state, body, generation, echo) if body.stream else None,
+            openai_api.completion_stream(state, body, generation, echo) if body.stream else None,
         )
 
     @app.post("/v1/messages", openapi_extra=_schema_extra(anthropic_schema.MessagesRequest))
     async def messages(request: Request) -> Response:
         body = await parse_body(request, anthropic_schema.MessagesRequest, state.body_parser)
-        return await anthropic_routes.handle(state, request, body, clock_of(request), record_of(request))
+        return await anthropic_api.handle(state, request, body, clock_of(request), record_of(request))
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -297,7 +297,7 @@ def create_app(state: ServerState) -> FastAPI:
         body = await parse_body(request, openai_schema.TokenizeRequest, state.body_parser)
         if body.model is not None:
             state.resolve_model(body.model)
-        tokens = await state.prepare(request, openai_routes.tokenize, state, body)
+        tokens = await state.prepare(request, openai_api.tokenize, state, body)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
 
     @app.post("/detokenize", openapi_extra=_schema_extra(openai_schema.DetokenizeRequest))
