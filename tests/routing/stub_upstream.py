@@ -1,0 +1,182 @@
+"""A real HTTP server on loopback (uvicorn, h11, in a thread) whose answers each test scripts,
+for the OpenAI and Anthropic upstream clients.
+
+    with StubUpstream() as stub:
+        stub.script(Reply(chunks=(openai_chunk(text="Hi"), DONE)))
+        ... the client under test calls stub.base_url ...
+        stub.received[0].body           # the exact JSON the client sent
+        stub.wait_for(lambda: stub.num_disconnects == 1)
+
+A Reply sends its status and headers, then its chunks one by one (a threading.Event in the
+chunks holds the rest back until the test sets it), then ends the body, drops the connection
+("close") or sends nothing more until the client goes away ("hang"; the stub counts that
+disconnect). hang_before_headers never answers at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Self
+
+import uvicorn
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: Any, event: str | None = None) -> bytes:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(payload)}\n\n".encode()
+
+
+def openai_chunk(index: int = 0, text: str | None = None, tool_calls: list[dict] | None = None,
+                 finish_reason: str | None = None, usage: dict | None = None, **choice_fields: Any) -> bytes:
+    delta: dict[str, Any] = {}
+    if text is not None:
+        delta["content"] = text
+    if tool_calls is not None:
+        delta["tool_calls"] = tool_calls
+    choice = {"index": index, "delta": delta, "finish_reason": finish_reason, **choice_fields}
+    return sse({"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "up", "choices": [choice],
+                "usage": usage})
+
+
+def openai_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return sse({"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "up", "choices": [], "usage": usage})
+
+
+def anthropic_event(kind: str, **fields: Any) -> bytes:
+    return sse({"type": kind, **fields}, event=kind)
+
+
+@dataclass
+class Reply:
+    status: int = 200
+    chunks: tuple[bytes | threading.Event, ...] = ()
+    headers: dict[str, str] = field(default_factory=lambda: {"content-type": "text/event-stream"})
+    then: Literal["end", "close", "hang"] = "end"
+    hang_before_headers: bool = False
+
+
+@dataclass(frozen=True)
+class Received:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: Any  # the parsed JSON, or None
+    client_port: int  # which connection it came on
+
+
+class StubUpstream:
+    def __init__(self) -> None:
+        self.received: list[Received] = []
+        self.num_disconnects = 0
+        self._replies: list[Reply] = []
+        self._lock = threading.Lock()
+        self._socket = socket.socket()
+        self._socket.bind(("127.0.0.1", 0))
+        self.port = self._socket.getsockname()[1]
+        config = uvicorn.Config(self._app, http="h11", interface="asgi3", lifespan="off", log_level="critical", access_log=False,
+                                timeout_graceful_shutdown=1)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def num_open_connections(self) -> int:
+        return len(self._server.server_state.connections)
+
+    def script(self, *replies: Reply) -> None:
+        """Answer the next calls with these, in order; the last one answers every call after."""
+        with self._lock:
+            self._replies = list(replies)
+
+    def wait_for(self, condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+        """Whether condition() became true: the server sees a closed socket a moment after the client closes it."""
+        give_up_at = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > give_up_at:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        assert self.wait_for(lambda: self._server.started), "stub upstream did not start"
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+        self._socket.close()
+
+    def _next_reply(self) -> Reply:
+        with self._lock:
+            return self._replies.pop(0) if len(self._replies) > 1 else self._replies[0]
+
+    async def _app(self, scope: dict, receive: Callable, send: Callable) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        headers = {name.decode(): value.decode() for name, value in scope["headers"]}
+        with self._lock:
+            self.received.append(Received(scope["method"], scope["path"], headers, json.loads(body) if body else None,
+                                          scope["client"][1]))
+        reply = self._next_reply()
+        if reply.hang_before_headers:
+            return await self._until_disconnect(receive)
+        await send({"type": "http.response.start", "status": reply.status,
+                    "headers": [(k.encode(), v.encode()) for k, v in reply.headers.items()]})
+        for chunk in reply.chunks:
+            if isinstance(chunk, threading.Event):
+                while not chunk.is_set():
+                    await asyncio.sleep(0.005)
+            else:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if reply.then == "end":
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        elif reply.then == "hang":
+            await self._until_disconnect(receive)
+        # "close": returning with the body unfinished makes uvicorn drop the connection
+
+    async def _until_disconnect(self, receive: Callable) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        with self._lock:
+            self.num_disconnects += 1
+
+
+def collect(upstream: Any, job: Any) -> list[Any]:
+    """Every event upstream.generate(job) yields, on a fresh event loop (the upstream is closed after)."""
+
+    async def main() -> list[Any]:
+        async with upstream:
+            return [event async for event in upstream.generate(job)]
+
+    return asyncio.run(main())
+
+
+def reassemble_tool_calls(events: list[Any], index: int = 0) -> list[dict[str, str]]:
+    """One choice's ToolCallDeltas put back together, as a caller's SDK would."""
+    calls: dict[int, dict[str, str]] = {}
+    for event in events:
+        for delta in getattr(event, "tool_calls", ()) if getattr(event, "index", None) == index else ():
+            call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] += delta.id or ""
+            call["name"] += delta.name or ""
+            call["arguments"] += delta.arguments
+    return [calls[i] for i in sorted(calls)]

@@ -1,0 +1,292 @@
+"""A replica behind an Anthropic Messages API: the reverse of protocol/anthropic.py's
+to_chat_messages, so an OpenAI client reaches Claude (and an Anthropic client, whose body was
+converted to OpenAI messages on the way in, gets its own shapes back unchanged).
+
+    GenerationJob (OpenAI chat messages) ── messages_body ──► POST {base_url}/messages, stream=true
+    message_start (usage) · content_block_start text | tool_use (id, name) · content_block_delta
+    text_delta | input_json_delta · message_delta (stop_reason, usage) · message_stop
+        ──► ChoiceDelta ... ──► one Usage
+
+n > 1 runs n concurrent upstream calls merged into one stream, choice i from call i; their
+usages are summed, so the prompt counts n times, as the upstream bills it. Not translatable,
+so refused with a 400: completion jobs, logprobs, logit_bias, a non-text response_format, non-text
+content parts. Ignored, as Anthropic has no equivalent: seed, presence/frequency/repetition
+penalties, min_p, min_tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from typing import Any, Self
+
+from tokenway.protocol.errors import BadGatewayError, InvalidRequestError
+from tokenway.routing.job import ChoiceDelta, GenerationJob, ReplicaEvent, ToolCallDelta, Usage
+from tokenway.routing.upstream import (
+    ConnectionLimits,
+    CountTokens,
+    SSEEvent,
+    UpstreamHTTP,
+    UpstreamTimeouts,
+    api_key_from_env,
+    counted_usage,
+    parse_json_object,
+    stream_error,
+)
+
+ANTHROPIC_VERSION = "2023-06-01"
+FINISH_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "pause_turn": "stop", "max_tokens": "length",
+                  "model_context_window_exceeded": "length", "tool_use": "tool_calls", "refusal": "content_filter"}
+
+
+def _text_blocks(content: Any, param: str) -> list[dict[str, Any]]:
+    """OpenAI content (a string or text parts) as Anthropic text blocks; empty text is dropped
+    because Anthropic refuses empty text blocks."""
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else content or []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise InvalidRequestError("Only text content can be sent to this upstream.", param=f"{param}[{j}]")
+    return [{"type": "text", "text": part["text"]} for part in parts if part.get("text")]
+
+
+def _tool_use_blocks(tool_calls: Sequence[dict[str, Any]], param: str) -> list[dict[str, Any]]:
+    blocks = []
+    for j, call in enumerate(tool_calls):
+        function = call.get("function") or {}
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise InvalidRequestError("Tool call arguments must be a JSON object.",
+                                      param=f"{param}[{j}].function.arguments")
+        blocks.append({"type": "tool_use", "id": call.get("id"), "name": function.get("name"), "input": arguments})
+    return blocks
+
+
+def to_anthropic_messages(messages: Sequence[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
+    """(system, messages): system (and developer) messages joined into `system`; an assistant's
+    tool_calls become tool_use blocks; `tool` messages become tool_result blocks in a user turn;
+    consecutive turns of one role merge into one, as Anthropic requires them to alternate."""
+    system_texts: list[str] = []
+    turns: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        role, content, param = message.get("role"), message.get("content"), f"messages[{i}].content"
+        if role in ("system", "developer"):
+            system_texts.extend(block["text"] for block in _text_blocks(content, param))
+            continue
+        if role == "tool":
+            role, text = "user", "\n".join(block["text"] for block in _text_blocks(content, param))
+            blocks = [{"type": "tool_result", "tool_use_id": message.get("tool_call_id"), **({"content": text} if text else {})}]
+        elif role == "user":
+            blocks = _text_blocks(content, param)
+        elif role == "assistant":
+            blocks = _text_blocks(content, param) + _tool_use_blocks(message.get("tool_calls") or (), f"messages[{i}].tool_calls")
+        else:
+            raise InvalidRequestError(f"Role {role!r} cannot be sent to this upstream.", param=f"messages[{i}].role")
+        if turns and turns[-1]["role"] == role:
+            turns[-1]["content"].extend(blocks)
+        elif blocks:
+            turns.append({"role": role, "content": blocks})
+    return "\n".join(system_texts) or None, turns
+
+
+def to_anthropic_tool_choice(tool_choice: str | dict[str, Any], parallel_tool_calls: bool) -> dict[str, Any]:
+    if isinstance(tool_choice, dict):
+        choice = {"type": "tool", "name": tool_choice["function"]["name"]}
+    else:
+        choice = {"type": {"auto": "auto", "required": "any", "none": "none"}[tool_choice]}
+    if not parallel_tool_calls and choice["type"] != "none":
+        choice["disable_parallel_tool_use"] = True
+    return choice
+
+
+def messages_body(job: GenerationJob, model: str, default_max_tokens: int) -> dict[str, Any]:
+    params = job.params
+    if job.kind != "chat" or not job.messages:
+        raise InvalidRequestError("An Anthropic Messages upstream takes chat messages only.", param="prompt")
+    refused = next((name for name, is_set in (
+        ("logprobs", params.logprobs is not None), ("logit_bias", bool(params.logit_bias)),
+        ("response_format", (job.response_format or {"type": "text"}).get("type") != "text")) if is_set), None)
+    if refused is not None:
+        raise InvalidRequestError(f"{refused} is not supported by this model's upstream (Anthropic Messages).",
+                                  param=refused)
+    system, messages = to_anthropic_messages(job.messages)
+    body: dict[str, Any] = {"model": model, "max_tokens": params.max_tokens or default_max_tokens, "messages": messages}
+    if system:
+        body["system"] = system
+    body["temperature"] = params.temperature
+    if params.top_p != 1.0:  # newer Claude models refuse temperature and top_p together
+        body["top_p"] = params.top_p
+    if params.top_k > 0:
+        body["top_k"] = params.top_k
+    if params.stop:
+        body["stop_sequences"] = list(params.stop)
+    if job.tools:
+        body["tools"] = [
+            {"name": tool["function"]["name"],
+             **({"description": tool["function"]["description"]} if tool["function"].get("description") else {}),
+             "input_schema": tool["function"].get("parameters") or {"type": "object", "properties": {}}}
+            for tool in job.tools
+        ]
+        body["tool_choice"] = to_anthropic_tool_choice(job.tool_choice, job.parallel_tool_calls)
+    return body | {"stream": True}
+
+
+class _MessageReader:
+    """One upstream message stream as choice `index`'s deltas. Anthropic counts content blocks
+    (text and tool_use together); OpenAI numbers tool calls alone: block_to_call maps them."""
+
+    def __init__(self, name: str, index: int) -> None:
+        self.name, self.index = name, index
+        self.block_to_call: dict[int, int] = {}
+        self.usage_fields: dict[str, int] = {}
+        self.texts: list[str] = []
+        self.finish_reason: str | None = None
+        self.stopped = False  # message_stop came
+
+    def read(self, event: SSEEvent) -> ChoiceDelta | None:
+        payload = parse_json_object(self.name, event.data)
+        try:
+            return self._read(payload.get("type") or event.event, payload)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise BadGatewayError(f"Upstream {self.name} sent a malformed event ({type(exc).__name__}).") from None
+
+    def _read(self, kind: str, payload: dict[str, Any]) -> ChoiceDelta | None:
+        if kind == "error":
+            raise stream_error(self.name, payload.get("error"))
+        if kind in ("message_start", "message_delta"):  # usage counts are cumulative: the last wins
+            usage = (payload["message"] if kind == "message_start" else payload).get("usage") or {}
+            self.usage_fields.update({k: int(v) for k, v in usage.items() if isinstance(v, int)})
+        if kind == "message_delta" and payload["delta"].get("stop_reason") is not None:
+            self.finish_reason = FINISH_REASONS.get(payload["delta"]["stop_reason"], "stop")
+            return ChoiceDelta(self.index, finish_reason=self.finish_reason,
+                               stop_reason=payload["delta"].get("stop_sequence"))
+        if kind == "message_stop":
+            self.stopped = True
+        if kind == "content_block_start" and payload["content_block"]["type"] == "tool_use":
+            block = payload["content_block"]
+            call_index = self.block_to_call[int(payload["index"])] = len(self.block_to_call)
+            arguments = json.dumps(block["input"], ensure_ascii=False) if block.get("input") else ""
+            return self._delta(tool_call=ToolCallDelta(call_index, id=block["id"], name=block["name"], arguments=arguments))
+        if kind == "content_block_start" and payload["content_block"]["type"] == "text":
+            return self._delta(text=payload["content_block"].get("text") or "")
+        if kind == "content_block_delta" and payload["delta"]["type"] == "text_delta":
+            return self._delta(text=payload["delta"]["text"])
+        if kind == "content_block_delta" and payload["delta"]["type"] == "input_json_delta":
+            call_index = self.block_to_call[int(payload["index"])]
+            return self._delta(tool_call=ToolCallDelta(call_index, arguments=payload["delta"]["partial_json"]))
+        return None  # ping, content_block_stop, thinking, and event kinds Anthropic may add
+
+    def _delta(self, text: str = "", tool_call: ToolCallDelta | None = None) -> ChoiceDelta | None:
+        if tool_call is not None:
+            self.texts.append((tool_call.name or "") + tool_call.arguments)
+            return ChoiceDelta(self.index, tool_calls=(tool_call,))
+        self.texts.append(text)
+        return ChoiceDelta(self.index, text=text) if text else None
+
+    def usage(self) -> Usage | None:
+        """Anthropic's input_tokens leaves out the prompt read from or written to its cache;
+        OpenAI's prompt_tokens includes them, with the read part as cached_tokens."""
+        fields = self.usage_fields
+        if "input_tokens" not in fields and "output_tokens" not in fields:
+            return None
+        cached = fields.get("cache_read_input_tokens", 0)
+        return Usage(fields.get("input_tokens", 0) + cached + fields.get("cache_creation_input_tokens", 0),
+                     fields.get("output_tokens", 0), cached_tokens=cached)
+
+
+def sum_usages(usages: Sequence[Usage]) -> Usage:
+    """One Usage for n calls; counted_by is the least exact of theirs."""
+    counted_by = next((kind for kind in ("estimate", "tokenizer") if any(u.counted_by == kind for u in usages)), "replica")
+    return Usage(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
+                 cached_tokens=sum(u.cached_tokens for u in usages), counted_by=counted_by)
+
+
+class AnthropicUpstream:
+    """An Anthropic Messages upstream as a replica: `model` is the upstream's name for it, the
+    key (from the variable `api_key_env` names) goes as x-api-key, and max_tokens, which
+    Anthropic requires, is default_max_tokens when the job has none."""
+
+    def __init__(self, name: str, base_url: str, model: str, api_key_env: str | None = None, *,
+                 timeouts: UpstreamTimeouts = UpstreamTimeouts(), limits: ConnectionLimits = ConnectionLimits(),
+                 count_tokens: CountTokens | None = None, health_path: str = "models",
+                 default_max_tokens: int = 4096, anthropic_version: str = ANTHROPIC_VERSION) -> None:
+        if default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens: must be >= 1, got {default_max_tokens}")
+        api_key = api_key_from_env(api_key_env)
+        headers = {"anthropic-version": anthropic_version} | ({"x-api-key": api_key} if api_key else {})
+        self.name, self.model, self.default_max_tokens = name, model, default_max_tokens
+        self.http = UpstreamHTTP(name, base_url, headers, timeouts, limits, health_path)
+        self._count_tokens = count_tokens
+
+    def __repr__(self) -> str:
+        return f"AnthropicUpstream(name={self.name!r}, base_url={self.http.base_url!r}, model={self.model!r})"
+
+    async def generate(self, job: GenerationJob) -> AsyncIterator[ReplicaEvent]:
+        body = messages_body(job, self.model, self.default_max_tokens)
+        readers = [_MessageReader(self.name, index) for index in range(job.n)]
+        calls = [self._call(body, job.deadline, reader) for reader in readers]
+        async with aclosing(calls[0] if job.n == 1 else _merge(calls)) as deltas:
+            async for delta in deltas:
+                yield delta
+        yield sum_usages([reader.usage() or counted_usage(job, ["".join(reader.texts)], self._count_tokens)
+                          for reader in readers])
+
+    async def _call(self, body: dict[str, Any], deadline: float | None, reader: _MessageReader
+                    ) -> AsyncIterator[ChoiceDelta]:
+        events = self.http.stream_events("messages", body, deadline, is_last=lambda event: reader.stopped)
+        async with aclosing(events):
+            async for event in events:
+                if (delta := reader.read(event)) is not None:
+                    yield delta
+        if not reader.stopped or reader.finish_reason is None:
+            raise BadGatewayError(f"Upstream {self.name} ended the stream before the message finished.")
+
+    async def probe(self) -> bool:
+        return await self.http.probe()
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+_END = object()
+
+
+async def _merge(streams: Sequence[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[ChoiceDelta]:
+    """The streams' deltas in arrival order. The first failure, or the reader stopping, cancels
+    every call (each closes its upstream response as it unwinds)."""
+    queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=16)
+
+    async def pump(stream: AsyncIterator[ChoiceDelta]) -> None:
+        try:
+            async with aclosing(stream):
+                async for delta in stream:
+                    await queue.put(delta)
+            await queue.put(_END)
+        except Exception as exc:  # noqa: BLE001  # handed to the reader, which raises it
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        num_ended = 0
+        while num_ended < len(tasks):
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is _END:
+                num_ended += 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
