@@ -87,9 +87,9 @@ async def one_round(base_url: str, prompts: list[list[int]], output_len: int, sc
 def micro_costs() -> dict[str, float]:
     """The instrumentation's own CPU time, in process: per call, per token, per scrape."""
     sys.path.insert(0, str(REPO))
-    from tokenway.gateway.gatekeeper import CallRecord
     from tokenway.observability.observer import Observer
     from tokenway.observability.traces import Trace
+    from tokenway.server.call import Call, CallOutcome, CallStart, RouteChoice
     from tokenway.stages import STAGES, StageClock
 
     stats = {"num_running": 16, "num_waiting": 0, "num_pending_http": 16, "kv_blocks_total": 5825,
@@ -102,11 +102,15 @@ def micro_costs() -> dict[str, float]:
     clock.start_billing()
     clock.finish()
     n = 2000
-    records = [CallRecord(request_id=f"cmpl-{i}", endpoint="/v1/completions", model="m", prompt_tokens=100,
-                          completion_tokens=64, max_choice_tokens=64, finish_reason="length") for i in range(n)]
+    calls = []
+    for _ in range(n):
+        call = Call(CallStart.now("/v1/completions"), clock)
+        call.set_route(RouteChoice(model="m", pool="m", replica="local", reason="only"))
+        calls.append(call)
+    outcome = CallOutcome(200, prompt_tokens=100, completion_tokens=64, max_choice_tokens=64, finish_reason="length")
     started = time.perf_counter()
-    for record in records:
-        observer.record(Trace.of_call(record, clock, 200))
+    for call in calls:
+        observer.record(Trace.of_call(call, outcome))
     per_call = (time.perf_counter() - started) / n
     started = time.perf_counter()
     for _ in range(20 * n):

@@ -1,10 +1,12 @@
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenway.gateway.gatekeeper import CallRecord
+from tokenway.engine.request import SamplingParams
 from tokenway.observability.metrics import Metrics
 from tokenway.observability.observer import Observer
 from tokenway.observability.traces import Trace, TraceRing, render_summary, render_waterfall, summarize
+from tokenway.routing.job import GenerationJob
+from tokenway.server.call import Call, CallOutcome, CallStart, RouteChoice
 from tokenway.stages import STAGES, StageClock
 
 ENGINE_STATS = {"num_running": 2, "num_waiting": 1, "num_pending_http": 3, "kv_blocks_total": 100,
@@ -23,25 +25,41 @@ def make_trace(request_id: str = "chatcmpl-1", status: int = 200, total_ms: floa
     return Trace(request_id=request_id, status=status, stages_ms=stages_ms, total_ms=total_ms, **defaults)
 
 
-def test_trace_of_a_call_takes_the_clock_and_the_record():
+def test_trace_of_a_call_takes_the_clock_the_job_and_the_outcome():
     clock = StageClock(received=10.0)
     for stage, at in (("auth", 10.001), ("validation", 10.002), ("routing", 10.003), ("tokenize", 10.005),
                       ("limits", 10.006), ("queue", 10.010), ("prefill", 10.050), ("decode", 10.150),
                       ("postprocess", 10.151)):
         clock.end(stage, at)
     clock.billing_started, clock.done = 10.152, 10.153
-    record = CallRecord(endpoint="/v1/completions", model="m", prompt_tokens=20, completion_tokens=11,
-                        max_choice_tokens=11, finish_reason="length", cache_reason="not_cached")
-    trace = Trace.of_call(record, clock, 200)
+    call = Call(CallStart.now("/v1/completions"), clock)
+    call.set_route(RouteChoice(model="m", pool="m", replica="local", reason="only"))
+    call.set_job(GenerationJob("cmpl-1", "m", "completion", SamplingParams(max_tokens=11, seed=7), n=2,
+                               prompt_token_ids=tuple(range(20)), stream=True))
+    outcome = CallOutcome(200, prompt_tokens=20, completion_tokens=22, max_choice_tokens=11, finish_reason="length",
+                          cache_reason="not_cached")
+    trace = Trace.of_call(call, outcome, cost_usd=0.5)
+    assert trace.request_id == "cmpl-1" and trace.model == "m" and trace.cost_usd == 0.5
     assert trace.total_ms == pytest.approx(153.0)
     assert trace.ttft_ms == pytest.approx(50.0)
-    assert trace.tpot_ms == pytest.approx(10.0)  # 100 ms of decode over tokens 2..11
+    assert trace.tpot_ms == pytest.approx(10.0)  # 100 ms of decode over tokens 2..11 of the longest choice
     assert trace.status == 200 and trace.endpoint == "/v1/completions"
-    record.status = 499  # the record's status (a disconnect) overrides the HTTP one
-    assert Trace.of_call(record, clock, 200).status == 499
+    assert trace.stream and trace.num_choices == 2 and trace.sampling["max_tokens"] == 11
+    assert trace.route == {"pool": "m", "replica": "local", "reason": "only"}
+    assert Trace.of_call(call, CallOutcome(499, error="client disconnected"), 0.0).status == 499
     data = trace.to_dict()
     assert data["cache_explanation"].startswith("0 of 20 prompt tokens cached; the first block")
     assert Trace.from_dict(data) == trace
+
+
+def test_a_calls_facts_are_set_once():
+    call = Call(CallStart.now("/v1/chat/completions"))
+    call.set_route(RouteChoice(model="m", pool="m", replica="local", reason="only"))
+    with pytest.raises(AssertionError):
+        call.set_route(RouteChoice(model="n", pool="n", replica="local", reason="only"))
+    call.end(CallOutcome(400, error="bad"))
+    call.end(CallOutcome(200))  # the first outcome stands: a later report (the middleware's fallback) is ignored
+    assert call.outcome.status == 400 and call.request_id.startswith("req_")
 
 
 def test_ring_keeps_the_newest_and_finds_by_id():

@@ -5,9 +5,9 @@
           ─► finish: reconcile the reservation to the tokens used, price the usage
           ─► the ledger row is committed before the response's last byte leaves
 
-One CallRecord per HTTP request lives in the ASGI scope; the route fills in usage as it
-learns it, and the middleware writes exactly one ledger row from it, whatever happened
-(completed, refused, failed, or the client gone).
+The call's facts come as frozen values (server/call.py): admit() makes the Admission, and the
+one ledger row is derived from the call's CallOutcome, whatever happened (completed, refused,
+failed, or the client gone).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenway.billing.ledger import Ledger, UsageRecord
 from tokenway.billing.pricing import PriceTable, cost_usd
@@ -24,39 +23,22 @@ from tokenway.gateway.auth import ANONYMOUS, KeyStore, Principal, authorize_mode
 from tokenway.gateway.limits import Decision, Limiter, LimitSpec
 from tokenway.observability.traces import Trace
 from tokenway.protocol.errors import AuthenticationError, InvalidRequestError, RateLimitError
-from tokenway.stages import StageClock
+from tokenway.server.call import Call, CallOutcome
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class CallRecord:
-    """What the ledger row for one HTTP request will say; filled in along the way."""
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Gatekeeper.admit's answer for an admitted call: the limiter's reservation (settled
+    against the tokens used when the call ends) and the x-ratelimit-* headers to send."""
 
-    started_at: float = field(default_factory=time.time)
-    request_id: str = field(default_factory=lambda: f"req_{uuid.uuid4().hex}")  # the route's id replaces it
-    status: int | None = None  # overrides the HTTP status (499: the client left mid-stream)
-    principal: Principal = ANONYMOUS
-    model: str = ""
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    finish_reason: str | None = None
-    error: str | None = None
-    decision: Decision | None = None  # the limiter's admission, held until reconciled
-    reconciled: bool = False
-    rate_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* for the response
-    committed: bool = False  # the ledger row is written
-    # For the trace (observability/traces.py) besides the ledger's fields:
-    endpoint: str = ""
-    stream: bool = False
-    num_choices: int = 1
-    max_choice_tokens: int = 0  # the longest choice's completion tokens (TPOT is per choice)
-    cache_reason: str | None = None
-    limit_kind: str | None = None  # the limit that refused the call with a 429
-    sampling: dict = field(default_factory=dict)
-    cost_usd: float = 0.0
-    traceparent: str | None = None
+    decision: Decision
+    reserved_tokens: int
+
+    @property
+    def rate_headers(self) -> dict[str, str]:
+        return self.decision.headers
 
 
 @dataclass(slots=True)
@@ -130,23 +112,19 @@ class Gatekeeper:
             raise InvalidRequestError(f"{max_tokens_param}: {max_tokens} exceeds this key's cap of {cap}",
                                       param=max_tokens_param)
 
-    async def admit(self, record: CallRecord, reserve_tokens: int) -> Decision:
-        principal = record.principal
+    async def admit(self, principal: Principal, reserve_tokens: int) -> Admission:
+        """Budget, then the limits, reserving prompt + max_tokens of every choice; 429 when refused."""
         if principal.budget_usd is not None:
             spent = await self.ledger.spend_usd(principal.key_id)
             if spent >= principal.budget_usd:
-                record.limit_kind = "budget"
                 raise RateLimitError(
                     f"This API key has used its budget (${spent:.4f} of ${principal.budget_usd:.4f}).",
-                    code="insufficient_quota")
+                    code="insufficient_quota", limit_kind="budget")
         decision = await self.limiter.admit(principal.key_id, self.limit_spec(principal), reserve_tokens)
-        record.rate_headers = decision.headers
         if not decision.allowed:
-            record.limit_kind = decision.limit_kind
             raise RateLimitError(self._refusal(decision, reserve_tokens), retry_after=decision.retry_after_s,
-                                 code=f"rate_limit_exceeded_{decision.limit_kind}")
-        record.decision = decision
-        return decision
+                                 code=f"rate_limit_exceeded_{decision.limit_kind}", limit_kind=decision.limit_kind)
+        return Admission(decision, reserve_tokens)
 
     @staticmethod
     def _refusal(decision: Decision, reserve_tokens: int) -> str:
@@ -158,54 +136,57 @@ class Gatekeeper:
 
     # -- what it cost ----------------------------------------------------------------
 
-    def settle(self, record: CallRecord) -> None:
-        """The request is over: give back the unused part of its reservation (once)."""
-        if record.decision is None or record.reconciled or record.decision.reservation is None:
-            return
-        record.reconciled = True
-        used = record.prompt_tokens + record.completion_tokens
-        asyncio.get_running_loop().create_task(self.limiter.reconcile(record.decision.reservation, used))
+    def cost_usd(self, model: str, outcome: CallOutcome) -> float:
+        return cost_usd(self.prices.price(model), outcome.prompt_tokens, outcome.cached_tokens,
+                        outcome.completion_tokens)
 
-    def usage_record(self, record: CallRecord, status: int, clock: StageClock) -> UsageRecord:
+    def _settle(self, admission: Admission | None, outcome: CallOutcome) -> None:
+        """Give back the unused part of the call's reservation."""
+        if admission is None or admission.decision.reservation is None:
+            return
+        used = outcome.prompt_tokens + outcome.completion_tokens
+        asyncio.get_running_loop().create_task(self.limiter.reconcile(admission.decision.reservation, used))
+
+    def usage_record(self, call: Call, outcome: CallOutcome) -> UsageRecord:
         """The ledger row, with the call's trace as of now (the commit is the billing stage)."""
-        price = self.prices.price(record.model)
-        record.cost_usd = cost_usd(price, record.prompt_tokens, record.cached_tokens, record.completion_tokens)
-        trace = Trace.of_call(record, clock, status)
+        trace = Trace.of_call(call, outcome, self.cost_usd(call.model, outcome))
         return UsageRecord(
-            request_id=record.request_id,
-            key_id=record.principal.key_id,
-            model=record.model,
-            prompt_tokens=record.prompt_tokens,
-            cached_tokens=record.cached_tokens,
-            completion_tokens=record.completion_tokens,
-            cost_usd=record.cost_usd,
-            finish_reason=record.finish_reason,
-            error=record.error,
-            status=record.status or status,
+            request_id=call.request_id,
+            key_id=call.start.principal.key_id,
+            model=call.model,
+            prompt_tokens=outcome.prompt_tokens,
+            cached_tokens=outcome.cached_tokens,
+            completion_tokens=outcome.completion_tokens,
+            cost_usd=trace.cost_usd,
+            finish_reason=outcome.finish_reason,
+            error=outcome.error,
+            status=outcome.status,
             stages_ms=trace.stages_ms,
-            started_at=record.started_at,
+            started_at=call.start.started_at,
             finished_at=time.time(),
             trace=trace.ledger_fields(),
         )
 
-    def _final_row(self, record: CallRecord, status: int, clock: StageClock) -> UsageRecord | None:
-        """The call's one row, the first time it is asked for (None after): settles the limits too."""
-        if record.committed:
+    def _final_row(self, call: Call, status: int) -> UsageRecord | None:
+        """The call's one row, the first time it is asked for (None after): settles the limits too.
+        `status` is what was sent, for a call that ended without an outcome of its own."""
+        if call.committed:
             return None
-        record.committed = True
-        clock.start_billing()
-        self.settle(record)
-        return self.usage_record(record, status, clock)
+        call.committed = True
+        call.end(CallOutcome(status or 499, error=None if status else "client disconnected"))
+        call.clock.start_billing()
+        self._settle(call.admission, call.outcome)
+        return self.usage_record(call, call.outcome)
 
-    async def commit(self, record: CallRecord, status: int, clock: StageClock) -> None:
-        """Write the request's one ledger row and wait until it is durable."""
-        row = self._final_row(record, status, clock)
+    async def commit(self, call: Call, status: int = 0) -> None:
+        """Write the call's one ledger row and wait until it is durable."""
+        row = self._final_row(call, status)
         if row is not None:
             await self.ledger.record(row)
 
-    def commit_nowait(self, record: CallRecord, status: int, clock: StageClock) -> None:
-        """The same, for a request whose client is gone (nothing to hold back)."""
-        row = self._final_row(record, status, clock)
+    def commit_nowait(self, call: Call, status: int = 0) -> None:
+        """The same, for a call whose client is gone (nothing to hold back)."""
+        row = self._final_row(call, status)
         if row is not None:
             self.ledger.record_nowait(row)
 

@@ -57,7 +57,7 @@ def observability_router(state) -> APIRouter:
 
     @router.get("/v1/traces/{request_id}")
     async def own_trace(request: Request, request_id: str) -> dict:
-        key_id = request.scope["state"]["record"].principal.key_id
+        key_id = request.scope["state"]["call"].start.principal.key_id
         trace = await find(request_id)
         if trace is None or trace.key_id != key_id:  # another key's trace does not exist for this one
             raise NotFoundError(f"No trace for request '{request_id[:64]}' (traces of other keys are not shown)",
@@ -67,7 +67,7 @@ def observability_router(state) -> APIRouter:
     @router.get("/v1/traces")
     async def own_traces(request: Request, limit: int = Query(100, ge=1, le=MAX_LIMIT),
                          summary: bool = False) -> dict:
-        key_id = request.scope["state"]["record"].principal.key_id
+        key_id = request.scope["state"]["call"].start.principal.key_id
         return listing(await recent(limit, key_id), summary)
 
     @router.get("/admin/traces/{request_id}")

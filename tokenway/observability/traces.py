@@ -13,7 +13,7 @@ import statistics
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
-from tokenway.stages import STAGES, StageClock
+from tokenway.stages import STAGES
 
 # Why the prefix cache stopped where it did (kv_cache/manager.py sets the first four).
 CACHE_EXPLANATIONS = {
@@ -56,26 +56,34 @@ class Trace:
     limit_kind: str | None = None  # which limit refused it (a 429)
     sampling: dict = field(default_factory=dict)  # temperature, top_p, max_tokens, seed, n as requested
     traceparent: str | None = None  # the caller's W3C trace context, when it sent one
+    route: dict | None = None  # the routing stage's choice: pool, replica, and why that replica
 
     @classmethod
-    def of_call(cls, record, clock: StageClock, status: int) -> "Trace":
-        """The trace of one call (a gateway CallRecord) as of now."""
+    def of_call(cls, call, outcome, cost_usd: float = 0.0) -> "Trace":
+        """The trace of one call (server/call.py's Call and its CallOutcome), as of now."""
+        clock, job, route = call.clock, call.job, call.route
         stages_ms = clock.durations_ms()
+        sampling = {}
+        if job is not None:
+            params = job.params
+            sampling = {"temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens,
+                        "seed": params.seed, "n": job.n}
         return cls(
-            request_id=record.request_id, endpoint=record.endpoint, model=record.model,
-            key_id=record.principal.key_id, status=record.status or status, started_at=record.started_at,
+            request_id=call.request_id, endpoint=call.start.endpoint, model=call.model,
+            key_id=call.start.principal.key_id, status=outcome.status, started_at=call.start.started_at,
             stages_ms=stages_ms, total_ms=clock.total_ms, ttft_ms=clock.ttft_ms,
-            tpot_ms=tpot_ms(stages_ms["decode"], record.max_choice_tokens) if clock.ended("decode") else None,
-            stream=record.stream, num_choices=record.num_choices, prompt_tokens=record.prompt_tokens,
-            cached_tokens=record.cached_tokens, completion_tokens=record.completion_tokens,
-            finish_reason=record.finish_reason, error=record.error, cost_usd=record.cost_usd,
-            cache_reason=record.cache_reason, limit_kind=record.limit_kind, sampling=record.sampling,
-            traceparent=record.traceparent,
+            tpot_ms=tpot_ms(stages_ms["decode"], outcome.max_choice_tokens) if clock.ended("decode") else None,
+            stream=job is not None and job.stream, num_choices=job.n if job is not None else 1,
+            prompt_tokens=outcome.prompt_tokens, cached_tokens=outcome.cached_tokens,
+            completion_tokens=outcome.completion_tokens, finish_reason=outcome.finish_reason, error=outcome.error,
+            cost_usd=cost_usd, cache_reason=outcome.cache_reason, limit_kind=outcome.limit_kind, sampling=sampling,
+            traceparent=call.start.traceparent,
+            route=None if route is None else {"pool": route.pool, "replica": route.replica, "reason": route.reason},
         )
 
     # What the ledger row keeps besides its own columns (`tokenway trace` rebuilds the rest).
     LEDGER_FIELDS = ("endpoint", "total_ms", "ttft_ms", "tpot_ms", "stream", "num_choices", "cache_reason",
-                     "limit_kind", "sampling")
+                     "limit_kind", "sampling", "route")
 
     def ledger_fields(self) -> dict:
         return {name: getattr(self, name) for name in self.LEDGER_FIELDS}

@@ -142,9 +142,11 @@ class RateLimitError(TokenwayError):
     type = "rate_limit_error"
     anthropic_type = "rate_limit_error"
 
-    def __init__(self, message: str, *, retry_after: float | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, *, retry_after: float | None = None, code: str | None = None,
+                 limit_kind: str | None = None) -> None:
         super().__init__(message, code=code)
         self.retry_after = retry_after
+        self.limit_kind = limit_kind  # which of the caller's limits refused it (rpm, tpm, budget...), if one did
 
 
 class InternalServerError(TokenwayError):

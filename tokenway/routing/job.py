@@ -40,6 +40,7 @@ class GenerationJob:
     prompt_token_ids: tuple[int, ...] | None = None
     # absolute time.monotonic() by which the call must be done (None: no deadline)
     deadline: float | None = None
+    stream: bool = False  # the caller takes SSE (every replica streams to the gateway either way)
 
     def __post_init__(self) -> None:
         if self.kind == "chat" and not self.messages and self.prompt_token_ids is None:

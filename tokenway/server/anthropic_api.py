@@ -11,10 +11,11 @@ from starlette.responses import Response
 
 from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.tools import parse_tool_reply
-from tokenway.gateway.gatekeeper import CallRecord
 from tokenway.protocol.anthropic import map_stop_reason, to_chat_messages, to_chat_tools
 from tokenway.protocol.errors import anthropic_error_body
+from tokenway.routing.job import GenerationJob
 from tokenway.server import sse
+from tokenway.server.call import Call
 from tokenway.server.http import EventStreamResponse
 from tokenway.server.serving import (
     Generation,
@@ -25,7 +26,6 @@ from tokenway.server.serving import (
     new_id,
     structured_output_spec,
 )
-from tokenway.stages import StageClock
 
 
 def openai_tools(body) -> tuple[list[dict] | None, object]:
@@ -40,19 +40,23 @@ def openai_tools(body) -> tuple[list[dict] | None, object]:
     return tools, tool_choice or "auto"
 
 
-def prepare(state: ServerState, body, clock: StageClock, record: CallRecord) -> tuple[Generation, bool]:
-    model = state.route(body, record, clock)
+def prepare(state: ServerState, body, call: Call) -> tuple[Generation, bool]:
+    """The adaptor for Messages: the body becomes the same GenerationJob a chat call makes."""
+    model = state.route(body, call)
     tools, tool_choice = openai_tools(body)
+    messages = to_chat_messages(body)
     with context_window(state, "messages") as window:
-        prompt = build_chat_prompt(state.tokenizer, to_chat_messages(body), tools, tool_choice, max_num_tokens=window)
-    max_tokens = state.max_tokens(record, len(prompt.prompt_token_ids), body.max_tokens, "max_tokens",
+        prompt = build_chat_prompt(state.tokenizer, messages, tools, tool_choice, max_num_tokens=window)
+    max_tokens = state.max_tokens(call, len(prompt.prompt_token_ids), body.max_tokens, "max_tokens",
                                   num_messages=len(body.messages))
     fields = SimpleNamespace(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=None,
                              presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None)
     params = make_sampling_params(fields, max_tokens, structured_output_spec(prompt.json_schema, False), None,
                                   body.stop_sequences)
-    generation = Generation(state, record, clock, model, new_id("msg_"), prompt.prompt_token_ids, [params])
-    return generation, prompt.generic_tools
+    job = GenerationJob(new_id("msg_"), model, "chat", params, messages=tuple(messages),
+                        tools=tuple(tools) if tools else None, tool_choice=tool_choice,
+                        prompt_token_ids=tuple(prompt.prompt_token_ids), stream=bool(body.stream))
+    return Generation(state, call, job), prompt.generic_tools
 
 
 def content_blocks(text: str, generic_tools: bool) -> tuple[list[dict], bool]:
@@ -139,8 +143,8 @@ async def message_events(generation: Generation, generic_tools: bool) -> AsyncIt
             "usage": {"output_tokens": sum(generation.completion_tokens)}})
 
 
-async def handle(state: ServerState, request: Request, body, clock: StageClock, record: CallRecord) -> Response:
-    generation, generic_tools = await state.prepare(request, prepare, state, body, clock, record)
+async def handle(state: ServerState, request: Request, body, call: Call) -> Response:
+    generation, generic_tools = await state.prepare(request, prepare, state, body, call)
     await state.admit(generation)
     if body.stream:
         return EventStreamResponse(message_stream(generation, generic_tools))

@@ -19,7 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenway.gateway.gatekeeper import CallRecord, Gatekeeper
+from tokenway.gateway.auth import ANONYMOUS
+from tokenway.gateway.gatekeeper import Gatekeeper
 from tokenway.observability.observer import Observer
 from tokenway.observability.routes import observability_router
 from tokenway.observability.traces import Trace
@@ -38,6 +39,7 @@ from tokenway.protocol.errors import (
 )
 from tokenway.server import anthropic_api, openai_api
 from tokenway.server.admin_api import admin_router
+from tokenway.server.call import Call, CallOutcome, CallStart
 from tokenway.server.http import ClientDisconnected, EventStreamResponse, parse_body
 from tokenway.server.serving import ServerState
 from tokenway.stages import StageClock
@@ -94,40 +96,42 @@ class GatewayMiddleware:
             return
         clock = StageClock()
         path = scope["path"]
-        record = CallRecord(endpoint=path)
-        state = scope.setdefault("state", {})
-        state["clock"], state["record"] = clock, record
         generation_call = scope["method"] == "POST" and path in GENERATION_PATHS
+        call: Call | None = None
         status = 0
         try:
-            status = await self._handle(scope, receive, send, clock, record, generation_call)
+            status, call = await self._handle(scope, receive, send, clock, generation_call)
         finally:
             clock.finish()
-            if generation_call and self.observer is not None:
-                self.observer.record(Trace.of_call(record, clock, status or 499))
+            if generation_call and self.observer is not None and call is not None:
+                call.end(CallOutcome(status or 499, error=None if status else "client disconnected"))
+                cost = self.gatekeeper.cost_usd(call.model, call.outcome) if self.gatekeeper is not None else 0.0
+                self.observer.record(Trace.of_call(call, call.outcome, cost))
 
-    async def _handle(self, scope: Scope, receive: Receive, send: Send, clock: StageClock, record: CallRecord,
-                      generation_call: bool) -> int:
-        """Run the request; returns the HTTP status sent (0 if none was)."""
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, clock: StageClock,
+                      generation_call: bool) -> tuple[int, Call | None]:
+        """Run the request; returns the HTTP status sent (0 if none was) and the call, once authenticated."""
         path = scope["path"]
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
-        record.traceparent = headers.get("traceparent")
         if "transfer-encoding" in headers and "content-length" in headers:
             # RFC 9112 6.3: a request smuggling vector when a proxy in front reads it the other way.
             error = InvalidRequestError("The request has both Content-Length and Transfer-Encoding; send one.",
                                         code="ambiguous_framing")
-            response = error_response(path, error, record.request_id)
+            response = error_response(path, error, CallStart.now(path).request_id)
             response.headers["connection"] = "close"
             await response(scope, receive, send)
-            return error.status
+            return error.status, None
         gatekeeper = self.gatekeeper
+        principal = ANONYMOUS
         if gatekeeper is not None and needs_api_key(path):
             try:
-                record.principal = gatekeeper.authenticate(headers)
+                principal = gatekeeper.authenticate(headers)
             except TokenwayError as exc:
-                await error_response(path, exc, record.request_id)(scope, receive, send)
-                return exc.status
+                await error_response(path, exc, CallStart.now(path).request_id)(scope, receive, send)
+                return exc.status, None
         clock.end("auth")
+        call = Call(CallStart.now(path, principal, headers.get("traceparent")), clock)
+        scope.setdefault("state", {})["call"] = call
         limit = self.max_body_bytes if path in LARGE_BODY_PATHS else SMALL_BODY_BYTES
         too_large = PayloadTooLargeError(f"Request body exceeds the limit of {limit} bytes for {path}")
         ledgered = gatekeeper is not None and generation_call
@@ -147,15 +151,15 @@ class GatewayMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                if not record.rate_headers and gatekeeper is not None and needs_api_key(path):
-                    # Not admitted through the limiter (a 400, /v1/models...): still tell the
+                extra = {}
+                if call.admission is not None:
+                    extra.update(call.admission.rate_headers)
+                elif gatekeeper is not None and needs_api_key(path):
+                    # Not admitted through the limiter (a 400, a 429, /v1/models...): still tell the
                     # caller where its limits stand, as OpenAI does on every response.
-                    principal = record.principal
-                    record.rate_headers = await gatekeeper.limiter.headers(
-                        principal.key_id, gatekeeper.limit_spec(principal))
-                extra = dict(record.rate_headers)
+                    extra.update(await gatekeeper.limiter.headers(principal.key_id, gatekeeper.limit_spec(principal)))
                 if generation_call:  # every answer to a generation call names the id to trace it by
-                    extra.setdefault("x-request-id", record.request_id)
+                    extra.setdefault("x-request-id", call.request_id)
                 if extra:
                     response_headers = list(message.get("headers", []))
                     present = {name.lower() for name, _ in response_headers}
@@ -164,31 +168,29 @@ class GatewayMiddleware:
                     response_headers += [(k.encode(), v.encode()) for k, v in extra.items()
                                          if k.encode() not in present]
                     message = {**message, "headers": response_headers}
-            elif ledgered and not message.get("more_body") and not record.committed:
-                await gatekeeper.commit(record, status, clock)
+            elif ledgered and not message.get("more_body") and not call.committed:
+                await gatekeeper.commit(call, status)
             await send(message)
 
         try:
             length = headers.get("content-length", "")
             if length.isdigit() and int(length) > limit:
-                record.error = too_large.message
+                call.end_with_error(too_large.status, too_large.message)
                 await error_response(path, too_large)(scope, receive, send_with_policy)
-                return too_large.status
+                return too_large.status, call
             await self.app(scope, limited_receive, send_with_policy)
         except Exception:
             # A bug, not the client's doing: log it whole, answer a plain 500 (with the request
             # id, billed in the ledger like any other outcome) if nothing was sent yet.
             logger.exception("unhandled error on %s", path)
-            record.error = record.error or "internal server error"
+            call.end_with_error(500, "internal server error")
             if status == 0:
                 await error_response(path, InternalServerError("The server had an error processing the request"))(
                     scope, receive, send_with_policy)
         finally:
-            if ledgered and not record.committed:
-                if record.status is None and record.error is None:
-                    record.status, record.error = 499, "client disconnected"
-                gatekeeper.commit_nowait(record, status or 499, clock)
-        return status
+            if ledgered and not call.committed:
+                gatekeeper.commit_nowait(call, 0)  # the client left before the last byte: a 499
+        return status, call
 
 
 def _schema_extra(model: type) -> dict[str, Any]:
@@ -207,8 +209,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(TokenwayError)
     async def on_tokenway_error(request: Request, exc: TokenwayError) -> JSONResponse:
-        record: CallRecord = request.scope["state"]["record"]
-        record.error = record.error or exc.message
+        call_of(request).end_with_error(exc.status, exc.message, getattr(exc, "limit_kind", None))
         return error_response(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
@@ -229,8 +230,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(ClientDisconnected)
     async def on_client_gone(request: Request, exc: ClientDisconnected) -> Response:
-        record: CallRecord = request.scope["state"]["record"]
-        record.status, record.error = 499, "client disconnected"
+        call_of(request).end_with_error(499, "client disconnected")
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
@@ -238,11 +238,8 @@ def create_app(state: ServerState) -> FastAPI:
         logger.exception("unhandled error on %s", request.url.path)
         return error_response(request.url.path, InternalServerError("The server had an error processing the request"))
 
-    def clock_of(request: Request) -> StageClock:
-        return request.scope["state"]["clock"]
-
-    def record_of(request: Request) -> CallRecord:
-        return request.scope["state"]["record"]
+    def call_of(request: Request) -> Call:
+        return request.scope["state"]["call"]
 
     async def respond(request: Request, generation, build, stream: bool, stream_events) -> Response:
         if stream:
@@ -253,7 +250,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, openai_schema.ChatCompletionRequest, state.body_parser)
         generation, generic_tools = await state.prepare(request, openai_api.prepare_chat, state, body,
-                                                        clock_of(request), record_of(request))
+                                                        call_of(request))
         await state.admit(generation)
         return await respond(
             request, generation,
@@ -266,7 +263,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(request: Request) -> Response:
         body = await parse_body(request, openai_schema.CompletionRequest, state.body_parser)
         generation, echo = await state.prepare(request, openai_api.prepare_completion, state, body,
-                                               clock_of(request), record_of(request))
+                                               call_of(request))
         await state.admit(generation)
         return await respond(
             request, generation,
@@ -278,7 +275,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/messages", openapi_extra=_schema_extra(anthropic_schema.MessagesRequest))
     async def messages(request: Request) -> Response:
         body = await parse_body(request, anthropic_schema.MessagesRequest, state.body_parser)
-        return await anthropic_api.handle(state, request, body, clock_of(request), record_of(request))
+        return await anthropic_api.handle(state, request, body, call_of(request))
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -344,7 +341,7 @@ def create_app(state: ServerState) -> FastAPI:
         async def usage(request: Request, key_id: str | None = None, since: float | None = None,
                         until: float | None = None) -> dict:
             """The caller's usage by day and model (an admin key may name any key_id)."""
-            principal = record_of(request).principal
+            principal = call_of(request).start.principal
             if key_id is not None and key_id != principal.key_id and not is_admin(request, state.config.admin_key):
                 raise PermissionDeniedError("Only the admin key may read another key's usage.", param="key_id")
             rows = await state.gatekeeper.ledger.usage(key_id or principal.key_id, since, until)

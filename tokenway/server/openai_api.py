@@ -5,12 +5,13 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator, Callable
 
-from tokenway.engine.request import TokenLogprob, choice_params
+from tokenway.engine.request import TokenLogprob
 from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.tools import parse_tool_reply
-from tokenway.gateway.gatekeeper import CallRecord
 from tokenway.protocol.errors import ContextLengthExceededError, InvalidRequestError, openai_error_body
+from tokenway.routing.job import GenerationJob
 from tokenway.server import sse
+from tokenway.server.call import Call
 from tokenway.server.serving import (
     Generation,
     ServerState,
@@ -20,7 +21,6 @@ from tokenway.server.serving import (
     new_id,
     structured_output_spec,
 )
-from tokenway.stages import StageClock
 
 
 class TokenText:
@@ -78,8 +78,10 @@ def openai_finish_reason(reason: str | None) -> str | None:
 # ---- chat ------------------------------------------------------------------------------
 
 
-def prepare_chat(state: ServerState, body, clock: StageClock, record: CallRecord):
-    model = state.route(body, record, clock)
+def prepare_chat(state: ServerState, body, call: Call):
+    """The adaptor for chat: the body becomes one GenerationJob (and whether the reply is the
+    generic tool-call format, which the response parses)."""
+    model = state.route(body, call)
     if body.logprobs and body.top_logprobs is None:
         top_logprobs = 0
     else:
@@ -90,17 +92,20 @@ def prepare_chat(state: ServerState, body, clock: StageClock, record: CallRecord
         tool_choice = tool_choice.model_dump(exclude_none=True)
     response_format = body.response_format.model_dump(exclude_none=True, by_alias=True) if body.response_format else None
     messages = body.template_messages()
+    parallel_tool_calls = body.parallel_tool_calls is not False
     with context_window(state, "messages") as window:
-        prompt = build_chat_prompt(state.tokenizer, messages, tools, tool_choice,
-                                   body.parallel_tool_calls is not False, response_format, max_num_tokens=window)
-    max_tokens = state.max_tokens(record, len(prompt.prompt_token_ids), body.max_output_tokens,
+        prompt = build_chat_prompt(state.tokenizer, messages, tools, tool_choice, parallel_tool_calls,
+                                   response_format, max_num_tokens=window)
+    max_tokens = state.max_tokens(call, len(prompt.prompt_token_ids), body.max_output_tokens,
                                   "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
                                   num_messages=len(body.messages))
     structured = structured_output_spec(prompt.json_schema, prompt.json_object)
     params = make_sampling_params(body, max_tokens, structured, top_logprobs if body.logprobs else None, body.stop)
-    generation = Generation(state, record, clock, model, new_id("chatcmpl-"), prompt.prompt_token_ids,
-                            choice_params(params, body.n or 1))
-    return generation, prompt.generic_tools
+    job = GenerationJob(new_id("chatcmpl-"), model, "chat", params, n=body.n or 1, messages=tuple(messages),
+                        tools=tuple(tools) if tools else None, tool_choice=tool_choice,
+                        parallel_tool_calls=parallel_tool_calls, response_format=response_format,
+                        prompt_token_ids=tuple(prompt.prompt_token_ids), stream=bool(body.stream))
+    return Generation(state, call, job), prompt.generic_tools
 
 
 def tool_message(text: str) -> tuple[dict, bool]:
@@ -210,8 +215,8 @@ def tokenize(state: ServerState, body) -> list[int]:
     return token_ids
 
 
-def prepare_completion(state: ServerState, body, clock: StageClock, record: CallRecord) -> tuple[Generation, str]:
-    model = state.route(body, record, clock)
+def prepare_completion(state: ServerState, body, call: Call) -> tuple[Generation, str]:
+    model = state.route(body, call)
     prompts = completion_prompts(state, body.prompt)
     if len(prompts) != 1:
         # Batched prompts would be n choices each; one prompt per call keeps billing exact.
@@ -223,12 +228,13 @@ def prepare_completion(state: ServerState, body, clock: StageClock, record: Call
     vocab_size = state.engine.vocab_size
     if any(not 0 <= t < vocab_size for t in prompt_token_ids):
         raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
-    max_tokens = state.max_tokens(record, len(prompt_token_ids), body.max_tokens, "max_tokens")
+    max_tokens = state.max_tokens(call, len(prompt_token_ids), body.max_tokens, "max_tokens")
     params = make_sampling_params(body, max_tokens, None, body.logprobs, body.stop)
-    generation = Generation(state, record, clock, model, new_id("cmpl-"), prompt_token_ids,
-                            choice_params(params, body.n or 1))
+    text = body.prompt if isinstance(body.prompt, str) else None
+    job = GenerationJob(new_id("cmpl-"), model, "completion", params, n=body.n or 1, prompt=text,
+                        prompt_token_ids=tuple(prompt_token_ids), stream=bool(body.stream))
     echo = state.tokenizer.decode(prompt_token_ids) if body.echo else ""
-    return generation, echo
+    return Generation(state, call, job), echo
 
 
 async def completion_response(state: ServerState, body, generation: Generation, echo: str) -> dict:

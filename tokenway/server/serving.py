@@ -15,11 +15,12 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from starlette.responses import JSONResponse, Response
 
 from tokenway.engine.client import EngineClient, EngineDeadError
-from tokenway.engine.request import SamplingParams
+from tokenway.engine.request import SamplingParams, choice_params
 from tokenway.engine.structured_output import StructuredOutputSpec
 from tokenway.frontend.output import RequestOutput
 from tokenway.frontend.tokenizer import PromptTooLong
-from tokenway.gateway.gatekeeper import CallRecord, Gatekeeper
+from tokenway.gateway.auth import Principal
+from tokenway.gateway.gatekeeper import Gatekeeper
 from tokenway.observability.observer import Observer
 from tokenway.protocol.errors import (
     ContextLengthExceededError,
@@ -29,8 +30,10 @@ from tokenway.protocol.errors import (
     ServiceUnavailableError,
     TokenwayError,
 )
+from tokenway.routing.job import GenerationJob
 from tokenway.server import sse
 from tokenway.server.body_parser import BodyParser
+from tokenway.server.call import Call, CallOutcome, RouteChoice
 from tokenway.server.http import ClientDisconnected, unless_disconnected
 from tokenway.stages import StageClock
 
@@ -70,43 +73,41 @@ class ServerState:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def resolve_model(self, name: str | None, record: CallRecord | None = None) -> str:
+    def resolve_model(self, name: str | None, principal: Principal | None = None) -> str:
         """The served name a request's `model` refers to; 404 for anything else, 403 for a
         model the caller's key may not use."""
         if name not in self.model_names:
             raise NotFoundError.for_model(str(name))
-        if record is not None:
-            record.model = name
-            if self.gatekeeper is not None:
-                self.gatekeeper.check_model(record.principal, name)
+        if principal is not None and self.gatekeeper is not None:
+            self.gatekeeper.check_model(principal, name)
         return name
 
-    def route(self, body, record: CallRecord, clock: StageClock) -> str:
+    def route(self, body, call: Call) -> str:
         """Stage 2: the served model for a generation call (the local engine, for now)."""
-        name = self.resolve_model(body.model, record)
-        record.stream = bool(body.stream)
-        clock.end("routing")
+        name = self.resolve_model(body.model, call.start.principal)
+        call.set_route(RouteChoice(model=name, pool=name, replica="local", reason="only"))
+        call.clock.end("routing")
         return name
 
-    def max_tokens(self, record: CallRecord, num_prompt_tokens: int, requested: int | None, param: str,
+    def max_tokens(self, call: Call, num_prompt_tokens: int, requested: int | None, param: str,
                    num_messages: int = 1) -> int:
         """max_tokens after the window check and the key's caps (the cap fills in when the
         request names none)."""
         if self.gatekeeper is not None:
-            self.gatekeeper.check_sizes(record.principal, num_messages, requested, param)
-            cap = self.gatekeeper.max_tokens_cap(record.principal)
+            principal = call.start.principal
+            self.gatekeeper.check_sizes(principal, num_messages, requested, param)
+            cap = self.gatekeeper.max_tokens_cap(principal)
             if requested is None and cap is not None:
                 requested = min(cap, self.max_model_len - num_prompt_tokens)
         return resolve_max_tokens(self, num_prompt_tokens, requested, param)
 
     async def admit(self, generation: "Generation") -> None:
         """Budget and limits, reserving prompt + max_tokens for every choice. Raises 429."""
-        record = generation.record
+        call, job = generation.call, generation.job
         if self.gatekeeper is not None:
-            max_tokens = generation.params_list[0].max_tokens or 0
-            reserve = len(generation.prompt_token_ids) + max_tokens * generation.num_choices
-            await self.gatekeeper.admit(record, reserve)
-        generation.clock.end("limits")
+            reserve = len(job.prompt_token_ids) + (job.params.max_tokens or 0) * job.n
+            call.set_admission(await self.gatekeeper.admit(call.start.principal, reserve))
+        call.clock.end("limits")
 
     async def prepare(self, request, prepare: Callable[..., Any], *args: Any) -> Any:
         """Run a route's prepare step (chat template, tokenizing, the checks that need the
@@ -254,18 +255,16 @@ def mark_engine_times(clock: StageClock, output: RequestOutput) -> None:
         clock.end("decode", max(metrics.last_token_time, clock.ends.get("decode", 0.0)))
 
 
-def log_request(request_id: str, model: str, clock: StageClock, status: int, num_prompt_tokens: int = 0,
-                num_cached_tokens: int = 0, num_completion_tokens: int = 0, finish_reason: str | None = None,
-                error: str | None = None) -> None:
+def log_request(request_id: str, model: str, clock: StageClock, outcome: CallOutcome) -> None:
     access_log.info(json.dumps({
         "request_id": request_id,
         "model": model,
-        "status": status,
-        "prompt_tokens": num_prompt_tokens,
-        "cached_tokens": num_cached_tokens,
-        "completion_tokens": num_completion_tokens,
-        "finish_reason": finish_reason,
-        "error": error,
+        "status": outcome.status,
+        "prompt_tokens": outcome.prompt_tokens,
+        "cached_tokens": outcome.cached_tokens,
+        "completion_tokens": outcome.completion_tokens,
+        "finish_reason": outcome.finish_reason,
+        "error": outcome.error,
         "ttft_ms": None if clock.ttft_ms is None else round(clock.ttft_ms, 2),
         "stages_ms": {k: round(v, 2) for k, v in clock.durations_ms().items()},
     }))
@@ -286,40 +285,33 @@ def engine_unavailable() -> ServiceUnavailableError:
 
 
 class Generation:
-    """One API call's engine work: prompt, per-choice params, the stage clock, the log line."""
+    """One API call's engine work: the job, its choices' running counts, the log line, and the
+    call's outcome when it ends."""
 
-    def __init__(self, state: ServerState, record: CallRecord, clock: StageClock, model: str, request_id: str,
-                 prompt_token_ids: list[int], params_list: list) -> None:
+    def __init__(self, state: ServerState, call: Call, job: GenerationJob) -> None:
         self.state = state
-        self.record = record
-        self.clock = clock
-        self.model = model
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self.params_list = params_list
-        self.num_choices = len(params_list)
-        params = params_list[0]
-        # What the record (ledger row, trace) knows of the call from here on, a 400 or 429 included.
-        record.request_id, record.model, record.num_choices = request_id, model, self.num_choices
-        record.prompt_tokens = len(prompt_token_ids)
-        record.sampling = {"temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens,
-                           "seed": params.seed, "n": self.num_choices}
+        self.call = call
+        self.clock = call.clock
+        self.job = job
+        self.model = job.model
+        self.request_id = job.request_id
+        self.prompt_token_ids = list(job.prompt_token_ids)
+        self.params_list = choice_params(job.params, job.n)
+        self.num_choices = job.n
+        call.set_job(job)  # from here a 400 or 429 is billed with the job's prompt
         # The engine's own checks (vocabulary, window, a response_format that cannot be
         # satisfied) run now, so they are a 400 before any byte of a stream is sent.
-        for params in params_list[:1]:
-            try:
-                state.engine.validate_prompt(prompt_token_ids, params)
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc), param=str(exc).split(":", 1)[0]) from None
-            except EngineDeadError:
-                raise engine_unavailable() from None
+        try:
+            state.engine.validate_prompt(self.prompt_token_ids, job.params)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param=str(exc).split(":", 1)[0]) from None
+        except EngineDeadError:
+            raise engine_unavailable() from None
         self.completion_tokens = [0] * self.num_choices
         self.finish_reasons: list[str | None] = [None] * self.num_choices
         self.num_cached_tokens = 0
         self.cache_reason: str | None = None
-        self.status = 200
-        self.error: str | None = None
-        clock.end("tokenize")
+        call.clock.end("tokenize")
 
     async def outputs(self):
         self.state.take_engine_slots(self.num_choices)
@@ -364,7 +356,7 @@ class Generation:
     async def commit(self) -> None:
         """Make the ledger row durable; a stream calls this before its final event."""
         if self.state.gatekeeper is not None:
-            await self.state.gatekeeper.commit(self.record, self.status, self.clock)
+            await self.state.gatekeeper.commit(self.call)
 
     async def json_response(self, request, work, id_header: str = "x-request-id"):
         """Await the response body unless the client leaves first; log and time it either way."""
@@ -384,22 +376,15 @@ class Generation:
     def usage(self) -> dict:
         return usage_dict(len(self.prompt_token_ids), sum(self.completion_tokens), self.num_cached_tokens)
 
-    def finish(self, status: int | None = None, error: str | None = None) -> None:
-        if status is not None:
-            self.status, self.error = status, error
+    def finish(self, status: int = 200, error: str | None = None) -> None:
+        """The call's outcome, made once from the counts as they stand, and its log line."""
         reasons = [r for r in self.finish_reasons if r]
-        record = self.record
-        record.cached_tokens = self.num_cached_tokens
-        record.completion_tokens = sum(self.completion_tokens)
-        record.max_choice_tokens = max(self.completion_tokens)
-        record.cache_reason = self.cache_reason
-        record.finish_reason = reasons[0] if reasons else None
-        record.error = self.error
-        if status is not None:
-            record.status = status
-        log_request(self.request_id, self.model, self.clock, self.status, len(self.prompt_token_ids),
-                    self.num_cached_tokens, sum(self.completion_tokens), reasons[0] if reasons else None,
-                    self.error)
+        outcome = CallOutcome(
+            status, prompt_tokens=len(self.prompt_token_ids), cached_tokens=self.num_cached_tokens,
+            completion_tokens=sum(self.completion_tokens), max_choice_tokens=max(self.completion_tokens),
+            finish_reason=reasons[0] if reasons else None, error=error, cache_reason=self.cache_reason)
+        self.call.end(outcome)
+        log_request(self.request_id, self.model, self.clock, outcome)
 
 
 STREAM_FAILED = "The server failed while generating; the stream has ended."

@@ -1,0 +1,109 @@
+"""One HTTP call's facts, each made once by the stage that knows it and handed on frozen:
+
+    GatewayMiddleware ─► CallStart    who calls, which endpoint, when (stage 1)
+    routing           ─► RouteChoice  the model served, its pool and replica, and why
+    API adaptor       ─► GenerationJob the typed work (routing/job.py)
+    Gatekeeper.admit  ─► Admission    the limits' reservation and rate headers
+    whoever sees the call end ─► CallOutcome   status, usage, finish, error
+                                   │
+                                   ├─► UsageRecord (the ledger row, Gatekeeper)
+                                   └─► Trace (Observer)
+
+`Call` only carries them: each slot is written once (a second write is a bug, and raises),
+nothing in it is mutated afterwards, and the ledger row and the trace are both derived from
+the same outcome, never written piecemeal.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tokenway.gateway.auth import ANONYMOUS, Principal
+from tokenway.stages import StageClock
+
+if TYPE_CHECKING:
+    from tokenway.gateway.gatekeeper import Admission
+    from tokenway.routing.job import GenerationJob
+
+
+@dataclass(frozen=True, slots=True)
+class CallStart:
+    endpoint: str
+    principal: Principal = ANONYMOUS
+    request_id: str = ""  # provisional; a generation's job names the call's own id
+    started_at: float = 0.0  # unix seconds
+    traceparent: str | None = None  # the caller's W3C trace context, when it sent one
+
+    @classmethod
+    def now(cls, endpoint: str, principal: Principal = ANONYMOUS, traceparent: str | None = None) -> CallStart:
+        return cls(endpoint, principal, f"req_{uuid.uuid4().hex}", time.time(), traceparent)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteChoice:
+    """Where the call goes: the served model name, its pool, the replica, and why that one."""
+
+    model: str
+    pool: str
+    replica: str
+    reason: str  # "only" (a pool of one), "affinity", "least_loaded", "retry", "fallback"
+
+
+@dataclass(frozen=True, slots=True)
+class CallOutcome:
+    status: int  # what the caller got: the HTTP status, or 499 when it left first
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    max_choice_tokens: int = 0  # the longest choice's completion tokens (TPOT is per choice)
+    finish_reason: str | None = None
+    error: str | None = None
+    cache_reason: str | None = None  # why the prefix cache stopped where it did
+    limit_kind: str | None = None  # the limit that refused the call with a 429
+
+
+class Call:
+    __slots__ = ("clock", "start", "route", "job", "admission", "outcome", "committed")
+
+    def __init__(self, start: CallStart, clock: StageClock | None = None) -> None:
+        self.clock = clock or StageClock()
+        self.start = start
+        self.route: RouteChoice | None = None
+        self.job: GenerationJob | None = None
+        self.admission: Admission | None = None
+        self.outcome: CallOutcome | None = None
+        self.committed = False  # the ledger row is written (Gatekeeper's flag)
+
+    @property
+    def request_id(self) -> str:
+        return self.job.request_id if self.job is not None else self.start.request_id
+
+    @property
+    def model(self) -> str:
+        return self.route.model if self.route is not None else ""
+
+    def set_route(self, route: RouteChoice) -> None:
+        assert self.route is None, "the route is chosen once"
+        self.route = route
+
+    def set_job(self, job: GenerationJob) -> None:
+        assert self.job is None, "the job is built once"
+        self.job = job
+
+    def set_admission(self, admission: Admission) -> None:
+        assert self.admission is None, "a call is admitted once"
+        self.admission = admission
+
+    def end(self, outcome: CallOutcome) -> None:
+        """The call's one outcome; a later report (the middleware's fallback) is ignored."""
+        if self.outcome is None:
+            self.outcome = outcome
+
+    def end_with_error(self, status: int, error: str, limit_kind: str | None = None) -> None:
+        """An outcome for a call that failed before any output: what the job would have billed."""
+        job = self.job
+        num_prompt_tokens = len(job.prompt_token_ids) if job is not None and job.prompt_token_ids else 0
+        self.end(CallOutcome(status, prompt_tokens=num_prompt_tokens, error=error, limit_kind=limit_kind))
