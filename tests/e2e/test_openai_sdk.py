@@ -21,7 +21,7 @@ def ask(content: str) -> list[dict]:
 
 
 def test_models_list(client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL, "all-minilm-l6-v2"]
     assert client.models.retrieve(MODEL).id == MODEL
 
 

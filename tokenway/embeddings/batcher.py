@@ -171,9 +171,17 @@ class EmbeddingEngine:
         Raises InvalidRequestError (ContextLengthExceededError for an item over the model's
         window) naming the field, ServiceUnavailableError after shutdown(), InternalServerError
         if the forward pass failed."""
-        if self._closed:  # checked again under the lock below; this saves the tokenizing
+        return await self.embed_token_ids(await self.tokenize(input, dimensions=dimensions))
+
+    async def tokenize(self, input: Any, *, dimensions: int | None = None) -> list[list[int]]:
+        """embed()'s first half: the inputs' token ids, checked (off the event loop). The server
+        counts them for the caller's limits before embed_token_ids runs them."""
+        if self._closed:  # checked again under the lock in embed_token_ids; this saves the tokenizing
             raise ServiceUnavailableError("The embeddings engine is shutting down.")
-        token_ids = await asyncio.to_thread(prepare_inputs, self.model, input, dimensions)
+        return await asyncio.to_thread(prepare_inputs, self.model, input, dimensions)
+
+    async def embed_token_ids(self, token_ids: list[list[int]]) -> EmbeddingResult:
+        """embed()'s second half: run checked token ids (from tokenize) in the shared batches."""
         loop = asyncio.get_running_loop()
         job = EmbeddingJob(token_ids, loop, loop.create_future(),
                            np.empty((len(token_ids), self.model.dimensions), dtype=np.float32))

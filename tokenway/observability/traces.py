@@ -63,11 +63,7 @@ class Trace:
         """The trace of one call (server/call.py's Call and its CallOutcome), as of now."""
         clock, job, route = call.clock, call.job, call.route
         stages_ms = clock.durations_ms()
-        sampling = {}
-        if job is not None:
-            params = job.params
-            sampling = {"temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens,
-                        "seed": params.seed, "n": job.n}
+        sampling = job.sampling() if job is not None else {}
         return cls(
             request_id=call.request_id, endpoint=call.start.endpoint, model=call.model,
             key_id=call.start.principal.key_id, status=outcome.status, started_at=call.start.started_at,

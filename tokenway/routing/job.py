@@ -42,6 +42,21 @@ class GenerationJob:
     deadline: float | None = None
     stream: bool = False  # the caller takes SSE (every replica streams to the gateway either way)
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids) if self.prompt_token_ids is not None else 0
+
+    @property
+    def num_reserved_tokens(self) -> int:
+        """What the caller's token limits reserve before it runs: the prompt and every choice's max_tokens."""
+        return self.num_prompt_tokens + (self.params.max_tokens or 0) * self.n
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling fields a trace shows."""
+        params = self.params
+        return {"temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens,
+                "seed": params.seed, "n": self.n}
+
     def __post_init__(self) -> None:
         if self.kind == "chat" and not self.messages and self.prompt_token_ids is None:
             raise ValueError("messages: a chat job needs messages")
@@ -49,6 +64,29 @@ class GenerationJob:
             raise ValueError("prompt: a completion job needs a prompt or its token ids")
         if self.n < 1:
             raise ValueError(f"n: must be >= 1, got {self.n}")
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingsJob:
+    """One /v1/embeddings call's work: each input's checked token ids (the model's own tokenizer)."""
+
+    request_id: str
+    model: str
+    input_token_ids: tuple[tuple[int, ...], ...]
+    encoding_format: Literal["float", "base64"] = "float"
+    n: int = 1
+    stream: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.input_token_ids)
+
+    @property
+    def num_reserved_tokens(self) -> int:
+        return self.num_prompt_tokens
+
+    def sampling(self) -> dict[str, Any]:
+        return {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +112,13 @@ class ChoiceDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or token that ended it, if known
     logprobs: tuple[Any, ...] | None = None  # engine TokenLogprob per new token, tokenway engines only
+    # tokenway engines: prompt tokens served from the prefix cache and why it stopped there
+    # (kv_cache/manager.py), known from a choice's first event on
+    num_cached_tokens: int = 0
+    cache_reason: str | None = None
+    # the local engine only (this host's time.monotonic()): when the choice was first scheduled,
+    # its first token, its latest token; the stage clock's queue, prefill and decode end there
+    engine_times: tuple[float | None, float | None, float | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +129,7 @@ class Usage:
     completion_tokens: int
     cached_tokens: int = 0
     counted_by: Literal["replica", "tokenizer", "estimate"] = "replica"  # who counted them
+    cache_reason: str | None = None  # tokenway engines: why the prefix cache stopped where it did
 
 
 ReplicaEvent = ChoiceDelta | Usage

@@ -35,11 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from tokenway.billing.pricing import ModelPrice, PriceTable
+from tokenway.config import DEFAULT_EMBEDDING_MODEL
 from tokenway.routing.registry_config import ModelEntry, ModelKind, ReplicaSpec, Table, a, at, parse_model
 
 REGISTRY_KEYS = frozenset({"models", "embeddings"})
-# tokenway.embeddings.model's DEFAULT_EMBEDDING_MODEL, not imported from there: that imports torch.
-DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 
 class ModelNotFound(KeyError):

@@ -393,6 +393,18 @@ class UpstreamHTTP:
         logger.warning("upstream %s answered HTTP %d -> %s", self.name, response.status_code, type(error).__name__)
         return error
 
+    async def get_json(self, path: str, timeout: float) -> Any:
+        """GET path within timeout: its JSON body, else the mapped error (the table above)."""
+        client, until = self._http(), time.monotonic() + timeout
+        response = await self._within(lambda: client.get(path, timeout=timeout), until, None)
+        if response.status_code >= 300:
+            raise error_for_status(self.name, response.status_code, response.content[:MAX_ERROR_BODY_BYTES],
+                                   response.headers)
+        try:
+            return response.json()
+        except ValueError:
+            raise BadGatewayError(f"Upstream {self.name} answered GET {path} with something other than JSON.") from None
+
     async def probe(self) -> bool:
         """GET {base_url}/models (or the configured health path; a full URL is taken as is)
         within timeouts.probe: True if the upstream is up (health.Probe's contract), else

@@ -16,12 +16,11 @@ from tokenway.protocol.errors import anthropic_error_body
 from tokenway.routing.job import GenerationJob
 from tokenway.server import sse
 from tokenway.server.call import Call
+from tokenway.server.generation import Generation, framed_stream
 from tokenway.server.http import EventStreamResponse
 from tokenway.server.serving import (
-    Generation,
     ServerState,
     context_window,
-    framed_stream,
     make_sampling_params,
     new_id,
     structured_output_spec,
@@ -42,7 +41,7 @@ def openai_tools(body) -> tuple[list[dict] | None, object]:
 
 def prepare(state: ServerState, body, call: Call) -> tuple[Generation, bool]:
     """The adaptor for Messages: the body becomes the same GenerationJob a chat call makes."""
-    model = state.route(body, call)
+    model, replica = state.route(body, call)
     tools, tool_choice = openai_tools(body)
     messages = to_chat_messages(body)
     with context_window(state, "messages") as window:
@@ -56,7 +55,7 @@ def prepare(state: ServerState, body, call: Call) -> tuple[Generation, bool]:
     job = GenerationJob(new_id("msg_"), model, "chat", params, messages=tuple(messages),
                         tools=tuple(tools) if tools else None, tool_choice=tool_choice,
                         prompt_token_ids=tuple(prompt.prompt_token_ids), stream=bool(body.stream))
-    return Generation(state, call, job), prompt.generic_tools
+    return Generation(state, call, job, replica), prompt.generic_tools
 
 
 def content_blocks(text: str, generic_tools: bool) -> tuple[list[dict], bool]:
@@ -80,8 +79,9 @@ def stop_fields(completion, used_tools: bool) -> tuple[str, str | None]:
 
 def usage(generation: Generation, output_tokens: int | None = None) -> dict:
     # Anthropic counts cached prompt tokens apart: input_tokens are the uncached ones.
-    return {"input_tokens": len(generation.prompt_token_ids) - generation.num_cached_tokens,
-            "output_tokens": sum(generation.completion_tokens) if output_tokens is None else output_tokens,
+    usage = generation.usage()
+    return {"input_tokens": usage["prompt_tokens"] - generation.num_cached_tokens,
+            "output_tokens": usage["completion_tokens"] if output_tokens is None else output_tokens,
             "cache_read_input_tokens": generation.num_cached_tokens, "cache_creation_input_tokens": 0}
 
 
@@ -106,24 +106,23 @@ async def message_events(generation: Generation, generic_tools: bool) -> AsyncIt
         "id": generation.request_id, "type": "message", "role": "assistant", "content": [],
         "model": generation.model, "stop_reason": None, "stop_sequence": None, "usage": usage(generation, 0)}})
     block_open = False
-    async for _, output in generation.outputs():
-        completion = output.outputs[0]
+    async for delta in generation.outputs():
         if not generic_tools:
             if not block_open:
                 block_open = True
                 yield sse.named_event("content_block_start", {
                     "type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
                 yield sse.named_event("ping", {"type": "ping"})
-            if completion.delta_text:
+            if delta.text:
                 yield sse.named_event("content_block_delta", {
                     "type": "content_block_delta", "index": 0,
-                    "delta": {"type": "text_delta", "text": completion.delta_text}})
-        if not output.finished:
+                    "delta": {"type": "text_delta", "text": delta.text}})
+        if delta.finish_reason is None:
             continue
         used_tools = False
         if generic_tools:
             # One JSON reply: parsed, and sent as blocks, once it is complete.
-            blocks, used_tools = content_blocks(completion.text, True)
+            blocks, used_tools = content_blocks(generation.text(delta.index), True)
             for index, block in enumerate(blocks):
                 if block["type"] == "text":
                     start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
@@ -137,15 +136,15 @@ async def message_events(generation: Generation, generic_tools: bool) -> AsyncIt
                 yield sse.named_event("content_block_stop", {"type": "content_block_stop", "index": index})
         else:
             yield sse.named_event("content_block_stop", {"type": "content_block_stop", "index": 0})
-        stop_reason, stop_sequence = stop_fields(completion, used_tools)
+        stop_reason, stop_sequence = stop_fields(delta, used_tools)
         yield sse.named_event("message_delta", {
             "type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-            "usage": {"output_tokens": sum(generation.completion_tokens)}})
+            "usage": {"output_tokens": generation.num_completion_tokens}})
 
 
 async def handle(state: ServerState, request: Request, body, call: Call) -> Response:
     generation, generic_tools = await state.prepare(request, prepare, state, body, call)
-    await state.admit(generation)
+    await state.admit(call)
     if body.stream:
         return EventStreamResponse(message_stream(generation, generic_tools))
     return await generation.json_response(request, message_response(generation, generic_tools), "request-id")

@@ -26,6 +26,7 @@ from tokenway.observability.routes import observability_router
 from tokenway.observability.traces import Trace
 from tokenway.protocol import anthropic as anthropic_schema
 from tokenway.protocol import openai as openai_schema
+from tokenway.protocol.embeddings import EmbeddingRequest
 from tokenway.protocol.errors import (
     InternalServerError,
     InvalidRequestError,
@@ -40,6 +41,7 @@ from tokenway.protocol.errors import (
 from tokenway.server import anthropic_api, openai_api
 from tokenway.server.admin_api import admin_router
 from tokenway.server.call import Call, CallOutcome, CallStart
+from tokenway.server.embeddings_api import create_embeddings
 from tokenway.server.http import ClientDisconnected, EventStreamResponse, parse_body
 from tokenway.server.serving import ServerState
 from tokenway.stages import StageClock
@@ -63,7 +65,7 @@ def error_response(request_path: str, exc: TokenwayError, request_id: str | None
 
 
 # The calls that generate: each writes exactly one ledger row and one trace, whatever happens to it.
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/embeddings"})
 # Routes whose bodies may be large (prompts, token ids) get --max-body-bytes; every other
 # route (admin, usage, traces, ...) is capped at SMALL_BODY_BYTES.
 LARGE_BODY_PATHS = GENERATION_PATHS | {"/tokenize", "/detokenize"}
@@ -204,7 +206,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="tokenway", version="0.1.0", description="OpenAI- and Anthropic-compatible LLM API")
     app.state.tokenway = state
     request_models = [openai_schema.ChatCompletionRequest, openai_schema.CompletionRequest,
-                      anthropic_schema.MessagesRequest, openai_schema.TokenizeRequest,
+                      anthropic_schema.MessagesRequest, EmbeddingRequest, openai_schema.TokenizeRequest,
                       openai_schema.DetokenizeRequest]
 
     @app.exception_handler(TokenwayError)
@@ -251,7 +253,7 @@ def create_app(state: ServerState) -> FastAPI:
         body = await parse_body(request, openai_schema.ChatCompletionRequest, state.body_parser)
         generation, generic_tools = await state.prepare(request, openai_api.prepare_chat, state, body,
                                                         call_of(request))
-        await state.admit(generation)
+        await state.admit(call_of(request))
         return await respond(
             request, generation,
             openai_api.chat_response(state, body, generation, generic_tools) if not body.stream else None,
@@ -264,7 +266,7 @@ def create_app(state: ServerState) -> FastAPI:
         body = await parse_body(request, openai_schema.CompletionRequest, state.body_parser)
         generation, echo = await state.prepare(request, openai_api.prepare_completion, state, body,
                                                call_of(request))
-        await state.admit(generation)
+        await state.admit(call_of(request))
         return await respond(
             request, generation,
             openai_api.completion_response(state, body, generation, echo) if not body.stream else None,
@@ -277,17 +279,28 @@ def create_app(state: ServerState) -> FastAPI:
         body = await parse_body(request, anthropic_schema.MessagesRequest, state.body_parser)
         return await anthropic_api.handle(state, request, body, call_of(request))
 
+    @app.post("/v1/embeddings", openapi_extra=_schema_extra(EmbeddingRequest))
+    async def embeddings(request: Request) -> Response:
+        return await create_embeddings(state, request, call_of(request))
+
+    def model_card(name: str) -> dict:
+        if name in state.embedding_model_names:
+            return {"id": name, "object": "model", "created": state.created, "owned_by": "tokenway",
+                    "kind": "embeddings", "dimensions": state.embedder.dimensions,
+                    "max_model_len": state.embedder.model.max_input_tokens}
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "tokenway", "kind": "chat",
+                "max_model_len": state.max_model_len}
+
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": state.created, "owned_by": "tokenway",
-             "max_model_len": state.max_model_len} for name in state.model_names]}
+        return {"object": "list", "data": [model_card(name)
+                                           for name in state.model_names + state.embedding_model_names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict:
-        name = state.resolve_model(model_id)
-        return {"id": name, "object": "model", "created": state.created, "owned_by": "tokenway",
-                "max_model_len": state.max_model_len}
+        if model_id in state.embedding_model_names:
+            return model_card(state.resolve_model(model_id, kind="embeddings"))
+        return model_card(state.resolve_model(model_id))
 
     @app.post("/tokenize", openapi_extra=_schema_extra(openai_schema.TokenizeRequest))
     async def tokenize(request: Request) -> dict:

@@ -2,7 +2,7 @@
 
     GatewayMiddleware ─► CallStart    who calls, which endpoint, when (stage 1)
     routing           ─► RouteChoice  the model served, its pool and replica, and why
-    API adaptor       ─► GenerationJob the typed work (routing/job.py)
+    API adaptor       ─► GenerationJob the typed work (routing/job.py; EmbeddingsJob for embeddings)
     Gatekeeper.admit  ─► Admission    the limits' reservation and rate headers
     whoever sees the call end ─► CallOutcome   status, usage, finish, error
                                    │
@@ -26,7 +26,7 @@ from tokenway.stages import StageClock
 
 if TYPE_CHECKING:
     from tokenway.gateway.gatekeeper import Admission
-    from tokenway.routing.job import GenerationJob
+    from tokenway.routing.job import EmbeddingsJob, GenerationJob
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +72,7 @@ class Call:
         self.clock = clock or StageClock()
         self.start = start
         self.route: RouteChoice | None = None
-        self.job: GenerationJob | None = None
+        self.job: GenerationJob | EmbeddingsJob | None = None
         self.admission: Admission | None = None
         self.outcome: CallOutcome | None = None
         self.committed = False  # the ledger row is written (Gatekeeper's flag)
@@ -89,7 +89,7 @@ class Call:
         assert self.route is None, "the route is chosen once"
         self.route = route
 
-    def set_job(self, job: GenerationJob) -> None:
+    def set_job(self, job: GenerationJob | EmbeddingsJob) -> None:
         assert self.job is None, "the job is built once"
         self.job = job
 
@@ -104,6 +104,5 @@ class Call:
 
     def end_with_error(self, status: int, error: str, limit_kind: str | None = None) -> None:
         """An outcome for a call that failed before any output: what the job would have billed."""
-        job = self.job
-        num_prompt_tokens = len(job.prompt_token_ids) if job is not None and job.prompt_token_ids else 0
+        num_prompt_tokens = self.job.num_prompt_tokens if self.job is not None else 0
         self.end(CallOutcome(status, prompt_tokens=num_prompt_tokens, error=error, limit_kind=limit_kind))

@@ -12,11 +12,10 @@ from tokenway.protocol.errors import ContextLengthExceededError, InvalidRequestE
 from tokenway.routing.job import GenerationJob
 from tokenway.server import sse
 from tokenway.server.call import Call
+from tokenway.server.generation import Generation, framed_stream
 from tokenway.server.serving import (
-    Generation,
     ServerState,
     context_window,
-    framed_stream,
     make_sampling_params,
     new_id,
     structured_output_spec,
@@ -81,7 +80,7 @@ def openai_finish_reason(reason: str | None) -> str | None:
 def prepare_chat(state: ServerState, body, call: Call):
     """The adaptor for chat: the body becomes one GenerationJob (and whether the reply is the
     generic tool-call format, which the response parses)."""
-    model = state.route(body, call)
+    model, replica = state.route(body, call)
     if body.logprobs and body.top_logprobs is None:
         top_logprobs = 0
     else:
@@ -105,7 +104,7 @@ def prepare_chat(state: ServerState, body, call: Call):
                         tools=tuple(tools) if tools else None, tool_choice=tool_choice,
                         parallel_tool_calls=parallel_tool_calls, response_format=response_format,
                         prompt_token_ids=tuple(prompt.prompt_token_ids), stream=bool(body.stream))
-    return Generation(state, call, job), prompt.generic_tools
+    return Generation(state, call, job, replica), prompt.generic_tools
 
 
 def tool_message(text: str) -> tuple[dict, bool]:
@@ -124,17 +123,17 @@ def tool_message(text: str) -> tuple[dict, bool]:
 async def chat_response(state: ServerState, body, generation: Generation, generic_tools: bool) -> dict:
     token_text = TokenText(state.tokenizer)
     choices = []
-    for index, completion in enumerate(await generation.final_outputs()):
-        finish_reason = openai_finish_reason(completion.finish_reason)
+    for result in await generation.final_outputs():
+        finish_reason = openai_finish_reason(result.finish_reason)
         if generic_tools:
-            message, called = tool_message(completion.text)
+            message, called = tool_message(result.text)
             if called:
                 finish_reason = "tool_calls"
         else:
-            message = {"role": "assistant", "content": completion.text}
-        choice = {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None}
-        if body.logprobs and completion.logprobs is not None:
-            choice["logprobs"] = {"content": token_text.chat_logprobs(completion.logprobs, body.top_logprobs or 0)}
+            message = {"role": "assistant", "content": result.text}
+        choice = {"index": result.index, "message": message, "finish_reason": finish_reason, "logprobs": None}
+        if body.logprobs and result.logprobs is not None:
+            choice["logprobs"] = {"content": token_text.chat_logprobs(result.logprobs, body.top_logprobs or 0)}
         choices.append(choice)
     return {
         "id": generation.request_id,
@@ -155,30 +154,29 @@ async def chat_stream(state: ServerState, body, generation: Generation, generic_
     for index in range(generation.num_choices):
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
-    async for index, output in generation.outputs():
-        completion = output.outputs[0]
-        finish_reason = openai_finish_reason(completion.finish_reason)
+    async for delta in generation.outputs():
+        index = delta.index
+        finish_reason = openai_finish_reason(delta.finish_reason)
         if generic_tools:
             # The reply is one JSON document: it is parsed, and sent, once it is complete.
-            if not output.finished:
+            if finish_reason is None:
                 continue
-            message, called = tool_message(completion.text)
+            message, called = tool_message(generation.text(index))
             if called:
                 finish_reason = "tool_calls"
-                delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
+                content = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
             else:
-                delta = {"content": message["content"]}
-            yield chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+                content = {"content": message["content"]}
+            yield chunk([{"index": index, "delta": content, "logprobs": None, "finish_reason": None}])
             yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
             continue
         logprobs = None
-        if body.logprobs and completion.logprobs is not None:
-            new = completion.logprobs[len(completion.logprobs) - len(completion.delta_token_ids):]
-            logprobs = {"content": token_text.chat_logprobs(new, body.top_logprobs or 0)}
-        if completion.delta_text or logprobs:
-            yield chunk([{"index": index, "delta": {"content": completion.delta_text}, "logprobs": logprobs,
+        if body.logprobs and delta.logprobs is not None:
+            logprobs = {"content": token_text.chat_logprobs(delta.logprobs, body.top_logprobs or 0)}
+        if delta.text or logprobs:
+            yield chunk([{"index": index, "delta": {"content": delta.text}, "logprobs": logprobs,
                           "finish_reason": None}])
-        if output.finished:
+        if finish_reason is not None:
             yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
     if include_usage:
         yield chunk([], generation.usage())
@@ -216,7 +214,7 @@ def tokenize(state: ServerState, body) -> list[int]:
 
 
 def prepare_completion(state: ServerState, body, call: Call) -> tuple[Generation, str]:
-    model = state.route(body, call)
+    model, replica = state.route(body, call)
     prompts = completion_prompts(state, body.prompt)
     if len(prompts) != 1:
         # Batched prompts would be n choices each; one prompt per call keeps billing exact.
@@ -234,18 +232,18 @@ def prepare_completion(state: ServerState, body, call: Call) -> tuple[Generation
     job = GenerationJob(new_id("cmpl-"), model, "completion", params, n=body.n or 1, prompt=text,
                         prompt_token_ids=tuple(prompt_token_ids), stream=bool(body.stream))
     echo = state.tokenizer.decode(prompt_token_ids) if body.echo else ""
-    return Generation(state, call, job), echo
+    return Generation(state, call, job, replica), echo
 
 
 async def completion_response(state: ServerState, body, generation: Generation, echo: str) -> dict:
     token_text = TokenText(state.tokenizer)
     choices = []
-    for index, completion in enumerate(await generation.final_outputs()):
+    for result in await generation.final_outputs():
         logprobs = None
-        if body.logprobs is not None and completion.logprobs is not None:
-            logprobs = token_text.completion_logprobs(completion.logprobs, len(echo))
-        choices.append({"index": index, "text": echo + completion.text, "logprobs": logprobs,
-                        "finish_reason": openai_finish_reason(completion.finish_reason)})
+        if body.logprobs is not None and result.logprobs is not None:
+            logprobs = token_text.completion_logprobs(result.logprobs, len(echo))
+        choices.append({"index": result.index, "text": echo + result.text, "logprobs": logprobs,
+                        "finish_reason": openai_finish_reason(result.finish_reason)})
     return {"id": generation.request_id, "object": "text_completion", "created": int(time.time()),
             "model": generation.model, "choices": choices, "usage": generation.usage(), "system_fingerprint": None}
 
@@ -259,17 +257,15 @@ async def completion_stream(state: ServerState, body, generation: Generation, ec
     if echo:
         for index in range(generation.num_choices):
             yield chunk([{"index": index, "text": echo, "logprobs": None, "finish_reason": None}])
-    async for index, output in generation.outputs():
-        completion = output.outputs[0]
+    async for delta in generation.outputs():
+        index = delta.index
         logprobs = None
-        if body.logprobs is not None and completion.logprobs is not None:
-            new = completion.logprobs[len(completion.logprobs) - len(completion.delta_token_ids):]
-            logprobs = token_text.completion_logprobs(new, offsets[index])
-        offsets[index] += len(completion.delta_text)
-        finish_reason = openai_finish_reason(completion.finish_reason) if output.finished else None
-        if completion.delta_text or logprobs or finish_reason:
-            yield chunk([{"index": index, "text": completion.delta_text, "logprobs": logprobs,
-                          "finish_reason": finish_reason}])
+        if body.logprobs is not None and delta.logprobs is not None:
+            logprobs = token_text.completion_logprobs(delta.logprobs, offsets[index])
+        offsets[index] += len(delta.text)
+        finish_reason = openai_finish_reason(delta.finish_reason)
+        if delta.text or logprobs or finish_reason:
+            yield chunk([{"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": finish_reason}])
     if include_usage:
         yield chunk([], generation.usage())
 

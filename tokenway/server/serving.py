@@ -1,5 +1,6 @@
-"""What every API route shares: the served model, admission, sampling parameters, the
-context-window check, running n choices, and the per-request log line."""
+"""What every API route shares: the served model and its replica, admission, sampling
+parameters, the context-window check, and the per-request log line (server/generation.py
+runs the call itself)."""
 
 from __future__ import annotations
 
@@ -10,31 +11,25 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, Callable, Iterator
 
-from starlette.responses import JSONResponse, Response
-
-from tokenway.engine.client import EngineClient, EngineDeadError
-from tokenway.engine.request import SamplingParams, choice_params
+from tokenway.embeddings import EmbeddingEngine
+from tokenway.engine.client import EngineClient
+from tokenway.engine.request import SamplingParams
 from tokenway.engine.structured_output import StructuredOutputSpec
-from tokenway.frontend.output import RequestOutput
 from tokenway.frontend.tokenizer import PromptTooLong
 from tokenway.gateway.auth import Principal
 from tokenway.gateway.gatekeeper import Gatekeeper
 from tokenway.observability.observer import Observer
 from tokenway.protocol.errors import (
     ContextLengthExceededError,
-    InternalServerError,
     InvalidRequestError,
     NotFoundError,
     ServiceUnavailableError,
-    TokenwayError,
 )
-from tokenway.routing.job import GenerationJob
-from tokenway.server import sse
+from tokenway.routing.replicas import LocalReplica, Replica
 from tokenway.server.body_parser import BodyParser
 from tokenway.server.call import Call, CallOutcome, RouteChoice
-from tokenway.server.http import ClientDisconnected, unless_disconnected
 from tokenway.stages import StageClock
 
 access_log = logging.getLogger("tokenway.access")
@@ -64,6 +59,12 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     num_pending: int = 0
     ready: bool = True
+    embedder: EmbeddingEngine | None = None  # /v1/embeddings; None: not served
+    embedding_model_names: tuple[str, ...] = ()
+    replica: Replica = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.replica = LocalReplica(self.engine)
 
     @property
     def max_model_len(self) -> int:
@@ -73,21 +74,29 @@ class ServerState:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def resolve_model(self, name: str | None, principal: Principal | None = None) -> str:
-        """The served name a request's `model` refers to; 404 for anything else, 403 for a
-        model the caller's key may not use."""
-        if name not in self.model_names:
+    def resolve_model(self, name: str | None, principal: Principal | None = None, kind: str = "chat") -> str:
+        """The served name a request's `model` refers to; 404 for anything else, 400 for a
+        model of the other kind (chat / embeddings), 403 for one the caller's key may not use."""
+        names, others = self.model_names, self.embedding_model_names
+        if kind == "embeddings":
+            names, others = others, names
+        if name not in names:
+            if name in others:
+                other_kind = "a chat" if kind == "embeddings" else "an embeddings"
+                raise InvalidRequestError(f"model: '{name}' is {other_kind} model; it cannot serve this endpoint",
+                                          param="model", code="model_not_supported")
             raise NotFoundError.for_model(str(name))
         if principal is not None and self.gatekeeper is not None:
             self.gatekeeper.check_model(principal, name)
         return name
 
-    def route(self, body, call: Call) -> str:
-        """Stage 2: the served model for a generation call (the local engine, for now)."""
+    def route(self, body, call: Call) -> tuple[str, Replica]:
+        """Stage 2: the served model for a generation call and the replica that runs it (the
+        local engine, for now)."""
         name = self.resolve_model(body.model, call.start.principal)
-        call.set_route(RouteChoice(model=name, pool=name, replica="local", reason="only"))
+        call.set_route(RouteChoice(model=name, pool=name, replica=self.replica.name, reason="only"))
         call.clock.end("routing")
-        return name
+        return name, self.replica
 
     def max_tokens(self, call: Call, num_prompt_tokens: int, requested: int | None, param: str,
                    num_messages: int = 1) -> int:
@@ -101,12 +110,10 @@ class ServerState:
                 requested = min(cap, self.max_model_len - num_prompt_tokens)
         return resolve_max_tokens(self, num_prompt_tokens, requested, param)
 
-    async def admit(self, generation: "Generation") -> None:
+    async def admit(self, call: Call) -> None:
         """Budget and limits, reserving prompt + max_tokens for every choice. Raises 429."""
-        call, job = generation.call, generation.job
         if self.gatekeeper is not None:
-            reserve = len(job.prompt_token_ids) + (job.params.max_tokens or 0) * job.n
-            call.set_admission(await self.gatekeeper.admit(call.start.principal, reserve))
+            call.set_admission(await self.gatekeeper.admit(call.start.principal, call.job.num_reserved_tokens))
         call.clock.end("limits")
 
     async def prepare(self, request, prepare: Callable[..., Any], *args: Any) -> Any:
@@ -204,57 +211,6 @@ def make_sampling_params(body: Any, max_tokens: int, structured: StructuredOutpu
         raise InvalidRequestError(str(exc), param=field_name) from None
 
 
-async def run_choices(
-    state: ServerState, request_id: str, prompt_token_ids: list[int], params_list: list[SamplingParams]
-) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Run the choices as engine requests and merge their outputs as they come. Leaving
-    early (a disconnect, an error) aborts every one of them."""
-    if len(params_list) == 1:
-        async for output in state.engine.generate(prompt_token_ids, params_list[0], request_id):
-            yield 0, output
-        return
-    merged: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, params: SamplingParams) -> None:
-        try:
-            async for output in state.engine.generate(prompt_token_ids, params, f"{request_id}-{index}"):
-                await merged.put((index, output))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            await merged.put((index, exc))
-            return
-        await merged.put((index, None))
-
-    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(params_list)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await merged.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def mark_engine_times(clock: StageClock, output: RequestOutput) -> None:
-    """Queue ends when the engine first schedules the request, prefill at its first token,
-    decode at its last (over all choices: the first to start, the last to finish)."""
-    metrics = output.metrics
-    if metrics is None:
-        return
-    if metrics.first_scheduled_time is not None and not clock.ended("queue"):
-        clock.end("queue", metrics.first_scheduled_time)
-    if metrics.first_token_time is not None and not clock.ended("prefill"):
-        clock.end("prefill", metrics.first_token_time)
-    if metrics.last_token_time is not None:
-        clock.end("decode", max(metrics.last_token_time, clock.ends.get("decode", 0.0)))
-
-
 def log_request(request_id: str, model: str, clock: StageClock, outcome: CallOutcome) -> None:
     access_log.info(json.dumps({
         "request_id": request_id,
@@ -282,141 +238,3 @@ def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_to
 def engine_unavailable() -> ServiceUnavailableError:
     return ServiceUnavailableError("The engine is restarting; retry shortly.", retry_after=1,
                                    code="engine_unavailable")
-
-
-class Generation:
-    """One API call's engine work: the job, its choices' running counts, the log line, and the
-    call's outcome when it ends."""
-
-    def __init__(self, state: ServerState, call: Call, job: GenerationJob) -> None:
-        self.state = state
-        self.call = call
-        self.clock = call.clock
-        self.job = job
-        self.model = job.model
-        self.request_id = job.request_id
-        self.prompt_token_ids = list(job.prompt_token_ids)
-        self.params_list = choice_params(job.params, job.n)
-        self.num_choices = job.n
-        call.set_job(job)  # from here a 400 or 429 is billed with the job's prompt
-        # The engine's own checks (vocabulary, window, a response_format that cannot be
-        # satisfied) run now, so they are a 400 before any byte of a stream is sent.
-        try:
-            state.engine.validate_prompt(self.prompt_token_ids, job.params)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), param=str(exc).split(":", 1)[0]) from None
-        except EngineDeadError:
-            raise engine_unavailable() from None
-        self.completion_tokens = [0] * self.num_choices
-        self.finish_reasons: list[str | None] = [None] * self.num_choices
-        self.num_cached_tokens = 0
-        self.cache_reason: str | None = None
-        call.clock.end("tokenize")
-
-    async def outputs(self):
-        self.state.take_engine_slots(self.num_choices)
-        observer = self.state.observer
-        last_token_times: list[float | None] = [None] * self.num_choices
-        try:
-            async for index, output in run_choices(self.state, self.request_id, self.prompt_token_ids,
-                                                   self.params_list):
-                mark_engine_times(self.clock, output)
-                completion = output.outputs[0]
-                num_new = len(completion.token_ids) - self.completion_tokens[index]
-                if observer is not None and num_new > 0:
-                    now, previous = output.metrics.last_token_time, last_token_times[index]
-                    observer.on_tokens(self.model, num_new, None if previous is None else (now - previous) / num_new)
-                    last_token_times[index] = now
-                self.completion_tokens[index] = len(completion.token_ids)
-                if output.num_cached_tokens >= self.num_cached_tokens:
-                    self.num_cached_tokens, self.cache_reason = output.num_cached_tokens, output.cache_reason
-                if completion.finish_reason is not None:
-                    self.finish_reasons[index] = completion.finish_reason
-                yield index, output
-        except TokenwayError:
-            raise
-        except EngineDeadError as exc:
-            if not any(self.completion_tokens):  # refused before it ran: the caller may retry
-                raise engine_unavailable() from exc
-            raise InternalServerError("The engine stopped while generating this request.") from exc
-        except Exception as exc:
-            # The engine failed this step (its thread logged the traceback): a plain 500.
-            raise InternalServerError("The engine failed while generating this request.") from exc
-        finally:
-            self.state.release_engine_slots(self.num_choices)
-
-    async def final_outputs(self) -> list:
-        """Run to the end; the finished CompletionOutput of each choice, by index."""
-        finals = {}
-        async for index, output in self.outputs():
-            if output.finished:
-                finals[index] = output.outputs[0]
-        return [finals[index] for index in range(self.num_choices)]
-
-    async def commit(self) -> None:
-        """Make the ledger row durable; a stream calls this before its final event."""
-        if self.state.gatekeeper is not None:
-            await self.state.gatekeeper.commit(self.call)
-
-    async def json_response(self, request, work, id_header: str = "x-request-id"):
-        """Await the response body unless the client leaves first; log and time it either way."""
-        try:
-            body = await unless_disconnected(request, work)
-        except ClientDisconnected:
-            self.finish(499, "client disconnected")
-            return Response(status_code=499)
-        except TokenwayError as exc:
-            self.finish(exc.status, exc.message)
-            raise
-        self.clock.end("postprocess")
-        response = JSONResponse(body, headers={"Server-Timing": self.clock.server_timing(), id_header: self.request_id})
-        self.finish()
-        return response
-
-    def usage(self) -> dict:
-        return usage_dict(len(self.prompt_token_ids), sum(self.completion_tokens), self.num_cached_tokens)
-
-    def finish(self, status: int = 200, error: str | None = None) -> None:
-        """The call's outcome, made once from the counts as they stand, and its log line."""
-        reasons = [r for r in self.finish_reasons if r]
-        outcome = CallOutcome(
-            status, prompt_tokens=len(self.prompt_token_ids), cached_tokens=self.num_cached_tokens,
-            completion_tokens=sum(self.completion_tokens), max_choice_tokens=max(self.completion_tokens),
-            finish_reason=reasons[0] if reasons else None, error=error, cache_reason=self.cache_reason)
-        self.call.end(outcome)
-        log_request(self.request_id, self.model, self.clock, outcome)
-
-
-STREAM_FAILED = "The server failed while generating; the stream has ended."
-
-
-async def framed_stream(events: AsyncIterator[bytes], generation: Generation,
-                        render_error: Callable[[TokenwayError], list[bytes]],
-                        closing: list[bytes]) -> AsyncIterator[bytes]:
-    """Frame an API's stream events, the same for every API: an error after the stream began
-    ends it with the API's error event(s), never a silent cut; the stage times go in an SSE
-    comment (clients ignore it); the ledger row is durable before the closing event(s); a
-    disconnect (cancellation) bills what was generated."""
-    try:
-        async for event in events:
-            yield event
-    except TokenwayError as exc:
-        error, reason = exc, exc.message
-    except Exception as exc:  # noqa: BLE001 - reported to the client, logged in full
-        logger.exception("stream %s failed", generation.request_id)
-        error, reason = InternalServerError(STREAM_FAILED, code="internal_error"), type(exc).__name__
-    except BaseException:
-        generation.finish(499, "client disconnected")
-        raise
-    else:
-        generation.clock.end("postprocess")
-        yield sse.comment("server-timing: " + generation.clock.server_timing())
-        generation.finish()
-        await generation.commit()
-        for event in closing:
-            yield event
-        return
-    generation.finish(error.status, reason)
-    await generation.commit()
-    for event in render_error(error):
-        yield event

@@ -12,8 +12,9 @@ of the call within one engine step (_ClosingEventStream makes sure the stream is
 
 from __future__ import annotations
 
-import asyncio
 import hmac
+import itertools
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -22,6 +23,7 @@ from typing import Any
 
 import pydantic
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -29,7 +31,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenway.engine.client import EngineClient, EngineDeadError
 from tokenway.engine.request import SamplingParams, choice_params
-from tokenway.frontend.output import RequestOutput
 from tokenway.protocol.errors import (
     AuthenticationError,
     InternalServerError,
@@ -42,6 +43,7 @@ from tokenway.protocol.errors import (
     openai_error_body,
 )
 from tokenway.routing import wire
+from tokenway.routing.replicas import run_choices
 from tokenway.server import sse
 from tokenway.server.http import EventStreamResponse, is_json_media_type
 
@@ -75,7 +77,13 @@ def create_worker_app(engine: EngineClient, model_name: str, secret: str | None,
                       block_size: int, max_pending_requests: int = 256) -> Starlette:
     """secret None: no auth (only for a worker bound to loopback; worker_cli refuses the rest)."""
     load = _Load(max_pending_requests)
-    tokenizer_payload = {"model": model_name, "files": read_tokenizer_files(Path(model_dir))}
+    # Encoded once: tokenizer.json is megabytes and never changes.
+    tokenizer_body = json.dumps({"model": model_name, "files": read_tokenizer_files(Path(model_dir))},
+                                ensure_ascii=False).encode()
+    # Engine request ids get the call's number here: a gateway's request_id may come again (a
+    # retry) while the engine still holds the aborted attempt, and the engine refuses a
+    # request_id it holds. "{request_id}:{call number}", then "-{i}" per choice when n > 1.
+    call_numbers = itertools.count()
 
     async def generate(request: Request) -> Response:
         body = await read_body(request)
@@ -93,7 +101,8 @@ def create_worker_app(engine: EngineClient, model_name: str, secret: str | None,
             raise ServiceUnavailableError("The worker's engine is restarting; retry shortly.", retry_after=1,
                                           code="engine_unavailable") from None
         load.take(call.n)
-        return _ClosingEventStream(call_events(engine, call.request_id, call.prompt_token_ids,
+        request_id = f"{call.request_id}:{next(call_numbers)}"
+        return _ClosingEventStream(call_events(engine, request_id, call.prompt_token_ids,
                                                choice_params(params, call.n)),
                                    on_close=lambda: load.release(call.n))
 
@@ -109,7 +118,7 @@ def create_worker_app(engine: EngineClient, model_name: str, secret: str | None,
         })
 
     async def tokenizer(request: Request) -> Response:
-        return JSONResponse(tokenizer_payload)
+        return Response(tokenizer_body, media_type="application/json")
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -120,6 +129,9 @@ def create_worker_app(engine: EngineClient, model_name: str, secret: str | None,
         return JSONResponse({"status": "not ready"}, status_code=503, headers={"retry-after": "1"})
 
     async def on_error(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, HTTPException):  # no such route or method
+            body = {"error": {"message": exc.detail, "type": "invalid_request_error", "param": None, "code": None}}
+            return JSONResponse(body, status_code=exc.status_code)
         if not isinstance(exc, TokenwayError):
             logger.exception("worker: %s %s failed", request.method, request.url.path, exc_info=exc)
             exc = InternalServerError()
@@ -131,7 +143,7 @@ def create_worker_app(engine: EngineClient, model_name: str, secret: str | None,
         Route(f"{wire.PREFIX}/tokenizer", tokenizer),
         Route("/health", health),
         Route("/ready", ready),
-    ], exception_handlers={TokenwayError: on_error, Exception: on_error})
+    ], exception_handlers={HTTPException: on_error, TokenwayError: on_error, Exception: on_error})
     if secret is not None:
         app.add_middleware(SecretMiddleware, secret=secret)
     return app
@@ -186,11 +198,10 @@ def read_tokenizer_files(model_dir: Path) -> dict[str, str]:
 async def call_events(engine: EngineClient, request_id: str, prompt_token_ids: list[int],
                       params_list: list[SamplingParams]) -> AsyncIterator[bytes]:
     """The call's event stream: deltas, usage, [DONE]; or an error event where it failed."""
-    num_choices = len(params_list)
-    num_completion_tokens = [0] * num_choices
-    num_cached_tokens = 0
+    num_completion_tokens = [0] * len(params_list)
+    num_cached_tokens, cache_reason = 0, None
     try:
-        async with aclosing(merged_outputs(engine, request_id, prompt_token_ids, params_list)) as outputs:
+        async with aclosing(run_choices(engine, request_id, prompt_token_ids, params_list)) as outputs:
             async for index, output in outputs:
                 completion = output.outputs[0]
                 if completion.finish_reason == "abort":
@@ -199,15 +210,17 @@ async def call_events(engine: EngineClient, request_id: str, prompt_token_ids: l
                 if completion.logprobs is not None:  # the entries of this delta's tokens (engine/process.py's rule)
                     new_logprobs = completion.logprobs[len(completion.logprobs) - len(completion.delta_token_ids):]
                 num_completion_tokens[index] = len(completion.token_ids)
-                num_cached_tokens = max(num_cached_tokens, output.num_cached_tokens)
+                if output.num_cached_tokens >= num_cached_tokens:
+                    num_cached_tokens, cache_reason = output.num_cached_tokens, output.cache_reason
                 yield sse.data_event({
                     "index": index, "text": completion.delta_text, "token_ids": completion.delta_token_ids,
                     "logprobs": wire.logprobs_to_wire(new_logprobs), "finish_reason": completion.finish_reason,
-                    "stop_reason": completion.stop_reason,
+                    "stop_reason": completion.stop_reason, "num_cached_tokens": output.num_cached_tokens,
+                    "cache_reason": output.cache_reason,
                 })
         yield sse.data_event({"usage": {"prompt_tokens": len(prompt_token_ids),
                                         "completion_tokens": sum(num_completion_tokens),
-                                        "cached_tokens": num_cached_tokens}})
+                                        "cached_tokens": num_cached_tokens, "cache_reason": cache_reason}})
         yield sse.DONE
     except Exception as exc:  # noqa: BLE001 - the engine logged its own traceback
         # The headers are sent: the failure goes in the stream. 503 while no token of the call
@@ -222,44 +235,6 @@ async def call_events(engine: EngineClient, request_id: str, prompt_token_ids: l
 def error_event(status: int, message: str) -> bytes:
     kind = "service_unavailable" if status == 503 else "internal_error"
     return sse.data_event({"error": {"message": message, "type": kind, "code": status}})
-
-
-async def merged_outputs(engine: EngineClient, request_id: str, prompt_token_ids: list[int],
-                         params_list: list[SamplingParams]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(choice index, output) of the call's engine requests, as they come. Closing this (or an
-    error) closes every request's generator, which aborts it in the engine."""
-    if len(params_list) == 1:
-        async with aclosing(engine.generate(prompt_token_ids, params_list[0], request_id)) as outputs:
-            async for output in outputs:
-                yield 0, output
-        return
-    merged: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, params: SamplingParams) -> None:
-        try:
-            async with aclosing(engine.generate(prompt_token_ids, params, f"{request_id}-{index}")) as outputs:
-                async for output in outputs:
-                    merged.put_nowait((index, output))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer
-            merged.put_nowait((index, exc))
-            return
-        merged.put_nowait((index, None))
-
-    tasks = [asyncio.create_task(pump(index, params)) for index, params in enumerate(params_list)]
-    try:
-        num_running = len(tasks)
-        while num_running:
-            index, item = await merged.get()
-            if item is None:
-                num_running -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _ClosingEventStream(EventStreamResponse):

@@ -1,0 +1,67 @@
+"""POST /v1/embeddings: OpenAI's shape, through the same stages as a generation call.
+
+    body ─► EmbeddingRequest ─► routing (the embeddings model, its pool) ─► tokenize (checked ids)
+         ─► EmbeddingsJob ─► admit (the caller's token limits reserve the inputs' tokens)
+         ─► EmbeddingEngine (batched with other calls' inputs) ─► one CallOutcome ─► JSON
+
+Keys, limits, the ledger row and the trace are the generation calls' (server/call.py); the
+forward pass is timed as the prefill stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tokenway.protocol.embeddings import EmbeddingRequest, embedding_response
+from tokenway.protocol.errors import NotFoundError, TokenwayError
+from tokenway.routing.job import EmbeddingsJob
+from tokenway.server.call import Call, CallOutcome, RouteChoice
+from tokenway.server.http import ClientDisconnected, parse_body, unless_disconnected
+from tokenway.server.serving import ServerState, log_request, new_id
+
+# Inputs above this many answer through a worker thread: 2048 inputs as float JSON is ~16 MB
+# and ~0.6 s of json.dumps, which must not stall the event loop.
+INLINE_RENDER_INPUTS = 64
+
+
+async def create_embeddings(state: ServerState, request: Request, call: Call) -> Response:
+    body = await parse_body(request, EmbeddingRequest, state.body_parser)
+    embedder = state.embedder
+    name = state.resolve_model(body.model, call.start.principal, kind="embeddings")
+    if embedder is None:  # listed but not loaded: cannot happen with the names from the server's own config
+        raise NotFoundError.for_model(name)
+    call.set_route(RouteChoice(model=name, pool=name, replica="local", reason="only"))
+    clock = call.clock
+    clock.end("routing")
+    token_ids = await embedder.tokenize(body.input, dimensions=body.dimensions)
+    job = EmbeddingsJob(new_id("embd-"), name, tuple(tuple(ids) for ids in token_ids), body.encoding_format)
+    call.set_job(job)
+    clock.end("tokenize")
+    await state.admit(call)
+    num_tokens = job.num_prompt_tokens
+    try:
+        result = await unless_disconnected(request, embedder.embed_token_ids(token_ids))
+        clock.end("queue")
+        clock.end("prefill")
+        if len(token_ids) > INLINE_RENDER_INPUTS:
+            payload = await asyncio.to_thread(embedding_response, result.vectors, num_tokens, model=name,
+                                              encoding_format=body.encoding_format)
+        else:
+            payload = embedding_response(result.vectors, num_tokens, model=name, encoding_format=body.encoding_format)
+    except ClientDisconnected:
+        finish(call, CallOutcome(499, prompt_tokens=num_tokens, error="client disconnected"))
+        return Response(status_code=499)
+    except TokenwayError as exc:
+        finish(call, CallOutcome(exc.status, prompt_tokens=num_tokens, error=exc.message))
+        raise
+    clock.end("postprocess")
+    finish(call, CallOutcome(200, prompt_tokens=num_tokens))
+    return JSONResponse(payload, headers={"Server-Timing": clock.server_timing(), "x-request-id": job.request_id})
+
+
+def finish(call: Call, outcome: CallOutcome) -> None:
+    call.end(outcome)
+    log_request(call.request_id, call.model, call.clock, outcome)

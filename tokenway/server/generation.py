@@ -1,0 +1,220 @@
+"""One API call's generation, the same for every API: the job goes to its replica, the
+replica's events come back, and when the call ends its CallOutcome is made, once.
+
+    adaptor ─► Generation(state, call, job, replica) ─► outputs(): (index, ChoiceDelta) ...
+                                                       final_outputs(): [ChoiceResult] by index
+            ─► finish(status, error) ─► CallOutcome ─► the ledger row and the trace
+
+The adaptors (openai_api.py, anthropic_api.py) only render: deltas into their API's events,
+results into their API's body. framed_stream frames any API's events the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from starlette.responses import JSONResponse, Response
+
+from tokenway.engine.client import EngineDeadError
+from tokenway.protocol.errors import InternalServerError, InvalidRequestError, TokenwayError
+from tokenway.routing.job import ChoiceDelta, GenerationJob, Usage
+from tokenway.routing.replicas import Replica
+from tokenway.server import sse
+from tokenway.server.call import Call, CallOutcome
+from tokenway.server.http import ClientDisconnected, unless_disconnected
+from tokenway.server.serving import ServerState, engine_unavailable, log_request, usage_dict
+from tokenway.stages import StageClock
+
+logger = logging.getLogger(__name__)
+
+STREAM_FAILED = "The server failed while generating; the stream has ended."
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceResult:
+    """One finished choice, as the non-streaming responses render it."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list | None  # engine TokenLogprob per token, where the replica gives them
+
+
+class Generation:
+    def __init__(self, state: ServerState, call: Call, job: GenerationJob, replica: Replica) -> None:
+        self.state = state
+        self.call = call
+        self.clock = call.clock
+        self.job = job
+        self.replica = replica
+        self.model = job.model
+        self.request_id = job.request_id
+        self.num_choices = job.n
+        self.num_prompt_tokens = len(job.prompt_token_ids or ())
+        call.set_job(job)  # from here a 400 or 429 is billed with the job's prompt
+        # The engine's own checks (vocabulary, window, a response_format that cannot be
+        # satisfied) run now, so they are a 400 before any byte of a stream is sent.
+        try:
+            state.engine.validate_prompt(list(job.prompt_token_ids), job.params)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param=str(exc).split(":", 1)[0]) from None
+        except EngineDeadError:
+            raise engine_unavailable() from None
+        # Each choice as it stands; only outputs() writes these.
+        self.completion_tokens = [0] * job.n
+        self.texts: list[list[str]] = [[] for _ in range(job.n)]
+        self.logprobs: list[list | None] = [[] if job.params.logprobs is not None else None for _ in range(job.n)]
+        self.finish_reasons: list[str | None] = [None] * job.n
+        self.stop_reasons: list[int | str | None] = [None] * job.n
+        self.num_cached_tokens = 0
+        self.cache_reason: str | None = None
+        self.reported: Usage | None = None  # the replica's own count, once it sends it
+        call.clock.end("tokenize")
+
+    async def outputs(self) -> AsyncIterator[ChoiceDelta]:
+        """The replica's deltas, in order, with the call's counts and stage times kept up to date."""
+        self.state.take_engine_slots(self.num_choices)
+        observer = self.state.observer
+        last_token_times: list[float | None] = [None] * self.num_choices
+        try:
+            async for event in self.replica.generate(self.job):
+                if isinstance(event, Usage):
+                    self.reported = event
+                    self.num_cached_tokens, self.cache_reason = event.cached_tokens, event.cache_reason
+                    continue
+                index = event.index
+                mark_stage_times(self.clock, event)
+                num_new = len(event.token_ids)
+                if observer is not None and num_new > 0:
+                    now, previous = time.monotonic(), last_token_times[index]
+                    if event.engine_times is not None and event.engine_times[2] is not None:
+                        now = event.engine_times[2]
+                    observer.on_tokens(self.model, num_new, None if previous is None else (now - previous) / num_new)
+                    last_token_times[index] = now
+                self.completion_tokens[index] += num_new
+                if event.text:
+                    self.texts[index].append(event.text)
+                if event.logprobs and self.logprobs[index] is not None:
+                    self.logprobs[index].extend(event.logprobs)
+                if event.num_cached_tokens >= self.num_cached_tokens:
+                    self.num_cached_tokens, self.cache_reason = event.num_cached_tokens, event.cache_reason
+                if event.finish_reason is not None:
+                    self.finish_reasons[index], self.stop_reasons[index] = event.finish_reason, event.stop_reason
+                yield event
+        except TokenwayError:
+            raise
+        except EngineDeadError as exc:
+            if not any(self.completion_tokens):  # refused before it ran: the caller may retry
+                raise engine_unavailable() from exc
+            raise InternalServerError("The engine stopped while generating this request.") from exc
+        except Exception as exc:
+            # The engine failed this step (its thread logged the traceback): a plain 500.
+            raise InternalServerError("The engine failed while generating this request.") from exc
+        finally:
+            self.state.release_engine_slots(self.num_choices)
+
+    def text(self, index: int) -> str:
+        """Choice `index`'s text so far."""
+        return "".join(self.texts[index])
+
+    async def final_outputs(self) -> list[ChoiceResult]:
+        """Run to the end; every choice's result, by index."""
+        async for _ in self.outputs():
+            pass
+        return [ChoiceResult(i, self.text(i), self.finish_reasons[i], self.stop_reasons[i], self.logprobs[i])
+                for i in range(self.num_choices)]
+
+    async def commit(self) -> None:
+        """Make the ledger row durable; a stream calls this before its final event."""
+        if self.state.gatekeeper is not None:
+            await self.state.gatekeeper.commit(self.call)
+
+    async def json_response(self, request, work, id_header: str = "x-request-id"):
+        """Await the response body unless the client leaves first; log and time it either way."""
+        try:
+            body = await unless_disconnected(request, work)
+        except ClientDisconnected:
+            self.finish(499, "client disconnected")
+            return Response(status_code=499)
+        except TokenwayError as exc:
+            self.finish(exc.status, exc.message)
+            raise
+        self.clock.end("postprocess")
+        response = JSONResponse(body, headers={"Server-Timing": self.clock.server_timing(), id_header: self.request_id})
+        self.finish()
+        return response
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.reported.completion_tokens if self.reported is not None else sum(self.completion_tokens)
+
+    def usage(self) -> dict:
+        num_prompt_tokens = self.reported.prompt_tokens if self.reported is not None else self.num_prompt_tokens
+        return usage_dict(num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
+
+    def finish(self, status: int = 200, error: str | None = None) -> None:
+        """The call's outcome, made once from the counts as they stand, and its log line."""
+        reasons = [r for r in self.finish_reasons if r]
+        reported = self.reported
+        outcome = CallOutcome(
+            status, prompt_tokens=reported.prompt_tokens if reported is not None else self.num_prompt_tokens,
+            cached_tokens=self.num_cached_tokens, completion_tokens=self.num_completion_tokens,
+            max_choice_tokens=max(self.completion_tokens), finish_reason=reasons[0] if reasons else None,
+            error=error, cache_reason=self.cache_reason)
+        self.call.end(outcome)
+        log_request(self.request_id, self.model, self.clock, outcome)
+
+
+def mark_stage_times(clock: StageClock, delta: ChoiceDelta) -> None:
+    """Queue ends when the engine first schedules the request, prefill at its first token,
+    decode at its last (over all choices: the first to start, the last to finish). A replica
+    that does not report engine times (a remote one) ends queue and prefill at its first event."""
+    times = delta.engine_times
+    first_scheduled, first_token, last_token = times if times is not None else (None, None, None)
+    if not delta.token_ids and not delta.text and delta.finish_reason is None and times is None:
+        return
+    now = time.monotonic()
+    if times is None:
+        first_scheduled = first_token = last_token = now
+    if first_scheduled is not None and not clock.ended("queue"):
+        clock.end("queue", first_scheduled)
+    if first_token is not None and not clock.ended("prefill"):
+        clock.end("prefill", first_token)
+    if last_token is not None:
+        clock.end("decode", max(last_token, clock.ends.get("decode", 0.0)))
+
+
+async def framed_stream(events: AsyncIterator[bytes], generation: Generation,
+                        render_error: Callable[[TokenwayError], list[bytes]],
+                        closing: list[bytes]) -> AsyncIterator[bytes]:
+    """Frame an API's stream events, the same for every API: an error after the stream began
+    ends it with the API's error event(s), never a silent cut; the stage times go in an SSE
+    comment (clients ignore it); the ledger row is durable before the closing event(s); a
+    disconnect (cancellation) bills what was generated."""
+    try:
+        async for event in events:
+            yield event
+    except TokenwayError as exc:
+        error, reason = exc, exc.message
+    except Exception as exc:  # noqa: BLE001 - reported to the client, logged in full
+        logger.exception("stream %s failed", generation.request_id)
+        error, reason = InternalServerError(STREAM_FAILED, code="internal_error"), type(exc).__name__
+    except BaseException:
+        generation.finish(499, "client disconnected")
+        raise
+    else:
+        generation.clock.end("postprocess")
+        yield sse.comment("server-timing: " + generation.clock.server_timing())
+        generation.finish()
+        await generation.commit()
+        for event in closing:
+            yield event
+        return
+    generation.finish(error.status, reason)
+    await generation.commit()
+    for event in render_error(error):
+        yield event
