@@ -37,6 +37,7 @@ SERVE_OPTIONS = {
     "max_num_seqs": (int, 128),
     "enable_prefix_caching": (bool, True),
     "engine_process": (bool, True),  # the engine in a child process (False: a thread of the server)
+    "engine_niceness": (int, 5),  # added to the engine process's niceness: the HTTP side wakes first
     "embeddings": (bool, True),  # serve all-MiniLM-L6-v2 on /v1/embeddings beside the chat model
     "max_pending_requests": (int, 256),
     "max_body_bytes": (str, "8MiB"),
@@ -121,6 +122,8 @@ def add_serve_parser(sub) -> None:
                        help="step the engine in its own child process, restarted if it dies (the default)")
     serve.add_argument("--engine-thread", dest="engine_process", action="store_const", const=False,
                        help="step the engine in a thread of the server process instead")
+    serve.add_argument("--engine-niceness", type=int,
+                       help="added to the engine process's niceness, so the HTTP side wakes first (default 5)")
     serve.add_argument("--no-embeddings", dest="embeddings", action="store_const", const=False,
                        help="do not serve /v1/embeddings (all-minilm-l6-v2)")
     serve.add_argument("--max-pending-requests", type=int, help="in flight before 503 + Retry-After")
@@ -147,40 +150,13 @@ def add_serve_parser(sub) -> None:
 
 
 def run_serve(options: dict) -> int:
-    import contextlib
-    import signal
-    import threading
-
     import uvicorn
-
-    class Server(uvicorn.Server):
-        """SIGINT/SIGTERM: stop accepting, give in-flight requests the grace period, abort the
-        rest, exit 0. (uvicorn would re-raise the signal after shutting down, exiting 130/143.)"""
-
-        def handle_exit(self, sig: int, frame) -> None:
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True  # a second Ctrl-C: do not wait for the grace period
-            self.should_exit = True
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            # The handler stays for the rest of the process (uvicorn restores the default one when
-            # serving ends): a second SIGTERM while the ledger, the spans and the engine process
-            # are flushed and stopped must not kill the server half-way through them.
-            if threading.current_thread() is threading.main_thread():
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    signal.signal(sig, self.handle_exit)
-            yield
-
-        async def startup(self, sockets=None) -> None:
-            await super().startup(sockets=sockets)
-            if self.started:  # said before the first request can be answered, so a log reader never races it
-                print(self.announcement, file=sys.stderr, flush=True)
 
     from tokenway.engine.client import AsyncEngine
     from tokenway.engine.process import ProcessEngine
     from tokenway.server.app import create_app
     from tokenway.server.serving import ServerConfig, ServerState
+    from tokenway.server.uvicorn_server import Server
 
     logging.basicConfig(level=options["log_level"].upper(), format="%(message)s", stream=sys.stderr)
     engine_config = EngineConfig(
@@ -199,7 +175,8 @@ def run_serve(options: dict) -> int:
                                  graceful_shutdown_seconds=options["graceful_shutdown_seconds"],
                                  admin_key=admin_key(options))
     check_tls(options)
-    engine = ProcessEngine(engine_config) if options["engine_process"] else AsyncEngine(engine_config)
+    engine = (ProcessEngine(engine_config, options["engine_niceness"]) if options["engine_process"]
+              else AsyncEngine(engine_config))
     gatekeeper = build_gatekeeper(options) if options["gateway"] else None
     embedder = build_embedder() if options["embeddings"] else None
     state = ServerState(engine=engine, config=server_config, model_names=names, gatekeeper=gatekeeper,

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 # Light imports only, as cli.py's: `tokenway keys` must not wait for torch.
@@ -46,6 +43,8 @@ def add_worker_parser(sub) -> None:
     worker.add_argument("--max-num-batched-tokens", type=int, default=512)
     worker.add_argument("--max-num-seqs", type=int, default=128)
     worker.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    worker.add_argument("--engine-niceness", type=int, default=5,
+                        help="added to the engine process's niceness, so the HTTP side wakes first")
     worker.add_argument("--max-pending-requests", type=int, default=256, help="in flight before 503 + Retry-After")
     worker.add_argument("--graceful-shutdown-seconds", type=float, default=30.0)
     worker.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -90,28 +89,8 @@ def run_worker(args: argparse.Namespace) -> int:
     from tokenway.engine.process import ProcessEngine
     from tokenway.models.loader import resolve_model
     from tokenway.routing.wire import PREFIX
+    from tokenway.server.uvicorn_server import Server
     from tokenway.server.worker_api import create_worker_app
-
-    class Server(uvicorn.Server):
-        """As `tokenway serve`'s: SIGINT/SIGTERM stop accepting and give open streams the grace
-        period, and the handler stays while the engine process is stopped; exit 0."""
-
-        def handle_exit(self, sig: int, frame) -> None:
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
-            self.should_exit = True
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            if threading.current_thread() is threading.main_thread():
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    signal.signal(sig, self.handle_exit)
-            yield
-
-        async def startup(self, sockets=None) -> None:
-            await super().startup(sockets=sockets)
-            if self.started:
-                print(self.announcement, file=sys.stderr, flush=True)
 
     logging.basicConfig(level=args.log_level.upper(), format="%(message)s", stream=sys.stderr)
     config = EngineConfig(
@@ -124,7 +103,7 @@ def run_worker(args: argparse.Namespace) -> int:
         raise ValueError(f"max_pending_requests: must be >= 1, got {args.max_pending_requests}")
     name = args.served_model_name or (Path(args.model).stem if args.model != DEFAULT_MODEL else DEFAULT_MODEL)
     model_dir = resolve_model(config.model, config.cache_dir)  # converted once; the engine finds it done
-    engine = ProcessEngine(config)
+    engine = ProcessEngine(config, args.engine_niceness)
     try:
         app = create_worker_app(engine, name, secret, model_dir=model_dir, block_size=config.block_size,
                                 max_pending_requests=args.max_pending_requests)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import threading
@@ -45,7 +46,10 @@ RESTART_BACKOFF_SECONDS = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0)  # after the 1st, 2nd
 
 
 class ProcessEngine(EngineClient):
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, niceness: int = 0) -> None:
+        """niceness: added to the engine process's (os.nice). The HTTP process then wins a core
+        back at once when it wakes (to answer /health, to send a token), at no measured cost to
+        the engine's throughput (README: The engine process)."""
         config = config or EngineConfig()
         # Resolve (convert a GGUF, once) here, so the engine process only loads.
         model_dir = resolve_model(config.model, config.cache_dir)
@@ -63,7 +67,8 @@ class ProcessEngine(EngineClient):
         self._closing = False
         self._snapshot: dict = {}
         self.num_restarts = 0
-        child = _Child.start(config)  # the first start's failure is the caller's error
+        self._niceness = niceness
+        child = _Child.start(config, niceness)  # the first start's failure is the caller's error
         ready = child.wait_ready()
         if isinstance(ready, BaseException):
             raise ready
@@ -168,7 +173,7 @@ class ProcessEngine(EngineClient):
         failures = 0
         while not self._closing:
             time.sleep(RESTART_BACKOFF_SECONDS[min(failures, len(RESTART_BACKOFF_SECONDS) - 1)])
-            child = _Child.start(self._config)
+            child = _Child.start(self._config, self._niceness)
             ready = child.wait_ready()
             if not isinstance(ready, BaseException):
                 self.num_restarts += 1
@@ -191,11 +196,11 @@ class _Child:
         threading.Thread(target=self._write, name="tokenway-engine-writer", daemon=True).start()
 
     @classmethod
-    def start(cls, config: EngineConfig) -> _Child:
+    def start(cls, config: EngineConfig, niceness: int = 0) -> _Child:
         context = multiprocessing.get_context("spawn")  # never fork a process holding torch's thread pools
         commands_read, commands_write = context.Pipe(duplex=False)
         results_read, results_write = context.Pipe(duplex=False)
-        process = context.Process(target=_engine_main, args=(config, commands_read, results_write),
+        process = context.Process(target=_engine_main, args=(config, niceness, commands_read, results_write),
                                   name="tokenway-engine", daemon=True)
         process.start()
         commands_read.close()  # the child's ends: this process keeps only its own
@@ -235,11 +240,13 @@ class _Child:
         return self.process.exitcode
 
 
-def _engine_main(config: EngineConfig, commands: Connection, results: Connection) -> None:
+def _engine_main(config: EngineConfig, niceness: int, commands: Connection, results: Connection) -> None:
     """The engine process: load, then step while there is work, reading commands between steps."""
     from tokenway.engine.core import EngineCore
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which stops this process
+    if niceness:
+        os.nice(niceness)
     try:
         core = EngineCore(config)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
