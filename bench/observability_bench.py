@@ -105,7 +105,7 @@ def micro_costs() -> dict[str, float]:
     calls = []
     for _ in range(n):
         call = Call(CallStart.now("/v1/completions"), clock)
-        call.set_route(RouteChoice(model="m", pool="m", replica="local", reason="only"))
+        call.set_route(RouteChoice(model="m", pool="m"))
         calls.append(call)
     outcome = CallOutcome(200, prompt_tokens=100, completion_tokens=64, max_choice_tokens=64, finish_reason="length")
     started = time.perf_counter()

@@ -197,6 +197,7 @@ def run_serve(options: dict) -> int:
 
     async def main() -> None:
         await state.body_parser.start()
+        state.router.start()
         if gatekeeper is not None:
             auth = "on" if gatekeeper.auth_required else "OFF (no API key exists and the server binds loopback)"
             print(f"tokenway: auth {auth}; limits {options['limits_url']}; ledger {gatekeeper.ledger.url}",
@@ -206,6 +207,7 @@ def run_serve(options: dict) -> int:
                       f"exists, so every /v1 call is refused with 401 until you create one:\n"
                       f"    tokenway keys create --name NAME --db {gatekeeper.keys.path}", file=sys.stderr, flush=True)
         await server.serve()
+        await state.router.aclose()
         await state.body_parser.close()
         if gatekeeper is not None:
             await gatekeeper.close()  # flush the ledger

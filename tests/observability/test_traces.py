@@ -6,6 +6,7 @@ from tokenway.observability.metrics import Metrics
 from tokenway.observability.observer import Observer
 from tokenway.observability.traces import Trace, TraceRing, render_summary, render_waterfall, summarize
 from tokenway.routing.job import GenerationJob
+from tokenway.routing.router import ReplicaChoice
 from tokenway.server.call import Call, CallOutcome, CallStart, RouteChoice
 from tokenway.stages import STAGES, StageClock
 
@@ -33,7 +34,8 @@ def test_trace_of_a_call_takes_the_clock_the_job_and_the_outcome():
         clock.end(stage, at)
     clock.billing_started, clock.done = 10.152, 10.153
     call = Call(CallStart.now("/v1/completions"), clock)
-    call.set_route(RouteChoice(model="m", pool="m", replica="local", reason="only"))
+    call.set_route(RouteChoice(model="m", pool="m"))
+    call.set_replica(ReplicaChoice("m", "local", "only"))
     call.set_job(GenerationJob("cmpl-1", "m", "completion", SamplingParams(max_tokens=11, seed=7), n=2,
                                prompt_token_ids=tuple(range(20)), stream=True))
     outcome = CallOutcome(200, prompt_tokens=20, completion_tokens=22, max_choice_tokens=11, finish_reason="length",
@@ -45,7 +47,7 @@ def test_trace_of_a_call_takes_the_clock_the_job_and_the_outcome():
     assert trace.tpot_ms == pytest.approx(10.0)  # 100 ms of decode over tokens 2..11 of the longest choice
     assert trace.status == 200 and trace.endpoint == "/v1/completions"
     assert trace.stream and trace.num_choices == 2 and trace.sampling["max_tokens"] == 11
-    assert trace.route == {"pool": "m", "replica": "local", "reason": "only"}
+    assert trace.route == {"pool": "m", "replica": "local", "reason": "only", "failed_attempts": 0}
     assert Trace.of_call(call, CallOutcome(499, error="client disconnected"), 0.0).status == 499
     data = trace.to_dict()
     assert data["cache_explanation"].startswith("0 of 20 prompt tokens cached; the first block")
@@ -54,9 +56,9 @@ def test_trace_of_a_call_takes_the_clock_the_job_and_the_outcome():
 
 def test_a_calls_facts_are_set_once():
     call = Call(CallStart.now("/v1/chat/completions"))
-    call.set_route(RouteChoice(model="m", pool="m", replica="local", reason="only"))
+    call.set_route(RouteChoice(model="m", pool="m"))
     with pytest.raises(AssertionError):
-        call.set_route(RouteChoice(model="n", pool="n", replica="local", reason="only"))
+        call.set_route(RouteChoice(model="n", pool="n"))
     call.end(CallOutcome(400, error="bad"))
     call.end(CallOutcome(200))  # the first outcome stands: a later report (the middleware's fallback) is ignored
     assert call.outcome.status == 400 and call.request_id.startswith("req_")

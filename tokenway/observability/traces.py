@@ -61,7 +61,7 @@ class Trace:
     @classmethod
     def of_call(cls, call, outcome, cost_usd: float = 0.0) -> "Trace":
         """The trace of one call (server/call.py's Call and its CallOutcome), as of now."""
-        clock, job, route = call.clock, call.job, call.route
+        clock, job, replica = call.clock, call.job, call.replica
         stages_ms = clock.durations_ms()
         sampling = job.sampling() if job is not None else {}
         return cls(
@@ -74,7 +74,9 @@ class Trace:
             completion_tokens=outcome.completion_tokens, finish_reason=outcome.finish_reason, error=outcome.error,
             cost_usd=cost_usd, cache_reason=outcome.cache_reason, limit_kind=outcome.limit_kind, sampling=sampling,
             traceparent=call.start.traceparent,
-            route=None if route is None else {"pool": route.pool, "replica": route.replica, "reason": route.reason},
+            route=None if replica is None else {"pool": replica.pool, "replica": replica.replica,
+                                                "reason": replica.reason,
+                                                "failed_attempts": replica.num_failed_attempts},
         )
 
     # What the ledger row keeps besides its own columns (`tokenway trace` rebuilds the rest).

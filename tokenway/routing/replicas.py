@@ -19,9 +19,10 @@ import asyncio
 from contextlib import aclosing
 from typing import AsyncIterator, Protocol
 
-from tokenway.engine.client import EngineClient
+from tokenway.engine.client import EngineClient, EngineDeadError
 from tokenway.engine.request import SamplingParams, choice_params
 from tokenway.frontend.output import RequestOutput
+from tokenway.protocol.errors import InternalServerError, InvalidRequestError, ServiceUnavailableError
 from tokenway.routing.job import ChoiceDelta, GenerationJob, ReplicaEvent, Usage
 
 
@@ -54,13 +55,24 @@ class LocalReplica:
         num_completion_tokens = [0] * job.n
         num_cached_tokens, cache_reason = 0, None
         choices = run_choices(self.engine, job.request_id, prompt_token_ids, choice_params(job.params, job.n))
-        async with aclosing(choices):
-            async for index, output in choices:
-                delta = choice_delta(index, output)
-                num_completion_tokens[index] += len(delta.token_ids)
-                if delta.num_cached_tokens >= num_cached_tokens:
-                    num_cached_tokens, cache_reason = delta.num_cached_tokens, delta.cache_reason
-                yield delta
+        try:
+            async with aclosing(choices):
+                async for index, output in choices:
+                    delta = choice_delta(index, output)
+                    num_completion_tokens[index] += len(delta.token_ids)
+                    if delta.num_cached_tokens >= num_cached_tokens:
+                        num_cached_tokens, cache_reason = delta.num_cached_tokens, delta.cache_reason
+                    yield delta
+        except EngineDeadError as exc:
+            if not any(num_completion_tokens):  # refused before it ran: another replica, or a retry, may take it
+                raise ServiceUnavailableError("The engine is restarting; retry shortly.", retry_after=1,
+                                              code="engine_unavailable") from exc
+            raise InternalServerError("The engine stopped while generating this request.") from exc
+        except ValueError as exc:  # what the engine refused (the server checks first: a race, rarely)
+            raise InvalidRequestError(str(exc), param=str(exc).split(":", 1)[0]) from None
+        except Exception as exc:
+            # The engine failed this step (it logged the traceback): a plain 500.
+            raise InternalServerError("The engine failed while generating this request.") from exc
         yield Usage(len(prompt_token_ids), sum(num_completion_tokens), num_cached_tokens, cache_reason=cache_reason)
 
     async def probe(self) -> bool:

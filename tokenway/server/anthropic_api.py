@@ -41,7 +41,7 @@ def openai_tools(body) -> tuple[list[dict] | None, object]:
 
 def prepare(state: ServerState, body, call: Call) -> tuple[Generation, bool]:
     """The adaptor for Messages: the body becomes the same GenerationJob a chat call makes."""
-    model, replica = state.route(body, call)
+    model = state.route(body, call)
     tools, tool_choice = openai_tools(body)
     messages = to_chat_messages(body)
     with context_window(state, "messages") as window:
@@ -55,7 +55,7 @@ def prepare(state: ServerState, body, call: Call) -> tuple[Generation, bool]:
     job = GenerationJob(new_id("msg_"), model, "chat", params, messages=tuple(messages),
                         tools=tuple(tools) if tools else None, tool_choice=tool_choice,
                         prompt_token_ids=tuple(prompt.prompt_token_ids), stream=bool(body.stream))
-    return Generation(state, call, job, replica), prompt.generic_tools
+    return Generation(state, call, job), prompt.generic_tools
 
 
 def content_blocks(text: str, generic_tools: bool) -> tuple[list[dict], bool]:

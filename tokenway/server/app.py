@@ -331,7 +331,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> Response:
-        if state.ready and state.engine.is_alive:
+        if state.ready and state.engine.is_alive and all(state.router.is_available(n) for n in state.model_names):
             return JSONResponse({"status": "ready", "models": list(state.model_names)})
         return JSONResponse({"status": "not ready"}, status_code=503, headers={"Retry-After": "1"})
 

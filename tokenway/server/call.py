@@ -1,7 +1,8 @@
 """One HTTP call's facts, each made once by the stage that knows it and handed on frozen:
 
     GatewayMiddleware ─► CallStart    who calls, which endpoint, when (stage 1)
-    routing           ─► RouteChoice  the model served, its pool and replica, and why
+    routing           ─► RouteChoice  the model served and its pool
+    Router            ─► ReplicaChoice the replica that ran it, and why (routing/router.py)
     API adaptor       ─► GenerationJob the typed work (routing/job.py; EmbeddingsJob for embeddings)
     Gatekeeper.admit  ─► Admission    the limits' reservation and rate headers
     whoever sees the call end ─► CallOutcome   status, usage, finish, error
@@ -27,6 +28,7 @@ from tokenway.stages import StageClock
 if TYPE_CHECKING:
     from tokenway.gateway.gatekeeper import Admission
     from tokenway.routing.job import EmbeddingsJob, GenerationJob
+    from tokenway.routing.router import ReplicaChoice
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,12 +46,11 @@ class CallStart:
 
 @dataclass(frozen=True, slots=True)
 class RouteChoice:
-    """Where the call goes: the served model name, its pool, the replica, and why that one."""
+    """The model a call asked for, by its served name (an alias resolved), and its pool. The
+    replica that ran it (a fallback's, after retries) is the router's ReplicaChoice."""
 
     model: str
     pool: str
-    replica: str
-    reason: str  # "only" (a pool of one), "affinity", "least_loaded", "retry", "fallback"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +67,7 @@ class CallOutcome:
 
 
 class Call:
-    __slots__ = ("clock", "start", "route", "job", "admission", "outcome", "committed")
+    __slots__ = ("clock", "start", "route", "job", "admission", "replica", "outcome", "committed")
 
     def __init__(self, start: CallStart, clock: StageClock | None = None) -> None:
         self.clock = clock or StageClock()
@@ -74,6 +75,7 @@ class Call:
         self.route: RouteChoice | None = None
         self.job: GenerationJob | EmbeddingsJob | None = None
         self.admission: Admission | None = None
+        self.replica: ReplicaChoice | None = None
         self.outcome: CallOutcome | None = None
         self.committed = False  # the ledger row is written (Gatekeeper's flag)
 
@@ -96,6 +98,10 @@ class Call:
     def set_admission(self, admission: Admission) -> None:
         assert self.admission is None, "a call is admitted once"
         self.admission = admission
+
+    def set_replica(self, choice: ReplicaChoice) -> None:
+        assert self.replica is None, "a call runs on one replica"
+        self.replica = choice
 
     def end(self, outcome: CallOutcome) -> None:
         """The call's one outcome; a later report (the middleware's fallback) is ignored."""

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from tokenway.protocol.embeddings import EmbeddingRequest, embedding_response
 from tokenway.protocol.errors import NotFoundError, TokenwayError
 from tokenway.routing.job import EmbeddingsJob
+from tokenway.routing.router import ReplicaChoice
 from tokenway.server.call import Call, CallOutcome, RouteChoice
 from tokenway.server.http import ClientDisconnected, parse_body, unless_disconnected
 from tokenway.server.serving import ServerState, log_request, new_id
@@ -33,7 +34,8 @@ async def create_embeddings(state: ServerState, request: Request, call: Call) ->
     name = state.resolve_model(body.model, call.start.principal, kind="embeddings")
     if embedder is None:  # listed but not loaded: cannot happen with the names from the server's own config
         raise NotFoundError.for_model(name)
-    call.set_route(RouteChoice(model=name, pool=name, replica="local", reason="only"))
+    call.set_route(RouteChoice(model=name, pool=name))
+    call.set_replica(ReplicaChoice(name, "local", "only"))
     clock = call.clock
     clock.end("routing")
     token_ids = await embedder.tokenize(body.input, dimensions=body.dimensions)

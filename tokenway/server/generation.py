@@ -1,7 +1,7 @@
 """One API call's generation, the same for every API: the job goes to its replica, the
 replica's events come back, and when the call ends its CallOutcome is made, once.
 
-    adaptor ─► Generation(state, call, job, replica) ─► outputs(): (index, ChoiceDelta) ...
+    adaptor ─► Generation(state, call, job) ─► Router.generate ─► outputs(): ChoiceDelta ...
                                                        final_outputs(): [ChoiceResult] by index
             ─► finish(status, error) ─► CallOutcome ─► the ledger row and the trace
 
@@ -21,7 +21,6 @@ from starlette.responses import JSONResponse, Response
 from tokenway.engine.client import EngineDeadError
 from tokenway.protocol.errors import InternalServerError, InvalidRequestError, TokenwayError
 from tokenway.routing.job import ChoiceDelta, GenerationJob, Usage
-from tokenway.routing.replicas import Replica
 from tokenway.server import sse
 from tokenway.server.call import Call, CallOutcome
 from tokenway.server.http import ClientDisconnected, unless_disconnected
@@ -45,12 +44,12 @@ class ChoiceResult:
 
 
 class Generation:
-    def __init__(self, state: ServerState, call: Call, job: GenerationJob, replica: Replica) -> None:
+    def __init__(self, state: ServerState, call: Call, job: GenerationJob) -> None:
         self.state = state
         self.call = call
         self.clock = call.clock
         self.job = job
-        self.replica = replica
+        self.router = state.router
         self.model = job.model
         self.request_id = job.request_id
         self.num_choices = job.n
@@ -81,7 +80,7 @@ class Generation:
         observer = self.state.observer
         last_token_times: list[float | None] = [None] * self.num_choices
         try:
-            async for event in self.replica.generate(self.job):
+            async for event in self.router.generate(self.job, self.call.set_replica):
                 if isinstance(event, Usage):
                     self.reported = event
                     self.num_cached_tokens, self.cache_reason = event.cached_tokens, event.cache_reason
@@ -105,15 +104,6 @@ class Generation:
                 if event.finish_reason is not None:
                     self.finish_reasons[index], self.stop_reasons[index] = event.finish_reason, event.stop_reason
                 yield event
-        except TokenwayError:
-            raise
-        except EngineDeadError as exc:
-            if not any(self.completion_tokens):  # refused before it ran: the caller may retry
-                raise engine_unavailable() from exc
-            raise InternalServerError("The engine stopped while generating this request.") from exc
-        except Exception as exc:
-            # The engine failed this step (its thread logged the traceback): a plain 500.
-            raise InternalServerError("The engine failed while generating this request.") from exc
         finally:
             self.state.release_engine_slots(self.num_choices)
 

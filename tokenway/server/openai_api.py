@@ -80,7 +80,7 @@ def openai_finish_reason(reason: str | None) -> str | None:
 def prepare_chat(state: ServerState, body, call: Call):
     """The adaptor for chat: the body becomes one GenerationJob (and whether the reply is the
     generic tool-call format, which the response parses)."""
-    model, replica = state.route(body, call)
+    model = state.route(body, call)
     if body.logprobs and body.top_logprobs is None:
         top_logprobs = 0
     else:
@@ -104,7 +104,7 @@ def prepare_chat(state: ServerState, body, call: Call):
                         tools=tuple(tools) if tools else None, tool_choice=tool_choice,
                         parallel_tool_calls=parallel_tool_calls, response_format=response_format,
                         prompt_token_ids=tuple(prompt.prompt_token_ids), stream=bool(body.stream))
-    return Generation(state, call, job, replica), prompt.generic_tools
+    return Generation(state, call, job), prompt.generic_tools
 
 
 def tool_message(text: str) -> tuple[dict, bool]:
@@ -214,7 +214,7 @@ def tokenize(state: ServerState, body) -> list[int]:
 
 
 def prepare_completion(state: ServerState, body, call: Call) -> tuple[Generation, str]:
-    model, replica = state.route(body, call)
+    model = state.route(body, call)
     prompts = completion_prompts(state, body.prompt)
     if len(prompts) != 1:
         # Batched prompts would be n choices each; one prompt per call keeps billing exact.
@@ -232,7 +232,7 @@ def prepare_completion(state: ServerState, body, call: Call) -> tuple[Generation
     job = GenerationJob(new_id("cmpl-"), model, "completion", params, n=body.n or 1, prompt=text,
                         prompt_token_ids=tuple(prompt_token_ids), stream=bool(body.stream))
     echo = state.tokenizer.decode(prompt_token_ids) if body.echo else ""
-    return Generation(state, call, job, replica), echo
+    return Generation(state, call, job), echo
 
 
 async def completion_response(state: ServerState, body, generation: Generation, echo: str) -> dict:

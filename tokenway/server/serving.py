@@ -5,6 +5,7 @@ runs the call itself)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -27,7 +28,10 @@ from tokenway.protocol.errors import (
     NotFoundError,
     ServiceUnavailableError,
 )
-from tokenway.routing.replicas import LocalReplica, Replica
+from tokenway.routing.balancer import Balancer
+from tokenway.routing.health import HealthChecker
+from tokenway.routing.replicas import LocalReplica
+from tokenway.routing.router import Pool, Router
 from tokenway.server.body_parser import BodyParser
 from tokenway.server.call import Call, CallOutcome, RouteChoice
 from tokenway.stages import StageClock
@@ -61,10 +65,16 @@ class ServerState:
     ready: bool = True
     embedder: EmbeddingEngine | None = None  # /v1/embeddings; None: not served
     embedding_model_names: tuple[str, ...] = ()
-    replica: Replica = field(init=False)
+    router: Router | None = None  # None: every served name is one pool, the local engine
 
     def __post_init__(self) -> None:
-        self.replica = LocalReplica(self.engine)
+        if self.router is None:
+            replica = LocalReplica(self.engine)
+            local = Pool.of("local", [replica], balancer_factory=functools.partial(
+                Balancer, name_to_max_in_flight={replica.name: self.config.max_pending_requests}))
+            # A probe that finds the engine back (restarted) closes a breaker its failures opened.
+            local.checker = HealthChecker({replica.name: replica.probe}, local.healths)
+            self.router = Router({name: local for name in self.model_names})
 
     @property
     def max_model_len(self) -> int:
@@ -90,13 +100,13 @@ class ServerState:
             self.gatekeeper.check_model(principal, name)
         return name
 
-    def route(self, body, call: Call) -> tuple[str, Replica]:
-        """Stage 2: the served model for a generation call and the replica that runs it (the
-        local engine, for now)."""
+    def route(self, body, call: Call) -> str:
+        """Stage 2: the served model a generation call asked for, and its pool (the router picks
+        the replica once the job is made)."""
         name = self.resolve_model(body.model, call.start.principal)
-        call.set_route(RouteChoice(model=name, pool=name, replica=self.replica.name, reason="only"))
+        call.set_route(RouteChoice(model=name, pool=name))
         call.clock.end("routing")
-        return name, self.replica
+        return name
 
     def max_tokens(self, call: Call, num_prompt_tokens: int, requested: int | None, param: str,
                    num_messages: int = 1) -> int:

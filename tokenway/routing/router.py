@@ -1,0 +1,159 @@
+"""Stage 2: which replica runs a call, and what happens when it cannot.
+
+    job ─► Router.generate(job, on_replica)
+             for each model of the fallback chain (the asked one, then its fallbacks):
+               lease = pool.balancer.acquire_slot(prompt ids, prompt + max_tokens, exclude=tried)
+                 NoReplicaAvailable / PoolFull ─► the next model of the chain
+               replica.generate(job) ─► events, forwarded as they come
+                 fails before its first event, the replica's fault ─► record it (the breaker),
+                                                                      try another replica
+                 fails after its first event ─► the call fails: bytes already left, never retried
+             nothing left ─► 503 (or 429 for a full pool) with Retry-After
+
+Each replica's health (a circuit breaker fed by the outcomes here, and the active probes of a
+HealthChecker per pool) decides whether the balancer may pick it. `on_replica` hears once which
+replica the call ran on, and why (ReplicaChoice): the trace's routing stage.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from tokenway.protocol.errors import GatewayTimeoutError, RateLimitError, ServiceUnavailableError, TokenwayError
+from tokenway.routing.balancer import Balancer, NoReplicaAvailable, PoolFull, RoutingError
+from tokenway.routing.health import HealthChecker, ReplicaHealth
+from tokenway.routing.job import GenerationJob, ReplicaEvent
+from tokenway.routing.replicas import Replica
+from tokenway.routing.upstream import is_replica_fault
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaChoice:
+    """Where a call ran: its pool (the model served, a fallback's when one took it), the
+    replica, why that one, and how many replicas failed it first."""
+
+    pool: str
+    replica: str
+    reason: str  # "only", "affinity", "least_loaded", "retry", "fallback"
+    num_failed_attempts: int = 0
+
+
+@dataclass(slots=True)
+class Pool:
+    """One model's replicas, their health, and the balancer that picks among them."""
+
+    name: str
+    replicas: Mapping[str, Replica]
+    balancer: Balancer
+    healths: Mapping[str, ReplicaHealth] = field(default_factory=dict)
+    checker: HealthChecker | None = None
+
+    @classmethod
+    def of(cls, name: str, replicas: list[Replica], balancer_factory: Callable[..., Balancer] = Balancer,
+           **balancer_options) -> Pool:
+        healths = {replica.name: ReplicaHealth(replica.name) for replica in replicas}
+        balancer = balancer_factory([r.name for r in replicas], name_to_health=healths, **balancer_options)
+        return cls(name, {r.name: r for r in replicas}, balancer, healths)
+
+
+class Router:
+    def __init__(self, pools: Mapping[str, Pool], fallback_chain: Callable[[str], tuple[str, ...]] | None = None
+                 ) -> None:
+        self.pools = dict(pools)
+        # model name -> the pools to try, in order (the registry's fallback chain); default: its own
+        self._fallback_chain = fallback_chain or (lambda name: (name,))
+
+    def unique_pools(self) -> list[Pool]:
+        """Each pool once (a model's aliases share its pool)."""
+        return list({id(pool): pool for pool in self.pools.values()}.values())
+
+    def is_available(self, name: str) -> bool:
+        """Some replica of the model's pool may take a call now (up, breaker not open)."""
+        pool = self.pools[name]
+        return any(health.unavailable_reason is None for health in pool.healths.values()) or not pool.healths
+
+    def start(self) -> None:
+        """Start the pools' active health checks (on the running event loop)."""
+        for pool in self.unique_pools():
+            if pool.checker is not None:
+                pool.checker.start()
+
+    async def aclose(self) -> None:
+        for pool in self.unique_pools():
+            if pool.checker is not None:
+                await pool.checker.stop()
+            for replica in pool.replicas.values():
+                await replica.aclose()
+
+    async def generate(self, job: GenerationJob, on_replica: Callable[[ReplicaChoice], None]
+                       ) -> AsyncIterator[ReplicaEvent]:
+        """The job's events from the first replica able to run it (see the module's docstring)."""
+        chain = self._fallback_chain(job.model)
+        refusal: RoutingError | None = None
+        last_fault: TokenwayError | None = None
+        num_failed = 0
+        for position, pool_name in enumerate(chain):
+            pool = self.pools[pool_name]
+            tried: set[str] = set()
+            while True:
+                try:
+                    lease = await pool.balancer.acquire_slot(job.prompt_token_ids, job.num_reserved_tokens,
+                                                             exclude=tried, timeout=_time_left(job))
+                except RoutingError as exc:
+                    refusal = exc
+                    break  # this pool cannot take it: the next model of the chain
+                if position > 0:
+                    reason = "fallback"
+                elif len(pool.replicas) == 1:
+                    reason = "only"
+                else:
+                    reason = lease.choice.reason
+                replica = pool.replicas[lease.name]
+                started = False
+                with lease:
+                    try:
+                        async with aclosing(replica.generate(job)) as events:
+                            async for event in events:
+                                if not started:
+                                    started = True
+                                    on_replica(ReplicaChoice(pool_name, lease.name, reason, num_failed))
+                                yield event
+                    except TokenwayError as exc:
+                        if not is_replica_fault(exc):
+                            lease.record_success()  # the caller's error (a 400): the replica is fine
+                            raise
+                        lease.record_failure()
+                        if started:
+                            raise  # bytes already left for the client: never run it twice
+                        tried.add(lease.name)
+                        num_failed += 1
+                        last_fault = exc
+                        continue
+                    lease.record_success()
+                    return
+        on_replica(ReplicaChoice(chain[-1], "", "none", num_failed))
+        raise _exhausted(refusal, last_fault)
+
+
+def _time_left(job: GenerationJob) -> float | None:
+    if job.deadline is None:
+        return None
+    left = job.deadline - time.monotonic()
+    if left <= 0:
+        raise GatewayTimeoutError("The request's deadline passed before a replica could take it.")
+    return left
+
+
+def _exhausted(refusal: RoutingError | None, last_fault: TokenwayError | None) -> TokenwayError:
+    """Every replica of every pool in the chain refused or failed the call before its first byte."""
+    if last_fault is not None and (refusal is None or isinstance(refusal, NoReplicaAvailable)):
+        return last_fault  # the replicas' own error (a 502, a 504...) says the most
+    retry_after = refusal.retry_after if refusal is not None else 1.0
+    if isinstance(refusal, PoolFull):
+        return RateLimitError("Every replica of this model is at capacity and its queue is full; retry shortly.",
+                              retry_after=retry_after, code="pool_full")
+    return ServiceUnavailableError("No replica of this model is available now; retry shortly.",
+                                   retry_after=retry_after, code="no_replica_available")
