@@ -1,0 +1,138 @@
+"""The engine in its own process against the engine thread, alternated on the same machine:
+output tok/s at 16 streams, engine steps, and /health latency while the server is saturated.
+
+    python bench/engine_process_bench.py                     # 3 rounds of: thread, process
+    python bench/engine_process_bench.py --rounds 2 --modes "--engine-thread" "" "--engine-niceness 0"
+
+Each mode starts `tokenway serve` (no embeddings), warms it with 16 requests, then runs the
+load (N requests, C at a time, `--max-tokens` each, ignore_eos) while a probe asks /health every
+50 ms. Runs alternate modes, so the machine's drift (±15-25% here within minutes) hits each alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def one_request(client: httpx.AsyncClient, max_tokens: int) -> int:
+    body = {"model": "smollm2-135m-instruct", "prompt": "Write a long story about a lighthouse keeper.",
+            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.8, "stream": True,
+            "stream_options": {"include_usage": True}}
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and '"completion_tokens"' in line:
+                tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+    return tokens
+
+
+async def load(base_url: str, num_requests: int, concurrency: int, max_tokens: int) -> tuple[float, int]:
+    """(seconds, completion tokens) of the whole load."""
+    queue = list(range(num_requests))
+    total = 0
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal total
+        while queue:
+            queue.pop()
+            total += await one_request(client, max_tokens)
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        return time.perf_counter() - started, total
+
+
+async def probe_health(base_url: str, stop: asyncio.Event) -> list[float]:
+    latencies = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+        while not stop.is_set():
+            started = time.perf_counter()
+            await client.get("/health")
+            latencies.append((time.perf_counter() - started) * 1000)
+            await asyncio.sleep(0.05)
+    return latencies
+
+
+async def measure(base_url: str, args) -> dict:
+    await load(base_url, 16, 16, 16)  # warm: kernels, caches, the first batches
+    steps_before = httpx.get(f"{base_url}/engine/stats").json().get("num_steps", 0)
+    stop = asyncio.Event()
+    prober = asyncio.create_task(probe_health(base_url, stop))
+    seconds, tokens = await load(base_url, args.num_requests, args.concurrency, args.max_tokens)
+    stop.set()
+    latencies = sorted(await prober)
+    steps = httpx.get(f"{base_url}/engine/stats").json().get("num_steps", 0) - steps_before
+    return {"tok_s": tokens / seconds, "steps": steps, "health_p50": latencies[len(latencies) // 2],
+            "health_p99": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))], "n": len(latencies)}
+
+
+def run_mode(flags: str, args) -> dict:
+    port = free_port()
+    command = [sys.executable, "-m", "tokenway.cli", "serve", "--port", str(port), "--log-level", "warning",
+               "--no-embeddings", "--no-gateway", *shlex.split(flags)]
+    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{base_url}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError(f"the server ({flags or 'defaults'}) did not become ready")
+            time.sleep(0.5)
+        return asyncio.run(measure(base_url, args))
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", default=["--engine-thread", ""],
+                        help='serve flags per mode ("" = the defaults: the engine process)')
+    parser.add_argument("-n", "--num-requests", type=int, default=96)
+    parser.add_argument("-c", "--concurrency", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+    results: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    for round_number in range(args.rounds):
+        for mode in args.modes:
+            result = run_mode(mode, args)
+            results[mode].append(result)
+            print(f"round {round_number + 1} [{mode or 'defaults'}] {result['tok_s']:.1f} tok/s, "
+                  f"{result['steps']} steps, /health p50 {result['health_p50']:.1f} ms "
+                  f"p99 {result['health_p99']:.1f} ms (n={result['n']})", flush=True)
+    for mode, runs in results.items():
+        tok_s = sorted(r["tok_s"] for r in runs)
+        p99 = sorted(r["health_p99"] for r in runs)
+        print(f"[{mode or 'defaults'}] tok/s {tok_s[0]:.0f}-{tok_s[-1]:.0f} (median {tok_s[len(tok_s) // 2]:.0f}); "
+              f"/health p99 {p99[0]:.1f}-{p99[-1]:.1f} ms (median {p99[len(p99) // 2]:.1f})")
+
+
+if __name__ == "__main__":
+    main()
