@@ -37,7 +37,7 @@ SERVE_OPTIONS = {
     "max_num_seqs": (int, 128),
     "enable_prefix_caching": (bool, True),
     "engine_process": (bool, True),  # the engine in a child process (False: a thread of the server)
-    "engine_niceness": (int, 5),  # added to the engine process's niceness: the HTTP side wakes first
+    "engine_niceness": (int, 0),  # added to the engine process's niceness (> 0: the HTTP side wakes first)
     "embeddings": (bool, True),  # serve all-MiniLM-L6-v2 on /v1/embeddings beside the chat model
     "max_pending_requests": (int, 256),
     "max_body_bytes": (str, "8MiB"),
@@ -123,7 +123,8 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--engine-thread", dest="engine_process", action="store_const", const=False,
                        help="step the engine in a thread of the server process instead")
     serve.add_argument("--engine-niceness", type=int,
-                       help="added to the engine process's niceness, so the HTTP side wakes first (default 5)")
+                       help="added to the engine process's niceness, so the HTTP side wakes first (default 0: "
+                            "no robust gain measured on 2 cores, see bench/engine_process_bench.py)")
     serve.add_argument("--no-embeddings", dest="embeddings", action="store_const", const=False,
                        help="do not serve /v1/embeddings (all-minilm-l6-v2)")
     serve.add_argument("--max-pending-requests", type=int, help="in flight before 503 + Retry-After")
