@@ -23,14 +23,12 @@ from tokenway.protocol.errors import (
 )
 from tokenway.routing.job import ChoiceDelta, GenerationJob, ToolCallDelta, Usage
 from tokenway.routing.openai_upstream import OpenAIUpstream
+from tokenway.routing.sse_decoder import SSEDecoder, SSEEvent
 from tokenway.routing.upstream import (
     ConnectionLimits,
-    SSEDecoder,
-    SSEEvent,
     UpstreamTimeouts,
-    error_for_status,
-    is_replica_fault,
 )
+from tokenway.routing.upstream_errors import error_for_status, is_replica_fault
 
 from .stub_upstream import DONE, Reply, StubUpstream, collect, openai_chunk, openai_usage, reassemble_tool_calls, sse
 

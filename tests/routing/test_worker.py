@@ -26,7 +26,7 @@ from tokenway.frontend.tokenizer import Tokenizer
 from tokenway.protocol.errors import BadGatewayError, InvalidRequestError
 from tokenway.routing import wire
 from tokenway.routing.job import ChoiceDelta, GenerationJob, Usage
-from tokenway.routing.upstream import is_replica_fault
+from tokenway.routing.upstream_errors import is_replica_fault
 from tokenway.routing.worker_replica import WorkerReplica, replica_stats
 
 REPO = Path(__file__).resolve().parents[2]

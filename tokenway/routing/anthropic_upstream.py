@@ -20,21 +20,22 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from typing import Any, Self
+from typing import Any
 
 from tokenway.protocol.errors import BadGatewayError, InvalidRequestError
 from tokenway.routing.job import ChoiceDelta, GenerationJob, ReplicaEvent, ToolCallDelta, Usage
+from tokenway.routing.sse_decoder import SSEEvent
 from tokenway.routing.upstream import (
     ConnectionLimits,
     CountTokens,
-    SSEEvent,
+    HTTPReplica,
     UpstreamHTTP,
     UpstreamTimeouts,
     api_key_from_env,
     counted_usage,
     parse_json_object,
-    stream_error,
 )
+from tokenway.routing.upstream_errors import stream_error
 
 ANTHROPIC_VERSION = "2023-06-01"
 FINISH_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "pause_turn": "stop", "max_tokens": "length",
@@ -205,7 +206,7 @@ def sum_usages(usages: Sequence[Usage]) -> Usage:
                  cached_tokens=sum(u.cached_tokens for u in usages), counted_by=counted_by)
 
 
-class AnthropicUpstream:
+class AnthropicUpstream(HTTPReplica):
     """An Anthropic Messages upstream as a replica: `model` is the upstream's name for it, the
     key (from the variable `api_key_env` names) goes as x-api-key, and max_tokens, which
     Anthropic requires, is default_max_tokens when the job has none."""
@@ -245,17 +246,6 @@ class AnthropicUpstream:
         if not reader.stopped or reader.finish_reason is None:
             raise BadGatewayError(f"Upstream {self.name} ended the stream before the message finished.")
 
-    async def probe(self) -> bool:
-        return await self.http.probe()
-
-    async def aclose(self) -> None:
-        await self.http.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
 
 _END = object()

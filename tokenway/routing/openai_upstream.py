@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any, Self
+from typing import Any
 
 from tokenway.engine.request import SamplingParams
 from tokenway.protocol.errors import BadGatewayError, InvalidRequestError
@@ -22,13 +22,14 @@ from tokenway.routing.job import ChoiceDelta, GenerationJob, ReplicaEvent, ToolC
 from tokenway.routing.upstream import (
     ConnectionLimits,
     CountTokens,
+    HTTPReplica,
     UpstreamHTTP,
     UpstreamTimeouts,
     api_key_from_env,
     counted_usage,
     parse_json_object,
-    stream_error,
 )
+from tokenway.routing.upstream_errors import stream_error
 
 
 def sampling_fields(params: SamplingParams, n: int, chat: bool, extensions: bool) -> dict[str, Any]:
@@ -139,7 +140,7 @@ class _ChunkReader:
                            logprobs=logprobs or None)
 
 
-class OpenAIUpstream:
+class OpenAIUpstream(HTTPReplica):
     """An OpenAI-compatible upstream as a replica. `model` is the name the upstream knows the
     model by; `api_key_env` names the environment variable holding its key (sent as a Bearer
     token); `count_tokens` counts usage with the model's tokenizer when the upstream reports
@@ -173,14 +174,3 @@ class OpenAIUpstream:
             raise BadGatewayError(f"Upstream {self.name} ended the stream before every choice finished.")
         yield reader.usage or counted_usage(job, ["".join(parts) for parts in reader.texts], self._count_tokens)
 
-    async def probe(self) -> bool:
-        return await self.http.probe()
-
-    async def aclose(self) -> None:
-        await self.http.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()

@@ -27,7 +27,7 @@ from tokenway.routing.balancer import Balancer, NoReplicaAvailable, PoolFull, Ro
 from tokenway.routing.health import HealthChecker, ReplicaHealth
 from tokenway.routing.job import GenerationJob, ReplicaEvent
 from tokenway.routing.replicas import Replica
-from tokenway.routing.upstream import is_replica_fault
+from tokenway.routing.upstream_errors import is_replica_fault
 
 
 @dataclass(frozen=True, slots=True)

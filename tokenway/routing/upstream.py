@@ -32,30 +32,25 @@ import json
 import logging
 import math
 import os
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
 from tokenway.protocol.errors import (
-    MAX_MESSAGE_CHARS,
     BadGatewayError,
     GatewayTimeoutError,
-    InvalidRequestError,
-    RateLimitError,
-    ServiceUnavailableError,
     TokenwayError,
     truncate,
 )
 from tokenway.routing.job import GenerationJob, Usage
+from tokenway.routing.sse_decoder import SSEDecoder, SSEEvent
+from tokenway.routing.upstream_errors import error_for_status
 
 logger = logging.getLogger(__name__)
 
-MAX_EVENT_CHARS = 8 * 1024 * 1024  # one event's data; a larger one is garbage, not a token
 MAX_ERROR_BODY_BYTES = 64 * 1024
 DRAIN_SECONDS = 1.0  # after the last event, how long to wait for the body's end to keep the connection
 
@@ -87,148 +82,6 @@ class ConnectionLimits:
     # Below uvicorn's 5 s keep-alive (vLLM, SGLang, tokenway): reusing a connection the upstream
     # is closing at that moment fails the call.
     keepalive_expiry: float = 4.0
-
-
-@dataclass(frozen=True, slots=True)
-class SSEEvent:
-    data: str
-    event: str = "message"
-
-
-_NEWLINE = re.compile(r"\r\n|\r|\n")
-
-
-class SSEDecoder:
-    """Server-sent events (WHATWG HTML, "event stream interpretation") from text as it arrives:
-    CRLF, CR or LF line ends (a CRLF may be split across chunks), comments, multi-line data.
-    Stricter than browsers in one way: a line naming a field other than data, event, id or
-    retry raises ValueError, so a 200 answered with HTML or plain JSON fails at once."""
-
-    def __init__(self, max_event_chars: int = MAX_EVENT_CHARS) -> None:
-        self._max_event_chars = max_event_chars
-        self._partial_line = ""
-        self._data_lines: list[str] = []
-        self._num_data_chars = 0
-        self._event = ""
-        self._skip_lf = False  # the last chunk ended in CR: an LF opening the next one ends no line
-        self._started = False
-
-    def feed(self, text: str) -> list[SSEEvent]:
-        if not text:
-            return []
-        if not self._started:
-            text, self._started = text.removeprefix("\ufeff"), True
-        if self._skip_lf and text.startswith("\n"):
-            text = text[1:]
-        self._skip_lf = text.endswith("\r")
-        lines = _NEWLINE.split(self._partial_line + text)
-        self._partial_line = lines.pop()
-        if len(self._partial_line) > self._max_event_chars:
-            raise ValueError(f"a line longer than {self._max_event_chars} characters")
-        return [event for event in map(self._line, lines) if event is not None]
-
-    def finish(self) -> list[SSEEvent]:
-        """At the end of the body: an event whose closing blank line never came still counts."""
-        lines = [self._partial_line, ""] if self._partial_line else [""]
-        self._partial_line = ""
-        return [event for event in map(self._line, lines) if event is not None]
-
-    def _line(self, line: str) -> SSEEvent | None:
-        if not line:
-            event = SSEEvent("\n".join(self._data_lines), self._event or "message") if self._data_lines else None
-            self._data_lines, self._num_data_chars, self._event = [], 0, ""
-            return event
-        if line.startswith(":"):
-            return None
-        name, _, value = line.partition(":")
-        value = value.removeprefix(" ")
-        if name == "data":
-            self._num_data_chars += len(value) + 1
-            if self._num_data_chars > self._max_event_chars:
-                raise ValueError(f"an event larger than {self._max_event_chars} characters")
-            self._data_lines.append(value)
-        elif name == "event":
-            self._event = value
-        elif name not in ("id", "retry"):
-            raise ValueError(f"not an event-stream line: {truncate(line, 60)!r}")
-        return None
-
-
-# ---- failures -> the error tree -------------------------------------------------------------------
-
-
-def retry_after_seconds(headers: Mapping[str, str]) -> float | None:
-    """retry-after-ms (OpenAI's), else retry-after in seconds or as an HTTP date."""
-    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
-        value = headers.get(name)
-        if value is None:
-            continue
-        try:
-            seconds = float(value) * scale
-        except ValueError:
-            try:
-                seconds = parsedate_to_datetime(value).timestamp() - time.time()
-            except (TypeError, ValueError):
-                continue
-        if math.isfinite(seconds):
-            return max(0.0, seconds)
-    return None
-
-
-def _error_fields(body: bytes) -> tuple[str | None, str | None, str | None]:
-    """(message, param, code) from an OpenAI, Anthropic, vLLM or FastAPI error body, or its text."""
-    try:
-        payload = json.loads(body)
-    except ValueError:
-        text = body.decode("utf-8", "replace").strip()
-        return (truncate(text, MAX_MESSAGE_CHARS) if text else None), None, None
-    error = payload.get("error", payload) if isinstance(payload, dict) else payload
-    if not isinstance(error, dict):
-        error = {"message": error}
-    message = error.get("message", error.get("detail"))
-    if message is not None and not isinstance(message, str):
-        message = json.dumps(message)
-    fields = [message, error.get("param"), error.get("code")]
-    return tuple(truncate(field, MAX_MESSAGE_CHARS) if isinstance(field, str) else None for field in fields)
-
-
-def error_for_status(name: str, status: int, body: bytes, headers: Mapping[str, str]) -> TokenwayError:
-    """The error a caller sees for an upstream's HTTP error answer (the table above)."""
-    if status in (400, 413, 422):
-        message, param, code = _error_fields(body)
-        return InvalidRequestError(message or f"Upstream {name} refused the request (HTTP {status}).",
-                                   param=param, code=code)
-    if status == 429:
-        return RateLimitError(f"Upstream {name} is rate limiting requests.", retry_after=retry_after_seconds(headers))
-    if status in (503, 529):
-        return ServiceUnavailableError(f"Upstream {name} is overloaded.", retry_after=retry_after_seconds(headers))
-    if status in (401, 403):  # the upstream's message may quote part of the key: never shown
-        return BadGatewayError(f"Upstream {name} refused tokenway's credentials (HTTP {status}).")
-    if status == 404:
-        return BadGatewayError(f"Upstream {name} answered 404: check its base_url and model in tokenway's config.")
-    return BadGatewayError(f"Upstream {name} failed (HTTP {status}).")
-
-
-def stream_error(name: str, error: Any) -> TokenwayError:
-    """An error sent inside a 200 stream: OpenAI-style {"message", "code": 400, ...} (vLLM) or
-    Anthropic's {"type": "overloaded_error", "message"}."""
-    error = error if isinstance(error, dict) else {"message": str(error)}
-    kind, code = error.get("type"), error.get("code")
-    status = code if isinstance(code, int) else {
-        "invalid_request_error": 400, "BadRequestError": 400, "rate_limit_error": 429, "overloaded_error": 529,
-    }.get(kind, 500)
-    if status in (400, 413, 422, 429, 503, 529):
-        return error_for_status(name, status, json.dumps({"error": error}).encode(), {})
-    message = error.get("message")
-    detail = f": {truncate(message, MAX_MESSAGE_CHARS)}" if isinstance(message, str) and message else ""
-    return BadGatewayError(f"Upstream {name} failed mid-stream{detail}")
-
-
-def is_replica_fault(exc: BaseException) -> bool:
-    """Whether a failed call counts against the replica's health: its 5xx, 429s, timeouts,
-    dropped connections and garbage do; the caller's own 400s and cancellations do not."""
-    return isinstance(exc, (BadGatewayError, GatewayTimeoutError, ServiceUnavailableError, RateLimitError,
-                            httpx.TransportError, TimeoutError))
 
 
 def parse_json_object(name: str, data: str) -> dict[str, Any]:
@@ -415,3 +268,23 @@ class UpstreamHTTP:
             raise error_for_status(self.name, response.status_code, response.content[:MAX_ERROR_BODY_BYTES],
                                    response.headers)
         return True
+
+
+class HTTPReplica:
+    """What every replica reached over HTTP shares: its UpstreamHTTP client (`self.http`), the
+    health probe, and closing the client's connections."""
+
+    name: str
+    http: UpstreamHTTP
+
+    async def probe(self) -> bool:
+        return await self.http.probe()
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

@@ -29,19 +29,20 @@ import tempfile
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 from tokenway.protocol.errors import BadGatewayError, InternalServerError, ServiceUnavailableError
 from tokenway.routing import wire
 from tokenway.routing.job import ChoiceDelta, GenerationJob, ReplicaEvent, ReplicaStats, Usage
 from tokenway.routing.upstream import (
     ConnectionLimits,
+    HTTPReplica,
     UpstreamHTTP,
     UpstreamTimeouts,
     api_key_from_env,
     parse_json_object,
-    stream_error,
 )
+from tokenway.routing.upstream_errors import stream_error
 
 FINISH_REASONS = ("stop", "length")
 TOKENIZER_FETCH_SECONDS = 30.0  # tokenizer.json is a few MB
@@ -102,7 +103,7 @@ class _EventReader:
                            num_cached_tokens=num_cached_tokens, cache_reason=cache_reason)
 
 
-class WorkerReplica:
+class WorkerReplica(HTTPReplica):
     """A tokenway worker at base_url, its root ("http://host:8100"). `secret_env` names the
     environment variable holding the worker's shared secret (sent as a Bearer token). Call
     aclose() when done with it: it owns a connection pool."""
@@ -173,14 +174,6 @@ class WorkerReplica:
             raise BadGatewayError(f"Worker {self.name} sent a malformed tokenizer.")
         return await asyncio.to_thread(_write_tokenizer, Path(cache_dir), files)
 
-    async def aclose(self) -> None:
-        await self.http.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
 
 def replica_stats(state: dict[str, Any]) -> ReplicaStats:
