@@ -243,36 +243,27 @@ def create_app(state: ServerState) -> FastAPI:
     def call_of(request: Request) -> Call:
         return request.scope["state"]["call"]
 
-    async def respond(request: Request, generation, build, stream: bool, stream_events) -> Response:
-        if stream:
-            return EventStreamResponse(openai_api.guarded_stream(stream_events, generation))
-        return await generation.json_response(request, build)
+    async def openai_call(request: Request, schema, prepare, respond_json, respond_stream) -> Response:
+        """Chat and completions alike: parse, prepare (the adaptor makes the job), admit, then
+        the JSON response or the OpenAI-framed stream."""
+        body = await parse_body(request, schema, state.body_parser)
+        call = call_of(request)
+        generation, extra = await state.prepare(request, prepare, state, body, call)
+        await state.admit(call)
+        if body.stream:
+            events = respond_stream(state, body, generation, extra)
+            return EventStreamResponse(openai_api.guarded_stream(events, generation))
+        return await generation.json_response(request, respond_json(state, body, generation, extra))
 
     @app.post("/v1/chat/completions", openapi_extra=_schema_extra(openai_schema.ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        body = await parse_body(request, openai_schema.ChatCompletionRequest, state.body_parser)
-        generation, generic_tools = await state.prepare(request, openai_api.prepare_chat, state, body,
-                                                        call_of(request))
-        await state.admit(call_of(request))
-        return await respond(
-            request, generation,
-            openai_api.chat_response(state, body, generation, generic_tools) if not body.stream else None,
-            bool(body.stream),
-            openai_api.chat_stream(state, body, generation, generic_tools) if body.stream else None,
-        )
+        return await openai_call(request, openai_schema.ChatCompletionRequest, openai_api.prepare_chat,
+                                 openai_api.chat_response, openai_api.chat_stream)
 
     @app.post("/v1/completions", openapi_extra=_schema_extra(openai_schema.CompletionRequest))
     async def completions(request: Request) -> Response:
-        body = await parse_body(request, openai_schema.CompletionRequest, state.body_parser)
-        generation, echo = await state.prepare(request, openai_api.prepare_completion, state, body,
-                                               call_of(request))
-        await state.admit(call_of(request))
-        return await respond(
-            request, generation,
-            openai_api.completion_response(state, body, generation, echo) if not body.stream else None,
-            bool(body.stream),
-            openai_api.completion_stream(state, body, generation, echo) if body.stream else None,
-        )
+        return await openai_call(request, openai_schema.CompletionRequest, openai_api.prepare_completion,
+                                 openai_api.completion_response, openai_api.completion_stream)
 
     @app.post("/v1/messages", openapi_extra=_schema_extra(anthropic_schema.MessagesRequest))
     async def messages(request: Request) -> Response:
