@@ -20,6 +20,7 @@ from pathlib import Path
 
 # Light imports only: the body parser's worker process (spawned) imports this module again.
 from tokenway.config import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL, EngineConfig, parse_bytes
+from tokenway.routing.registry import REGISTRY_KEYS
 
 # flag dest -> (type, default); the config file uses the same names (dashes or underscores).
 SERVE_OPTIONS = {
@@ -75,10 +76,13 @@ def load_config_file(path: str) -> dict:
         raise SystemExit(f"tokenway: config file {path} not found") from None
     except tomllib.TOMLDecodeError as exc:
         raise SystemExit(f"tokenway: config file {path} is not valid TOML: {exc}") from None
-    data = data.get("serve", data)
-    options = {}
-    for key, value in data.items():
+    table = data.get("serve", data)
+    # The model registry's own tables ([[models]], embeddings = false) go to routing/registry.py.
+    options = {"registry": {key: data[key] for key in REGISTRY_KEYS if key in data}}
+    for key, value in table.items():
         name = key.replace("-", "_")
+        if table is data and name in REGISTRY_KEYS:
+            continue
         if name not in SERVE_OPTIONS:
             raise SystemExit(f"tokenway: unknown key {key!r} in {path}; known: {', '.join(sorted(SERVE_OPTIONS))}")
         options[name] = [value] if name == "served_model_name" and isinstance(value, str) else value
@@ -88,6 +92,7 @@ def load_config_file(path: str) -> dict:
 def serve_options(args: argparse.Namespace) -> dict:
     """Defaults < config file < flags given on the command line."""
     options = {name: default for name, (_, default) in SERVE_OPTIONS.items()}
+    options["registry"] = {}
     if args.config:
         options.update(load_config_file(args.config))
     for name in SERVE_OPTIONS:
@@ -170,6 +175,21 @@ def run_serve(options: dict) -> int:
     )
     names = tuple(options["served_model_name"] or (Path(options["model"]).stem if options["model"] != DEFAULT_MODEL
                                                      else DEFAULT_MODEL,))
+    registry, aliases = None, {}
+    if options["registry"].get("models"):  # pools of replicas from the config file (routing/build.py)
+        from tokenway.routing.registry import Registry
+
+        registry = Registry.from_config(options["registry"], default_model=options["model"],
+                                        served_model_names=options["served_model_name"])
+        local = registry.local_model("chat")
+        if local is None:
+            raise ValueError("models: tokenway serve needs one chat model with a local replica for now")
+        engine_config.model = local.local_replica.model or options["model"]
+        names = tuple(e.name for e in registry.models if e.kind == "chat")
+        aliases = {alias: e.name for e in registry.models if e.kind == "chat" for alias in e.aliases}
+        for missing in registry.env_keys_missing():
+            print(f"tokenway: WARNING: ${missing} is not set; the replicas that need it will be refused",
+                  file=sys.stderr, flush=True)
     server_config = ServerConfig(host=options["host"], port=options["port"], served_model_names=names,
                                  max_body_bytes=parse_bytes(options["max_body_bytes"], "max_body_bytes"),
                                  max_pending_requests=options["max_pending_requests"],
@@ -178,10 +198,12 @@ def run_serve(options: dict) -> int:
     check_tls(options)
     engine = (ProcessEngine(engine_config, options["engine_niceness"]) if options["engine_process"]
               else AsyncEngine(engine_config))
-    gatekeeper = build_gatekeeper(options) if options["gateway"] else None
-    embedder = build_embedder() if options["embeddings"] else None
+    gatekeeper = build_gatekeeper(options, registry) if options["gateway"] else None
+    serve_embeddings = options["embeddings"] and (registry is None or registry.local_model("embeddings") is not None)
+    embedder = build_embedder() if serve_embeddings else None
     state = ServerState(engine=engine, config=server_config, model_names=names, gatekeeper=gatekeeper,
-                        embedder=embedder, embedding_model_names=(DEFAULT_EMBEDDING_MODEL,) if embedder else ())
+                        embedder=embedder, embedding_model_names=(DEFAULT_EMBEDDING_MODEL,) if embedder else (),
+                        aliases=aliases)
     if options["observability"]:
         state.observer = build_observer(state, options)
     app = create_app(state)
@@ -197,6 +219,14 @@ def run_serve(options: dict) -> int:
                            f"/v1/completions{', /v1/embeddings' if embedder else ''}; Anthropic /v1/messages)")
 
     async def main() -> None:
+        if registry is not None:
+            from tokenway.routing.build import build_router
+
+            state.router, frontends = await build_router(
+                registry, engine, max_pending_requests=server_config.max_pending_requests,
+                cache_dir=Path(engine_config.cache_dir or os.environ.get("TOKENWAY_CACHE_DIR")
+                               or Path.home() / ".cache" / "tokenway") / "tokenizers")
+            state.frontends.update(frontends)
         await state.body_parser.start()
         state.router.start()
         if gatekeeper is not None:
@@ -288,7 +318,7 @@ def build_observer(state, options: dict):
                     ledger_stats=ledger_stats)
 
 
-def build_gatekeeper(options: dict):
+def build_gatekeeper(options: dict, registry=None):
     from tokenway.billing.ledger import Ledger
     from tokenway.billing.pricing import PriceTable
     from tokenway.gateway.auth import KeyStore
@@ -308,7 +338,8 @@ def build_gatekeeper(options: dict):
         # on that path (billing/journal.py); one per gateway and database, replayed on its next start.
         ledger=Ledger(options["ledger_url"] or f"sqlite:///{db.resolve()}", journal_dir=db.parent,
                       journal_name=str(options["port"])),
-        prices=PriceTable.from_config(options["prices"] or {}),
+        prices=registry.price_table(options["prices"]) if registry is not None
+        else PriceTable.from_config(options["prices"] or {}),
         defaults=defaults,
         host=options["host"],
     )

@@ -99,7 +99,7 @@ def test_tokenize_and_detokenize_sit_behind_the_key_once_auth_is_on(app_and_ledg
 
 def test_tokenize_refuses_what_no_request_could_use(app_and_ledger):
     app, _ = app_and_ledger
-    window = app.state.tokenway.max_model_len
+    window = app.state.tokenway.frontend().max_model_len
     huge, over = call(app, ("POST", "/tokenize", {"json": {"prompt": "hello world " * 600_000}}),
                       ("POST", "/tokenize", {"json": {"prompt": "hello world " * (window // 2 + 100)}}))
     assert huge.status_code == over.status_code == 400

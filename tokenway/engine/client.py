@@ -26,6 +26,7 @@ from tokenway.config import EngineConfig
 from tokenway.engine.core import EngineCore, PromptChecker
 from tokenway.engine.request import SamplingParams
 from tokenway.engine.scheduler import EngineOutput
+from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.output import RequestOutput, RequestState
 from tokenway.frontend.tokenizer import Tokenizer
 
@@ -98,6 +99,11 @@ class EngineClient:
 
     def _submit(self, command: _Add | _Abort) -> None:
         raise NotImplementedError
+
+    @property
+    def frontend(self) -> ModelFrontend:
+        """The engine's model as the HTTP side sees it: tokenizer and prompt checks."""
+        return ModelFrontend(self.tokenizer, self._prompts, is_local=True)
 
     def _request_state(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams) -> RequestState:

@@ -32,12 +32,9 @@ from multiprocessing.connection import Connection
 
 from tokenway.config import EngineConfig
 from tokenway.engine.client import EngineClient, EngineDeadError, _Abort, _Add, deliver, fold_outputs
-from tokenway.engine.core import PromptChecker, eos_token_ids, resolve_max_model_len
 from tokenway.engine.request import SamplingParams
-from tokenway.engine.structured_output import StructuredOutputManager
+from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.output import CompletionOutput, RequestMetrics, RequestOutput, RequestState
-from tokenway.frontend.tokenizer import Tokenizer
-from tokenway.models.config import ModelConfig
 from tokenway.models.loader import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -52,13 +49,9 @@ class ProcessEngine(EngineClient):
         robust gain either way (bench/engine_process_bench.py), so serve's default is 0."""
         config = config or EngineConfig()
         # Resolve (convert a GGUF, once) here, so the engine process only loads.
-        model_dir = resolve_model(config.model, config.cache_dir)
-        model_config = ModelConfig.from_dir(model_dir)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.vocab_size = model_config.vocab_size
-        self.max_model_len = resolve_max_model_len(config, model_config)
-        self._prompts = PromptChecker(self.vocab_size, self.max_model_len, StructuredOutputManager(
-            self.tokenizer, self.vocab_size, eos_token_ids(self.tokenizer, model_config)))
+        frontend = ModelFrontend.from_dir(resolve_model(config.model, config.cache_dir), config.max_model_len)
+        self.tokenizer, self._prompts = frontend.tokenizer, frontend.prompts
+        self.vocab_size, self.max_model_len = frontend.vocab_size, frontend.max_model_len
         self._config = config
         self._lock = threading.Lock()  # guards _live, _child, _alive
         self._live: dict[str, _Add] = {}

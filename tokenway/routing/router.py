@@ -75,6 +75,19 @@ class Router:
         pool = self.pools[name]
         return any(health.unavailable_reason is None for health in pool.healths.values()) or not pool.healths
 
+    def stats(self) -> dict[str, dict[str, dict]]:
+        """pool -> replica -> its load and health, as the dashboard and /engine/stats show them."""
+        stats: dict[str, dict[str, dict]] = {}
+        for pool in self.unique_pools():
+            replicas = stats[pool.name] = {}
+            for view in pool.balancer.views():
+                health = pool.healths.get(view.name)
+                reason = health.unavailable_reason if health is not None else None
+                replicas[view.name] = {"available": reason is None, "unavailable_reason": reason,
+                                       "num_in_flight": view.num_in_flight,
+                                       "num_outstanding_tokens": view.num_outstanding_tokens}
+        return stats
+
     def start(self) -> None:
         """Start the pools' active health checks (on the running event loop)."""
         for pool in self.unique_pools():

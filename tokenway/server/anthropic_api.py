@@ -42,11 +42,12 @@ def openai_tools(body) -> tuple[list[dict] | None, object]:
 def prepare(state: ServerState, body, call: Call) -> tuple[Generation, bool]:
     """The adaptor for Messages: the body becomes the same GenerationJob a chat call makes."""
     model = state.route(body, call)
+    frontend = state.frontend(model)
     tools, tool_choice = openai_tools(body)
     messages = to_chat_messages(body)
-    with context_window(state, "messages") as window:
-        prompt = build_chat_prompt(state.tokenizer, messages, tools, tool_choice, max_num_tokens=window)
-    max_tokens = state.max_tokens(call, len(prompt.prompt_token_ids), body.max_tokens, "max_tokens",
+    with context_window(frontend, "messages") as window:
+        prompt = build_chat_prompt(frontend.tokenizer, messages, tools, tool_choice, max_num_tokens=window)
+    max_tokens = state.max_tokens(call, frontend, len(prompt.prompt_token_ids), body.max_tokens, "max_tokens",
                                   num_messages=len(body.messages))
     fields = SimpleNamespace(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=None,
                              presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None)

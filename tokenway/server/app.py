@@ -279,8 +279,9 @@ def create_app(state: ServerState) -> FastAPI:
             return {"id": name, "object": "model", "created": state.created, "owned_by": "tokenway",
                     "kind": "embeddings", "dimensions": state.embedder.dimensions,
                     "max_model_len": state.embedder.model.max_input_tokens}
+        aliases = sorted(alias for alias, target in state.aliases.items() if target == name)
         return {"id": name, "object": "model", "created": state.created, "owned_by": "tokenway", "kind": "chat",
-                "max_model_len": state.max_model_len}
+                "max_model_len": state.frontend(name).max_model_len, "aliases": aliases}
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -296,20 +297,18 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/tokenize", openapi_extra=_schema_extra(openai_schema.TokenizeRequest))
     async def tokenize(request: Request) -> dict:
         body = await parse_body(request, openai_schema.TokenizeRequest, state.body_parser)
-        if body.model is not None:
-            state.resolve_model(body.model)
-        tokens = await state.prepare(request, openai_api.tokenize, state, body)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
+        frontend = state.frontend(state.resolve_model(body.model) if body.model is not None else None)
+        tokens = await state.prepare(request, openai_api.tokenize, frontend, body)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": frontend.max_model_len}
 
     @app.post("/detokenize", openapi_extra=_schema_extra(openai_schema.DetokenizeRequest))
     async def detokenize(request: Request) -> dict:
         body = await parse_body(request, openai_schema.DetokenizeRequest, state.body_parser)
-        if body.model is not None:
-            state.resolve_model(body.model)
-        vocab_size = state.engine.vocab_size
+        frontend = state.frontend(state.resolve_model(body.model) if body.model is not None else None)
+        vocab_size = frontend.vocab_size
         if any(not 0 <= t < vocab_size for t in body.tokens):
             raise InvalidRequestError(f"tokens: token ids must be in [0, {vocab_size})", param="tokens")
-        return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": frontend.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.get("/engine/stats")
     async def engine_stats() -> dict:

@@ -18,7 +18,6 @@ from typing import AsyncIterator, Callable
 
 from starlette.responses import JSONResponse, Response
 
-from tokenway.engine.client import EngineDeadError
 from tokenway.protocol.errors import InternalServerError, InvalidRequestError, TokenwayError
 from tokenway.routing.job import ChoiceDelta, GenerationJob, Usage
 from tokenway.server import sse
@@ -50,6 +49,7 @@ class Generation:
         self.clock = call.clock
         self.job = job
         self.router = state.router
+        self.frontend = state.frontend(job.model)
         self.model = job.model
         self.request_id = job.request_id
         self.num_choices = job.n
@@ -58,11 +58,11 @@ class Generation:
         # The engine's own checks (vocabulary, window, a response_format that cannot be
         # satisfied) run now, so they are a 400 before any byte of a stream is sent.
         try:
-            state.engine.validate_prompt(list(job.prompt_token_ids), job.params)
+            self.frontend.prompts.check(list(job.prompt_token_ids), job.params)
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param=str(exc).split(":", 1)[0]) from None
-        except EngineDeadError:
-            raise engine_unavailable() from None
+        if self.frontend.is_local and not state.engine.is_alive:
+            raise engine_unavailable()
         # Each choice as it stands; only outputs() writes these.
         self.completion_tokens = [0] * job.n
         self.texts: list[list[str]] = [[] for _ in range(job.n)]

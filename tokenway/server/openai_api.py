@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator, Callable
 
 from tokenway.engine.request import TokenLogprob
 from tokenway.frontend.chat import build_chat_prompt
+from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.tools import parse_tool_reply
 from tokenway.protocol.errors import ContextLengthExceededError, InvalidRequestError, openai_error_body
 from tokenway.routing.job import GenerationJob
@@ -81,6 +82,7 @@ def prepare_chat(state: ServerState, body, call: Call):
     """The adaptor for chat: the body becomes one GenerationJob (and whether the reply is the
     generic tool-call format, which the response parses)."""
     model = state.route(body, call)
+    frontend = state.frontend(model)
     if body.logprobs and body.top_logprobs is None:
         top_logprobs = 0
     else:
@@ -92,10 +94,10 @@ def prepare_chat(state: ServerState, body, call: Call):
     response_format = body.response_format.model_dump(exclude_none=True, by_alias=True) if body.response_format else None
     messages = body.template_messages()
     parallel_tool_calls = body.parallel_tool_calls is not False
-    with context_window(state, "messages") as window:
-        prompt = build_chat_prompt(state.tokenizer, messages, tools, tool_choice, parallel_tool_calls,
+    with context_window(frontend, "messages") as window:
+        prompt = build_chat_prompt(frontend.tokenizer, messages, tools, tool_choice, parallel_tool_calls,
                                    response_format, max_num_tokens=window)
-    max_tokens = state.max_tokens(call, len(prompt.prompt_token_ids), body.max_output_tokens,
+    max_tokens = state.max_tokens(call, frontend, len(prompt.prompt_token_ids), body.max_output_tokens,
                                   "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
                                   num_messages=len(body.messages))
     structured = structured_output_spec(prompt.json_schema, prompt.json_object)
@@ -121,7 +123,7 @@ def tool_message(text: str) -> tuple[dict, bool]:
 
 
 async def chat_response(state: ServerState, body, generation: Generation, generic_tools: bool) -> dict:
-    token_text = TokenText(state.tokenizer)
+    token_text = TokenText(generation.frontend.tokenizer)
     choices = []
     for result in await generation.final_outputs():
         finish_reason = openai_finish_reason(result.finish_reason)
@@ -147,7 +149,7 @@ async def chat_response(state: ServerState, body, generation: Generation, generi
 
 
 async def chat_stream(state: ServerState, body, generation: Generation, generic_tools: bool) -> AsyncIterator[bytes]:
-    token_text = TokenText(state.tokenizer)
+    token_text = TokenText(generation.frontend.tokenizer)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunk = chunk_encoder(generation, "chat.completion.chunk", include_usage)
 
@@ -185,28 +187,28 @@ async def chat_stream(state: ServerState, body, generation: Generation, generic_
 # ---- completions -----------------------------------------------------------------------
 
 
-def completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
+def completion_prompts(frontend: ModelFrontend, prompt: Any) -> list[list[int]]:
     """str | list[str] | list[int] | list[list[int]] -> token id lists."""
     if prompt and all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
-    with context_window(state, "prompt") as window:
+    with context_window(frontend, "prompt") as window:
         if isinstance(prompt, str):
-            return [state.tokenizer.encode(prompt, max_num_tokens=window)]
-        return [state.tokenizer.encode(item, max_num_tokens=window) if isinstance(item, str) else list(item)
+            return [frontend.tokenizer.encode(prompt, max_num_tokens=window)]
+        return [frontend.tokenizer.encode(item, max_num_tokens=window) if isinstance(item, str) else list(item)
                 for item in prompt]
 
 
-def tokenize(state: ServerState, body) -> list[int]:
+def tokenize(frontend: ModelFrontend, body) -> list[int]:
     """POST /tokenize (vLLM's): a prompt or chat messages -> token ids; a text certainly over
     the window is refused as a generation would be (and as vLLM does)."""
-    tokenizer = state.tokenizer
+    tokenizer = frontend.tokenizer
     if body.messages is not None:
         messages = [m.to_template_dict() for m in body.messages]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
         add_special_tokens, param = body.add_special_tokens is True, "messages"
     else:
         text, add_special_tokens, param = body.prompt or "", body.add_special_tokens is not False, "prompt"
-    with context_window(state, param) as window:
+    with context_window(frontend, param) as window:
         token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens, max_num_tokens=window)
     if len(token_ids) > window:
         raise ContextLengthExceededError(len(token_ids), None, window, param=param)
@@ -215,7 +217,8 @@ def tokenize(state: ServerState, body) -> list[int]:
 
 def prepare_completion(state: ServerState, body, call: Call) -> tuple[Generation, str]:
     model = state.route(body, call)
-    prompts = completion_prompts(state, body.prompt)
+    frontend = state.frontend(model)
+    prompts = completion_prompts(frontend, body.prompt)
     if len(prompts) != 1:
         # Batched prompts would be n choices each; one prompt per call keeps billing exact.
         raise InvalidRequestError("prompt: send one prompt per request (a list of prompts is not supported)",
@@ -223,20 +226,20 @@ def prepare_completion(state: ServerState, body, call: Call) -> tuple[Generation
     prompt_token_ids = prompts[0]
     if not prompt_token_ids:
         raise InvalidRequestError("prompt: must not be empty", param="prompt")
-    vocab_size = state.engine.vocab_size
+    vocab_size = frontend.vocab_size
     if any(not 0 <= t < vocab_size for t in prompt_token_ids):
         raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
-    max_tokens = state.max_tokens(call, len(prompt_token_ids), body.max_tokens, "max_tokens")
+    max_tokens = state.max_tokens(call, frontend, len(prompt_token_ids), body.max_tokens, "max_tokens")
     params = make_sampling_params(body, max_tokens, None, body.logprobs, body.stop)
     text = body.prompt if isinstance(body.prompt, str) else None
     job = GenerationJob(new_id("cmpl-"), model, "completion", params, n=body.n or 1, prompt=text,
                         prompt_token_ids=tuple(prompt_token_ids), stream=bool(body.stream))
-    echo = state.tokenizer.decode(prompt_token_ids) if body.echo else ""
+    echo = frontend.tokenizer.decode(prompt_token_ids) if body.echo else ""
     return Generation(state, call, job), echo
 
 
 async def completion_response(state: ServerState, body, generation: Generation, echo: str) -> dict:
-    token_text = TokenText(state.tokenizer)
+    token_text = TokenText(generation.frontend.tokenizer)
     choices = []
     for result in await generation.final_outputs():
         logprobs = None
@@ -249,7 +252,7 @@ async def completion_response(state: ServerState, body, generation: Generation, 
 
 
 async def completion_stream(state: ServerState, body, generation: Generation, echo: str) -> AsyncIterator[bytes]:
-    token_text = TokenText(state.tokenizer)
+    token_text = TokenText(generation.frontend.tokenizer)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunk = chunk_encoder(generation, "text_completion", include_usage)
     offsets = [len(echo)] * generation.num_choices

@@ -18,6 +18,7 @@ from tokenway.embeddings import EmbeddingEngine
 from tokenway.engine.client import EngineClient
 from tokenway.engine.request import SamplingParams
 from tokenway.engine.structured_output import StructuredOutputSpec
+from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.tokenizer import PromptTooLong
 from tokenway.gateway.auth import Principal
 from tokenway.gateway.gatekeeper import Gatekeeper
@@ -66,8 +67,13 @@ class ServerState:
     embedder: EmbeddingEngine | None = None  # /v1/embeddings; None: not served
     embedding_model_names: tuple[str, ...] = ()
     router: Router | None = None  # None: every served name is one pool, the local engine
+    # served name -> its tokenizer and prompt checks (default: the local engine's, for every name)
+    frontends: dict[str, ModelFrontend] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)  # another name clients may use -> the served name
 
     def __post_init__(self) -> None:
+        for name in self.model_names:
+            self.frontends.setdefault(name, self.engine.frontend)
         if self.router is None:
             replica = LocalReplica(self.engine)
             local = Pool.of("local", [replica], balancer_factory=functools.partial(
@@ -76,17 +82,14 @@ class ServerState:
             local.checker = HealthChecker({replica.name: replica.probe}, local.healths)
             self.router = Router({name: local for name in self.model_names})
 
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def frontend(self, name: str | None = None) -> ModelFrontend:
+        """A served model's tokenizer and checks (None: the first served model's)."""
+        return self.frontends[name if name is not None else self.model_names[0]]
 
     def resolve_model(self, name: str | None, principal: Principal | None = None, kind: str = "chat") -> str:
         """The served name a request's `model` refers to; 404 for anything else, 400 for a
         model of the other kind (chat / embeddings), 403 for one the caller's key may not use."""
+        name = self.aliases.get(name, name) if isinstance(name, str) else name
         names, others = self.model_names, self.embedding_model_names
         if kind == "embeddings":
             names, others = others, names
@@ -108,8 +111,8 @@ class ServerState:
         call.clock.end("routing")
         return name
 
-    def max_tokens(self, call: Call, num_prompt_tokens: int, requested: int | None, param: str,
-                   num_messages: int = 1) -> int:
+    def max_tokens(self, call: Call, frontend: ModelFrontend, num_prompt_tokens: int, requested: int | None,
+                   param: str, num_messages: int = 1) -> int:
         """max_tokens after the window check and the key's caps (the cap fills in when the
         request names none)."""
         if self.gatekeeper is not None:
@@ -117,8 +120,8 @@ class ServerState:
             self.gatekeeper.check_sizes(principal, num_messages, requested, param)
             cap = self.gatekeeper.max_tokens_cap(principal)
             if requested is None and cap is not None:
-                requested = min(cap, self.max_model_len - num_prompt_tokens)
-        return resolve_max_tokens(self, num_prompt_tokens, requested, param)
+                requested = min(cap, frontend.max_model_len - num_prompt_tokens)
+        return resolve_max_tokens(frontend, num_prompt_tokens, requested, param)
 
     async def admit(self, call: Call) -> None:
         """Budget and limits, reserving prompt + max_tokens for every choice. Raises 429."""
@@ -136,7 +139,7 @@ class ServerState:
 
     def engine_stats(self) -> dict:
         """A snapshot of the engine: what runs, what waits, how full the KV cache is."""
-        return {**self.engine.stats(), "num_pending_http": self.num_pending}
+        return {**self.engine.stats(), "num_pending_http": self.num_pending, "replicas": self.router.stats()}
 
     def take_engine_slots(self, count: int = 1) -> None:
         if self.num_pending + count > self.config.max_pending_requests:
@@ -151,13 +154,13 @@ class ServerState:
 
 
 @contextmanager
-def context_window(state: ServerState, param: str) -> Iterator[int]:
+def context_window(frontend: ModelFrontend, param: str) -> Iterator[int]:
     """Tokenize inside this: yields the window to pass as max_num_tokens, and turns a prompt
     known to exceed it (without tokenizing it all) into the context-length 400."""
     try:
-        yield state.max_model_len
+        yield frontend.max_model_len
     except PromptTooLong as exc:
-        raise ContextLengthExceededError(exc.num_tokens_at_least, None, state.max_model_len, param=param,
+        raise ContextLengthExceededError(exc.num_tokens_at_least, None, frontend.max_model_len, param=param,
                                          at_least=True) from None
 
 
@@ -165,9 +168,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
 
 
-def resolve_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
+def resolve_max_tokens(frontend: ModelFrontend, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
     """OpenAI's rule: prompt + max_tokens must fit the window; no max_tokens means 'the rest'."""
-    window = state.max_model_len
+    window = frontend.max_model_len
     if num_prompt_tokens >= window:
         raise ContextLengthExceededError(num_prompt_tokens, max_tokens, window, param="messages")
     if max_tokens is None:
