@@ -21,7 +21,13 @@ MODEL = "smollm2-135m-instruct"
 def test_config_file_keys_and_errors(tmp_path):
     path = tmp_path / "tokenway.toml"
     path.write_text('port = 9001\nkv-cache-memory = "1GiB"\nserved_model_name = "small"\n')
-    assert load_config_file(str(path)) == {"port": 9001, "kv_cache_memory": "1GiB", "served_model_name": ["small"]}
+    assert load_config_file(str(path)) == {"port": 9001, "kv_cache_memory": "1GiB", "served_model_name": ["small"],
+                                           "registry": {}}
+    # The registry's own tables go to routing/registry.py, the rest are serve's keys.
+    path.write_text('port = 9001\nembeddings = false\n[[models]]\nname = "small"\n  [[models.replicas]]\n'
+                    '  kind = "local"\n')
+    assert load_config_file(str(path)) == {"port": 9001, "registry": {
+        "embeddings": False, "models": [{"name": "small", "replicas": [{"kind": "local"}]}]}}
     path.write_text("colour = 'blue'\n")
     with pytest.raises(SystemExit, match="unknown key 'colour'"):
         load_config_file(str(path))
