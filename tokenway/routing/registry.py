@@ -36,7 +36,8 @@ from typing import Any
 
 from tokenway.billing.pricing import ModelPrice, PriceTable
 from tokenway.config import DEFAULT_EMBEDDING_MODEL
-from tokenway.routing.registry_config import ModelEntry, ModelKind, ReplicaSpec, Table, a, at, parse_model
+from tokenway.routing.registry_config import ModelEntry, ModelKind, ReplicaSpec, a
+from tokenway.routing.registry_toml import Table, at, parse_model
 
 REGISTRY_KEYS = frozenset({"models", "embeddings"})
 

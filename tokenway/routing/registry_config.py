@@ -1,6 +1,6 @@
 """One [[models]] entry of the config file, typed: a served model and the replicas that serve it.
-registry.py holds the set of them (names, aliases, fallbacks); this file reads one entry from
-the parsed TOML and checks every key as it goes. Nothing here connects to anything.
+registry.py holds the set of them (names, aliases, fallbacks); registry_toml.py reads one
+entry from the parsed TOML, checking every key as it goes. Nothing here connects to anything.
 
     [[models]] table ──parse_model──► ModelEntry
         name, aliases, kind                          what clients call it; chat or embeddings
@@ -17,13 +17,11 @@ default in place. Keys may be written with dashes, as serve's flags may.
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit
 
 from tokenway.billing.pricing import ModelPrice
@@ -77,7 +75,7 @@ def a(word: str) -> str:
     return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
 
 
-def _check_count(value: object, key: str, minimum: int = 1) -> None:
+def check_count(value: object, key: str, minimum: int = 1) -> None:
     if type(value) is not int or value < minimum:
         raise ValueError(f"{key}: must be an integer >= {minimum}, got {value!r}")
 
@@ -139,7 +137,7 @@ class ReplicaSpec:
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
             raise ValueError(f"model: must be a non-empty string, got {self.model!r}")
         if self.max_in_flight is not None:
-            _check_count(self.max_in_flight, "max_in_flight")
+            check_count(self.max_in_flight, "max_in_flight")
 
     @property
     def key_env(self) -> str | None:
@@ -209,7 +207,7 @@ class ModelEntry:
                 raise ValueError(f"replicas[{i}]: a second local replica; this process runs one engine, so it would "
                                  "be the same replica twice")
         if self.context_window is not None:
-            _check_count(self.context_window, "context_window")
+            check_count(self.context_window, "context_window")
         elif self.kind == "chat" and any(r.kind in ("openai", "anthropic") for r in self.replicas):
             raise ValueError("context_window: required for a model with an openai or anthropic replica "
                              "(tokenway cannot ask them; the window check and /v1/models need it)")
@@ -235,193 +233,3 @@ class ModelEntry:
         t = self.timeouts
         return UpstreamTimeouts(connect=t.connect, first_event=t.first_token, between_events=t.between_tokens,
                                 total=t.deadline, probe=self.health.timeout)
-
-
-# ---- reading the TOML ----------------------------------------------------------------------------
-
-
-@contextmanager
-def at(path: str) -> Iterator[None]:
-    """A ValueError raised inside starts with its field ("url: ..."); say where that field sits."""
-    try:
-        yield
-    except ValueError as exc:
-        raise ValueError(f"{path}.{exc}") from None
-
-
-class Table:
-    """One TOML table being read: typed getters whose errors name the key's path, and finish()
-    refusing every key no getter asked for."""
-
-    def __init__(self, path: str, data: object) -> None:
-        if not isinstance(data, Mapping):
-            raise ValueError(f"{path}: must be a table, got {type(data).__name__} {data!r}")  # noqa: TRY004
-        self.path = path
-        self._data: dict[str, Any] = {}
-        for key, value in data.items():
-            name = key.replace("-", "_")
-            if name in self._data:
-                raise ValueError(f"{path}: {key!r} is given twice (with - and with _)")
-            self._data[name] = value
-        self._known: list[str] = []
-
-    def at(self, key: str) -> str:
-        return f"{self.path}.{key}"
-
-    def _get(self, key: str, required: bool) -> Any:
-        self._known.append(key)
-        value = self._data.get(key)
-        if value is None and required:
-            raise ValueError(f"{self.at(key)}: required")
-        return value
-
-    def text(self, key: str, *, required: bool = False) -> str | None:
-        value = self._get(key, required)
-        if value is not None and (not isinstance(value, str) or not value.strip()):
-            raise ValueError(f"{self.at(key)}: must be a non-empty string, got {value!r}")
-        return value
-
-    def choice(self, key: str, choices: tuple[str, ...], *, required: bool = False) -> str | None:
-        value = self._get(key, required)
-        if value is not None and value not in choices:
-            raise ValueError(f"{self.at(key)}: must be one of {', '.join(choices)}, got {value!r}")
-        return value
-
-    def texts(self, key: str) -> tuple[str, ...]:
-        value = self._get(key, False)
-        if value is None:
-            return ()
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ValueError(f"{self.at(key)}: must be a list of strings, got {value!r}")
-        return tuple(value)
-
-    def count(self, key: str, *, minimum: int = 1) -> int | None:
-        value = self._get(key, False)
-        if value is not None:
-            _check_count(value, self.at(key), minimum)
-        return value
-
-    def number(self, key: str, *, minimum: float, maximum: float = math.inf, exclusive: bool = False,
-               unit: str = "") -> float | None:
-        """A finite int or float in [minimum, maximum] ((minimum, maximum] when exclusive)."""
-        value = self._get(key, False)
-        if value is None:
-            return None
-        is_number = type(value) in (int, float) and math.isfinite(value)  # TOML has inf and nan; bool is no number
-        if not is_number or (value <= minimum if exclusive else value < minimum) or value > maximum:
-            bound = f"{'>' if exclusive else '>='} {minimum:g}" + (f" and <= {maximum:g}" if maximum < math.inf else "")
-            raise ValueError(f"{self.at(key)}: must be a number{unit} {bound}, got {value!r}")
-        return float(value)
-
-    def seconds(self, key: str, *, allow_zero: bool = False) -> float | None:
-        return self.number(key, minimum=0, exclusive=not allow_zero, unit=" of seconds")
-
-    def table(self, key: str) -> Table | None:
-        value = self._get(key, False)
-        return None if value is None else Table(self.at(key), value)
-
-    def tables(self, key: str) -> list[Table]:
-        """An array of tables ([[path.key]])."""
-        value = self._get(key, True)
-        if not isinstance(value, list):
-            raise ValueError(f"{self.at(key)}: must be an array of tables ([[...{key}]]), got {value!r}")  # noqa: TRY004
-        return [Table(f"{self.at(key)}[{i}]", item) for i, item in enumerate(value)]
-
-    def finish(self, context: str = "", key_to_hint: Mapping[str, str] | None = None) -> None:
-        for key in self._data:
-            if key not in self._known:
-                close = difflib.get_close_matches(key, self._known, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                hint = (key_to_hint or {}).get(key, hint)
-                raise ValueError(f"{self.path}: unknown key {key!r}{context}{hint}; known: "
-                                 f"{', '.join(sorted(set(self._known)))}")
-
-
-def parse_replica(table: Table, model_name: str, model_kind: ModelKind, default_local_model: str) -> ReplicaSpec:
-    kind = table.choice("kind", REPLICA_KINDS, required=True)
-    fields: dict[str, Any] = {"name": table.text("name") or "", "max_in_flight": table.count("max_in_flight")}
-    if kind == "local":
-        model = table.text("model")
-        fields["model"] = default_local_model if model is None and model_kind == "chat" else model
-    else:
-        fields["url"] = table.text("url", required=True)
-        if kind == "worker":
-            fields["secret_env"] = table.text("secret_env")
-        else:
-            fields["model"] = table.text("model") or model_name
-            fields["api_key_env"] = table.text("api_key_env")
-    table.finish(f" for {a(kind)} replica")
-    with at(table.path):
-        return ReplicaSpec(kind, **fields)
-
-
-def parse_model(table: Table, default_local_model: str) -> ModelEntry:
-    """One [[models]] table; default_local_model: what a local chat replica loads when it names none."""
-    name = table.text("name", required=True)
-    kind = table.choice("kind", MODEL_KINDS) or "chat"
-    fields: dict[str, Any] = {
-        "aliases": table.texts("aliases"), "context_window": table.count("context_window"),
-        "fallbacks": table.texts("fallbacks"), "price": _price(table.table("prices")),
-        "timeouts": ModelTimeouts(**_present({
-            "deadline": table.seconds("timeout_s"), "first_token": table.seconds("first_token_timeout_s"),
-            "between_tokens": table.seconds("between_tokens_timeout_s"),
-            "connect": table.seconds("connect_timeout_s")})),
-    }
-    max_in_flight = table.count("max_in_flight")
-    fields["balancer"] = _balancer(table.table("balancer"), max_in_flight)
-    fields["breaker"] = _breaker(table.table("breaker"))
-    fields["health"] = _health(table.table("health"))
-    replicas = tuple(parse_replica(t, name, kind, default_local_model) for t in table.tables("replicas"))
-    table.finish()
-    with at(table.path):
-        return ModelEntry(name, replicas, kind, **fields)
-
-
-def _present(fields: dict[str, Any]) -> dict[str, Any]:
-    """The keys the config gave: the rest keep the dataclass's defaults."""
-    return {key: value for key, value in fields.items() if value is not None}
-
-
-def _price(table: Table | None) -> ModelPrice | None:
-    if table is None:
-        return None
-    price = ModelPrice(**_present({key: table.number(key, minimum=0, unit=" (USD per million tokens)")
-                                   for key in ("input", "cached_input", "output")}))
-    table.finish()
-    return price
-
-
-def _balancer(table: Table | None, max_in_flight: int | None) -> BalancerConfig:
-    fields: dict[str, Any] = {"max_in_flight": max_in_flight}  # the model's key: one place, not two
-    if table is not None:
-        fields |= {
-            "block_size": table.count("block_size"),
-            "min_match_fraction": table.number("min_match_fraction", minimum=0, maximum=1),
-            "balance_factor": table.number("balance_factor", minimum=1),
-            "balance_slack_tokens": table.count("balance_slack_tokens", minimum=0),
-            "max_num_indexed_blocks": table.count("max_num_indexed_blocks"),
-            "max_queue": table.count("max_queue", minimum=0),
-            "queue_timeout": table.seconds("queue_timeout_s", allow_zero=True),
-            "retry_after": table.seconds("retry_after_s"),
-        }
-        table.finish(key_to_hint={"max_in_flight": " (it is the model's own key, max_in_flight)"})
-    return BalancerConfig(**_present(fields))
-
-
-def _breaker(table: Table | None) -> BreakerConfig:
-    if table is None:
-        return BreakerConfig()
-    config = BreakerConfig(**_present({
-        "failure_threshold": table.count("failure_threshold"), "failure_window": table.seconds("failure_window_s"),
-        "cooldown": table.seconds("cooldown_s")}))
-    table.finish()
-    return config
-
-
-def _health(table: Table | None) -> HealthCheckConfig:
-    if table is None:
-        return HealthCheckConfig()
-    config = HealthCheckConfig(**_present({"interval": table.seconds("interval_s"),
-                                           "timeout": table.seconds("timeout_s")}))
-    table.finish()
-    return config
