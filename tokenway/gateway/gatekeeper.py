@@ -173,7 +173,7 @@ class Gatekeeper:
         if call.committed:
             return None
         call.committed = True
-        call.end(CallOutcome(status or 499, error=None if status else "client disconnected"))
+        call.end_as_sent(status)
         call.clock.start_billing()
         self._settle(call.admission, call.outcome)
         return self.usage_record(call, call.outcome)

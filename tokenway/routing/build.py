@@ -18,8 +18,6 @@ from pathlib import Path
 from tokenway.engine.client import EngineClient
 from tokenway.frontend.model import ModelFrontend
 from tokenway.protocol.errors import TokenwayError
-from tokenway.routing.balancer import Balancer
-from tokenway.routing.health import CircuitBreaker, HealthChecker, ReplicaHealth
 from tokenway.routing.registry import Registry
 from tokenway.routing.registry_config import ModelEntry
 from tokenway.routing.replicas import LocalReplica, Replica
@@ -60,15 +58,11 @@ def _replica(entry: ModelEntry, spec, engine: EngineClient) -> Replica:
 
 
 def _pool(entry: ModelEntry, replicas: list[Replica], max_pending_requests: int) -> Pool:
-    healths = {r.name: ReplicaHealth(r.name, CircuitBreaker(entry.breaker)) for r in replicas}
     max_in_flight = dict(entry.name_to_max_in_flight)
     for replica in replicas:  # the local engine's own cap is the server's
         if isinstance(replica, LocalReplica):
             max_in_flight.setdefault(replica.name, max_pending_requests)
-    balancer = Balancer([r.name for r in replicas], entry.balancer, name_to_max_in_flight=max_in_flight,
-                        name_to_health=healths)
-    checker = HealthChecker({r.name: r.probe for r in replicas}, healths, entry.health)
-    return Pool(entry.name, {r.name: r for r in replicas}, balancer, healths, checker)
+    return Pool.of(entry.name, replicas, entry.balancer, entry.breaker, entry.health, max_in_flight)
 
 
 async def _frontend(entry: ModelEntry, replicas: list[Replica], engine: EngineClient,

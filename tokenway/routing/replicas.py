@@ -65,8 +65,7 @@ class LocalReplica:
                     yield delta
         except EngineDeadError as exc:
             if not any(num_completion_tokens):  # refused before it ran: another replica, or a retry, may take it
-                raise ServiceUnavailableError("The engine is restarting; retry shortly.", retry_after=1,
-                                              code="engine_unavailable") from exc
+                raise engine_unavailable() from exc
             raise InternalServerError("The engine stopped while generating this request.") from exc
         except ValueError as exc:  # what the engine refused (the server checks first: a race, rarely)
             raise InvalidRequestError(str(exc), param=str(exc).split(":", 1)[0]) from None
@@ -83,6 +82,12 @@ class LocalReplica:
 
     async def aclose(self) -> None:
         pass  # the server shuts the engine down itself, after the last request
+
+
+def engine_unavailable() -> ServiceUnavailableError:
+    """The local engine is down (restarting): the caller may retry shortly."""
+    return ServiceUnavailableError("The engine is restarting; retry shortly.", retry_after=1,
+                                   code="engine_unavailable")
 
 
 def choice_delta(index: int, output: RequestOutput) -> ChoiceDelta:

@@ -23,8 +23,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from tokenway.protocol.errors import GatewayTimeoutError, RateLimitError, ServiceUnavailableError, TokenwayError
-from tokenway.routing.balancer import Balancer, NoReplicaAvailable, PoolFull, RoutingError
-from tokenway.routing.health import HealthChecker, ReplicaHealth
+from tokenway.routing.balancer import Balancer, BalancerConfig, NoReplicaAvailable, PoolFull, RoutingError
+from tokenway.routing.health import BreakerConfig, CircuitBreaker, HealthCheckConfig, HealthChecker, ReplicaHealth
 from tokenway.routing.job import GenerationJob, ReplicaEvent
 from tokenway.routing.replicas import Replica
 from tokenway.routing.upstream_errors import is_replica_fault
@@ -52,11 +52,16 @@ class Pool:
     checker: HealthChecker | None = None
 
     @classmethod
-    def of(cls, name: str, replicas: list[Replica], balancer_factory: Callable[..., Balancer] = Balancer,
-           **balancer_options) -> Pool:
-        healths = {replica.name: ReplicaHealth(replica.name) for replica in replicas}
-        balancer = balancer_factory([r.name for r in replicas], name_to_health=healths, **balancer_options)
-        return cls(name, {r.name: r for r in replicas}, balancer, healths)
+    def of(cls, name: str, replicas: list[Replica], balancer: BalancerConfig = BalancerConfig(),
+           breaker: BreakerConfig = BreakerConfig(), health: HealthCheckConfig = HealthCheckConfig(),
+           name_to_max_in_flight: Mapping[str, int] | None = None) -> Pool:
+        """The pool of `replicas`: a breaker each, the balancer over them, and the active probes
+        (started by Router.start)."""
+        healths = {r.name: ReplicaHealth(r.name, CircuitBreaker(breaker)) for r in replicas}
+        return cls(name, {r.name: r for r in replicas},
+                   Balancer([r.name for r in replicas], balancer, name_to_max_in_flight=name_to_max_in_flight,
+                            name_to_health=healths),
+                   healths, HealthChecker({r.name: r.probe for r in replicas}, healths, health))
 
 
 class Router:

@@ -40,7 +40,7 @@ from tokenway.protocol.errors import (
 )
 from tokenway.server import anthropic_api, openai_api
 from tokenway.server.admin_api import admin_router
-from tokenway.server.call import Call, CallOutcome, CallStart
+from tokenway.server.call import Call, CallStart
 from tokenway.server.embeddings_api import create_embeddings
 from tokenway.server.http import ClientDisconnected, EventStreamResponse, parse_body
 from tokenway.server.serving import ServerState
@@ -106,7 +106,7 @@ class GatewayMiddleware:
         finally:
             clock.finish()
             if generation_call and self.observer is not None and call is not None:
-                call.end(CallOutcome(status or 499, error=None if status else "client disconnected"))
+                call.end_as_sent(status)
                 cost = self.gatekeeper.cost_usd(call.model, call.outcome) if self.gatekeeper is not None else 0.0
                 self.observer.record(Trace.of_call(call, call.outcome, cost))
 

@@ -108,6 +108,11 @@ class Call:
         if self.outcome is None:
             self.outcome = outcome
 
+    def end_as_sent(self, status: int) -> None:
+        """An outcome for a call that ended without one of its own: the status sent, or 499
+        (the client left) if nothing was."""
+        self.end(CallOutcome(status or 499, error=None if status else "client disconnected"))
+
     def end_with_error(self, status: int, error: str, limit_kind: str | None = None) -> None:
         """An outcome for a call that failed before any output: what the job would have billed."""
         num_prompt_tokens = self.job.num_prompt_tokens if self.job is not None else 0

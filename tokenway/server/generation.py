@@ -20,10 +20,11 @@ from starlette.responses import JSONResponse, Response
 
 from tokenway.protocol.errors import InternalServerError, InvalidRequestError, TokenwayError
 from tokenway.routing.job import ChoiceDelta, GenerationJob, Usage
+from tokenway.routing.replicas import engine_unavailable
 from tokenway.server import sse
 from tokenway.server.call import Call, CallOutcome
 from tokenway.server.http import ClientDisconnected, unless_disconnected
-from tokenway.server.serving import ServerState, engine_unavailable, log_request, usage_dict
+from tokenway.server.serving import ServerState, log_request, usage_dict
 from tokenway.stages import StageClock
 
 logger = logging.getLogger(__name__)

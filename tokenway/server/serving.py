@@ -5,7 +5,6 @@ runs the call itself)."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import time
@@ -29,8 +28,6 @@ from tokenway.protocol.errors import (
     NotFoundError,
     ServiceUnavailableError,
 )
-from tokenway.routing.balancer import Balancer
-from tokenway.routing.health import HealthChecker
 from tokenway.routing.replicas import LocalReplica
 from tokenway.routing.router import Pool, Router
 from tokenway.server.body_parser import BodyParser
@@ -75,11 +72,9 @@ class ServerState:
         for name in self.model_names:
             self.frontends.setdefault(name, self.engine.frontend)
         if self.router is None:
+            # Its probes (every 0.5 s) find a restarted engine back and close a breaker its failures opened.
             replica = LocalReplica(self.engine)
-            local = Pool.of("local", [replica], balancer_factory=functools.partial(
-                Balancer, name_to_max_in_flight={replica.name: self.config.max_pending_requests}))
-            # A probe that finds the engine back (restarted) closes a breaker its failures opened.
-            local.checker = HealthChecker({replica.name: replica.probe}, local.healths)
+            local = Pool.of("local", [replica], name_to_max_in_flight={replica.name: self.config.max_pending_requests})
             self.router = Router({name: local for name in self.model_names})
 
     def frontend(self, name: str | None = None) -> ModelFrontend:
@@ -246,8 +241,3 @@ def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_to
         "total_tokens": num_prompt_tokens + num_completion_tokens,
         "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
-
-
-def engine_unavailable() -> ServiceUnavailableError:
-    return ServiceUnavailableError("The engine is restarting; retry shortly.", retry_after=1,
-                                   code="engine_unavailable")

@@ -43,7 +43,7 @@ from tokenway.protocol.errors import (
     openai_error_body,
 )
 from tokenway.routing import wire
-from tokenway.routing.replicas import run_choices
+from tokenway.routing.replicas import choice_delta, run_choices
 from tokenway.server import sse
 from tokenway.server.http import EventStreamResponse, is_json_media_type
 
@@ -203,20 +203,17 @@ async def call_events(engine: EngineClient, request_id: str, prompt_token_ids: l
     try:
         async with aclosing(run_choices(engine, request_id, prompt_token_ids, params_list)) as outputs:
             async for index, output in outputs:
-                completion = output.outputs[0]
-                if completion.finish_reason == "abort":
+                delta = choice_delta(index, output)  # as LocalReplica releases it
+                if delta.finish_reason == "abort":
                     raise _Aborted()
-                new_logprobs = None
-                if completion.logprobs is not None:  # the entries of this delta's tokens (engine/process.py's rule)
-                    new_logprobs = completion.logprobs[len(completion.logprobs) - len(completion.delta_token_ids):]
-                num_completion_tokens[index] = len(completion.token_ids)
-                if output.num_cached_tokens >= num_cached_tokens:
-                    num_cached_tokens, cache_reason = output.num_cached_tokens, output.cache_reason
+                num_completion_tokens[index] += len(delta.token_ids)
+                if delta.num_cached_tokens >= num_cached_tokens:
+                    num_cached_tokens, cache_reason = delta.num_cached_tokens, delta.cache_reason
                 yield sse.data_event({
-                    "index": index, "text": completion.delta_text, "token_ids": completion.delta_token_ids,
-                    "logprobs": wire.logprobs_to_wire(new_logprobs), "finish_reason": completion.finish_reason,
-                    "stop_reason": completion.stop_reason, "num_cached_tokens": output.num_cached_tokens,
-                    "cache_reason": output.cache_reason,
+                    "index": index, "text": delta.text, "token_ids": delta.token_ids,
+                    "logprobs": wire.logprobs_to_wire(delta.logprobs), "finish_reason": delta.finish_reason,
+                    "stop_reason": delta.stop_reason, "num_cached_tokens": delta.num_cached_tokens,
+                    "cache_reason": delta.cache_reason,
                 })
         yield sse.data_event({"usage": {"prompt_tokens": len(prompt_token_ids),
                                         "completion_tokens": sum(num_completion_tokens),
