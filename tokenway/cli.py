@@ -182,9 +182,8 @@ def run_serve(options: dict) -> int:
         registry = Registry.from_config(options["registry"], default_model=options["model"],
                                         served_model_names=options["served_model_name"])
         local = registry.local_model("chat")
-        if local is None:
-            raise ValueError("models: tokenway serve needs one chat model with a local replica for now")
-        engine_config.model = local.local_replica.model or options["model"]
+        if local is not None:
+            engine_config.model = local.local_replica.model or options["model"]
         names = tuple(e.name for e in registry.models if e.kind == "chat")
         aliases = {alias: e.name for e in registry.models if e.kind == "chat" for alias in e.aliases}
         for missing in registry.env_keys_missing():
@@ -196,8 +195,10 @@ def run_serve(options: dict) -> int:
                                  graceful_shutdown_seconds=options["graceful_shutdown_seconds"],
                                  admin_key=admin_key(options))
     check_tls(options)
-    engine = (ProcessEngine(engine_config, options["engine_niceness"]) if options["engine_process"]
-              else AsyncEngine(engine_config))
+    engine = None
+    if registry is None or registry.local_model("chat") is not None:  # else a gateway only: no model here
+        engine = (ProcessEngine(engine_config, options["engine_niceness"]) if options["engine_process"]
+                  else AsyncEngine(engine_config))
     gatekeeper = build_gatekeeper(options, registry) if options["gateway"] else None
     serve_embeddings = options["embeddings"] and (registry is None or registry.local_model("embeddings") is not None)
     embedder = build_embedder() if serve_embeddings else None
@@ -222,11 +223,12 @@ def run_serve(options: dict) -> int:
         if registry is not None:
             from tokenway.routing.build import build_router
 
-            state.router, frontends = await build_router(
+            routes = await build_router(
                 registry, engine, max_pending_requests=server_config.max_pending_requests,
                 cache_dir=Path(engine_config.cache_dir or os.environ.get("TOKENWAY_CACHE_DIR")
                                or Path.home() / ".cache" / "tokenway") / "tokenizers")
-            state.frontends.update(frontends)
+            state.router, state.frontends, state.context_windows = (routes.router, routes.frontends,
+                                                                    routes.context_windows)
         await state.body_parser.start()
         state.router.start()
         if gatekeeper is not None:
@@ -248,7 +250,8 @@ def run_serve(options: dict) -> int:
     try:
         asyncio.run(main())
     finally:
-        engine.shutdown()
+        if engine is not None:
+            engine.shutdown()
         if embedder is not None:
             embedder.shutdown()
     if not server.started:

@@ -39,6 +39,7 @@ class Server:
         self.base_url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TOKENWAY_CACHE_DIR", "/tmp")) / f"server-{self.port}.log"
         env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tokenway.cli", "serve", "--port", str(self.port),

@@ -22,6 +22,9 @@ HISTOGRAM_TO_LABELS = {
     "tokenway_request_prefill_time_seconds": {"model"},
     "tokenway_request_decode_time_seconds": {"model"},
     "tokenway_stage_duration_seconds": {"stage"},
+    "tokenway_routed_time_to_first_token_seconds": {"pool", "replica"},
+    "tokenway_routed_time_per_output_token_seconds": {"pool", "replica"},
+    "tokenway_routed_e2e_request_latency_seconds": {"pool", "replica"},
 }
 SERIES_TO_LABELS = {
     "tokenway_requests_total": {"model", "endpoint", "status", "finish_reason"},
@@ -41,6 +44,16 @@ SERIES_TO_LABELS = {
     "tokenway_kv_cache_blocks_total": set(),
     "tokenway_kv_cache_usage_ratio": set(),
     "tokenway_prefix_cache_hit_ratio": set(),
+    "tokenway_routed_requests_total": {"pool", "replica", "reason", "status"},
+    "tokenway_replica_up": {"pool", "replica", "kind"},
+    "tokenway_replica_in_flight": {"pool", "replica"},
+    "tokenway_replica_outstanding_tokens": {"pool", "replica"},
+    "tokenway_replica_calls_total": {"pool", "replica"},
+    "tokenway_replica_failures_total": {"pool", "replica"},
+    "tokenway_replica_prompt_tokens_total": {"pool", "replica"},
+    "tokenway_replica_cached_prompt_tokens_total": {"pool", "replica"},
+    "tokenway_replica_completion_tokens_total": {"pool", "replica"},
+    "tokenway_replica_prefix_cache_hit_ratio": {"pool", "replica"},
 }
 _HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
@@ -76,6 +89,30 @@ def test_series_labels_rejects_what_is_not_exported():
     for name in ("tokenway_stage_duration_seconds", "tokenway_requests_total_sum", "tokenway_ttft_seconds_bucket"):
         with pytest.raises(KeyError):
             series_labels(name)
+
+
+def test_the_label_maps_are_what_tokenway_exports():
+    """The maps above are what Metrics exports: every series (engine and replicas included), no more."""
+    from tokenway.observability.metrics import Metrics
+
+    from .test_replicas import ENGINE_SERVER_STATS, scrape
+    from .test_traces import make_trace
+
+    metrics = Metrics(lambda: ENGINE_SERVER_STATS)
+    route = {"pool": "pair", "replica": "w1", "reason": "affinity", "failed_attempts": 0}
+    for trace in (make_trace(route=route), make_trace("r429", status=429, limit_kind="tokens"),
+                  make_trace("r499", status=499)):
+        metrics.observe(trace)
+    metrics.itl.labels("m").observe(0.01)
+    _, samples = scrape(metrics)
+    exported: dict[str, set[str]] = {}
+    for name, labels in samples:
+        if name.startswith("tokenway_") and not name.endswith("_created"):
+            exported.setdefault(name, set()).update(label for label, _ in labels)
+    expected = dict(SERIES_TO_LABELS)
+    for name, labels in HISTOGRAM_TO_LABELS.items():
+        expected |= {f"{name}_bucket": labels | {"le"}, f"{name}_sum": labels, f"{name}_count": labels}
+    assert exported == expected  # (the ledger's counters, not on the dashboard, need ledger_stats)
 
 
 def test_dashboard_shape():

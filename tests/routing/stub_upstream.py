@@ -76,7 +76,11 @@ class Received:
 
 
 class StubUpstream:
-    def __init__(self) -> None:
+    """answer_models: GET .../models answers 200 by itself (a gateway's health probes), neither
+    recorded nor taking a scripted reply."""
+
+    def __init__(self, answer_models: bool = False) -> None:
+        self.answer_models = answer_models
         self.received: list[Received] = []
         self.num_disconnects = 0
         self._replies: list[Reply] = []
@@ -133,6 +137,11 @@ class StubUpstream:
             if not message.get("more_body"):
                 break
         headers = {name.decode(): value.decode() for name, value in scope["headers"]}
+        if self.answer_models and scope["method"] == "GET" and scope["path"].endswith("/models"):
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"object": "list", "data": []}'})
+            return
         with self._lock:
             self.received.append(Received(scope["method"], scope["path"], headers, json.loads(body) if body else None,
                                           scope["client"][1]))

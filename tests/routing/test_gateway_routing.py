@@ -122,13 +122,3 @@ def test_the_registry_serves_aliases_pools_and_fallbacks(topology):
 def ready_replicas(gateway) -> set[str]:
     stats = httpx.get(f"{gateway.base_url}/engine/stats", timeout=5).json()
     return {name for name, view in stats.get("replicas", {}).get("pair", {}).items() if view["available"]}
-
-
-def test_a_config_naming_an_upstream_kind_not_routed_yet_is_refused_clearly(tmp_path):
-    config = tmp_path / "upstream.toml"
-    config.write_text('[[models]]\nname = "small"\n  [[models.replicas]]\n  kind = "local"\n'
-                      '[[models]]\nname = "gpt"\ncontext_window = 8192\n  [[models.replicas]]\n  kind = "openai"\n'
-                      '  url = "http://127.0.0.1:9/v1"\n')
-    with pytest.raises(RuntimeError) as failed:
-        Server("--config", str(config), "--no-embeddings")
-    assert "openai replicas are not routed by tokenway serve yet" in str(failed.value)

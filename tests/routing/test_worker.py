@@ -47,8 +47,9 @@ def free_port() -> int:
 class Worker:
     """`tokenway worker` in its own session (so teardown can reach its engine process too)."""
 
-    def __init__(self, secret_file: Path) -> None:
-        self.port = free_port()
+    def __init__(self, secret_file: Path, port: int | None = None) -> None:
+        self.secret_file = secret_file
+        self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = secret_file.parent / f"worker-{self.port}.log"
         env = {name: value for name, value in os.environ.items() if name != "TOKENWAY_WORKER_SECRET"}

@@ -1,8 +1,16 @@
 """Prometheus metrics: names under tokenway_, units in the names, _total on counters.
 
 Request metrics are observed once per call from its Trace (and inter-token latency once per
-engine output); engine gauges are read from the engine when Prometheus scrapes, so the
-engine thread never touches a metric. Each server has its own CollectorRegistry.
+engine output); engine gauges and the replicas' health and load are read from the server's
+stats (/engine/stats) when Prometheus scrapes, so neither the engine thread nor the router
+touches a metric. Each server has its own CollectorRegistry.
+
+    Trace ──► Metrics.observe     tokenway_requests_total{model,...}, latency histograms by model,
+                                  tokenway_routed_*{pool,replica}: the same calls by the replica
+                                  that ran them ("" for calls that never reached one)
+    stats ──► EngineCollector     tokenway_requests_running, tokenway_kv_cache_*, ... (a server
+                                  with a local engine only: a pure gateway's stats have no engine keys)
+          └─► ReplicaCollector    tokenway_replica_*{pool,replica}: health, load, calls, tokens
 """
 
 from __future__ import annotations
@@ -22,6 +30,11 @@ from prometheus_client.registry import Collector
 
 from tokenway.observability.traces import Trace
 from tokenway.stages import STAGES
+
+# What EngineCollector reads: present in the stats of a server that runs a local engine, absent
+# from a pure gateway's (which hold only num_pending_http and replicas).
+ENGINE_KEYS = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "prefix_cache_hit_rate",
+               "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_preemptions")
 
 # Buckets in seconds. Latency: 1 ms .. 2 min; per token: 1 ms .. 2.5 s; stages: 10 µs .. 2 min.
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -71,8 +84,23 @@ class Metrics:
         self.disconnects = counter("tokenway_client_disconnects", "Calls whose client left before the end.")
         self.cache_lookups = counter("tokenway_prefix_cache_lookups", "Prefix-cache outcomes of admitted prompts.",
                                      ("outcome",))
+        # The same calls by where they ran: the replica of trace.route (the last one tried).
+        self.routed_requests = counter("tokenway_routed_requests",
+                                       "Generation calls by the replica that ran them, why it was picked, and "
+                                       "outcome; pool and replica are \"\" for calls that never reached one.",
+                                       ("pool", "replica", "reason", "status"))
+        self.routed_ttft = histogram("tokenway_routed_time_to_first_token_seconds",
+                                     "From request received to first token, by replica.", LATENCY_BUCKETS,
+                                     ("pool", "replica"))
+        self.routed_tpot = histogram("tokenway_routed_time_per_output_token_seconds",
+                                     "Decode time per output token after the first, per request, by replica.",
+                                     TOKEN_BUCKETS, ("pool", "replica"))
+        self.routed_e2e = histogram("tokenway_routed_e2e_request_latency_seconds",
+                                    "From request received to the last byte sent, by replica.", LATENCY_BUCKETS,
+                                    ("pool", "replica"))
         if engine_stats is not None:
             r.register(EngineCollector(engine_stats))
+            r.register(ReplicaCollector(lambda: engine_stats().get("replicas", {})))
         if ledger_stats is not None:
             r.register(LedgerCollector(ledger_stats))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
@@ -106,19 +134,38 @@ class Metrics:
             self.decode.labels(model).observe(stages.get("decode", 0.0) / 1000)
         if trace.tpot_ms is not None:
             self.tpot.labels(model).observe(trace.tpot_ms / 1000)
+        self.observe_route(trace)
+
+    def observe_route(self, trace: Trace) -> None:
+        route = trace.route or {}  # None: refused (or failed) before the router picked a replica
+        pool, replica = route.get("pool", ""), route.get("replica", "")
+        self.routed_requests.labels(pool, replica, route.get("reason", ""), str(trace.status)).inc()
+        self.routed_e2e.labels(pool, replica).observe(trace.total_ms / 1000)
+        if trace.ttft_ms is not None:
+            self.routed_ttft.labels(pool, replica).observe(trace.ttft_ms / 1000)
+        if trace.tpot_ms is not None:
+            self.routed_tpot.labels(pool, replica).observe(trace.tpot_ms / 1000)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
 
+def runs_engine(stats: dict) -> bool:
+    """Whether `stats` (/engine/stats) are of a server running a local engine, with its counts."""
+    return all(key in stats for key in ENGINE_KEYS)
+
+
 class EngineCollector(Collector):
-    """Engine gauges, read at scrape time from `engine_stats()` (a dict like /engine/stats)."""
+    """Engine gauges, read at scrape time from `engine_stats()` (a dict like /engine/stats);
+    none at all for a server without a local engine."""
 
     def __init__(self, engine_stats: Callable[[], dict]) -> None:
         self.engine_stats = engine_stats
 
     def collect(self) -> Iterator:
         stats = self.engine_stats()
+        if not runs_engine(stats):
+            return
         used = stats["kv_blocks_total"] - stats["kv_blocks_free"]
         yield GaugeMetricFamily("tokenway_requests_running", "Requests in the running batch.",
                                 value=stats["num_running"])
@@ -138,6 +185,55 @@ class EngineCollector(Collector):
                                   value=stats["prefix_cache_hit_tokens"])
         yield CounterMetricFamily("tokenway_preemptions", "Requests preempted to free KV blocks.",
                                   value=stats["num_preemptions"])
+
+    def describe(self) -> Iterator:
+        return iter(())
+
+
+# stats key -> (family, name, help) of each replica's series, labelled {pool, replica}.
+REPLICA_SERIES = {
+    "num_in_flight": (GaugeMetricFamily, "tokenway_replica_in_flight", "Calls running on the replica now."),
+    "num_outstanding_tokens": (GaugeMetricFamily, "tokenway_replica_outstanding_tokens",
+                               "Tokens (prompt + max_tokens) reserved by the calls running on the replica."),
+    "num_calls": (CounterMetricFamily, "tokenway_replica_calls",
+                  "Calls sent to the replica, the ones it failed and the ones failed over included."),
+    "num_failures": (CounterMetricFamily, "tokenway_replica_failures",
+                     "Calls the replica failed (its fault, as its circuit breaker counts them)."),
+    "prompt_tokens": (CounterMetricFamily, "tokenway_replica_prompt_tokens",
+                      "Prompt tokens (including cached ones) of the usage the replica reported."),
+    "cached_tokens": (CounterMetricFamily, "tokenway_replica_cached_prompt_tokens",
+                      "Prompt tokens the replica served from its prefix cache, as it reported them."),
+    "completion_tokens": (CounterMetricFamily, "tokenway_replica_completion_tokens",
+                          "Tokens the replica generated, as it reported them."),
+}
+
+
+class ReplicaCollector(Collector):
+    """Every pool's replicas, read at scrape time from `replica_stats()`: pool -> replica ->
+    its health, load and tallies since start (Router.stats, the "replicas" of /engine/stats).
+    Label sets are bounded by the configured replicas."""
+
+    def __init__(self, replica_stats: Callable[[], dict[str, dict[str, dict]]]) -> None:
+        self.replica_stats = replica_stats
+
+    def collect(self) -> Iterator:
+        labels = ("pool", "replica")
+        up = GaugeMetricFamily("tokenway_replica_up", "1 while the balancer may pick the replica, 0 while it is "
+                               "unavailable (breaker open, probe failed).", labels=(*labels, "kind"))
+        key_to_family = {key: family(name, doc, labels=labels) for key, (family, name, doc) in REPLICA_SERIES.items()}
+        hit_ratio = GaugeMetricFamily("tokenway_replica_prefix_cache_hit_ratio",
+                                      "Cached / prompt tokens of the usage the replica reported since start "
+                                      "(absent until it reported any).", labels=labels)
+        for pool, name_to_replica in self.replica_stats().items():
+            for name, replica in name_to_replica.items():
+                up.add_metric((pool, name, replica["kind"]), 1.0 if replica["available"] else 0.0)
+                for key, family in key_to_family.items():
+                    family.add_metric((pool, name), replica[key])
+                if replica["prefix_cache_hit_rate"] is not None:
+                    hit_ratio.add_metric((pool, name), replica["prefix_cache_hit_rate"])
+        yield up
+        yield from key_to_family.values()
+        yield hit_ratio
 
     def describe(self) -> Iterator:
         return iter(())

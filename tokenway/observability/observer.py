@@ -2,6 +2,10 @@
 
 One per server, used from the event loop thread only. Off (`--no-observability`) means no
 Observer at all: the request path checks `state.observer is None` and does nothing more.
+
+`engine_stats()` is /engine/stats: the local engine's counts (absent on a pure gateway) and
+"replicas", pool -> replica -> health, load and tallies. The dashboard's snapshot hands them
+on as "engine" (None without a local engine) and "replicas".
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from tokenway.observability.metrics import Metrics
+from tokenway.observability.metrics import Metrics, runs_engine
 from tokenway.observability.traces import Trace, TraceRing, summarize
 from tokenway.stages import STAGES
 
@@ -63,32 +67,38 @@ class Observer:
         if last is None:
             return
         elapsed = now - last[0]
-        stats = self.engine_stats()
-        total = stats["kv_blocks_total"]
-        used = total - stats["kv_blocks_free"]
         self.samples.append({
             "t": now,
             "tokens_per_s": (self.num_generated_tokens - last[1]) / elapsed,
             "requests_per_s": (self.num_finished_requests - last[2]) / elapsed,
-            "kv_blocks_used": used,
-            "kv_blocks_total": total,
-            "kv_usage": used / total if total else 0.0,
-            "running": stats["num_running"],
-            "waiting": stats["num_waiting"],
-            "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
+            **engine_sample(self.engine_stats()),
         })
 
     def snapshot(self, limit: int = 50, summary_over: int = 500) -> dict:
         """What /dashboard/api/snapshot returns."""
         self.maybe_sample()
+        stats = self.engine_stats()
         return {
             "stages": list(STAGES),
             "traces": [t.to_dict() for t in self.traces.recent(limit)],
             "summary": summarize(self.traces.recent(summary_over)),
             "timeseries": list(self.samples),
-            "engine": self.engine_stats(),
+            "engine": {k: v for k, v in stats.items() if k != "replicas"} if runs_engine(stats) else None,
+            "replicas": stats.get("replicas", {}),
         }
 
     def close(self) -> None:
         if self.exporter is not None:
             self.exporter.shutdown()
+
+
+def engine_sample(stats: dict) -> dict:
+    """A time-series point's engine part: None for each without a local engine (a gap in the charts)."""
+    if not runs_engine(stats):
+        return dict.fromkeys(("kv_blocks_used", "kv_blocks_total", "kv_usage", "running", "waiting",
+                              "prefix_cache_hit_rate"))
+    total = stats["kv_blocks_total"]
+    used = total - stats["kv_blocks_free"]
+    return {"kv_blocks_used": used, "kv_blocks_total": total, "kv_usage": used / total if total else 0.0,
+            "running": stats["num_running"], "waiting": stats["num_waiting"],
+            "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"]}

@@ -211,6 +211,8 @@ class AnthropicUpstream(HTTPReplica):
     key (from the variable `api_key_env` names) goes as x-api-key, and max_tokens, which
     Anthropic requires, is default_max_tokens when the job has none."""
 
+    kind = "anthropic"
+
     def __init__(self, name: str, base_url: str, model: str, api_key_env: str | None = None, *,
                  timeouts: UpstreamTimeouts = UpstreamTimeouts(), limits: ConnectionLimits = ConnectionLimits(),
                  count_tokens: CountTokens | None = None, health_path: str = "models",

@@ -1,60 +1,109 @@
 """The registry's chat models as pools `tokenway serve` routes to.
 
-    Registry (the config file) ─► per chat model: its replicas (LocalReplica, WorkerReplica),
-        their breakers and active probes, its Balancer ─► Pool ─► Router (with the fallback chain)
+    Registry (the config file) ─► per chat model: its replicas (LocalReplica, WorkerReplica,
+        OpenAIUpstream, AnthropicUpstream), their breakers and active probes, its Balancer
+        ─► Pool ─► Router (with the fallback chain)
     and per model the ModelFrontend its jobs are templated with: the local engine's, or one
     built from the tokenizer files a worker of the pool sends (workers run token ids only).
 
-Served today: local and worker replicas. OpenAI- and Anthropic-compatible replicas are parsed
-and built (routing/openai_upstream.py, anthropic_upstream.py) but their untemplated path
-through the API adaptors is not wired yet: a config naming one is refused at start, clearly.
-A fallback must share its model's tokenizer (the job's prompt ids are templated once).
+A pool of upstreams only has no frontend: tokenway has no tokenizer for it, so its jobs go
+untemplated (the messages; the upstream templates and counts them) and its window is the
+config's context_window. A pool that has a frontend counts with it what an upstream of the
+pool does not report. Jobs are templated once, for the model asked for, so a templated pool
+may fall back to one with the same tokenizer or to an untemplated one (chat jobs always carry
+the messages too), and an untemplated pool only to untemplated ones.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenway.engine.client import EngineClient
 from tokenway.frontend.model import ModelFrontend
 from tokenway.protocol.errors import TokenwayError
+from tokenway.routing.anthropic_upstream import AnthropicUpstream
+from tokenway.routing.job import GenerationJob
+from tokenway.routing.openai_upstream import OpenAIUpstream
 from tokenway.routing.registry import Registry
-from tokenway.routing.registry_config import ModelEntry
+from tokenway.routing.registry_config import ModelEntry, ReplicaSpec
 from tokenway.routing.replicas import LocalReplica, Replica
 from tokenway.routing.router import Pool, Router
+from tokenway.routing.upstream import CountTokens
 from tokenway.routing.worker_replica import WorkerReplica
 
 
-async def build_router(registry: Registry, engine: EngineClient, *, max_pending_requests: int,
-                       cache_dir: Path) -> tuple[Router, dict[str, ModelFrontend]]:
-    """(the router, served name -> its frontend) for every chat model. Raises ValueError for
-    what cannot be served (an upstream replica kind not wired yet, a worker pool none of whose
-    workers answers with its tokenizer, a fallback with another tokenizer)."""
+@dataclass(frozen=True, slots=True)
+class Routes:
+    router: Router
+    frontends: dict[str, ModelFrontend]  # served name -> its frontend; untemplated models have none
+    context_windows: dict[str, int]  # served name -> its window, every chat model
+
+
+async def build_router(registry: Registry, engine: EngineClient | None, *, max_pending_requests: int,
+                       cache_dir: Path) -> Routes:
+    """Every chat model's pool. Raises ValueError for what cannot be served (a worker pool
+    none of whose workers answers with its tokenizer, a fallback that could not run the
+    model's jobs, a local replica without an engine)."""
     pools: dict[str, Pool] = {}
     frontends: dict[str, ModelFrontend] = {}
+    windows: dict[str, int] = {}
     for entry in registry.models:
         if entry.kind != "chat":
             continue
-        replicas = [_replica(entry, spec, engine) for spec in entry.replicas]
-        pools[entry.name] = _pool(entry, replicas, max_pending_requests)
-        frontends[entry.name] = await _frontend(entry, replicas, engine, cache_dir)
-    for name, frontend in frontends.items():
+        templated = [_templated_replica(entry, spec, engine) for spec in entry.replicas
+                     if spec.kind in ("local", "worker")]
+        frontend = await _frontend(entry, templated, engine, cache_dir) if templated else None
+        count_tokens = _token_counter(frontend) if frontend is not None else None
+        replicas = iter(templated)
+        pool = [next(replicas) if spec.kind in ("local", "worker") else _upstream(entry, spec, count_tokens)
+                for spec in entry.replicas]
+        pools[entry.name] = _pool(entry, pool, max_pending_requests)
+        if frontend is not None:
+            frontends[entry.name] = frontend
+        windows[entry.name] = frontend.max_model_len if frontend is not None else entry.context_window
+    for name in pools:
         for fallback in registry.fallback_chain(name)[1:]:
-            if fallback.name in frontends and not _same_tokenizer(frontend, frontends[fallback.name]):
+            if fallback.name not in pools:
+                continue
+            ours, theirs = frontends.get(name), frontends.get(fallback.name)
+            if ours is None and theirs is not None:
+                raise ValueError(f"models: {name} falls back to {fallback.name}, which runs templated prompts; "
+                                 f"{name} has no tokenizer in tokenway (its replicas are upstreams), so its calls "
+                                 "could not run there")
+            if ours is not None and theirs is not None and not _same_tokenizer(ours, theirs):
                 raise ValueError(f"models: {name} falls back to {fallback.name}, whose tokenizer differs; a fallback "
-                                 "must share its model's tokenizer (prompts are templated once)")
+                                 "must share its model's tokenizer (prompts are templated once), or be upstreams")
     router = Router(pools, fallback_chain=lambda name: tuple(
         e.name for e in registry.fallback_chain(name) if e.name in pools))
-    return router, frontends
+    return Routes(router, frontends, windows)
 
 
-def _replica(entry: ModelEntry, spec, engine: EngineClient) -> Replica:
+def _templated_replica(entry: ModelEntry, spec: ReplicaSpec, engine: EngineClient | None) -> Replica:
     if spec.kind == "local":
+        if engine is None:
+            raise ValueError(f"models: {entry.name}: a local replica needs this server's engine")
         return LocalReplica(engine, spec.name)
-    if spec.kind == "worker":
-        return WorkerReplica(spec.name, spec.url, spec.secret_env, timeouts=entry.upstream_timeouts())
-    raise ValueError(f"models: {entry.name}: {spec.kind} replicas are not routed by tokenway serve yet "
-                     "(tokenway workers and the local engine are)")
+    return WorkerReplica(spec.name, spec.url, spec.secret_env, timeouts=entry.upstream_timeouts())
+
+
+def _upstream(entry: ModelEntry, spec: ReplicaSpec, count_tokens: CountTokens | None) -> Replica:
+    kind = OpenAIUpstream if spec.kind == "openai" else AnthropicUpstream
+    return kind(spec.name, spec.url, spec.model, spec.api_key_env, timeouts=entry.upstream_timeouts(),
+                count_tokens=count_tokens)
+
+
+def _token_counter(frontend: ModelFrontend) -> CountTokens:
+    """Usage an upstream did not report, by the pool's tokenizer: the templated prompt, and
+    each choice's text re-encoded."""
+    tokenizer = frontend.tokenizer
+
+    def count(job: GenerationJob, completion_texts: Sequence[str]) -> tuple[int, int]:
+        return job.num_prompt_tokens, sum(len(tokenizer.encode(text, add_special_tokens=False))
+                                          for text in completion_texts)
+
+    return count
 
 
 def _pool(entry: ModelEntry, replicas: list[Replica], max_pending_requests: int) -> Pool:
@@ -65,7 +114,7 @@ def _pool(entry: ModelEntry, replicas: list[Replica], max_pending_requests: int)
     return Pool.of(entry.name, replicas, entry.balancer, entry.breaker, entry.health, max_in_flight)
 
 
-async def _frontend(entry: ModelEntry, replicas: list[Replica], engine: EngineClient,
+async def _frontend(entry: ModelEntry, replicas: list[Replica], engine: EngineClient | None,
                     cache_dir: Path) -> ModelFrontend:
     if any(isinstance(r, LocalReplica) for r in replicas):
         return engine.frontend

@@ -15,6 +15,7 @@ exactly one Usage (its own count, or tokenway's where the upstream reports none)
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -38,18 +39,32 @@ class GenerationJob:
     prompt: str | None = None
     # the templated prompt, where tokenway has the model's tokenizer
     prompt_token_ids: tuple[int, ...] | None = None
+    # the model's window: what a job without max_tokens (params.max_tokens None, an untemplated
+    # job whose caller set none) may use up, and so reserves
+    context_window: int | None = None
     # absolute time.monotonic() by which the call must be done (None: no deadline)
     deadline: float | None = None
     stream: bool = False  # the caller takes SSE (every replica streams to the gateway either way)
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids) if self.prompt_token_ids is not None else 0
+        """The templated prompt's length; without it (an upstream templates), an estimate:
+        estimate_tokens of the text, plus 4 tokens a message for the chat template's framing."""
+        if self.prompt_token_ids is not None:
+            return len(self.prompt_token_ids)
+        if self.kind == "completion":
+            return estimate_tokens(self.prompt or "")
+        return estimate_chat_tokens(self.messages, self.tools)
 
     @property
     def num_reserved_tokens(self) -> int:
-        """What the caller's token limits reserve before it runs: the prompt and every choice's max_tokens."""
-        return self.num_prompt_tokens + (self.params.max_tokens or 0) * self.n
+        """What the caller's token limits reserve before it runs: the prompt and every choice's
+        max_tokens (the rest of the window for a job that sets none)."""
+        num_prompt_tokens = self.num_prompt_tokens
+        max_tokens = self.params.max_tokens
+        if max_tokens is None:
+            max_tokens = max(0, (self.context_window or 0) - num_prompt_tokens)
+        return num_prompt_tokens + max_tokens * self.n
 
     def sampling(self) -> dict[str, Any]:
         """The sampling fields a trace shows."""
@@ -64,6 +79,21 @@ class GenerationJob:
             raise ValueError("prompt: a completion job needs a prompt or its token ids")
         if self.n < 1:
             raise ValueError(f"n: must be >= 1, got {self.n}")
+
+
+def estimate_tokens(text: str) -> int:
+    """ceil(characters / 4): OpenAI's rule of thumb for English under BPE vocabularies."""
+    return -(-len(text) // 4)
+
+
+def estimate_chat_tokens(messages: tuple[dict[str, Any], ...] | list[dict[str, Any]],
+                         tools: tuple[dict[str, Any], ...] | list[dict[str, Any]] | None) -> int:
+    """A chat prompt's tokens without its tokenizer: estimate_tokens of each message's content
+    and tool calls, plus 4 tokens a message for the chat template's framing, and the tools."""
+    num_tokens = sum(4 + estimate_tokens(json.dumps(m.get("content") or "", ensure_ascii=False))
+                     + (estimate_tokens(json.dumps(m["tool_calls"], ensure_ascii=False)) if m.get("tool_calls") else 0)
+                     for m in messages)
+    return num_tokens + (estimate_tokens(json.dumps(tools, ensure_ascii=False)) if tools else 0)
 
 
 @dataclass(frozen=True, slots=True)

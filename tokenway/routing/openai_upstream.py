@@ -146,6 +146,8 @@ class OpenAIUpstream(HTTPReplica):
     token); `count_tokens` counts usage with the model's tokenizer when the upstream reports
     none. Call aclose() when done with it: it owns a connection pool."""
 
+    kind = "openai"
+
     def __init__(self, name: str, base_url: str, model: str, api_key_env: str | None = None, *,
                  timeouts: UpstreamTimeouts = UpstreamTimeouts(), limits: ConnectionLimits = ConnectionLimits(),
                  count_tokens: CountTokens | None = None, health_path: str = "models",

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from tokenway.protocol.errors import GatewayTimeoutError, RateLimitError, ServiceUnavailableError, TokenwayError
 from tokenway.routing.balancer import Balancer, BalancerConfig, NoReplicaAvailable, PoolFull, RoutingError
 from tokenway.routing.health import BreakerConfig, CircuitBreaker, HealthCheckConfig, HealthChecker, ReplicaHealth
-from tokenway.routing.job import GenerationJob, ReplicaEvent
+from tokenway.routing.job import GenerationJob, ReplicaEvent, Usage
 from tokenway.routing.replicas import Replica
 from tokenway.routing.upstream_errors import is_replica_fault
 
@@ -42,6 +42,25 @@ class ReplicaChoice:
 
 
 @dataclass(slots=True)
+class ReplicaTally:
+    """What this gateway has seen a replica do since start: calls that ran there (ok or not),
+    the failures counted against it, and the tokens of the usage it reported. Its prefix-cache
+    hit rate is the cached share of the prompt tokens, whatever the replica is (an upstream's
+    own cache too, where it reports cached tokens)."""
+
+    num_calls: int = 0
+    num_failures: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        return {"num_calls": self.num_calls, "num_failures": self.num_failures, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "completion_tokens": self.completion_tokens,
+                "prefix_cache_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None}
+
+
+@dataclass(slots=True)
 class Pool:
     """One model's replicas, their health, and the balancer that picks among them."""
 
@@ -50,6 +69,13 @@ class Pool:
     balancer: Balancer
     healths: Mapping[str, ReplicaHealth] = field(default_factory=dict)
     checker: HealthChecker | None = None
+    tallies: dict[str, ReplicaTally] = field(default_factory=dict)  # only Router.generate writes these
+
+    def tally(self, name: str) -> ReplicaTally:
+        tally = self.tallies.get(name)
+        if tally is None:
+            tally = self.tallies[name] = ReplicaTally()
+        return tally
 
     @classmethod
     def of(cls, name: str, replicas: list[Replica], balancer: BalancerConfig = BalancerConfig(),
@@ -80,6 +106,10 @@ class Router:
         pool = self.pools[name]
         return any(health.unavailable_reason is None for health in pool.healths.values()) or not pool.healths
 
+    def is_servable(self, name: str) -> bool:
+        """The model's pool, or one of its fallbacks, may take a call now."""
+        return any(self.is_available(pool_name) for pool_name in self._fallback_chain(name))
+
     def stats(self) -> dict[str, dict[str, dict]]:
         """pool -> replica -> its load and health, as the dashboard and /engine/stats show them."""
         stats: dict[str, dict[str, dict]] = {}
@@ -88,9 +118,10 @@ class Router:
             for view in pool.balancer.views():
                 health = pool.healths.get(view.name)
                 reason = health.unavailable_reason if health is not None else None
-                replicas[view.name] = {"available": reason is None, "unavailable_reason": reason,
-                                       "num_in_flight": view.num_in_flight,
-                                       "num_outstanding_tokens": view.num_outstanding_tokens}
+                replicas[view.name] = {"kind": getattr(pool.replicas[view.name], "kind", None), "available": reason is None,
+                                       "unavailable_reason": reason, "num_in_flight": view.num_in_flight,
+                                       "num_outstanding_tokens": view.num_outstanding_tokens,
+                                       **pool.tally(view.name).as_dict()}
         return stats
 
     def start(self) -> None:
@@ -129,7 +160,8 @@ class Router:
                     reason = "only"
                 else:
                     reason = lease.choice.reason
-                replica = pool.replicas[lease.name]
+                replica, tally = pool.replicas[lease.name], pool.tally(lease.name)
+                tally.num_calls += 1
                 started = False
                 with lease:
                     try:
@@ -138,12 +170,17 @@ class Router:
                                 if not started:
                                     started = True
                                     on_replica(ReplicaChoice(pool_name, lease.name, reason, num_failed))
+                                if isinstance(event, Usage):
+                                    tally.prompt_tokens += event.prompt_tokens
+                                    tally.cached_tokens += event.cached_tokens
+                                    tally.completion_tokens += event.completion_tokens
                                 yield event
                     except TokenwayError as exc:
                         if not is_replica_fault(exc):
                             lease.record_success()  # the caller's error (a 400): the replica is fine
                             raise
                         lease.record_failure()
+                        tally.num_failures += 1
                         if started:
                             raise  # bytes already left for the client: never run it twice
                         tried.add(lease.name)

@@ -45,7 +45,7 @@ from tokenway.protocol.errors import (
     TokenwayError,
     truncate,
 )
-from tokenway.routing.job import GenerationJob, Usage
+from tokenway.routing.job import GenerationJob, Usage, estimate_tokens
 from tokenway.routing.sse_decoder import SSEDecoder, SSEEvent
 from tokenway.routing.upstream_errors import error_for_status
 
@@ -97,28 +97,15 @@ def parse_json_object(name: str, data: str) -> dict[str, Any]:
 # ---- usage an upstream did not report ---------------------------------------------------------------
 
 
-def estimate_tokens(text: str) -> int:
-    """ceil(characters / 4): OpenAI's rule of thumb for English under BPE vocabularies."""
-    return -(-len(text) // 4)
-
-
 def counted_usage(job: GenerationJob, completion_texts: Sequence[str], count_tokens: CountTokens | None) -> Usage:
     """The call's usage when the upstream reported none: the model's tokenizer where tokenway
-    has it; else the templated prompt's length if the job carries it, and for the rest
-    estimate_tokens of the text plus 4 tokens a message (the chat template's framing)."""
+    has it; else the templated prompt's length if the job carries it, or the job's estimate
+    (GenerationJob.num_prompt_tokens), and estimate_tokens of each completion."""
     if count_tokens is not None:
         num_prompt_tokens, num_completion_tokens = count_tokens(job, completion_texts)
         return Usage(num_prompt_tokens, num_completion_tokens, counted_by="tokenizer")
-    if job.prompt_token_ids is not None:
-        num_prompt_tokens = len(job.prompt_token_ids)
-    elif job.kind == "completion":
-        num_prompt_tokens = estimate_tokens(job.prompt or "")
-    else:
-        num_prompt_tokens = sum(4 + estimate_tokens(json.dumps(m.get("content") or "", ensure_ascii=False))
-                                + estimate_tokens(json.dumps(m.get("tool_calls") or "", ensure_ascii=False))
-                                for m in job.messages)
-        num_prompt_tokens += estimate_tokens(json.dumps(job.tools, ensure_ascii=False)) if job.tools else 0
-    return Usage(num_prompt_tokens, sum(map(estimate_tokens, completion_texts)), counted_by="estimate")
+    return Usage(job.num_prompt_tokens, sum(map(estimate_tokens, completion_texts)),
+                 counted_by="estimate")
 
 
 def api_key_from_env(api_key_env: str | None) -> str | None:

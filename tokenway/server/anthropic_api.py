@@ -13,10 +13,10 @@ from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.tools import parse_tool_reply
 from tokenway.protocol.anthropic import map_stop_reason, to_chat_messages, to_chat_tools
 from tokenway.protocol.errors import anthropic_error_body
-from tokenway.routing.job import GenerationJob
+from tokenway.routing.job import GenerationJob, ToolCallDelta, estimate_chat_tokens
 from tokenway.server import sse
 from tokenway.server.call import Call
-from tokenway.server.generation import Generation, framed_stream
+from tokenway.server.generation import ChoiceResult, Generation, framed_stream
 from tokenway.server.http import EventStreamResponse
 from tokenway.server.serving import (
     ServerState,
@@ -45,28 +45,54 @@ def prepare(state: ServerState, body, call: Call) -> tuple[Generation, bool]:
     frontend = state.frontend(model)
     tools, tool_choice = openai_tools(body)
     messages = to_chat_messages(body)
-    with context_window(frontend, "messages") as window:
-        prompt = build_chat_prompt(frontend.tokenizer, messages, tools, tool_choice, max_num_tokens=window)
-    max_tokens = state.max_tokens(call, frontend, len(prompt.prompt_token_ids), body.max_tokens, "max_tokens",
-                                  num_messages=len(body.messages))
     fields = SimpleNamespace(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=None,
                              presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None)
+    if frontend is None:  # the upstream templates: the job carries the messages only
+        window = state.max_model_len(model)
+        max_tokens = state.max_tokens(call, window, estimate_chat_tokens(messages, tools), body.max_tokens,
+                                      "max_tokens", num_messages=len(body.messages), exact=False)
+        params = make_sampling_params(fields, max_tokens, None, None, body.stop_sequences)
+        job = GenerationJob(new_id("msg_"), model, "chat", params, messages=tuple(messages),
+                            tools=tuple(tools) if tools else None, tool_choice=tool_choice, context_window=window,
+                            stream=bool(body.stream))
+        return Generation(state, call, job), False
+    with context_window(frontend, "messages") as window:
+        prompt = build_chat_prompt(frontend.tokenizer, messages, tools, tool_choice, max_num_tokens=window)
+    max_tokens = state.max_tokens(call, frontend.max_model_len, len(prompt.prompt_token_ids), body.max_tokens,
+                                  "max_tokens", num_messages=len(body.messages))
     params = make_sampling_params(fields, max_tokens, structured_output_spec(prompt.json_schema, False), None,
                                   body.stop_sequences)
     job = GenerationJob(new_id("msg_"), model, "chat", params, messages=tuple(messages),
                         tools=tuple(tools) if tools else None, tool_choice=tool_choice,
-                        prompt_token_ids=tuple(prompt.prompt_token_ids), stream=bool(body.stream))
+                        prompt_token_ids=tuple(prompt.prompt_token_ids), context_window=frontend.max_model_len,
+                        stream=bool(body.stream))
     return Generation(state, call, job), prompt.generic_tools
 
 
-def content_blocks(text: str, generic_tools: bool) -> tuple[list[dict], bool]:
+def content_blocks(result: ChoiceResult, generic_tools: bool) -> tuple[list[dict], bool]:
+    """The reply's content blocks: the generic format's JSON parsed (and then whether it called
+    tools: its finish_reason cannot say), or the replica's own tool calls (an upstream's) after
+    its text, whose finish_reason says."""
+    text = result.text
     if generic_tools:
         content, calls = parse_tool_reply(text)
         if calls:
             return [{"type": "tool_use", "id": c.id.replace("call_", "toolu_"), "name": c.name,
                      "input": json.loads(c.arguments)} for c in calls], True
         text = content or ""
-    return [{"type": "text", "text": text}], False
+    uses = [{"type": "tool_use", "id": c.id, "name": c.name, "input": tool_input}
+            for c in result.tool_calls if (tool_input := tool_input_of(c.arguments)) is not None]
+    return ([{"type": "text", "text": text}] if text or not uses else []) + uses, False
+
+
+def tool_input_of(arguments: str) -> dict | None:
+    """A tool call's arguments as Anthropic's `input` object; None for arguments that are no
+    JSON object (a call cut short), which are dropped."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def stop_fields(completion, used_tools: bool) -> tuple[str, str | None]:
@@ -88,7 +114,7 @@ def usage(generation: Generation, output_tokens: int | None = None) -> dict:
 
 async def message_response(generation: Generation, generic_tools: bool) -> dict:
     final = (await generation.final_outputs())[0]
-    blocks, used_tools = content_blocks(final.text, generic_tools)
+    blocks, used_tools = content_blocks(final, generic_tools)
     stop_reason, stop_sequence = stop_fields(final, used_tools)
     return {"id": generation.request_id, "type": "message", "role": "assistant", "content": blocks,
             "model": generation.model, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
@@ -106,41 +132,85 @@ async def message_events(generation: Generation, generic_tools: bool) -> AsyncIt
     yield sse.named_event("message_start", {"type": "message_start", "message": {
         "id": generation.request_id, "type": "message", "role": "assistant", "content": [],
         "model": generation.model, "stop_reason": None, "stop_sequence": None, "usage": usage(generation, 0)}})
-    block_open = False
+    blocks = BlockWriter()
+    stop: tuple[str, str | None] | None = None
     async for delta in generation.outputs():
         if not generic_tools:
-            if not block_open:
-                block_open = True
-                yield sse.named_event("content_block_start", {
-                    "type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
-                yield sse.named_event("ping", {"type": "ping"})
             if delta.text:
-                yield sse.named_event("content_block_delta", {
-                    "type": "content_block_delta", "index": 0,
-                    "delta": {"type": "text_delta", "text": delta.text}})
+                for event in blocks.text(delta.text):
+                    yield event
+            for piece in delta.tool_calls:
+                for event in blocks.tool_call(piece):
+                    yield event
         if delta.finish_reason is None:
             continue
-        used_tools = False
+        used_tools = False  # a replica's own tool calls end with finish_reason tool_calls
         if generic_tools:
             # One JSON reply: parsed, and sent as blocks, once it is complete.
-            blocks, used_tools = content_blocks(generation.text(delta.index), True)
-            for index, block in enumerate(blocks):
-                if block["type"] == "text":
-                    start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
-                else:
-                    start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
-                    delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-                yield sse.named_event("content_block_start", {"type": "content_block_start", "index": index,
-                                                              "content_block": start})
-                yield sse.named_event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                              "delta": delta})
-                yield sse.named_event("content_block_stop", {"type": "content_block_stop", "index": index})
-        else:
-            yield sse.named_event("content_block_stop", {"type": "content_block_stop", "index": 0})
-        stop_reason, stop_sequence = stop_fields(delta, used_tools)
+            reply, used_tools = content_blocks(ChoiceResult(0, generation.text(delta.index), None, None, None), True)
+            for block in reply:
+                for event in blocks.whole(block):
+                    yield event
+        for event in blocks.close(empty_text=True):
+            yield event
+        stop = stop_fields(delta, used_tools)
+    if stop is not None:  # after the replica's usage, which follows its last delta
         yield sse.named_event("message_delta", {
-            "type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-            "usage": {"output_tokens": generation.num_completion_tokens}})
+            "type": "message_delta", "delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
+            "usage": usage(generation)})
+
+
+class BlockWriter:
+    """Anthropic's content blocks as a reply's pieces arrive: text opens a text block, a tool
+    call's first piece (id and name) a tool_use block, whose arguments follow as input_json_delta
+    fragments; a new block closes the open one. A ping follows the first block's start, as
+    Anthropic sends it."""
+
+    def __init__(self) -> None:
+        self.num_blocks = 0
+        self.open: str | None = None  # the open block's type
+
+    def _start(self, block: dict) -> list[bytes]:
+        events = self.close()
+        events.append(sse.named_event("content_block_start", {
+            "type": "content_block_start", "index": self.num_blocks, "content_block": block}))
+        if self.num_blocks == 0:
+            events.append(sse.named_event("ping", {"type": "ping"}))
+        self.open = block["type"]
+        return events
+
+    def _delta(self, delta: dict) -> bytes:
+        return sse.named_event("content_block_delta", {"type": "content_block_delta", "index": self.num_blocks,
+                                                       "delta": delta})
+
+    def text(self, text: str) -> list[bytes]:
+        events = self._start({"type": "text", "text": ""}) if self.open != "text" else []
+        return [*events, self._delta({"type": "text_delta", "text": text})]
+
+    def tool_call(self, piece: ToolCallDelta) -> list[bytes]:
+        events = []
+        if piece.id is not None or self.open != "tool_use":
+            events = self._start({"type": "tool_use", "id": piece.id or "", "name": piece.name or "", "input": {}})
+        if piece.arguments:
+            events.append(self._delta({"type": "input_json_delta", "partial_json": piece.arguments}))
+        return events
+
+    def whole(self, block: dict) -> list[bytes]:
+        """A block known whole: its start, one delta, its stop."""
+        if block["type"] == "text":
+            events = self.text(block["text"])
+        else:
+            events = self._start(block | {"input": {}})
+            events.append(self._delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])}))
+        return events + self.close()
+
+    def close(self, empty_text: bool = False) -> list[bytes]:
+        """Stop the open block; with empty_text, a reply that opened none gets an empty text block."""
+        if self.open is None:
+            return self.text("")[:-1] + self.close() if empty_text and self.num_blocks == 0 else []
+        self.open = None
+        self.num_blocks += 1
+        return [sse.named_event("content_block_stop", {"type": "content_block_stop", "index": self.num_blocks - 1})]
 
 
 async def handle(state: ServerState, request: Request, body, call: Call) -> Response:

@@ -281,7 +281,7 @@ def create_app(state: ServerState) -> FastAPI:
                     "max_model_len": state.embedder.model.max_input_tokens}
         aliases = sorted(alias for alias, target in state.aliases.items() if target == name)
         return {"id": name, "object": "model", "created": state.created, "owned_by": "tokenway", "kind": "chat",
-                "max_model_len": state.frontend(name).max_model_len, "aliases": aliases}
+                "max_model_len": state.max_model_len(name), "aliases": aliases}
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -297,14 +297,14 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/tokenize", openapi_extra=_schema_extra(openai_schema.TokenizeRequest))
     async def tokenize(request: Request) -> dict:
         body = await parse_body(request, openai_schema.TokenizeRequest, state.body_parser)
-        frontend = state.frontend(state.resolve_model(body.model) if body.model is not None else None)
+        frontend = state.tokenizing_frontend(state.resolve_model(body.model) if body.model is not None else None)
         tokens = await state.prepare(request, openai_api.tokenize, frontend, body)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": frontend.max_model_len}
 
     @app.post("/detokenize", openapi_extra=_schema_extra(openai_schema.DetokenizeRequest))
     async def detokenize(request: Request) -> dict:
         body = await parse_body(request, openai_schema.DetokenizeRequest, state.body_parser)
-        frontend = state.frontend(state.resolve_model(body.model) if body.model is not None else None)
+        frontend = state.tokenizing_frontend(state.resolve_model(body.model) if body.model is not None else None)
         vocab_size = frontend.vocab_size
         if any(not 0 <= t < vocab_size for t in body.tokens):
             raise InvalidRequestError(f"tokens: token ids must be in [0, {vocab_size})", param="tokens")
@@ -321,7 +321,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> Response:
-        if state.ready and state.engine.is_alive and all(state.router.is_available(n) for n in state.model_names):
+        if state.ready and (state.engine is None or state.engine.is_alive) and all(state.router.is_servable(n) for n in state.model_names):
             return JSONResponse({"status": "ready", "models": list(state.model_names)})
         return JSONResponse({"status": "not ready"}, status_code=503, headers={"Retry-After": "1"})
 

@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable
 from starlette.responses import JSONResponse, Response
 
 from tokenway.protocol.errors import InternalServerError, InvalidRequestError, TokenwayError
-from tokenway.routing.job import ChoiceDelta, GenerationJob, Usage
+from tokenway.routing.job import ChoiceDelta, GenerationJob, ToolCallDelta, Usage
 from tokenway.routing.replicas import engine_unavailable
 from tokenway.server import sse
 from tokenway.server.call import Call, CallOutcome
@@ -40,7 +40,20 @@ class ChoiceResult:
     text: str
     finish_reason: str | None
     stop_reason: int | str | None
-    logprobs: list | None  # engine TokenLogprob per token, where the replica gives them
+    logprobs: list | None  # engine TokenLogprob per token (an upstream's: OpenAI-shaped dicts), where given
+    tool_calls: tuple[ToolCall, ...] = ()  # the replica's own tool calls (an upstream's), in order
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """One tool call a replica made, as its pieces arrived (ToolCallDelta)."""
+
+    id: str
+    name: str
+    arguments: str = ""
+
+    def openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 class Generation:
@@ -50,26 +63,28 @@ class Generation:
         self.clock = call.clock
         self.job = job
         self.router = state.router
-        self.frontend = state.frontend(job.model)
+        self.frontend = state.frontend(job.model)  # None: an untemplated job (its upstream templates)
         self.model = job.model
         self.request_id = job.request_id
         self.num_choices = job.n
-        self.num_prompt_tokens = len(job.prompt_token_ids or ())
+        self.num_prompt_tokens = job.num_prompt_tokens  # an estimate for an untemplated job, until usage comes
         call.set_job(job)  # from here a 400 or 429 is billed with the job's prompt
-        # The engine's own checks (vocabulary, window, a response_format that cannot be
-        # satisfied) run now, so they are a 400 before any byte of a stream is sent.
-        try:
-            self.frontend.prompts.check(list(job.prompt_token_ids), job.params)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), param=str(exc).split(":", 1)[0]) from None
-        if self.frontend.is_local and not state.engine.is_alive:
-            raise engine_unavailable()
+        if self.frontend is not None:
+            # The engine's own checks (vocabulary, window, a response_format that cannot be
+            # satisfied) run now, so they are a 400 before any byte of a stream is sent.
+            try:
+                self.frontend.prompts.check(list(job.prompt_token_ids), job.params)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param=str(exc).split(":", 1)[0]) from None
+            if self.frontend.is_local and not state.engine.is_alive:
+                raise engine_unavailable()
         # Each choice as it stands; only outputs() writes these.
         self.completion_tokens = [0] * job.n
         self.texts: list[list[str]] = [[] for _ in range(job.n)]
         self.logprobs: list[list | None] = [[] if job.params.logprobs is not None else None for _ in range(job.n)]
         self.finish_reasons: list[str | None] = [None] * job.n
         self.stop_reasons: list[int | str | None] = [None] * job.n
+        self.tool_calls: list[list[ToolCall]] = [[] for _ in range(job.n)]
         self.num_cached_tokens = 0
         self.cache_reason: str | None = None
         self.reported: Usage | None = None  # the replica's own count, once it sends it
@@ -100,6 +115,8 @@ class Generation:
                     self.texts[index].append(event.text)
                 if event.logprobs and self.logprobs[index] is not None:
                     self.logprobs[index].extend(event.logprobs)
+                for piece in event.tool_calls:
+                    add_tool_call_piece(self.tool_calls[index], piece)
                 if event.num_cached_tokens >= self.num_cached_tokens:
                     self.num_cached_tokens, self.cache_reason = event.num_cached_tokens, event.cache_reason
                 if event.finish_reason is not None:
@@ -116,8 +133,8 @@ class Generation:
         """Run to the end; every choice's result, by index."""
         async for _ in self.outputs():
             pass
-        return [ChoiceResult(i, self.text(i), self.finish_reasons[i], self.stop_reasons[i], self.logprobs[i])
-                for i in range(self.num_choices)]
+        return [ChoiceResult(i, self.text(i), self.finish_reasons[i], self.stop_reasons[i], self.logprobs[i],
+                             tuple(self.tool_calls[i])) for i in range(self.num_choices)]
 
     async def commit(self) -> None:
         """Make the ledger row durable; a stream calls this before its final event."""
@@ -158,6 +175,19 @@ class Generation:
             error=error, cache_reason=self.cache_reason)
         self.call.end(outcome)
         log_request(self.request_id, self.model, self.clock, outcome)
+
+
+def add_tool_call_piece(calls: list[ToolCall], piece: ToolCallDelta) -> None:
+    """Fold a piece into its choice's calls: a piece with an id or a name at a new index starts
+    a call, every piece's arguments extend it."""
+    if piece.index >= len(calls):
+        calls.extend(ToolCall(id="", name="") for _ in range(piece.index + 1 - len(calls)))
+    call = calls[piece.index]
+    if piece.id:
+        call.id = piece.id
+    if piece.name and not call.name:  # OpenAI sends it once, with the id
+        call.name = piece.name
+    call.arguments += piece.arguments
 
 
 def mark_stage_times(clock: StageClock, delta: ChoiceDelta) -> None:

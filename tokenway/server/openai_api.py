@@ -10,7 +10,7 @@ from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.tools import parse_tool_reply
 from tokenway.protocol.errors import ContextLengthExceededError, InvalidRequestError, openai_error_body
-from tokenway.routing.job import GenerationJob
+from tokenway.routing.job import GenerationJob, ToolCallDelta, estimate_chat_tokens, estimate_tokens
 from tokenway.server import sse
 from tokenway.server.call import Call
 from tokenway.server.generation import Generation, framed_stream
@@ -24,14 +24,18 @@ from tokenway.server.serving import (
 
 
 class TokenText:
-    """Logprobs in OpenAI's two shapes, with token texts from the tokenizer's shared cache."""
+    """Logprobs in OpenAI's two shapes, with token texts from the tokenizer's shared cache. An
+    upstream's logprobs come OpenAI-shaped already (dicts, chat's shape) and pass through."""
 
-    def __init__(self, tokenizer) -> None:
-        self.text = tokenizer.token_text
+    def __init__(self, frontend: ModelFrontend | None) -> None:
+        self.text = frontend.tokenizer.token_text if frontend is not None else None
 
-    def chat_logprobs(self, logprobs: list[TokenLogprob], top_n: int) -> list[dict]:
+    def chat_logprobs(self, logprobs: list[TokenLogprob | dict], top_n: int) -> list[dict]:
         entries = []
         for lp in logprobs:
+            if isinstance(lp, dict):
+                entries.append(lp | {"top_logprobs": (lp.get("top_logprobs") or [])[:top_n]})
+                continue
             token = self.text(lp.token_id)
             entries.append({
                 "token": token,
@@ -44,13 +48,18 @@ class TokenText:
             })
         return entries
 
-    def completion_logprobs(self, logprobs: list[TokenLogprob], offset: int) -> dict:
+    def completion_logprobs(self, logprobs: list[TokenLogprob | dict], offset: int) -> dict:
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for lp in logprobs:
-            token = self.text(lp.token_id)
+            if isinstance(lp, dict):
+                token, logprob = lp["token"], lp["logprob"]
+                top = {t["token"]: t["logprob"] for t in lp.get("top_logprobs") or ()}
+            else:
+                token, logprob = self.text(lp.token_id), lp.logprob
+                top = {self.text(tid): value for tid, value in lp.top}
             tokens.append(token)
-            token_logprobs.append(lp.logprob)
-            tops.append({self.text(tid): value for tid, value in lp.top})
+            token_logprobs.append(logprob)
+            tops.append(top)
             offsets.append(offset)
             offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
@@ -94,18 +103,30 @@ def prepare_chat(state: ServerState, body, call: Call):
     response_format = body.response_format.model_dump(exclude_none=True, by_alias=True) if body.response_format else None
     messages = body.template_messages()
     parallel_tool_calls = body.parallel_tool_calls is not False
+    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    logprobs = top_logprobs if body.logprobs else None
+    if frontend is None:  # the upstream templates: the job carries the messages only
+        window = state.max_model_len(model)
+        max_tokens = state.max_tokens(call, window, estimate_chat_tokens(messages, tools), body.max_output_tokens,
+                                      param, num_messages=len(body.messages), exact=False)
+        params = make_sampling_params(body, max_tokens, None, logprobs, body.stop)
+        job = GenerationJob(new_id("chatcmpl-"), model, "chat", params, n=body.n or 1, messages=tuple(messages),
+                            tools=tuple(tools) if tools else None, tool_choice=tool_choice,
+                            parallel_tool_calls=parallel_tool_calls, response_format=response_format,
+                            context_window=window, stream=bool(body.stream))
+        return Generation(state, call, job), False
     with context_window(frontend, "messages") as window:
         prompt = build_chat_prompt(frontend.tokenizer, messages, tools, tool_choice, parallel_tool_calls,
                                    response_format, max_num_tokens=window)
-    max_tokens = state.max_tokens(call, frontend, len(prompt.prompt_token_ids), body.max_output_tokens,
-                                  "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
-                                  num_messages=len(body.messages))
+    max_tokens = state.max_tokens(call, frontend.max_model_len, len(prompt.prompt_token_ids), body.max_output_tokens,
+                                  param, num_messages=len(body.messages))
     structured = structured_output_spec(prompt.json_schema, prompt.json_object)
-    params = make_sampling_params(body, max_tokens, structured, top_logprobs if body.logprobs else None, body.stop)
+    params = make_sampling_params(body, max_tokens, structured, logprobs, body.stop)
     job = GenerationJob(new_id("chatcmpl-"), model, "chat", params, n=body.n or 1, messages=tuple(messages),
                         tools=tuple(tools) if tools else None, tool_choice=tool_choice,
                         parallel_tool_calls=parallel_tool_calls, response_format=response_format,
-                        prompt_token_ids=tuple(prompt.prompt_token_ids), stream=bool(body.stream))
+                        prompt_token_ids=tuple(prompt.prompt_token_ids), context_window=frontend.max_model_len,
+                        stream=bool(body.stream))
     return Generation(state, call, job), prompt.generic_tools
 
 
@@ -123,7 +144,7 @@ def tool_message(text: str) -> tuple[dict, bool]:
 
 
 async def chat_response(state: ServerState, body, generation: Generation, generic_tools: bool) -> dict:
-    token_text = TokenText(generation.frontend.tokenizer)
+    token_text = TokenText(generation.frontend)
     choices = []
     for result in await generation.final_outputs():
         finish_reason = openai_finish_reason(result.finish_reason)
@@ -131,6 +152,9 @@ async def chat_response(state: ServerState, body, generation: Generation, generi
             message, called = tool_message(result.text)
             if called:
                 finish_reason = "tool_calls"
+        elif result.tool_calls:  # the replica's own (an upstream's)
+            message = {"role": "assistant", "content": result.text or None,
+                       "tool_calls": [call.openai() for call in result.tool_calls]}
         else:
             message = {"role": "assistant", "content": result.text}
         choice = {"index": result.index, "message": message, "finish_reason": finish_reason, "logprobs": None}
@@ -149,7 +173,7 @@ async def chat_response(state: ServerState, body, generation: Generation, generi
 
 
 async def chat_stream(state: ServerState, body, generation: Generation, generic_tools: bool) -> AsyncIterator[bytes]:
-    token_text = TokenText(generation.frontend.tokenizer)
+    token_text = TokenText(generation.frontend)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunk = chunk_encoder(generation, "chat.completion.chunk", include_usage)
 
@@ -178,10 +202,22 @@ async def chat_stream(state: ServerState, body, generation: Generation, generic_
         if delta.text or logprobs:
             yield chunk([{"index": index, "delta": {"content": delta.text}, "logprobs": logprobs,
                           "finish_reason": None}])
+        if delta.tool_calls:
+            yield chunk([{"index": index, "delta": {"tool_calls": [tool_call_piece(p) for p in delta.tool_calls]},
+                          "logprobs": None, "finish_reason": None}])
         if finish_reason is not None:
             yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
     if include_usage:
         yield chunk([], generation.usage())
+
+
+def tool_call_piece(piece: ToolCallDelta) -> dict:
+    """A streamed tool call's piece in OpenAI's delta.tool_calls: id, type and name on its first."""
+    function = {"arguments": piece.arguments}
+    if piece.name is not None:
+        function = {"name": piece.name} | function
+    head = {"id": piece.id, "type": "function"} if piece.id is not None else {}
+    return {"index": piece.index, **head, "function": function}
 
 
 # ---- completions -----------------------------------------------------------------------
@@ -218,28 +254,59 @@ def tokenize(frontend: ModelFrontend, body) -> list[int]:
 def prepare_completion(state: ServerState, body, call: Call) -> tuple[Generation, str]:
     model = state.route(body, call)
     frontend = state.frontend(model)
+    if frontend is None:
+        return prepare_untemplated_completion(state, body, call, model)
     prompts = completion_prompts(frontend, body.prompt)
     if len(prompts) != 1:
-        # Batched prompts would be n choices each; one prompt per call keeps billing exact.
-        raise InvalidRequestError("prompt: send one prompt per request (a list of prompts is not supported)",
-                                  param="prompt")
+        raise one_prompt_only()
     prompt_token_ids = prompts[0]
     if not prompt_token_ids:
         raise InvalidRequestError("prompt: must not be empty", param="prompt")
     vocab_size = frontend.vocab_size
     if any(not 0 <= t < vocab_size for t in prompt_token_ids):
         raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
-    max_tokens = state.max_tokens(call, frontend, len(prompt_token_ids), body.max_tokens, "max_tokens")
+    max_tokens = state.max_tokens(call, frontend.max_model_len, len(prompt_token_ids), body.max_tokens, "max_tokens")
     params = make_sampling_params(body, max_tokens, None, body.logprobs, body.stop)
     text = body.prompt if isinstance(body.prompt, str) else None
     job = GenerationJob(new_id("cmpl-"), model, "completion", params, n=body.n or 1, prompt=text,
-                        prompt_token_ids=tuple(prompt_token_ids), stream=bool(body.stream))
+                        prompt_token_ids=tuple(prompt_token_ids), context_window=frontend.max_model_len,
+                        stream=bool(body.stream))
     echo = frontend.tokenizer.decode(prompt_token_ids) if body.echo else ""
     return Generation(state, call, job), echo
 
 
+def one_prompt_only() -> InvalidRequestError:
+    # Batched prompts would be n choices each; one prompt per call keeps billing exact.
+    return InvalidRequestError("prompt: send one prompt per request (a list of prompts is not supported)",
+                               param="prompt")
+
+
+def prepare_untemplated_completion(state: ServerState, body, call: Call, model: str) -> tuple[Generation, str]:
+    """A completion for a model tokenway has no tokenizer for: the caller's text (or token ids,
+    in the upstream's vocabulary) goes as it came."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
+        if len(prompt) != 1:
+            raise one_prompt_only()
+        prompt = prompt[0]
+    if not prompt:
+        raise InvalidRequestError("prompt: must not be empty", param="prompt")
+    text = prompt if isinstance(prompt, str) else None
+    if body.echo and text is None:
+        raise InvalidRequestError("echo: needs the prompt as text for this model (tokenway has no tokenizer to "
+                                  "decode its token ids)", param="echo")
+    window = state.max_model_len(model)
+    num_prompt_tokens = estimate_tokens(text) if text is not None else len(prompt)
+    max_tokens = state.max_tokens(call, window, num_prompt_tokens, body.max_tokens, "max_tokens", exact=False)
+    params = make_sampling_params(body, max_tokens, None, body.logprobs, body.stop)
+    job = GenerationJob(new_id("cmpl-"), model, "completion", params, n=body.n or 1, prompt=text,
+                        prompt_token_ids=None if text is not None else tuple(prompt), context_window=window,
+                        stream=bool(body.stream))
+    return Generation(state, call, job), (text if body.echo else "")
+
+
 async def completion_response(state: ServerState, body, generation: Generation, echo: str) -> dict:
-    token_text = TokenText(generation.frontend.tokenizer)
+    token_text = TokenText(generation.frontend)
     choices = []
     for result in await generation.final_outputs():
         logprobs = None
@@ -252,7 +319,7 @@ async def completion_response(state: ServerState, body, generation: Generation, 
 
 
 async def completion_stream(state: ServerState, body, generation: Generation, echo: str) -> AsyncIterator[bytes]:
-    token_text = TokenText(generation.frontend.tokenizer)
+    token_text = TokenText(generation.frontend)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunk = chunk_encoder(generation, "text_completion", include_usage)
     offsets = [len(echo)] * generation.num_choices

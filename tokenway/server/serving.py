@@ -52,7 +52,7 @@ class ServerConfig:
 
 @dataclass(slots=True)
 class ServerState:
-    engine: EngineClient
+    engine: EngineClient | None  # None: a gateway only (every model's replicas are remote)
     config: ServerConfig
     model_names: tuple[str, ...]
     gatekeeper: Gatekeeper | None = None  # None: no auth, limits or ledger (benchmarks only)
@@ -64,11 +64,17 @@ class ServerState:
     embedder: EmbeddingEngine | None = None  # /v1/embeddings; None: not served
     embedding_model_names: tuple[str, ...] = ()
     router: Router | None = None  # None: every served name is one pool, the local engine
-    # served name -> its tokenizer and prompt checks (default: the local engine's, for every name)
+    # served name -> its tokenizer and prompt checks (default: the local engine's, for every
+    # name). A model tokenway has no tokenizer for (an upstream's) has none: its jobs go
+    # untemplated, with the messages, and the upstream templates and counts them.
     frontends: dict[str, ModelFrontend] = field(default_factory=dict)
+    # served name -> its context window, for the untemplated models (the others' is their frontend's)
+    context_windows: dict[str, int] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)  # another name clients may use -> the served name
 
     def __post_init__(self) -> None:
+        if self.router is not None or self.engine is None:
+            return  # routes built from the registry (routing/build.py) are set before serving
         for name in self.model_names:
             self.frontends.setdefault(name, self.engine.frontend)
         if self.router is None:
@@ -77,9 +83,24 @@ class ServerState:
             local = Pool.of("local", [replica], name_to_max_in_flight={replica.name: self.config.max_pending_requests})
             self.router = Router({name: local for name in self.model_names})
 
-    def frontend(self, name: str | None = None) -> ModelFrontend:
-        """A served model's tokenizer and checks (None: the first served model's)."""
-        return self.frontends[name if name is not None else self.model_names[0]]
+    def frontend(self, name: str | None = None) -> ModelFrontend | None:
+        """A served model's tokenizer and checks (None: the first served model's); None for a
+        model tokenway has no tokenizer for."""
+        return self.frontends.get(name if name is not None else self.model_names[0])
+
+    def tokenizing_frontend(self, name: str | None) -> ModelFrontend:
+        """The frontend of a model /tokenize and /detokenize are asked about (None: the first
+        served model's); 400 for one tokenway has no tokenizer for."""
+        frontend = self.frontend(name)
+        if frontend is None:
+            raise InvalidRequestError(f"model: tokenway has no tokenizer for '{name or self.model_names[0]}' "
+                                      "(its replicas template and count its prompts)", param="model",
+                                      code="model_not_supported")
+        return frontend
+
+    def max_model_len(self, name: str) -> int:
+        frontend = self.frontends.get(name)
+        return frontend.max_model_len if frontend is not None else self.context_windows[name]
 
     def resolve_model(self, name: str | None, principal: Principal | None = None, kind: str = "chat") -> str:
         """The served name a request's `model` refers to; 404 for anything else, 400 for a
@@ -106,17 +127,26 @@ class ServerState:
         call.clock.end("routing")
         return name
 
-    def max_tokens(self, call: Call, frontend: ModelFrontend, num_prompt_tokens: int, requested: int | None,
-                   param: str, num_messages: int = 1) -> int:
+    def max_tokens(self, call: Call, window: int, num_prompt_tokens: int, requested: int | None,
+                   param: str, num_messages: int = 1, exact: bool = True) -> int | None:
         """max_tokens after the window check and the key's caps (the cap fills in when the
-        request names none)."""
+        request names none). `exact`: num_prompt_tokens is the templated prompt's length; else an
+        estimate (an untemplated job), which only a max_tokens over the whole window fails, and a
+        call with neither max_tokens nor a cap gets None: the upstream gives it the rest."""
         if self.gatekeeper is not None:
             principal = call.start.principal
             self.gatekeeper.check_sizes(principal, num_messages, requested, param)
             cap = self.gatekeeper.max_tokens_cap(principal)
             if requested is None and cap is not None:
-                requested = min(cap, frontend.max_model_len - num_prompt_tokens)
-        return resolve_max_tokens(frontend, num_prompt_tokens, requested, param)
+                requested = min(cap, window - num_prompt_tokens) if exact else cap
+        if not exact:
+            if requested is not None and requested >= window:
+                raise InvalidRequestError(
+                    f"This model's maximum context length is {window} tokens. However, you requested {requested} "
+                    f"tokens for the completion alone. Please reduce {param}.", param=param,
+                    code="context_length_exceeded")
+            return requested
+        return resolve_max_tokens(window, num_prompt_tokens, requested, param)
 
     async def admit(self, call: Call) -> None:
         """Budget and limits, reserving prompt + max_tokens for every choice. Raises 429."""
@@ -133,8 +163,10 @@ class ServerState:
         return await asyncio.to_thread(prepare, *args)
 
     def engine_stats(self) -> dict:
-        """A snapshot of the engine: what runs, what waits, how full the KV cache is."""
-        return {**self.engine.stats(), "num_pending_http": self.num_pending, "replicas": self.router.stats()}
+        """A snapshot of the engine (what runs, what waits, how full the KV cache is), where this
+        server runs one, and of every pool's replicas."""
+        engine = self.engine.stats() if self.engine is not None else {}
+        return {**engine, "num_pending_http": self.num_pending, "replicas": self.router.stats()}
 
     def take_engine_slots(self, count: int = 1) -> None:
         if self.num_pending + count > self.config.max_pending_requests:
@@ -163,9 +195,8 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
 
 
-def resolve_max_tokens(frontend: ModelFrontend, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
+def resolve_max_tokens(window: int, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
     """OpenAI's rule: prompt + max_tokens must fit the window; no max_tokens means 'the rest'."""
-    window = frontend.max_model_len
     if num_prompt_tokens >= window:
         raise ContextLengthExceededError(num_prompt_tokens, max_tokens, window, param="messages")
     if max_tokens is None:

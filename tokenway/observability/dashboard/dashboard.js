@@ -3,7 +3,9 @@
 //   snapshot ── traces (newest first) ──► recent table, selected request's waterfall + details
 //            ── summary ────────────────► KPIs, "where the time went"
 //            ── timeseries (1 per s) ───► throughput, KV usage, prefix-cache hit rate charts
-//            ── engine ─────────────────► KPIs, current hit rate
+//            ── engine ─────────────────► KPIs, current hit rate; null on a server without a local
+//                                          engine (a gateway): its panels are greyed out
+//            ── replicas ───────────────► the Replicas table (pool -> replica -> health, load, tallies)
 //
 // Request ids, models and errors come from callers: all text goes in through textContent
 // (el() below, or append(string)), never innerHTML.
@@ -187,8 +189,12 @@ function render() {
     state.pinned = false;
   }
   const selected = traces.find((trace) => trace.request_id === state.selectedId) || null;
-  renderKpis(snapshot);
-  renderCharts(snapshot.timeseries || [], snapshot.engine || {});
+  const engine = snapshot.engine ?? null;
+  const replicas = replicaRows(snapshot.replicas);
+  renderKpis(snapshot, engine, replicas);
+  renderEngineState(engine);
+  renderCharts(snapshot.timeseries || [], engine);
+  renderReplicas(replicas);
   renderWaterfall(selected, stagesOf(snapshot));
   renderDetails(selected);
   renderRecent(traces, stagesOf(snapshot));
@@ -203,9 +209,8 @@ function select(requestId) {
   render();
 }
 
-function renderKpis(snapshot) {
+function renderKpis(snapshot, engine, replicas) {
   const summary = snapshot.summary || {};
-  const engine = snapshot.engine || {};
   const series = snapshot.timeseries || [];
   const last = series.length ? series[series.length - 1] : {};
   const total = summary.total || {};
@@ -214,14 +219,18 @@ function renderKpis(snapshot) {
     ["Latency p50", msText(total.p50_ms), `p99 ${msText(total.p99_ms)}`],
     ["TTFT p50", msText(summary.ttft_p50_ms), `TPOT p50 ${msText(summary.tpot_p50_ms)}`],
     ["Tokens / s", fmtRate(last.tokens_per_s), `${fmtRate(last.requests_per_s)} requests / s`],
-    ["Running", String(engine.num_running ?? "—"), `${engine.num_waiting ?? "—"} waiting`],
-    ["KV blocks free", (engine.kv_blocks_free ?? "—").toLocaleString("en-US"),
-      `of ${(engine.kv_blocks_total ?? "—").toLocaleString("en-US")} · ${engine.num_preemptions ?? 0} preemptions`],
+    ["Replicas up", `${replicas.filter((r) => r.available).length} / ${replicas.length}`,
+      `${replicas.reduce((sum, r) => sum + (r.num_in_flight || 0), 0)} calls in flight`],
+    engine ? ["Running", String(engine.num_running), `${engine.num_waiting} waiting`]
+      : ["Running", "—", "no local engine", "off"],
+    engine ? ["KV blocks free", engine.kv_blocks_free.toLocaleString("en-US"),
+      `of ${engine.kv_blocks_total.toLocaleString("en-US")} · ${engine.num_preemptions} preempted`]
+      : ["KV blocks free", "—", "no local engine", "off"],
   ];
-  $("kpis").replaceChildren(...cards.map(([label, value, sub]) => el("div", { class: "kpi" },
+  $("kpis").replaceChildren(...cards.map(([label, value, sub, off]) => el("div", { class: off ? "kpi off" : "kpi" },
     el("div", { class: "kpi-label", text: label }),
     el("div", { class: "kpi-value", text: value }),
-    el("div", { class: "kpi-sub", text: sub }))));
+    el("div", { class: "kpi-sub", title: sub, text: sub }))));
 }
 
 // The waterfall: one row per stage on the request's own timeline. A bar starts where the
@@ -288,6 +297,7 @@ function renderDetails(trace) {
     ["Request id", el("code", { text: trace.request_id })],
     ["Endpoint", trace.endpoint],
     ["Model", trace.model],
+    ["Replica", routeText(trace.route)],
     ["Key", trace.key_id],
     ["Status", statusPill(trace.status)],
     ["Started", new Date(trace.started_at * 1000).toLocaleDateString("en-CA") + " " + clock(trace.started_at)],
@@ -313,6 +323,13 @@ function renderDetails(trace) {
   box.replaceChildren(list, ...notes);
 }
 
+function routeText(route) {
+  if (!route) return "—";
+  if (!route.replica) return `none of ${route.pool} (${route.failed_attempts} failed)`;
+  const failed = route.failed_attempts ? ` · after ${route.failed_attempts} failed` : "";
+  return `${route.pool} / ${route.replica} (${route.reason}${failed})`;
+}
+
 function statusPill(status) {
   const kind = status >= 500 ? "bad" : status >= 400 ? "warn" : "ok";
   return el("span", { class: `pill ${kind}`, text: String(status) });
@@ -333,7 +350,7 @@ function renderRecent(traces, stages) {
   const body = $("recent").tBodies[0];
   $("recent-count").textContent = `${traces.length} newest · click a row to see its waterfall`;
   if (!traces.length) {
-    body.replaceChildren(el("tr", {}, el("td", { colspan: "12", class: "empty", text: "No requests yet." })));
+    body.replaceChildren(el("tr", {}, el("td", { colspan: "13", class: "empty", text: "No requests yet." })));
     return;
   }
   body.replaceChildren(...traces.map((trace) => {
@@ -350,6 +367,7 @@ function renderRecent(traces, stages) {
     el("td", { class: "mono id", title: trace.request_id, text: trace.request_id }),
     el("td", { text: trace.endpoint }),
     el("td", { class: "model", title: trace.model, text: trace.model }),
+    el("td", { class: "replica", title: routeText(trace.route), text: trace.route ? trace.route.replica || "—" : "—" }),
     el("td", {}, statusPill(trace.status)),
     el("td", { class: "num", text: String(trace.prompt_tokens) }),
     el("td", { class: "num", text: String(trace.cached_tokens) }),
@@ -409,8 +427,53 @@ function renderWhere(summary, stages) {
   box.replaceChildren(el("div", { class: "where-overview" }, stacked, legend, stats), table);
 }
 
+// ---- replicas -------------------------------------------------------------------------------
+
+function replicaRows(poolToReplicas) {
+  // pool -> replica -> stats (as /engine/stats has them) as rows, in the router's order.
+  return Object.entries(poolToReplicas || {}).flatMap(([pool, nameToReplica]) =>
+    Object.entries(nameToReplica).map(([name, replica]) => ({ ...replica, pool, name })));
+}
+
+function renderReplicas(rows) {
+  const body = $("replicas").tBodies[0];
+  const numUp = rows.filter((r) => r.available).length;
+  $("replicas-caption").textContent = rows.length ? `${numUp} of ${rows.length} up · calls, failures and hit rate since start` : "";
+  if (!rows.length) {
+    body.replaceChildren(el("tr", {}, el("td", { colspan: "9", class: "empty", text: "No replicas." })));
+    return;
+  }
+  const count = (n) => (n ?? 0).toLocaleString("en-US");
+  body.replaceChildren(...rows.map((r) => {
+    const failureShare = r.num_failures && r.num_calls
+      ? el("span", { class: "sub", text: `(${fmtPct(r.num_failures / r.num_calls)})` }) : null;
+    return el("tr", { "data-pool": r.pool, "data-replica": r.name, "data-health": r.available ? "up" : "down",
+      class: r.available ? null : "down" },
+    el("td", { text: r.pool }),
+    el("td", { class: "mono", text: r.name }),
+    el("td", { text: r.kind }),
+    el("td", { class: "health" }, el("span", { class: `pill ${r.available ? "ok" : "bad"}`,
+      text: r.available ? "up" : r.unavailable_reason || "down" })),
+    el("td", { class: "num", text: count(r.num_in_flight) }),
+    el("td", { class: "num", text: count(r.num_outstanding_tokens) }),
+    el("td", { class: "num", text: count(r.num_calls) }),
+    el("td", { class: "num" }, count(r.num_failures), failureShare),
+    el("td", { class: "num", title: `${count(r.cached_tokens)} of ${count(r.prompt_tokens)} prompt tokens cached · ` +
+      `${count(r.completion_tokens)} completion tokens`, text: fmtPct(r.prefix_cache_hit_rate) }));
+  }));
+}
+
 // ---- line charts ----------------------------------------------------------------------------
 
+function renderEngineState(engine) {
+  for (const panel of document.querySelectorAll(".engine-panel")) {
+    panel.classList.toggle("off", !engine);
+    panel.dataset.engine = engine ? "on" : "off";
+    panel.querySelector(".engine-off-note").hidden = !!engine;
+  }
+}
+
+// `engine` is null without a local engine: the charts are drawn empty (their panels greyed out).
 function renderCharts(series, engine) {
   const width = $("throughput-chart").clientWidth;
   const times = series.map((point) => point.t);
@@ -418,13 +481,14 @@ function renderCharts(series, engine) {
   $("throughput-chart").replaceChildren(
     lineChart(times, { name: "tokens / s", color: "#34d399", values: series.map((p) => p.tokens_per_s), format: fmtRate, width }),
     lineChart(times, { name: "requests / s", color: "#38bdf8", values: series.map((p) => p.requests_per_s), format: fmtRate, width }));
-  const used = last.kv_blocks_used ?? (engine.kv_blocks_total - engine.kv_blocks_free);
+  const used = last.kv_blocks_used ?? (engine ? engine.kv_blocks_total - engine.kv_blocks_free : null);
+  const total = last.kv_blocks_total ?? (engine ? engine.kv_blocks_total : null);
   $("kv-chart").replaceChildren(
-    lineChart(times, { name: `KV usage · ${used ?? "—"} of ${last.kv_blocks_total ?? engine.kv_blocks_total ?? "—"} blocks`,
+    lineChart(times, { name: `KV usage · ${used ?? "—"} of ${total ?? "—"} blocks`,
       color: "#fbbf24", values: series.map((p) => p.kv_usage), format: fmtPct, percent: true, width }),
     lineChart(times, { name: "running / waiting", color: "#818cf8", values: series.map((p) => p.running), format: String,
       second: { color: "#f472b6", values: series.map((p) => p.waiting) }, width }));
-  const hitRate = engine.prefix_cache_hit_rate ?? last.prefix_cache_hit_rate;
+  const hitRate = engine ? engine.prefix_cache_hit_rate : null;
   $("hit-rate").textContent = fmtPct(hitRate);
   $("hit-rate-chart").replaceChildren(lineChart(times,
     { name: "hit rate", color: "#c084fc", values: series.map((p) => p.prefix_cache_hit_rate), format: fmtPct, percent: true, yMax: 1, tall: true, width }));
