@@ -162,7 +162,7 @@ def run_serve(options: dict) -> int:
     from tokenway.engine.process import ProcessEngine
     from tokenway.server.app import create_app
     from tokenway.server.serving import ServerConfig, ServerState
-    from tokenway.server.uvicorn_server import Server
+    from tokenway.server.uvicorn_server import Server, run_event_loop
 
     logging.basicConfig(level=options["log_level"].upper(), format="%(message)s", stream=sys.stderr)
     engine_config = EngineConfig(
@@ -248,7 +248,7 @@ def run_serve(options: dict) -> int:
             await asyncio.to_thread(state.observer.close)  # flush spans (bounded: 5 s)
 
     try:
-        asyncio.run(main())
+        run_event_loop(main())
     finally:
         if engine is not None:
             engine.shutdown()

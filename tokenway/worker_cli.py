@@ -12,7 +12,6 @@ model. SIGINT / SIGTERM: stop accepting, give open streams the grace period, exi
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ipaddress
 import logging
 import os
@@ -89,7 +88,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from tokenway.engine.process import ProcessEngine
     from tokenway.models.loader import resolve_model
     from tokenway.routing.wire import PREFIX
-    from tokenway.server.uvicorn_server import Server
+    from tokenway.server.uvicorn_server import Server, run_event_loop
     from tokenway.server.worker_api import create_worker_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(message)s", stream=sys.stderr)
@@ -113,7 +112,7 @@ def run_worker(args: argparse.Namespace) -> int:
         auth = "secret required" if secret else "auth OFF (loopback, no secret)"
         server.announcement = (f"tokenway: worker serving {name} on http://{args.host}:{args.port}{PREFIX} "
                                f"({auth}; engine pid {engine.pid})")
-        asyncio.run(server.serve())
+        run_event_loop(server.serve())
     finally:
         engine.shutdown()
     if not server.started:

@@ -58,7 +58,7 @@ def replica_views(gateway) -> dict[str, dict]:
     return httpx.get(f"{gateway.base_url}/engine/stats", timeout=5).json()["replicas"]["trio"]
 
 
-async def call(client: httpx.AsyncClient, i: int) -> dict:
+async def call(client: httpx.AsyncClient, i: int, started: list[int]) -> dict:
     """One call's outcome: its request id, whether it succeeded, and for a stream whether it
     ended with an error event (then [DONE]) rather than being cut or hanging."""
     stream = i % 2 == 0
@@ -68,8 +68,13 @@ async def call(client: httpx.AsyncClient, i: int) -> dict:
         response = await client.post("/v1/chat/completions", json=body)
         return {"id": response.headers.get("x-request-id"), "ok": response.status_code == 200,
                 "status": response.status_code, "stream": False}
+    events = []
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        events = [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 2:  # the role chunk, then the first text: it is decoding
+                    started[0] += 1
     error = len(events) >= 2 and events[-1] == "[DONE]" and "error" in json.loads(events[-2])
     ok = response.status_code == 200 and events[-1:] == ["[DONE]"] and not error
     return {"id": response.headers.get("x-request-id"), "ok": ok, "status": response.status_code, "stream": True,
@@ -83,11 +88,13 @@ def test_a_worker_killed_under_load_is_routed_around_marked_down_and_taken_back(
     async def run() -> tuple[list[dict], float, float]:
         limits = httpx.Limits(max_connections=NUM_CALLS + 10, max_keepalive_connections=NUM_CALLS + 10)
         async with httpx.AsyncClient(base_url=gateway.base_url, limits=limits, timeout=240) as client:
-            calls = [asyncio.create_task(call(client, i)) for i in range(NUM_CALLS)]
-            # Mid-run: once the victim is running calls of its own.
+            started = [0]  # streams that have received text
+            calls = [asyncio.create_task(call(client, i, started)) for i in range(NUM_CALLS)]
+            # Mid-run: once streams are decoding and the victim runs calls of its own.
             deadline = time.monotonic() + 120
-            while replica_views(gateway)["w1"]["num_in_flight"] < 5 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            while (started[0] < 15 or replica_views(gateway)["w1"]["num_in_flight"] < 5) \
+                    and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
             assert not all(task.done() for task in calls)
             victim.process.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
@@ -110,7 +117,8 @@ def test_a_worker_killed_under_load_is_routed_around_marked_down_and_taken_back(
         assert replica == "w1", (result, trace["route"])
         assert result["error_event"] if result["stream"] else result["status"] >= 500, result
         failed_on_victim += 1
-    assert sum(r["ok"] for r in results) >= NUM_CALLS - 128 and failed_on_victim < NUM_CALLS
+    assert failed_on_victim >= 1  # some of its calls were decoding: they end in error, never retried
+    assert sum(r["ok"] for r in results) >= NUM_CALLS - 128
 
     # Restarted on its port: taken back within 2 s of being ready.
     workers["w1"] = Worker(victim.secret_file, port=victim.port).wait_ready()

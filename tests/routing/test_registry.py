@@ -81,7 +81,7 @@ def test_example_pools(example):
 
 
 def test_example_fallbacks(example):
-    assert names(example.fallback_chain("gpt-4o")) == ["large", "small"]
+    assert names(example.fallback_chain("gpt-4o")) == ["large", "claude-sonnet"]
     assert names(example.fallback_chain("small")) == ["small"]
 
 

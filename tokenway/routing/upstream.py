@@ -1,4 +1,4 @@
-"""What every HTTP upstream replica shares: one pooled httpx client, the event-stream reader
+"""What every HTTP upstream replica shares: its pooled HTTP client (http_client.py), the event-stream reader
 with its timers, the mapping of upstream failures onto tokenway's error tree, health probes.
 
     OpenAIUpstream / AnthropicUpstream ── body ─► UpstreamHTTP.stream_events(path, body, deadline)
@@ -36,8 +36,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
-
-import httpx
+from urllib.parse import urlsplit
 
 from tokenway.protocol.errors import (
     BadGatewayError,
@@ -45,6 +44,7 @@ from tokenway.protocol.errors import (
     TokenwayError,
     truncate,
 )
+from tokenway.routing.http_client import ConnectionPool, HTTPError, Response
 from tokenway.routing.job import GenerationJob, Usage, estimate_tokens
 from tokenway.routing.sse_decoder import SSEDecoder, SSEEvent
 from tokenway.routing.upstream_errors import error_for_status
@@ -52,6 +52,7 @@ from tokenway.routing.upstream_errors import error_for_status
 logger = logging.getLogger(__name__)
 
 MAX_ERROR_BODY_BYTES = 64 * 1024
+MAX_JSON_BYTES = 64 * 2**20  # a worker's tokenizer files are the largest answer read whole
 DRAIN_SECONDS = 1.0  # after the last event, how long to wait for the body's end to keep the connection
 
 CountTokens = Callable[[GenerationJob, Sequence[str]], tuple[int, int]]
@@ -134,24 +135,34 @@ class UpstreamHTTP:
         self._headers = dict(headers)  # may hold the api key: never logged, never in repr
         self._limits = limits
         self._health_path = health_path if "://" in health_path else health_path.lstrip("/")
-        self._client: httpx.AsyncClient | None = None
+        self._pools: dict[str, ConnectionPool] = {}  # origin -> its connections
 
     def __repr__(self) -> str:
         return f"UpstreamHTTP(name={self.name!r}, base_url={self.base_url!r})"
 
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
+    def _target(self, path: str) -> tuple[ConnectionPool, str]:
+        """The pool and request target of a path under base_url (or of a full URL)."""
+        parts = urlsplit(path if "://" in path else self.base_url + path)
+        origin = f"{parts.scheme}://{parts.netloc}"
+        pool = self._pools.get(origin)
+        if pool is None:
             limits = self._limits
-            self._client = httpx.AsyncClient(
-                base_url=self.base_url, headers=self._headers, follow_redirects=False,
-                limits=httpx.Limits(max_connections=limits.max_connections, keepalive_expiry=limits.keepalive_expiry,
-                                    max_keepalive_connections=limits.max_keepalive_connections))
-        return self._client
+            pool = self._pools[origin] = ConnectionPool(
+                origin, max_connections=limits.max_connections, max_keepalive=limits.max_keepalive_connections,
+                keepalive_expiry=limits.keepalive_expiry, connect_timeout=self.timeouts.connect)
+        return pool, (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+
+    async def _request(self, method: str, path: str, headers: Mapping[str, str], body: bytes | None,
+                       until: float, deadline: float | None) -> Response:
+        pool, target = self._target(path)
+        # identity: this client does not decompress, and a compressed stream would arrive in batches
+        headers = {**self._headers, "accept-encoding": "identity", "user-agent": "tokenway", **headers}
+        return await self._within(lambda: pool.request(method, target, headers, body), until, deadline)
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            client, self._client = self._client, None
-            await client.aclose()
+        pools, self._pools = self._pools, {}
+        for pool in pools.values():
+            await pool.aclose()
 
     async def _within(self, make: Callable[[], Awaitable[Any]], until: float, deadline: float | None) -> Any:
         """Awaits make() until `until` (absolute monotonic), mapping timeouts and transport failures."""
@@ -161,10 +172,10 @@ class UpstreamHTTP:
                 raise TimeoutError
             async with asyncio.timeout(remaining):
                 return await make()
-        except (TimeoutError, httpx.TimeoutException):
+        except TimeoutError:
             what = "before the request's deadline" if until == deadline else "in time"
             raise GatewayTimeoutError(f"Upstream {self.name} did not answer {what}.") from None
-        except httpx.RequestError as exc:
+        except HTTPError as exc:
             detail = truncate(str(exc), 120) or type(exc).__name__
             raise BadGatewayError(f"Upstream {self.name} failed: {detail}") from None
 
@@ -180,17 +191,15 @@ class UpstreamHTTP:
         def bound(gap: float) -> float:  # when a wait ends: its own timeout or the deadline, whichever is first
             return min(time.monotonic() + gap, math.inf if deadline is None else deadline)
 
-        client, event_by = self._http(), bound(timeouts.first_event)
-        request = client.build_request(
-            "POST", path, json=body,
-            headers={"accept": "text/event-stream", "accept-encoding": "identity"},  # gzip would batch events
-            timeout=httpx.Timeout(None, connect=max(0.001, min(timeouts.connect, event_by - started))))
-        response = await self._within(lambda: client.send(request, stream=True), event_by, deadline)
+        event_by = bound(timeouts.first_event)
+        response = await self._request(
+            "POST", path, {"content-type": "application/json", "accept": "text/event-stream"},
+            json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode(), event_by, deadline)
         chunks: Any = None
         try:
-            if response.status_code >= 300:
+            if response.status >= 300:
                 raise await self._error(response, deadline)
-            chunks, text = response.aiter_bytes(), codecs.getincrementaldecoder("utf-8")()
+            chunks, text = response.chunks(), codecs.getincrementaldecoder("utf-8")()
             sse = SSEDecoder()
             while (chunk := await self._within(lambda: anext(chunks, None), event_by, deadline)) is not None:
                 try:
@@ -211,7 +220,7 @@ class UpstreamHTTP:
             await response.aclose()
 
     async def _drain(self, chunks: AsyncIterator[bytes], until: float) -> None:
-        """Reads to the body's end, so httpx can reuse the connection; the answer is already complete,
+        """Reads to the body's end, so the connection can be reused; the answer is already complete,
         so an upstream that lingers only loses the connection."""
         try:
             while await self._within(lambda: anext(chunks, None), until, None) is not None:
@@ -219,29 +228,31 @@ class UpstreamHTTP:
         except TokenwayError:
             pass
 
-    async def _error(self, response: httpx.Response, deadline: float | None) -> TokenwayError:
+    async def _error(self, response: Response, deadline: float | None) -> TokenwayError:
         body = b""
         try:
-            chunks = response.aiter_bytes()
             until = min(time.monotonic() + self.timeouts.between_events, deadline or math.inf)
-            while len(body) < MAX_ERROR_BODY_BYTES and (chunk := await self._within(
-                    lambda: anext(chunks, None), until, deadline)) is not None:
-                body += chunk
+            body = await self._within(lambda: response.read(MAX_ERROR_BODY_BYTES), until, deadline)
         except TokenwayError:
             pass  # the status alone decides
-        error = error_for_status(self.name, response.status_code, body[:MAX_ERROR_BODY_BYTES], response.headers)
-        logger.warning("upstream %s answered HTTP %d -> %s", self.name, response.status_code, type(error).__name__)
+        error = error_for_status(self.name, response.status, body, response.headers)
+        logger.warning("upstream %s answered HTTP %d -> %s", self.name, response.status, type(error).__name__)
         return error
 
-    async def get_json(self, path: str, timeout: float) -> Any:
+    async def get_json(self, path: str, timeout: float, max_bytes: int = MAX_JSON_BYTES) -> Any:
         """GET path within timeout: its JSON body, else the mapped error (the table above)."""
-        client, until = self._http(), time.monotonic() + timeout
-        response = await self._within(lambda: client.get(path, timeout=timeout), until, None)
-        if response.status_code >= 300:
-            raise error_for_status(self.name, response.status_code, response.content[:MAX_ERROR_BODY_BYTES],
-                                   response.headers)
+        until = time.monotonic() + timeout
+        response = await self._request("GET", path, {"accept": "application/json"}, None, until, None)
         try:
-            return response.json()
+            body = await self._within(lambda: response.read(max_bytes + 1), until, None)
+        finally:
+            await response.aclose()
+        if response.status >= 300:
+            raise error_for_status(self.name, response.status, body[:MAX_ERROR_BODY_BYTES], response.headers)
+        if len(body) > max_bytes:
+            raise BadGatewayError(f"Upstream {self.name} answered GET {path} with more than {max_bytes} bytes.")
+        try:
+            return json.loads(body)
         except ValueError:
             raise BadGatewayError(f"Upstream {self.name} answered GET {path} with something other than JSON.") from None
 
@@ -249,11 +260,14 @@ class UpstreamHTTP:
         """GET {base_url}/models (or the configured health path; a full URL is taken as is)
         within timeouts.probe: True if the upstream is up (health.Probe's contract), else
         raises the mapped error."""
-        client, until = self._http(), time.monotonic() + self.timeouts.probe
-        response = await self._within(lambda: client.get(self._health_path, timeout=self.timeouts.probe), until, None)
-        if response.status_code >= 300:
-            raise error_for_status(self.name, response.status_code, response.content[:MAX_ERROR_BODY_BYTES],
-                                   response.headers)
+        until = time.monotonic() + self.timeouts.probe
+        response = await self._request("GET", self._health_path, {}, None, until, None)
+        try:
+            body = await self._within(lambda: response.read(MAX_ERROR_BODY_BYTES), until, None)
+        finally:
+            await response.aclose()
+        if response.status >= 300:
+            raise error_for_status(self.name, response.status, body, response.headers)
         return True
 
 

@@ -10,8 +10,6 @@ from collections.abc import Mapping
 from email.utils import parsedate_to_datetime
 from typing import Any
 
-import httpx
-
 from tokenway.protocol.errors import (
     MAX_MESSAGE_CHARS,
     BadGatewayError,
@@ -22,6 +20,7 @@ from tokenway.protocol.errors import (
     TokenwayError,
     truncate,
 )
+from tokenway.routing.http_client import HTTPError
 
 
 def retry_after_seconds(headers: Mapping[str, str]) -> float | None:
@@ -95,4 +94,4 @@ def is_replica_fault(exc: BaseException) -> bool:
     """Whether a failed call counts against the replica's health: its 5xx, 429s, timeouts,
     dropped connections and garbage do; the caller's own 400s and cancellations do not."""
     return isinstance(exc, (BadGatewayError, GatewayTimeoutError, ServiceUnavailableError, RateLimitError,
-                            httpx.TransportError, TimeoutError))
+                            HTTPError, OSError, TimeoutError))
