@@ -1,4 +1,6 @@
-"""Three tokenway workers behind a gateway that runs no model itself, 200 concurrent calls
+"""Three tokenway workers behind a gateway that runs no model itself. A shared-prefix workload
+gets a far higher prompt-cache hit rate on the workers with prefix affinity than round robin.
+Then 200 concurrent calls
 (half of them streams), and one worker SIGKILLed mid-run: every call that had not started on
 it succeeds, the streams that were running on it end with an error event (none hang), it is
 marked down within 2 s by the default health checks, and taken back within 2 s of its
@@ -21,6 +23,10 @@ CONFIG = """
 [[models]]
 name = "trio"
 max_in_flight = 128
+{replicas}
+[[models]]
+name = "trio-rr"  # the same workers, taken in turn: the baseline prefix affinity is measured against
+balancer = {{policy = "round_robin"}}
 {replicas}
 """
 REPLICA = """  [[models.replicas]]
@@ -54,8 +60,8 @@ def trio(default_model_dir, tmp_path_factory):
             worker.kill()
 
 
-def replica_views(gateway) -> dict[str, dict]:
-    return httpx.get(f"{gateway.base_url}/engine/stats", timeout=5).json()["replicas"]["trio"]
+def replica_views(gateway, model: str = "trio") -> dict[str, dict]:
+    return httpx.get(f"{gateway.base_url}/engine/stats", timeout=5).json()["replicas"][model]
 
 
 async def call(client: httpx.AsyncClient, i: int, started: list[int]) -> dict:
@@ -79,6 +85,39 @@ async def call(client: httpx.AsyncClient, i: int, started: list[int]) -> dict:
     ok = response.status_code == 200 and events[-1:] == ["[DONE]"] and not error
     return {"id": response.headers.get("x-request-id"), "ok": ok, "status": response.status_code, "stream": True,
             "error_event": error, "num_events": len(events)}
+
+
+def shared_prefix_hit_rate(gateway, model: str, topic: str) -> tuple[float, list[str]]:
+    """Four long system prompts, three questions each, interleaved (p0 q0, p1 q0, ... p0 q1, ...):
+    the pool's prompt-cache hit rate as its replicas reported it, and each call's routing reason."""
+    client = httpx.Client(base_url=gateway.base_url, timeout=120)
+    before = {name: (view["prompt_tokens"], view["cached_tokens"]) for name, view in replica_views(gateway, model).items()}
+    reasons = []
+    for question in range(3):
+        for prefix in range(4):
+            system = f"You are assistant {prefix} for {topic}. " + " ".join(
+                f"Rule {i}: answer questions about {topic} number {prefix} precisely." for i in range(25))
+            response = client.post("/v1/chat/completions", json={
+                "model": model, "max_tokens": 1, "temperature": 0,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Question {question}?"}]})
+            assert response.status_code == 200, response.text
+            trace = client.get(f"/v1/traces/{response.headers['x-request-id']}").json()
+            reasons.append(trace["route"]["reason"])
+    views = replica_views(gateway, model)
+    prompt = sum(view["prompt_tokens"] - before[name][0] for name, view in views.items())
+    cached = sum(view["cached_tokens"] - before[name][1] for name, view in views.items())
+    return cached / prompt, reasons
+
+
+def test_prefix_affinity_hits_the_prompt_cache_where_round_robin_misses(trio):
+    gateway, _ = trio
+    round_robin, rr_reasons = shared_prefix_hit_rate(gateway, "trio-rr", "tides")
+    affinity, reasons = shared_prefix_hit_rate(gateway, "trio", "volcanoes")  # other prompts: cold caches
+    print(f"\nprompt-cache hit rate on the workers, 4 shared prefixes x 3 calls over 3 replicas: "
+          f"affinity {affinity:.1%}, round robin {round_robin:.1%}")
+    assert set(rr_reasons) == {"round_robin"}
+    assert reasons.count("affinity") == 8  # every call after a prefix's first
+    assert affinity > round_robin + 0.4
 
 
 def test_a_worker_killed_under_load_is_routed_around_marked_down_and_taken_back(trio):

@@ -27,7 +27,6 @@ never dropped and never allowed to stop the start.
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import hashlib
 import json
@@ -165,8 +164,10 @@ class Journal:
 
 
 def encode_record(record: "UsageRecord") -> bytes:
-    # ASCII JSON: whatever text a row holds, its line can be written and read back.
-    return (json.dumps(dataclasses.asdict(record), separators=(",", ":")) + "\n").encode("ascii")
+    # ASCII JSON: whatever text a row holds, its line can be written and read back. The fields
+    # are read as they are (dataclasses.asdict would deep-copy the trace first: a third of the cost).
+    fields = {name: getattr(record, name) for name in record.__dataclass_fields__}
+    return (json.dumps(fields, separators=(",", ":")) + "\n").encode("ascii")
 
 
 def read_records(path: Path, database: str | None, dead_letters: DeadLetters) -> list["UsageRecord"] | None:

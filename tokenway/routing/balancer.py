@@ -11,6 +11,9 @@ For a call of T tokens (prompt + max_tokens) whose prompt has the full blocks B:
                   m(r) >= 1 and m(r) >= min_match_fraction * |B|   (ties: lower L, then rng)
     least_loaded  otherwise r = argmin L(r) over C                  (ties: rng, else pool order)
 
+That is the default policy, "cache_aware". "least_loaded" skips the affinity step; "round_robin"
+takes the next replica of C in turn (the baseline the affinity is measured against).
+
 The bound is that of consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam,
 2016): a replica may carry more than its share, up to balance_factor times the mean counting
 this call, so a hot prefix spills to another replica instead of piling onto one; SGLang's
@@ -47,15 +50,18 @@ import math
 import random
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from tokenway.routing.health import BreakerState, HealthView, ReplicaHealth
 from tokenway.routing.lease import Choice, Lease, Reason
 from tokenway.routing.prefix_index import PrefixIndex, prefix_block_hashes
 
+POLICIES = ("cache_aware", "least_loaded", "round_robin")
+
 
 @dataclass(frozen=True, slots=True)
 class BalancerConfig:
+    policy: Literal["cache_aware", "least_loaded", "round_robin"] = "cache_aware"
     block_size: int = 16  # tokens per hashed block (the engine's KV block size where known)
     min_match_fraction: float = 0.5  # of the prompt's full blocks, for affinity
     balance_factor: float = 1.25  # >= 1
@@ -67,6 +73,8 @@ class BalancerConfig:
     retry_after: float = 1.0  # seconds, when nothing better is known
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.block_size < 1 or self.max_num_indexed_blocks < 1 or self.max_in_flight < 1:
             raise ValueError("block_size, max_num_indexed_blocks, max_in_flight: must be >= 1")
         if not 0.0 <= self.min_match_fraction <= 1.0:
@@ -156,6 +164,7 @@ class Balancer:
         ]
         self._name_to_replica = {r.name: r for r in self._replicas}
         self._waiters: list[_Waiter] = []  # FIFO
+        self._num_round_robin = 0
         for replica in self._replicas:
             if replica.health is not None:
                 replica.health.subscribe(self._wake_waiters)  # a replica back up is a free slot
@@ -173,7 +182,8 @@ class Balancer:
 
     def pick(self, prompt_token_ids: Sequence[int] | None, num_tokens: int,
              exclude: Collection[str] = frozenset()) -> Choice:
-        """The replica the rule chooses now; changes nothing. Raises NoReplicaAvailable, PoolFull."""
+        """The replica the rule chooses now; changes nothing (but round_robin's turn). Raises
+        NoReplicaAvailable, PoolFull."""
         choice = self._decide(self._block_hashes(prompt_token_ids), num_tokens, exclude)
         if choice is None:
             raise PoolFull("every available replica is at max_in_flight", retry_after=self.config.retry_after)
@@ -264,7 +274,13 @@ class Balancer:
         bound = config.balance_factor * total_tokens / len(candidates) + config.balance_slack_tokens
         chosen: _Replica | None = None
         num_matched_blocks = 0
-        if block_hashes:
+        if config.policy == "round_robin":
+            chosen = candidates[self._num_round_robin % len(candidates)]
+            self._num_round_robin += 1
+            num_matched_blocks = chosen.index.num_matched_blocks(block_hashes) if block_hashes else 0
+            return Choice(chosen.name, "retry" if exclude else "round_robin", num_matched_blocks * config.block_size,
+                          num_tokens, block_hashes)
+        if block_hashes and config.policy == "cache_aware":
             within_bound = [r for r in candidates if r.num_outstanding_tokens + num_tokens <= bound]
             matches = [(r.index.num_matched_blocks(block_hashes), r) for r in within_bound]
             num_matched_blocks = max((m for m, _ in matches), default=0)

@@ -15,7 +15,7 @@ from typing import Literal, Self
 
 from tokenway.routing.health import ReplicaHealth
 
-Reason = Literal["affinity", "least_loaded", "retry"]
+Reason = Literal["affinity", "least_loaded", "round_robin", "retry"]
 
 
 @dataclass(frozen=True, slots=True)

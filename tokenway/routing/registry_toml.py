@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from tokenway.billing.pricing import ModelPrice
-from tokenway.routing.balancer import BalancerConfig
+from tokenway.routing.balancer import POLICIES, BalancerConfig
 from tokenway.routing.health import BreakerConfig, HealthCheckConfig
 from tokenway.routing.registry_config import (
     MODEL_KINDS,
@@ -179,6 +179,7 @@ def _balancer(table: Table | None, max_in_flight: int | None) -> BalancerConfig:
     fields: dict[str, Any] = {"max_in_flight": max_in_flight}  # the model's key: one place, not two
     if table is not None:
         fields |= {
+            "policy": table.choice("policy", POLICIES),
             "block_size": table.count("block_size"),
             "min_match_fraction": table.number("min_match_fraction", minimum=0, maximum=1),
             "balance_factor": table.number("balance_factor", minimum=1),
