@@ -243,7 +243,7 @@ ERRORS = [
     ([model(balancer={"max_in_flight": 8})], {},
      ("models[0].balancer: unknown key 'max_in_flight' (it is the model's own key, max_in_flight); known: "
       "balance_factor, balance_slack_tokens, block_size, max_num_indexed_blocks, max_queue, min_match_fraction, "
-      "queue_timeout_s, retry_after_s")),
+      "policy, queue_timeout_s, retry_after_s")),
     ([model(prices={"input": 1, "outptu": 2})], {},
      "models[0].prices: unknown key 'outptu' (did you mean 'output'?); known: cached_input, input, output"),
     ([model(**{"context-window": 1, "context_window": 2})], {},
