@@ -293,3 +293,19 @@ def test_a_hung_upstream_gets_a_504_within_the_deadline(gateway):
     assert time.monotonic() - started < 5
     assert oa.wait_for(lambda: oa.num_disconnects > num_disconnects)
     assert server.stats()["replicas"]["solo"]["oa"]["num_in_flight"] == 0  # nothing leaks
+
+
+def test_a_client_that_leaves_mid_stream_aborts_the_upstream_request(gateway):
+    server, oa, _ = gateway
+    oa.script(Reply(chunks=(openai_chunk(text="Hel"),), then="hang"))  # more would come: it waits on the gateway
+    num_disconnects = oa.num_disconnects
+    body = {"model": "solo", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=30) as response:
+        for line in response.iter_lines():
+            if '"Hel"' in line:
+                break  # leave after the first text
+    assert oa.wait_for(lambda: oa.num_disconnects > num_disconnects, timeout=5)  # the gateway hung up upstream
+    deadline = time.monotonic() + 5
+    while server.stats()["replicas"]["solo"]["oa"]["num_in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.stats()["replicas"]["solo"]["oa"]["num_in_flight"] == 0
