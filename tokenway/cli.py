@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -239,6 +240,10 @@ def run_serve(options: dict) -> int:
                 print(f"tokenway: WARNING: {server_config.host} is reachable from other machines and no API key "
                       f"exists, so every /v1 call is refused with 401 until you create one:\n"
                       f"    tokenway keys create --name NAME --db {gatekeeper.keys.path}", file=sys.stderr, flush=True)
+        # What start-up made (the app, tokenizers, registries) lives as long as the server: out of
+        # the collector's sight, so a collection walks only what requests make (fewer, shorter pauses).
+        gc.collect()
+        gc.freeze()
         await server.serve()
         await state.router.aclose()
         await state.body_parser.close()
