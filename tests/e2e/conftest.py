@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sqlite3
 import ssl
 import subprocess
 import sys
@@ -68,6 +69,17 @@ class Server:
 
     def stats(self) -> dict:
         return httpx.get(f"{self.base_url}/engine/stats", timeout=5).json()
+
+    def ledger_row(self, request_id: str, timeout: float = 10) -> dict:
+        """The call's row in this server's SQLite ledger, once committed ({} if it never is)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with sqlite3.connect(self.db) as conn:
+                conn.row_factory = sqlite3.Row
+                row = conn.execute("SELECT * FROM usage_ledger WHERE request_id = ?", (request_id,)).fetchone()
+            if row is not None or time.monotonic() > deadline:
+                return dict(row) if row is not None else {}
+            time.sleep(0.05)
 
     def stop(self, timeout: float = 30) -> int:
         if self.process.poll() is None:

@@ -8,7 +8,6 @@ the call with an error event or a 504 within the deadline."""
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 
 import anthropic
@@ -85,17 +84,6 @@ def fresh_stubs(gateway):
 
 def trace_of(server, request_id: str) -> dict:
     return httpx.get(f"{server.base_url}/v1/traces/{request_id}", timeout=10).json()
-
-
-def ledger_row(server, request_id: str) -> dict:
-    deadline = time.monotonic() + 10
-    while True:
-        with sqlite3.connect(server.db) as conn:
-            conn.row_factory = sqlite3.Row
-            row = conn.execute("SELECT * FROM usage_ledger WHERE request_id = ?", (request_id,)).fetchone()
-        if row is not None or time.monotonic() > deadline:
-            return dict(row) if row is not None else {}
-        time.sleep(0.05)
 
 
 def openai_tool_call_reply(arguments_pieces: tuple[str, ...]) -> Reply:
@@ -202,7 +190,7 @@ def test_the_openai_sdk_reaches_an_anthropic_upstream_with_tools_and_the_ledger_
     assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (20, 17)
     sent = an.received[-1].body
     assert sent["system"] == "Be brief." and sent["model"] == "claude-up" and sent["tools"][0]["name"] == "get_weather"
-    row = ledger_row(server, raw.headers["x-request-id"])
+    row = server.ledger_row(raw.headers["x-request-id"])
     assert (row["prompt_tokens"], row["completion_tokens"], row["status"]) == (20, 17, 200)
     route = trace_of(server, raw.headers["x-request-id"])["route"]
     assert (route["pool"], route["replica"], route["reason"]) == ("claude", "an", "only")

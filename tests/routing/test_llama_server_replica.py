@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -85,17 +84,6 @@ def gateway(tmp_path_factory):
         log.close()
 
 
-def ledger_row(server, request_id: str) -> dict:
-    deadline = time.monotonic() + 10
-    while True:
-        with sqlite3.connect(server.db) as conn:
-            conn.row_factory = sqlite3.Row
-            row = conn.execute("SELECT * FROM usage_ledger WHERE request_id = ?", (request_id,)).fetchone()
-        if row is not None or time.monotonic() > deadline:
-            return dict(row) if row is not None else {}
-        time.sleep(0.05)
-
-
 def test_llama_server_serves_chat_and_streams_and_its_usage_is_billed(gateway):
     client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     raw = client.chat.completions.with_raw_response.create(
@@ -105,7 +93,7 @@ def test_llama_server_serves_chat_and_streams_and_its_usage_is_billed(gateway):
     assert completion.model == "llama" and completion.choices[0].message.content
     usage = completion.usage
     assert usage.prompt_tokens > 5 and 0 < usage.completion_tokens <= 16
-    row = ledger_row(gateway, raw.headers["x-request-id"])
+    row = gateway.ledger_row(raw.headers["x-request-id"])
     assert (row["prompt_tokens"], row["completion_tokens"], row["status"]) == \
         (usage.prompt_tokens, usage.completion_tokens, 200)
 

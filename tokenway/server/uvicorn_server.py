@@ -10,15 +10,45 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import sys
 import threading
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from tokenway.protocol.errors import InvalidRequestError, openai_error_body
+
+
+class JSONErrorsHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol (llhttp: the fast parser), whose answer to a request it
+    cannot parse is an OpenAI-shaped 400 like every other error, naming what was wrong, rather
+    than plain text. llhttp refuses some requests before the app could see them, among them
+    one with both Content-Length and Transfer-Encoding (RFC 9112 6.3: a smuggling vector)."""
+
+    def send_400_response(self, msg: str) -> None:
+        exc = sys.exc_info()[1]  # uvicorn calls this while handling the parser's error
+        detail = str(exc) if exc is not None and str(exc) else msg
+        if "transfer-encoding" in detail.lower() and "content-length" in detail.lower():
+            error = InvalidRequestError("The request has both Content-Length and Transfer-Encoding; send one.",
+                                        code="ambiguous_framing")
+        else:
+            error = InvalidRequestError(f"The request is not valid HTTP/1.1: {detail}", code="invalid_http_request")
+        body = json.dumps(openai_error_body(error)).encode()
+        content = [STATUS_LINE[400]]
+        for name, value in self.server_state.default_headers:
+            content.extend([name, b": ", value, b"\r\n"])
+        content.extend([b"content-type: application/json\r\n", b"content-length: " + str(len(body)).encode() + b"\r\n",
+                        b"connection: close\r\n", b"\r\n", body])
+        self.transport.write(b"".join(content))
+        self.transport.close()
 
 
 class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, announcement: str = "") -> None:
+        if config.http == "auto":
+            config.http = JSONErrorsHttpToolsProtocol
         super().__init__(config)
         self.announcement = announcement
 
