@@ -3,6 +3,7 @@ output tok/s at 16 streams, engine steps, and /health latency while the server i
 
     python bench/engine_process_bench.py                     # 3 rounds of: thread, process
     python bench/engine_process_bench.py --rounds 4 --modes process process-nice5 thread
+    python bench/engine_process_bench.py --shared-prefix-words 800 --max-tokens 128   # the peers' shared workload
 
 Each mode starts `tokenway serve` (no embeddings), warms it with 16 requests, then runs the
 load (N requests, C at a time, `--max-tokens` each, ignore_eos) while a probe asks /health every
@@ -34,34 +35,54 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def one_request(client: httpx.AsyncClient, max_tokens: int) -> int:
-    body = {"model": "smollm2-135m-instruct", "prompt": "Write a long story about a lighthouse keeper.",
+SHARED_PREFIX_SENTENCE = "The keeper of the lighthouse wrote down the weather, the ships and the tides. "
+
+
+def prompt_of(number: int, shared_prefix_words: int) -> str:
+    """A short prompt, or (with a shared prefix) the same long preamble then a tail of its own."""
+    if not shared_prefix_words:
+        return "Write a long story about a lighthouse keeper."
+    words = SHARED_PREFIX_SENTENCE.split()
+    preamble = " ".join(words[i % len(words)] for i in range(shared_prefix_words))
+    return f"{preamble}\nStory number {number}: write a long story about a lighthouse keeper."
+
+
+async def one_request(client: httpx.AsyncClient, max_tokens: int, prompt: str) -> tuple[int, float | None]:
+    """(completion tokens, seconds per output token after the first)."""
+    body = {"model": "smollm2-135m-instruct", "prompt": prompt,
             "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.8, "stream": True,
             "stream_options": {"include_usage": True}}
-    tokens = 0
+    tokens, first, last = 0, None, None
     async with client.stream("POST", "/v1/completions", json=body) as response:
         async for line in response.aiter_lines():
             if line.startswith("data: {") and '"completion_tokens"' in line:
                 tokens = json.loads(line[6:])["usage"]["completion_tokens"]
-    return tokens
+            elif line.startswith("data: {"):
+                last = time.perf_counter()
+                first = first or last
+    tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
+    return tokens, tpot
 
 
-async def load(base_url: str, num_requests: int, concurrency: int, max_tokens: int) -> tuple[float, int]:
-    """(seconds, completion tokens) of the whole load."""
+async def load(base_url: str, num_requests: int, concurrency: int, max_tokens: int,
+               shared_prefix_words: int = 0) -> tuple[float, int, list[float]]:
+    """(seconds, completion tokens, each request's TPOT) of the whole load."""
     queue = list(range(num_requests))
-    total = 0
+    total, tpots = 0, []
 
     async def worker(client: httpx.AsyncClient) -> None:
         nonlocal total
         while queue:
-            queue.pop()
-            tokens = await one_request(client, max_tokens)  # not `total += await ...`: that reads total first
-            total += tokens
+            number = queue.pop()
+            tokens, tpot = await one_request(client, max_tokens, prompt_of(number, shared_prefix_words))
+            total += tokens  # not `total += await ...`: that reads total first
+            if tpot is not None:
+                tpots.append(tpot)
 
     async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
         started = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-        return time.perf_counter() - started, total
+        return time.perf_counter() - started, total, tpots
 
 
 async def probe_health(base_url: str, stop: asyncio.Event) -> list[float]:
@@ -76,15 +97,18 @@ async def probe_health(base_url: str, stop: asyncio.Event) -> list[float]:
 
 
 async def measure(base_url: str, args) -> dict:
-    await load(base_url, 16, 16, 16)  # warm: kernels, caches, the first batches
+    await load(base_url, 16, 16, 16, args.shared_prefix_words)  # warm: kernels, caches, the first batches
     steps_before = httpx.get(f"{base_url}/engine/stats").json().get("num_steps", 0)
     stop = asyncio.Event()
     prober = asyncio.create_task(probe_health(base_url, stop))
-    seconds, tokens = await load(base_url, args.num_requests, args.concurrency, args.max_tokens)
+    seconds, tokens, tpots = await load(base_url, args.num_requests, args.concurrency, args.max_tokens,
+                                        args.shared_prefix_words)
     stop.set()
     latencies = sorted(await prober)
     steps = httpx.get(f"{base_url}/engine/stats").json().get("num_steps", 0) - steps_before
-    return {"tok_s": tokens / seconds, "steps": steps, "health_p50": latencies[len(latencies) // 2],
+    tpots.sort()
+    return {"tok_s": tokens / seconds, "steps": steps, "tpot_ms": 1000 * tpots[len(tpots) // 2] if tpots else 0.0,
+            "health_p50": latencies[len(latencies) // 2],
             "health_p99": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))], "n": len(latencies)}
 
 
@@ -121,19 +145,23 @@ def main() -> None:
     parser.add_argument("-n", "--num-requests", type=int, default=96)
     parser.add_argument("-c", "--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--shared-prefix-words", type=int, default=0,
+                        help="every prompt starts with the same N words (the peers' shared workload: ~1,000)")
     args = parser.parse_args()
     results: dict[str, list[dict]] = {mode: [] for mode in args.modes}
     for round_number in range(args.rounds):
         for mode in args.modes:
             result = run_mode(MODE_FLAGS[mode], args)
             results[mode].append(result)
-            print(f"round {round_number + 1} [{mode}] {result['tok_s']:.1f} tok/s, "
+            print(f"round {round_number + 1} [{mode}] {result['tok_s']:.1f} tok/s, TPOT p50 {result['tpot_ms']:.1f} ms, "
                   f"{result['steps']} steps, /health p50 {result['health_p50']:.1f} ms "
                   f"p99 {result['health_p99']:.1f} ms (n={result['n']})", flush=True)
     for mode, runs in results.items():
         tok_s = sorted(r["tok_s"] for r in runs)
         p99 = sorted(r["health_p99"] for r in runs)
+        tpot = sorted(r["tpot_ms"] for r in runs)
         print(f"[{mode}] tok/s {tok_s[0]:.0f}-{tok_s[-1]:.0f} (median {tok_s[len(tok_s) // 2]:.0f}); "
+              f"TPOT p50 {tpot[0]:.1f}-{tpot[-1]:.1f} ms; "
               f"/health p99 {p99[0]:.1f}-{p99[-1]:.1f} ms (median {p99[len(p99) // 2]:.1f})")
 
 
