@@ -251,6 +251,8 @@ def make_sampling_params(body: Any, max_tokens: int, structured: StructuredOutpu
 
 
 def log_request(request_id: str, model: str, clock: StageClock, outcome: CallOutcome) -> None:
+    if not access_log.isEnabledFor(logging.INFO):
+        return  # the line is not built for nobody (serve --log-level warning)
     access_log.info(json.dumps({
         "request_id": request_id,
         "model": model,
