@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
@@ -108,6 +109,28 @@ def test_structured_output_with_parse(client):
         response_format=City, max_tokens=80, temperature=0)
     city = completion.choices[0].message.parsed
     assert isinstance(city, City) and city.name and 0 <= city.population_millions <= 1000
+
+
+def test_a_json_reply_cut_by_max_tokens_is_never_presented_as_valid(client, server):
+    def trace_of(raw) -> dict:
+        return httpx.get(f"{server.base_url}/v1/traces/{raw.headers['x-request-id']}", timeout=10).json()
+
+    cut = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=ask("Give me Paris's name and country as JSON."), max_tokens=4, temperature=0,
+        response_format={"type": "json_object"})
+    assert cut.parse().choices[0].finish_reason == "length"
+    with pytest.raises(ValueError):
+        json.loads(cut.parse().choices[0].message.content)
+    assert trace_of(cut)["json_complete"] is False  # the trace marks it incomplete
+    whole = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=ask("Give me Paris's name as JSON."), max_tokens=80, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": {
+            "type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"]}}})
+    assert whole.parse().choices[0].finish_reason == "stop"
+    assert json.loads(whole.parse().choices[0].message.content)["name"]
+    assert trace_of(whole)["json_complete"] is True
+    plain = client.chat.completions.with_raw_response.create(model=MODEL, messages=ask("Hi"), max_tokens=4)
+    assert trace_of(plain)["json_complete"] is None
 
 
 WEATHER_TOOL = {

@@ -57,6 +57,7 @@ class Trace:
     sampling: dict = field(default_factory=dict)  # temperature, top_p, max_tokens, seed, n as requested
     traceparent: str | None = None  # the caller's W3C trace context, when it sent one
     route: dict | None = None  # the routing stage's choice: pool, replica, and why that replica
+    json_complete: bool | None = None  # a JSON reply: whole (True) or cut short (False); None: none asked
 
     @classmethod
     def of_call(cls, call, outcome, cost_usd: float = 0.0) -> "Trace":
@@ -77,11 +78,12 @@ class Trace:
             route=None if replica is None else {"pool": replica.pool, "replica": replica.replica,
                                                 "reason": replica.reason,
                                                 "failed_attempts": replica.num_failed_attempts},
+            json_complete=outcome.json_complete,
         )
 
     # What the ledger row keeps besides its own columns (`tokenway trace` rebuilds the rest).
     LEDGER_FIELDS = ("endpoint", "total_ms", "ttft_ms", "tpot_ms", "stream", "num_choices", "cache_reason",
-                     "limit_kind", "sampling", "route")
+                     "limit_kind", "sampling", "route", "json_complete")
 
     def ledger_fields(self) -> dict:
         return {name: getattr(self, name) for name in self.LEDGER_FIELDS}

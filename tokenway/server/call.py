@@ -64,6 +64,9 @@ class CallOutcome:
     error: str | None = None
     cache_reason: str | None = None  # why the prefix cache stopped where it did
     limit_kind: str | None = None  # the limit that refused the call with a 429
+    # A JSON reply (response_format json_schema / json_object): whether every choice's text is
+    # a whole JSON document. None: no JSON was asked for, or the call failed.
+    json_complete: bool | None = None
 
 
 class Call:

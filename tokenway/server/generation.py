@@ -11,6 +11,7 @@ results into their API's body. framed_stream frames any API's events the same wa
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -164,6 +165,21 @@ class Generation:
         num_prompt_tokens = self.reported.prompt_tokens if self.reported is not None else self.num_prompt_tokens
         return usage_dict(num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
 
+    def json_complete(self) -> bool | None:
+        """For a call that asked for JSON (a schema, json_object, or the generic tool-call format):
+        whether every choice is a whole JSON document. A reply cut by max_tokens is not, and its
+        finish_reason is already `length`: it is never presented as valid JSON."""
+        job = self.job
+        kind = (job.response_format or {}).get("type")
+        if job.params.structured_output is None and kind not in ("json_schema", "json_object"):
+            return None
+        for index in range(self.num_choices):
+            try:
+                json.loads(self.text(index))
+            except ValueError:
+                return False
+        return True
+
     def finish(self, status: int = 200, error: str | None = None) -> None:
         """The call's outcome, made once from the counts as they stand, and its log line."""
         reasons = [r for r in self.finish_reasons if r]
@@ -172,7 +188,8 @@ class Generation:
             status, prompt_tokens=reported.prompt_tokens if reported is not None else self.num_prompt_tokens,
             cached_tokens=self.num_cached_tokens, completion_tokens=self.num_completion_tokens,
             max_choice_tokens=max(self.completion_tokens), finish_reason=reasons[0] if reasons else None,
-            error=error, cache_reason=self.cache_reason)
+            error=error, cache_reason=self.cache_reason,
+            json_complete=self.json_complete() if status == 200 else None)
         self.call.end(outcome)
         log_request(self.request_id, self.model, self.clock, outcome)
 
