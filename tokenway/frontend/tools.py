@@ -10,6 +10,7 @@ are rendered back in the same JSON, so the model sees its own format.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -99,20 +100,58 @@ def render_tool_messages(messages: list[dict]) -> list[dict]:
     return rendered
 
 
+_CALLS_OPENING = re.compile(r'\s*\{\s*"tool_calls"\s*:\s*\[\s*')
+_RESPONSE_OPENING = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+_DECODER = json.JSONDecoder()
+
+
 def parse_tool_reply(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, tool_calls) from a constrained reply. A reply cut short (max_tokens) may not
-    parse: then it is returned as content, as llama.cpp does."""
+    """(content, tool_calls) from a constrained reply. A reply cut short (max_tokens) keeps what
+    it completed and nothing of the format leaks: the calls finished before the cut (a call cut
+    half-way is dropped), or the answer's text so far."""
     try:
         reply = json.loads(text)
     except json.JSONDecodeError:
-        return text, []
+        return _parse_cut_reply(text)
     if isinstance(reply, dict) and isinstance(reply.get("tool_calls"), list):
-        calls = [
-            ToolCall(new_tool_call_id(), str(c.get("name")), json.dumps(c.get("arguments", {}), ensure_ascii=False))
-            for c in reply["tool_calls"]
-            if isinstance(c, dict)
-        ]
-        return None, calls
+        return None, [_tool_call(c) for c in reply["tool_calls"] if isinstance(c, dict)]
     if isinstance(reply, dict) and isinstance(reply.get("response"), str):
         return reply["response"], []
     return text, []
+
+
+def _tool_call(call: dict) -> ToolCall:
+    return ToolCall(new_tool_call_id(), str(call.get("name")), json.dumps(call.get("arguments", {}), ensure_ascii=False))
+
+
+def _parse_cut_reply(text: str) -> tuple[str | None, list[ToolCall]]:
+    opening = _CALLS_OPENING.match(text)
+    if opening is not None:
+        calls, position = [], opening.end()
+        while True:
+            try:
+                call, position = _DECODER.raw_decode(text, position)
+            except json.JSONDecodeError:
+                break  # the call the cut went through
+            if isinstance(call, dict) and "name" in call and "arguments" in call:
+                calls.append(_tool_call(call))
+            separator = re.compile(r"\s*,\s*").match(text, position)
+            if separator is None:
+                break
+            position = separator.end()
+        return None, calls
+    opening = _RESPONSE_OPENING.match(text)
+    if opening is not None:
+        return _json_string_prefix(text[opening.end():]), []
+    return "", []  # cut before the reply said which branch: nothing to show
+
+
+def _json_string_prefix(body: str) -> str:
+    """The text of a JSON string cut somewhere inside: decoded up to its last whole character
+    (an escape cut half-way is dropped)."""
+    for end in range(len(body), max(-1, len(body) - 7), -1):
+        try:
+            return json.loads('"' + body[:end] + '"')
+        except json.JSONDecodeError:
+            continue
+    return ""

@@ -96,7 +96,7 @@ def tool_input_of(arguments: str) -> dict | None:
 
 
 def stop_fields(completion, used_tools: bool) -> tuple[str, str | None]:
-    if used_tools:
+    if used_tools and completion.finish_reason != "length":  # calls kept from a cut reply end on max_tokens
         return "tool_use", None
     stop_sequence = completion.stop_reason if isinstance(completion.stop_reason, str) else None
     if completion.finish_reason == "abort":

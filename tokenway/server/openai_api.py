@@ -150,7 +150,7 @@ async def chat_response(state: ServerState, body, generation: Generation, generi
         finish_reason = openai_finish_reason(result.finish_reason)
         if generic_tools:
             message, called = tool_message(result.text)
-            if called:
+            if called and finish_reason != "length":  # calls kept from a cut reply still end on length
                 finish_reason = "tool_calls"
         elif result.tool_calls:  # the replica's own (an upstream's)
             message = {"role": "assistant", "content": result.text or None,
@@ -189,10 +189,11 @@ async def chat_stream(state: ServerState, body, generation: Generation, generic_
                 continue
             message, called = tool_message(generation.text(index))
             if called:
-                finish_reason = "tool_calls"
+                if finish_reason != "length":  # calls kept from a cut reply still end on length
+                    finish_reason = "tool_calls"
                 content = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
             else:
-                content = {"content": message["content"]}
+                content = {"content": message["content"] or ""}
             yield chunk([{"index": index, "delta": content, "logprobs": None, "finish_reason": None}])
             yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
             continue
