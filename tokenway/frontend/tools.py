@@ -102,6 +102,7 @@ def render_tool_messages(messages: list[dict]) -> list[dict]:
 
 _CALLS_OPENING = re.compile(r'\s*\{\s*"tool_calls"\s*:\s*\[\s*')
 _RESPONSE_OPENING = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+_SEPARATOR = re.compile(r"\s*,\s*")
 _DECODER = json.JSONDecoder()
 
 
@@ -135,7 +136,7 @@ def _parse_cut_reply(text: str) -> tuple[str | None, list[ToolCall]]:
                 break  # the call the cut went through
             if isinstance(call, dict) and "name" in call and "arguments" in call:
                 calls.append(_tool_call(call))
-            separator = re.compile(r"\s*,\s*").match(text, position)
+            separator = _SEPARATOR.match(text, position)
             if separator is None:
                 break
             position = separator.end()

@@ -45,16 +45,9 @@ class GenerationJob:
     # absolute time.monotonic() by which the call must be done (None: no deadline)
     deadline: float | None = None
     stream: bool = False  # the caller takes SSE (every replica streams to the gateway either way)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        """The templated prompt's length; without it (an upstream templates), an estimate:
-        estimate_tokens of the text, plus 4 tokens a message for the chat template's framing."""
-        if self.prompt_token_ids is not None:
-            return len(self.prompt_token_ids)
-        if self.kind == "completion":
-            return estimate_tokens(self.prompt or "")
-        return estimate_chat_tokens(self.messages, self.tools)
+    # The templated prompt's length; without it (an upstream templates), an estimate: counted
+    # once, here, as limits, the balancer and usage each ask for it.
+    num_prompt_tokens: int = field(default=0, init=False, repr=False, compare=False)
 
     @property
     def num_reserved_tokens(self) -> int:
@@ -79,6 +72,13 @@ class GenerationJob:
             raise ValueError("prompt: a completion job needs a prompt or its token ids")
         if self.n < 1:
             raise ValueError(f"n: must be >= 1, got {self.n}")
+        if self.prompt_token_ids is not None:
+            num_prompt_tokens = len(self.prompt_token_ids)
+        elif self.kind == "completion":
+            num_prompt_tokens = estimate_tokens(self.prompt or "")
+        else:
+            num_prompt_tokens = estimate_chat_tokens(self.messages, self.tools)
+        object.__setattr__(self, "num_prompt_tokens", num_prompt_tokens)
 
 
 def estimate_tokens(text: str) -> int:

@@ -118,7 +118,7 @@ class Router:
             for view in pool.balancer.views():
                 health = pool.healths.get(view.name)
                 reason = health.unavailable_reason if health is not None else None
-                replicas[view.name] = {"kind": getattr(pool.replicas[view.name], "kind", None), "available": reason is None,
+                replicas[view.name] = {"kind": pool.replicas[view.name].kind, "available": reason is None,
                                        "unavailable_reason": reason, "num_in_flight": view.num_in_flight,
                                        "num_outstanding_tokens": view.num_outstanding_tokens,
                                        **pool.tally(view.name).as_dict()}

@@ -9,21 +9,18 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.tools import parse_tool_reply
 from tokenway.protocol.anthropic import map_stop_reason, to_chat_messages, to_chat_tools
 from tokenway.protocol.errors import anthropic_error_body
-from tokenway.routing.job import GenerationJob, ToolCallDelta, estimate_chat_tokens
+from tokenway.routing.job import GenerationJob, ToolCallDelta
 from tokenway.server import sse
 from tokenway.server.call import Call
 from tokenway.server.generation import ChoiceResult, Generation, framed_stream
 from tokenway.server.http import EventStreamResponse
 from tokenway.server.serving import (
     ServerState,
-    context_window,
     make_sampling_params,
     new_id,
-    structured_output_spec,
 )
 
 
@@ -42,31 +39,18 @@ def openai_tools(body) -> tuple[list[dict] | None, object]:
 def prepare(state: ServerState, body, call: Call) -> tuple[Generation, bool]:
     """The adaptor for Messages: the body becomes the same GenerationJob a chat call makes."""
     model = state.route(body, call)
-    frontend = state.frontend(model)
     tools, tool_choice = openai_tools(body)
     messages = to_chat_messages(body)
     fields = SimpleNamespace(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=None,
                              presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None)
-    if frontend is None:  # the upstream templates: the job carries the messages only
-        window = state.max_model_len(model)
-        max_tokens = state.max_tokens(call, window, estimate_chat_tokens(messages, tools), body.max_tokens,
-                                      "max_tokens", num_messages=len(body.messages), exact=False)
-        params = make_sampling_params(fields, max_tokens, None, None, body.stop_sequences)
-        job = GenerationJob(new_id("msg_"), model, "chat", params, messages=tuple(messages),
-                            tools=tuple(tools) if tools else None, tool_choice=tool_choice, context_window=window,
-                            stream=bool(body.stream))
-        return Generation(state, call, job), False
-    with context_window(frontend, "messages") as window:
-        prompt = build_chat_prompt(frontend.tokenizer, messages, tools, tool_choice, max_num_tokens=window)
-    max_tokens = state.max_tokens(call, frontend.max_model_len, len(prompt.prompt_token_ids), body.max_tokens,
-                                  "max_tokens", num_messages=len(body.messages))
-    params = make_sampling_params(fields, max_tokens, structured_output_spec(prompt.json_schema, False), None,
-                                  body.stop_sequences)
+    chat = state.template_chat(call, model, messages, tools, tool_choice, body.max_tokens, "max_tokens",
+                               len(body.messages))
+    params = make_sampling_params(fields, chat.max_tokens, chat.structured, None, body.stop_sequences)
     job = GenerationJob(new_id("msg_"), model, "chat", params, messages=tuple(messages),
                         tools=tuple(tools) if tools else None, tool_choice=tool_choice,
-                        prompt_token_ids=tuple(prompt.prompt_token_ids), context_window=frontend.max_model_len,
+                        prompt_token_ids=chat.prompt_token_ids, context_window=chat.context_window,
                         stream=bool(body.stream))
-    return Generation(state, call, job), prompt.generic_tools
+    return Generation(state, call, job), chat.generic_tools
 
 
 def content_blocks(result: ChoiceResult, generic_tools: bool) -> tuple[list[dict], bool]:
@@ -207,7 +191,9 @@ class BlockWriter:
     def close(self, empty_text: bool = False) -> list[bytes]:
         """Stop the open block; with empty_text, a reply that opened none gets an empty text block."""
         if self.open is None:
-            return self.text("")[:-1] + self.close() if empty_text and self.num_blocks == 0 else []
+            if empty_text and self.num_blocks == 0:
+                return self._start({"type": "text", "text": ""}) + self.close()
+            return []
         self.open = None
         self.num_blocks += 1
         return [sse.named_event("content_block_stop", {"type": "content_block_stop", "index": self.num_blocks - 1})]

@@ -6,11 +6,10 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from tokenway.engine.request import TokenLogprob
-from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.tools import parse_tool_reply
 from tokenway.protocol.errors import ContextLengthExceededError, InvalidRequestError, openai_error_body
-from tokenway.routing.job import GenerationJob, ToolCallDelta, estimate_chat_tokens, estimate_tokens
+from tokenway.routing.job import GenerationJob, ToolCallDelta, estimate_tokens
 from tokenway.server import sse
 from tokenway.server.call import Call
 from tokenway.server.generation import Generation, framed_stream
@@ -19,7 +18,6 @@ from tokenway.server.serving import (
     context_window,
     make_sampling_params,
     new_id,
-    structured_output_spec,
 )
 
 
@@ -91,7 +89,6 @@ def prepare_chat(state: ServerState, body, call: Call):
     """The adaptor for chat: the body becomes one GenerationJob (and whether the reply is the
     generic tool-call format, which the response parses)."""
     model = state.route(body, call)
-    frontend = state.frontend(model)
     if body.logprobs and body.top_logprobs is None:
         top_logprobs = 0
     else:
@@ -105,29 +102,15 @@ def prepare_chat(state: ServerState, body, call: Call):
     parallel_tool_calls = body.parallel_tool_calls is not False
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     logprobs = top_logprobs if body.logprobs else None
-    if frontend is None:  # the upstream templates: the job carries the messages only
-        window = state.max_model_len(model)
-        max_tokens = state.max_tokens(call, window, estimate_chat_tokens(messages, tools), body.max_output_tokens,
-                                      param, num_messages=len(body.messages), exact=False)
-        params = make_sampling_params(body, max_tokens, None, logprobs, body.stop)
-        job = GenerationJob(new_id("chatcmpl-"), model, "chat", params, n=body.n or 1, messages=tuple(messages),
-                            tools=tuple(tools) if tools else None, tool_choice=tool_choice,
-                            parallel_tool_calls=parallel_tool_calls, response_format=response_format,
-                            context_window=window, stream=bool(body.stream))
-        return Generation(state, call, job), False
-    with context_window(frontend, "messages") as window:
-        prompt = build_chat_prompt(frontend.tokenizer, messages, tools, tool_choice, parallel_tool_calls,
-                                   response_format, max_num_tokens=window)
-    max_tokens = state.max_tokens(call, frontend.max_model_len, len(prompt.prompt_token_ids), body.max_output_tokens,
-                                  param, num_messages=len(body.messages))
-    structured = structured_output_spec(prompt.json_schema, prompt.json_object)
-    params = make_sampling_params(body, max_tokens, structured, logprobs, body.stop)
+    chat = state.template_chat(call, model, messages, tools, tool_choice, body.max_output_tokens, param,
+                               len(body.messages), parallel_tool_calls, response_format)
+    params = make_sampling_params(body, chat.max_tokens, chat.structured, logprobs, body.stop)
     job = GenerationJob(new_id("chatcmpl-"), model, "chat", params, n=body.n or 1, messages=tuple(messages),
                         tools=tuple(tools) if tools else None, tool_choice=tool_choice,
                         parallel_tool_calls=parallel_tool_calls, response_format=response_format,
-                        prompt_token_ids=tuple(prompt.prompt_token_ids), context_window=frontend.max_model_len,
+                        prompt_token_ids=chat.prompt_token_ids, context_window=chat.context_window,
                         stream=bool(body.stream))
-    return Generation(state, call, job), prompt.generic_tools
+    return Generation(state, call, job), chat.generic_tools
 
 
 def tool_message(text: str) -> tuple[dict, bool]:

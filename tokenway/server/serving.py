@@ -17,6 +17,7 @@ from tokenway.embeddings import EmbeddingEngine
 from tokenway.engine.client import EngineClient
 from tokenway.engine.request import SamplingParams
 from tokenway.engine.structured_output import StructuredOutputSpec
+from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.tokenizer import PromptTooLong
 from tokenway.gateway.auth import Principal
@@ -28,6 +29,7 @@ from tokenway.protocol.errors import (
     NotFoundError,
     ServiceUnavailableError,
 )
+from tokenway.routing.job import estimate_chat_tokens
 from tokenway.routing.replicas import LocalReplica
 from tokenway.routing.router import Pool, Router
 from tokenway.server.body_parser import BodyParser
@@ -48,6 +50,17 @@ class ServerConfig:
     max_pending_requests: int = 256
     graceful_shutdown_seconds: float = 30.0
     admin_key: str | None = None  # guards /admin; None disables the admin API
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTemplating:
+    """What templating a chat call decided (ServerState.template_chat)."""
+
+    prompt_token_ids: tuple[int, ...] | None  # None: the model's upstream templates the messages
+    context_window: int
+    max_tokens: int | None  # None only for an untemplated call that set none: the upstream's rest
+    structured: StructuredOutputSpec | None  # the JSON the reply is constrained to
+    generic_tools: bool  # the reply is the generic tool-call format, which the response parses
 
 
 @dataclass(slots=True)
@@ -147,6 +160,26 @@ class ServerState:
                     code="context_length_exceeded")
             return requested
         return resolve_max_tokens(window, num_prompt_tokens, requested, param)
+
+    def template_chat(self, call: Call, model: str, messages: list[dict], tools: list[dict] | None, tool_choice: Any,
+                      requested_max_tokens: int | None, param: str, num_messages: int,
+                      parallel_tool_calls: bool = True, response_format: dict | None = None) -> ChatTemplating:
+        """A chat call's prompt for its model (stage 3), the same for every chat API: templated
+        and checked against the window where tokenway has the model's tokenizer; else left to the
+        upstream, with max_tokens checked against the config's window and an estimated prompt."""
+        frontend = self.frontend(model)
+        if frontend is None:
+            window = self.max_model_len(model)
+            max_tokens = self.max_tokens(call, window, estimate_chat_tokens(messages, tools), requested_max_tokens,
+                                         param, num_messages=num_messages, exact=False)
+            return ChatTemplating(None, window, max_tokens, None, False)
+        with context_window(frontend, "messages") as window:
+            prompt = build_chat_prompt(frontend.tokenizer, messages, tools, tool_choice, parallel_tool_calls,
+                                       response_format, max_num_tokens=window)
+        max_tokens = self.max_tokens(call, frontend.max_model_len, len(prompt.prompt_token_ids), requested_max_tokens,
+                                     param, num_messages=num_messages)
+        return ChatTemplating(tuple(prompt.prompt_token_ids), frontend.max_model_len, max_tokens,
+                              structured_output_spec(prompt.json_schema, prompt.json_object), prompt.generic_tools)
 
     async def admit(self, call: Call) -> None:
         """Budget and limits, reserving prompt + max_tokens for every choice. Raises 429."""
