@@ -251,7 +251,10 @@ class HealthChecker:
         """Run one probe now and record its verdict."""
         health = self._name_to_health[name]
         try:
-            ok = bool(await asyncio.wait_for(self._name_to_probe[name](), self.config.timeout))
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that
+            # lands as the probe finishes, and stop() would then wait for a loop that never ends.
+            async with asyncio.timeout(self.config.timeout):
+                ok = bool(await self._name_to_probe[name]())
             error = None if ok else "probe answered unhealthy"
         except TimeoutError:
             ok, error = False, f"probe timed out after {self.config.timeout:g} s"
