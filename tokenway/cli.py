@@ -38,6 +38,7 @@ SERVE_OPTIONS = {
     "max_num_batched_tokens": (int, 512),
     "max_num_seqs": (int, 128),
     "enable_prefix_caching": (bool, True),
+    "tool_parser": (str, None),  # the local model's tool-call format; default: the one its chat template has
     "engine_process": (bool, True),  # the engine in a child process (False: a thread of the server)
     "engine_niceness": (int, 0),  # added to the engine process's niceness (> 0: the HTTP side wakes first)
     "embeddings": (bool, True),  # serve all-MiniLM-L6-v2 on /v1/embeddings beside the chat model
@@ -121,6 +122,9 @@ def add_serve_parser(sub) -> None:
                             "model dtype; auto: int8 unless --dtype float32 (default auto)")
     serve.add_argument("--linear-kernels", choices=["auto", "default", "onednn"],
                        help="CPU matmul per weight: auto measures torch's default against oneDNN's packed layout")
+    serve.add_argument("--tool-parser", choices=["generic", "hermes", "llama3_json", "mistral"],
+                       help="the tool-call format of the model's replies (default: the one its chat template "
+                            "renders tools in; generic for a template without tools)")
     serve.add_argument("--max-num-batched-tokens", type=int)
     serve.add_argument("--max-num-seqs", type=int)
     serve.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False)
@@ -161,6 +165,7 @@ def run_serve(options: dict) -> int:
 
     from tokenway.engine.client import AsyncEngine
     from tokenway.engine.process import ProcessEngine
+    from tokenway.frontend.tool_parsers import FORMATS
     from tokenway.server.app import create_app
     from tokenway.server.serving import ServerConfig, ServerState
     from tokenway.server.uvicorn_server import Server, run_event_loop
@@ -194,8 +199,10 @@ def run_serve(options: dict) -> int:
                                  max_body_bytes=parse_bytes(options["max_body_bytes"], "max_body_bytes"),
                                  max_pending_requests=options["max_pending_requests"],
                                  graceful_shutdown_seconds=options["graceful_shutdown_seconds"],
-                                 admin_key=admin_key(options))
+                                 admin_key=admin_key(options), tool_parser=options["tool_parser"])
     check_tls(options)
+    if options["tool_parser"] not in (None, *FORMATS):
+        raise ValueError(f"tool_parser: expected one of {', '.join(FORMATS)}, got {options['tool_parser']!r}")
     engine = None
     if registry is None or registry.local_model("chat") is not None:  # else a gateway only: no model here
         engine = (ProcessEngine(engine_config, options["engine_niceness"]) if options["engine_process"]

@@ -1,19 +1,24 @@
 """Chat messages -> prompt token ids, with tools and response formats folded in.
 
 The gateway hands over plain dict messages (already schema-checked); this renders them
-with the model's chat template. Tools: when the template cannot render them (it never
-mentions `tools`), they go into the system prompt and the reply is constrained to the
-generic tool-call JSON (see tools.py).
+with the model's chat template. Tools, in the model's own tool-call format where its
+template has one (tool_format(): Hermes/Qwen2.5 <tool_call>, Llama 3.x JSON, Mistral
+[TOOL_CALLS]): the template renders the tools, the earlier calls and their results, and the
+reply is read by that format's parser (tool_parsers.py); tool_choice "required" or a named
+function constrains the reply to the format's calls. A template without tools gets the
+generic format (tools.py): the tools in the system prompt, the reply constrained to its JSON.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
 
 from tokenway.frontend import tools as generic_tools
 from tokenway.frontend.tokenizer import Tokenizer
+from tokenway.frontend.tool_parsers import FORMATS, ReplyFormat
 
 
 @dataclass(slots=True)
@@ -22,7 +27,8 @@ class ChatPrompt:
     # A JSON schema the reply must satisfy (tools or response_format); None: free text.
     json_schema: dict | None = None
     json_object: bool = False
-    generic_tools: bool = False  # parse the reply as the generic tool-call JSON
+    grammar: str | None = None  # a Lark grammar (llguidance) the reply must match: a native format's calls
+    reply_format: ReplyFormat | None = None  # how the reply's tool calls are read; None: no tools
 
 
 def text_content(content: Any) -> str:
@@ -53,36 +59,151 @@ def _with_system(messages: list[dict], text: str) -> list[dict]:
     return [{"role": "system", "content": text}] + messages
 
 
+def tool_format(tokenizer: Tokenizer, override: str | None = None) -> str:
+    """The tool-call format for a model: `override` (--tool-parser) where given, else the one
+    its chat template renders, else generic."""
+    if override is not None:
+        if override not in FORMATS:
+            raise ValueError(f"tool parser {override!r}: expected one of {', '.join(FORMATS)}")
+        return override
+    template = tokenizer.chat_template or ""
+    if not tokenizer.template_supports_tools:
+        return "generic"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3_json"
+    return "generic"
+
+
 def build_chat_prompt(
     tokenizer: Tokenizer,
     messages: list[dict],
     tools: list[dict] | None = None,
     tool_choice: Any = "auto",
-    parallel_tool_calls: bool = True,
+    parallel_tool_calls: bool | None = None,
     response_format: dict | None = None,
     max_num_tokens: int | None = None,
+    tool_parser: str | None = None,
 ) -> ChatPrompt:
-    """Raises PromptTooLong when the rendered prompt certainly exceeds max_num_tokens."""
+    """Raises PromptTooLong when the rendered prompt certainly exceeds max_num_tokens.
+
+    parallel_tool_calls None (the caller did not say): several calls a reply in a native
+    format; one in the generic format, as llama.cpp does: the models it serves are those
+    whose templates know no tools, often small ones, which repeat a call over and over."""
     messages = normalize_messages(messages)
     use_tools = bool(tools) and tool_choice != "none"
     prompt = ChatPrompt(prompt_token_ids=[])
-    if use_tools:
-        # The generic path for every template: it gives arguments that always match the
-        # tool's schema. (Model-native tool formats are a later step.)
-        messages = _with_system(generic_tools.render_tool_messages(messages),
-                                generic_tools.tool_system_prompt(tools, tool_choice))
-        prompt.json_schema = generic_tools.tool_call_schema(tools, tool_choice, parallel_tool_calls)
-        prompt.generic_tools = True
-    else:
+    fmt = tool_format(tokenizer, tool_parser)
+    if parallel_tool_calls is None:
+        parallel_tool_calls = fmt != "generic"
+    template_tools = None
+    if fmt == "generic":
         messages = generic_tools.render_tool_messages(messages)
+        if use_tools:
+            messages = _with_system(messages, generic_tools.tool_system_prompt(tools, tool_choice))
+            prompt.json_schema = generic_tools.tool_call_schema(tools, tool_choice, parallel_tool_calls)
+    else:
+        messages = render_native_messages(messages, fmt)
+        if use_tools:
+            template_tools = [_as_tool(tool) for tool in tools]
+            if tool_choice == "required" or isinstance(tool_choice, dict):
+                prompt.grammar = native_call_grammar(fmt, tools, tool_choice, parallel_tool_calls)
+    if use_tools:
+        prompt.reply_format = ReplyFormat(fmt, max_calls=None if parallel_tool_calls else 1)
+    else:
         kind = (response_format or {}).get("type", "text")
         if kind == "json_schema":
             prompt.json_schema = response_format["json_schema"].get("schema") or {}
         elif kind == "json_object":
             prompt.json_object = True
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=template_tools)
     prompt.prompt_token_ids = tokenizer.encode(text, add_special_tokens=False, max_num_tokens=max_num_tokens)
     return prompt
+
+
+def _as_tool(tool: dict) -> dict:
+    return tool if "function" in tool else {"type": "function", "function": tool}
+
+
+def render_native_messages(messages: list[dict], fmt: str) -> list[dict]:
+    """Earlier calls and results as a template with tools takes them: arguments as objects
+    (templates write them with tojson), Mistral's ids as its 9 characters, and for Llama 3.x,
+    whose template takes one call a turn, parallel calls as consecutive turns and JSON
+    results as objects."""
+    rendered = []
+    for message in messages:
+        if message["role"] == "assistant" and message.get("tool_calls"):
+            calls = [_native_call(call, fmt) for call in message["tool_calls"]]
+            if fmt == "llama3_json":
+                rendered.extend({**message, "content": message["content"] if i == 0 else "", "tool_calls": [call]}
+                                for i, call in enumerate(calls))
+                continue
+            message = {**message, "tool_calls": calls}
+        elif message["role"] == "tool" and fmt == "mistral":
+            message = {**message, "tool_call_id": mistral_id(message.get("tool_call_id") or "")}
+        elif message["role"] == "tool" and fmt == "llama3_json":
+            # Llama's template writes any content with tojson (a string is iterable to jinja):
+            # a JSON result is handed over parsed, so it reads as JSON, not as a quoted string.
+            try:
+                value = json.loads(message["content"])
+            except json.JSONDecodeError:
+                value = None
+            if isinstance(value, (dict, list)):
+                message = {**message, "content": value}
+        rendered.append(message)
+    return rendered
+
+
+def _native_call(call: dict, fmt: str) -> dict:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            pass  # the template writes it as it is
+    call = {**call, "type": "function", "function": function}
+    if fmt == "mistral":
+        call["id"] = mistral_id(call.get("id") or "")
+    return call
+
+
+def mistral_id(call_id: str) -> str:
+    """A call id as Mistral's templates accept it (9 letters and digits); any other id maps
+    to one deterministically, so a call and its result keep matching."""
+    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+        return call_id
+    digest = hashlib.sha256(call_id.encode()).digest()
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    return "".join(alphabet[b % len(alphabet)] for b in digest[:9])
+
+
+def native_call_grammar(fmt: str, tools: list[dict], tool_choice: Any, parallel_tool_calls: bool) -> str:
+    """tool_choice "required" or a named function in a native format: a Lark grammar
+    (llguidance's, with %json) for one call, or several, in the format's own framing."""
+    arguments_key = "parameters" if fmt == "llama3_json" else "arguments"
+    call = generic_tools.call_schema(tools, tool_choice, arguments_key)
+    if fmt == "mistral":
+        array = {"type": "array", "items": call, "minItems": 1}
+        if not parallel_tool_calls:
+            array["maxItems"] = 1
+        return f'start: "[TOOL_CALLS]" %json {_grammar_json(array)}'
+    if fmt == "hermes":
+        one, separator = f'"<tool_call>\\n" %json {_grammar_json(call)} "\\n</tool_call>"', '"\\n"'
+    else:  # llama3_json
+        one, separator = f"%json {_grammar_json(call)}", '"; "'
+    rules = f"start: call\ncall: {one}" if not parallel_tool_calls else f"start: call ({separator} call)*\ncall: {one}"
+    return rules
+
+
+def _grammar_json(schema: dict) -> str:
+    """A schema for %json, its keys in order (properties are generated in schema order: the
+    name before the arguments) and JSON written compactly, as the json_schema kind is."""
+    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return json.dumps({"x-guidance": options, **schema}, ensure_ascii=False)
 
 
 def schema_text(schema: dict) -> str:

@@ -110,7 +110,9 @@ class RequestState:
         if out.logprobs is not None and engine_output.new_logprobs:
             out.logprobs.extend(engine_output.new_logprobs)
         for token_id in engine_output.new_token_ids:
-            if token_id in self.params.stop_token_ids and not self.params.include_stop_str_in_output:
+            # A stop token is no text (kept with skip_special_tokens false, EOS would be).
+            if (token_id in self.params.stop_token_ids or token_id in self.tokenizer.eos_token_ids) \
+                    and not self.params.include_stop_str_in_output:
                 continue
             piece = self.stream.step(self.tokenizer.hf, token_id)
             if piece:

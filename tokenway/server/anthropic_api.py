@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 from typing import AsyncIterator
@@ -9,7 +10,6 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenway.frontend.tools import parse_tool_reply
 from tokenway.protocol.anthropic import map_stop_reason, to_chat_messages, to_chat_tools
 from tokenway.protocol.errors import anthropic_error_body
 from tokenway.routing.job import GenerationJob, ToolCallDelta
@@ -36,37 +36,31 @@ def openai_tools(body) -> tuple[list[dict] | None, object]:
     return tools, tool_choice or "auto"
 
 
-def prepare(state: ServerState, body, call: Call) -> tuple[Generation, bool]:
+def prepare(state: ServerState, body, call: Call) -> Generation:
     """The adaptor for Messages: the body becomes the same GenerationJob a chat call makes."""
     model = state.route(body, call)
     tools, tool_choice = openai_tools(body)
     messages = to_chat_messages(body)
     fields = SimpleNamespace(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=None,
                              presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None)
+    parallel = False if getattr(body.tool_choice, "disable_parallel_tool_use", None) else None
     chat = state.template_chat(call, model, messages, tools, tool_choice, body.max_tokens, "max_tokens",
-                               len(body.messages))
-    params = make_sampling_params(fields, chat.max_tokens, chat.structured, None, body.stop_sequences)
+                               len(body.messages), parallel)
+    params = make_sampling_params(fields, chat.max_tokens, chat.structured, None, body.stop_sequences,
+                                  chat.skip_special_tokens)
     job = GenerationJob(new_id("msg_"), model, "chat", params, messages=tuple(messages),
                         tools=tuple(tools) if tools else None, tool_choice=tool_choice,
-                        prompt_token_ids=chat.prompt_token_ids, context_window=chat.context_window,
-                        stream=bool(body.stream))
-    return Generation(state, call, job), chat.generic_tools
+                        parallel_tool_calls=parallel is None, prompt_token_ids=chat.prompt_token_ids,
+                        context_window=chat.context_window, stream=bool(body.stream))
+    reply_format = chat.reply_format and dataclasses.replace(chat.reply_format, id_prefix="toolu_")
+    return Generation(state, call, job, reply_format)
 
 
-def content_blocks(result: ChoiceResult, generic_tools: bool) -> tuple[list[dict], bool]:
-    """The reply's content blocks: the generic format's JSON parsed (and then whether it called
-    tools: its finish_reason cannot say), or the replica's own tool calls (an upstream's) after
-    its text, whose finish_reason says."""
-    text = result.text
-    if generic_tools:
-        content, calls = parse_tool_reply(text)
-        if calls:
-            return [{"type": "tool_use", "id": c.id.replace("call_", "toolu_"), "name": c.name,
-                     "input": json.loads(c.arguments)} for c in calls], True
-        text = content or ""
+def content_blocks(result: ChoiceResult) -> list[dict]:
+    """The reply's content blocks: its text, then its tool calls."""
     uses = [{"type": "tool_use", "id": c.id, "name": c.name, "input": tool_input}
             for c in result.tool_calls if (tool_input := tool_input_of(c.arguments)) is not None]
-    return ([{"type": "text", "text": text}] if text or not uses else []) + uses, False
+    return ([{"type": "text", "text": result.text}] if result.text or not uses else []) + uses
 
 
 def tool_input_of(arguments: str) -> dict | None:
@@ -79,9 +73,7 @@ def tool_input_of(arguments: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def stop_fields(completion, used_tools: bool) -> tuple[str, str | None]:
-    if used_tools and completion.finish_reason != "length":  # calls kept from a cut reply end on max_tokens
-        return "tool_use", None
+def stop_fields(completion) -> tuple[str, str | None]:
     stop_sequence = completion.stop_reason if isinstance(completion.stop_reason, str) else None
     if completion.finish_reason == "abort":
         return "end_turn", None
@@ -96,48 +88,40 @@ def usage(generation: Generation, output_tokens: int | None = None) -> dict:
             "cache_read_input_tokens": generation.num_cached_tokens, "cache_creation_input_tokens": 0}
 
 
-async def message_response(generation: Generation, generic_tools: bool) -> dict:
+async def message_response(generation: Generation) -> dict:
     final = (await generation.final_outputs())[0]
-    blocks, used_tools = content_blocks(final, generic_tools)
-    stop_reason, stop_sequence = stop_fields(final, used_tools)
+    blocks = content_blocks(final)
+    stop_reason, stop_sequence = stop_fields(final)
     return {"id": generation.request_id, "type": "message", "role": "assistant", "content": blocks,
             "model": generation.model, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
             "usage": usage(generation)}
 
 
-def message_stream(generation: Generation, generic_tools: bool) -> AsyncIterator[bytes]:
+def message_stream(generation: Generation) -> AsyncIterator[bytes]:
     """Anthropic's framing: an error is an `event: error`; success ends with message_stop."""
-    return framed_stream(message_events(generation, generic_tools), generation,
+    return framed_stream(message_events(generation), generation,
                          lambda exc: [sse.named_event("error", anthropic_error_body(exc))],
                          [sse.named_event("message_stop", {"type": "message_stop"})])
 
 
-async def message_events(generation: Generation, generic_tools: bool) -> AsyncIterator[bytes]:
+async def message_events(generation: Generation) -> AsyncIterator[bytes]:
     yield sse.named_event("message_start", {"type": "message_start", "message": {
         "id": generation.request_id, "type": "message", "role": "assistant", "content": [],
         "model": generation.model, "stop_reason": None, "stop_sequence": None, "usage": usage(generation, 0)}})
     blocks = BlockWriter()
     stop: tuple[str, str | None] | None = None
     async for delta in generation.outputs():
-        if not generic_tools:
-            if delta.text:
-                for event in blocks.text(delta.text):
-                    yield event
-            for piece in delta.tool_calls:
-                for event in blocks.tool_call(piece):
-                    yield event
+        if delta.text:
+            for event in blocks.text(delta.text):
+                yield event
+        for piece in delta.tool_calls:
+            for event in blocks.tool_call(piece):
+                yield event
         if delta.finish_reason is None:
             continue
-        used_tools = False  # a replica's own tool calls end with finish_reason tool_calls
-        if generic_tools:
-            # One JSON reply: parsed, and sent as blocks, once it is complete.
-            reply, used_tools = content_blocks(ChoiceResult(0, generation.text(delta.index), None, None, None), True)
-            for block in reply:
-                for event in blocks.whole(block):
-                    yield event
         for event in blocks.close(empty_text=True):
             yield event
-        stop = stop_fields(delta, used_tools)
+        stop = stop_fields(delta)
     if stop is not None:  # after the replica's usage, which follows its last delta
         yield sse.named_event("message_delta", {
             "type": "message_delta", "delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
@@ -179,15 +163,6 @@ class BlockWriter:
             events.append(self._delta({"type": "input_json_delta", "partial_json": piece.arguments}))
         return events
 
-    def whole(self, block: dict) -> list[bytes]:
-        """A block known whole: its start, one delta, its stop."""
-        if block["type"] == "text":
-            events = self.text(block["text"])
-        else:
-            events = self._start(block | {"input": {}})
-            events.append(self._delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])}))
-        return events + self.close()
-
     def close(self, empty_text: bool = False) -> list[bytes]:
         """Stop the open block; with empty_text, a reply that opened none gets an empty text block."""
         if self.open is None:
@@ -200,8 +175,8 @@ class BlockWriter:
 
 
 async def handle(state: ServerState, request: Request, body, call: Call) -> Response:
-    generation, generic_tools = await state.prepare(request, prepare, state, body, call)
+    generation = await state.prepare(request, prepare, state, body, call)
     await state.admit(call)
     if body.stream:
-        return EventStreamResponse(message_stream(generation, generic_tools))
-    return await generation.json_response(request, message_response(generation, generic_tools), "request-id")
+        return EventStreamResponse(message_stream(generation))
+    return await generation.json_response(request, message_response(generation), "request-id")

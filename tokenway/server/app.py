@@ -244,16 +244,16 @@ def create_app(state: ServerState) -> FastAPI:
         return request.scope["state"]["call"]
 
     async def openai_call(request: Request, schema, prepare, respond_json, respond_stream) -> Response:
-        """Chat and completions alike: parse, prepare (the adaptor makes the job), admit, then
-        the JSON response or the OpenAI-framed stream."""
+        """Chat and completions alike: parse, prepare (the adaptor makes the job, and what else
+        its response needs), admit, then the JSON response or the OpenAI-framed stream."""
         body = await parse_body(request, schema, state.body_parser)
         call = call_of(request)
-        generation, extra = await state.prepare(request, prepare, state, body, call)
+        generation, *extra = await state.prepare(request, prepare, state, body, call)
         await state.admit(call)
         if body.stream:
-            events = respond_stream(state, body, generation, extra)
+            events = respond_stream(state, body, generation, *extra)
             return EventStreamResponse(openai_api.guarded_stream(events, generation))
-        return await generation.json_response(request, respond_json(state, body, generation, extra))
+        return await generation.json_response(request, respond_json(state, body, generation, *extra))
 
     @app.post("/v1/chat/completions", openapi_extra=_schema_extra(openai_schema.ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:

@@ -11,6 +11,7 @@ results into their API's body. framed_stream frames any API's events the same wa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -19,6 +20,7 @@ from typing import AsyncIterator, Callable
 
 from starlette.responses import JSONResponse, Response
 
+from tokenway.frontend.tool_parsers import ReplyFormat
 from tokenway.protocol.errors import InternalServerError, InvalidRequestError, TokenwayError
 from tokenway.routing.job import ChoiceDelta, GenerationJob, ToolCallDelta, Usage
 from tokenway.routing.replicas import engine_unavailable
@@ -42,7 +44,7 @@ class ChoiceResult:
     finish_reason: str | None
     stop_reason: int | str | None
     logprobs: list | None  # engine TokenLogprob per token (an upstream's: OpenAI-shaped dicts), where given
-    tool_calls: tuple[ToolCall, ...] = ()  # the replica's own tool calls (an upstream's), in order
+    tool_calls: tuple[ToolCall, ...] = ()  # the calls completed, in order; text is then the content around them
 
 
 @dataclass(slots=True)
@@ -58,7 +60,8 @@ class ToolCall:
 
 
 class Generation:
-    def __init__(self, state: ServerState, call: Call, job: GenerationJob) -> None:
+    def __init__(self, state: ServerState, call: Call, job: GenerationJob,
+                 reply_format: ReplyFormat | None = None) -> None:
         self.state = state
         self.call = call
         self.clock = call.clock
@@ -86,6 +89,9 @@ class Generation:
         self.finish_reasons: list[str | None] = [None] * job.n
         self.stop_reasons: list[int | str | None] = [None] * job.n
         self.tool_calls: list[list[ToolCall]] = [[] for _ in range(job.n)]
+        # A reply in a tool-call format is read as it streams: its deltas carry content and
+        # call pieces (ToolCallDelta), as a replica that makes calls itself (an upstream) sends.
+        self.parsers = [reply_format.parser() for _ in range(job.n)] if reply_format is not None else None
         self.num_cached_tokens = 0
         self.cache_reason: str | None = None
         self.reported: Usage | None = None  # the replica's own count, once it sends it
@@ -112,6 +118,8 @@ class Generation:
                     observer.on_tokens(self.model, num_new, None if previous is None else (now - previous) / num_new)
                     last_token_times[index] = now
                 self.completion_tokens[index] += num_new
+                if self.parsers is not None:
+                    event = self._parsed(event)
                 if event.text:
                     self.texts[index].append(event.text)
                 if event.logprobs and self.logprobs[index] is not None:
@@ -126,16 +134,38 @@ class Generation:
         finally:
             self.state.release_engine_slots(self.num_choices)
 
+    def _parsed(self, event: ChoiceDelta) -> ChoiceDelta:
+        """A delta of a tool-call format's reply as content and call pieces. At the reply's end
+        the text held back is sent, and a reply that completed calls ends with tool_calls (or
+        length: the calls before a cut are kept, the one it cut is not)."""
+        parser = self.parsers[event.index]
+        parsed = parser.feed(event.text) if event.text else None
+        content = parsed.content if parsed is not None else ""
+        calls = parsed.calls if parsed is not None else ()
+        finish_reason = event.finish_reason
+        if finish_reason is not None:
+            rest = parser.finish()
+            content, calls = content + rest.content, calls + rest.calls
+            if finish_reason == "stop" and parser.tool_calls():
+                finish_reason = "tool_calls"
+        return dataclasses.replace(event, text=content, tool_calls=event.tool_calls + calls,
+                                   finish_reason=finish_reason)
+
     def text(self, index: int) -> str:
-        """Choice `index`'s text so far."""
+        """Choice `index`'s text so far (in a tool-call format, its content)."""
         return "".join(self.texts[index])
+
+    def completed_tool_calls(self, index: int) -> tuple[ToolCall, ...]:
+        if self.parsers is None:
+            return tuple(self.tool_calls[index])
+        return tuple(ToolCall(c.id, c.name, c.arguments) for c in self.parsers[index].tool_calls())
 
     async def final_outputs(self) -> list[ChoiceResult]:
         """Run to the end; every choice's result, by index."""
         async for _ in self.outputs():
             pass
         return [ChoiceResult(i, self.text(i), self.finish_reasons[i], self.stop_reasons[i], self.logprobs[i],
-                             tuple(self.tool_calls[i])) for i in range(self.num_choices)]
+                             self.completed_tool_calls(i)) for i in range(self.num_choices)]
 
     async def commit(self) -> None:
         """Make the ledger row durable; a stream calls this before its final event."""
@@ -166,9 +196,11 @@ class Generation:
         return usage_dict(num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
 
     def json_complete(self) -> bool | None:
-        """For a call that asked for JSON (a schema, json_object, or the generic tool-call format):
-        whether every choice is a whole JSON document. A reply cut by max_tokens is not, and its
-        finish_reason is already `length`: it is never presented as valid JSON."""
+        """For a call that asked for JSON (a schema, json_object) or tools: whether every choice
+        is whole (a JSON document; every call it began, completed). A reply cut by max_tokens is
+        not, and its finish_reason is already `length`: it is never presented as valid JSON."""
+        if self.parsers is not None:
+            return all(parser.complete for parser in self.parsers)
         job = self.job
         kind = (job.response_format or {}).get("type")
         if job.params.structured_output is None and kind not in ("json_schema", "json_object"):

@@ -7,7 +7,6 @@ from typing import Any, AsyncIterator, Callable
 
 from tokenway.engine.request import TokenLogprob
 from tokenway.frontend.model import ModelFrontend
-from tokenway.frontend.tools import parse_tool_reply
 from tokenway.protocol.errors import ContextLengthExceededError, InvalidRequestError, openai_error_body
 from tokenway.routing.job import GenerationJob, ToolCallDelta, estimate_tokens
 from tokenway.server import sse
@@ -85,9 +84,8 @@ def openai_finish_reason(reason: str | None) -> str | None:
 # ---- chat ------------------------------------------------------------------------------
 
 
-def prepare_chat(state: ServerState, body, call: Call):
-    """The adaptor for chat: the body becomes one GenerationJob (and whether the reply is the
-    generic tool-call format, which the response parses)."""
+def prepare_chat(state: ServerState, body, call: Call) -> tuple[Generation]:
+    """The adaptor for chat: the body becomes one GenerationJob."""
     model = state.route(body, call)
     if body.logprobs and body.top_logprobs is None:
         top_logprobs = 0
@@ -99,43 +97,26 @@ def prepare_chat(state: ServerState, body, call: Call):
         tool_choice = tool_choice.model_dump(exclude_none=True)
     response_format = body.response_format.model_dump(exclude_none=True, by_alias=True) if body.response_format else None
     messages = body.template_messages()
-    parallel_tool_calls = body.parallel_tool_calls is not False
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     logprobs = top_logprobs if body.logprobs else None
     chat = state.template_chat(call, model, messages, tools, tool_choice, body.max_output_tokens, param,
-                               len(body.messages), parallel_tool_calls, response_format)
-    params = make_sampling_params(body, chat.max_tokens, chat.structured, logprobs, body.stop)
+                               len(body.messages), body.parallel_tool_calls, response_format)
+    params = make_sampling_params(body, chat.max_tokens, chat.structured, logprobs, body.stop,
+                                  chat.skip_special_tokens)
     job = GenerationJob(new_id("chatcmpl-"), model, "chat", params, n=body.n or 1, messages=tuple(messages),
                         tools=tuple(tools) if tools else None, tool_choice=tool_choice,
-                        parallel_tool_calls=parallel_tool_calls, response_format=response_format,
+                        parallel_tool_calls=body.parallel_tool_calls is not False, response_format=response_format,
                         prompt_token_ids=chat.prompt_token_ids, context_window=chat.context_window,
                         stream=bool(body.stream))
-    return Generation(state, call, job), chat.generic_tools
+    return (Generation(state, call, job, chat.reply_format),)
 
 
-def tool_message(text: str) -> tuple[dict, bool]:
-    content, calls = parse_tool_reply(text)
-    if not calls:
-        return {"role": "assistant", "content": content}, False
-    return {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
-        ],
-    }, True
-
-
-async def chat_response(state: ServerState, body, generation: Generation, generic_tools: bool) -> dict:
+async def chat_response(state: ServerState, body, generation: Generation) -> dict:
     token_text = TokenText(generation.frontend)
     choices = []
     for result in await generation.final_outputs():
         finish_reason = openai_finish_reason(result.finish_reason)
-        if generic_tools:
-            message, called = tool_message(result.text)
-            if called and finish_reason != "length":  # calls kept from a cut reply still end on length
-                finish_reason = "tool_calls"
-        elif result.tool_calls:  # the replica's own (an upstream's)
+        if result.tool_calls:
             message = {"role": "assistant", "content": result.text or None,
                        "tool_calls": [call.openai() for call in result.tool_calls]}
         else:
@@ -155,7 +136,7 @@ async def chat_response(state: ServerState, body, generation: Generation, generi
     }
 
 
-async def chat_stream(state: ServerState, body, generation: Generation, generic_tools: bool) -> AsyncIterator[bytes]:
+async def chat_stream(state: ServerState, body, generation: Generation) -> AsyncIterator[bytes]:
     token_text = TokenText(generation.frontend)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunk = chunk_encoder(generation, "chat.completion.chunk", include_usage)
@@ -166,20 +147,6 @@ async def chat_stream(state: ServerState, body, generation: Generation, generic_
     async for delta in generation.outputs():
         index = delta.index
         finish_reason = openai_finish_reason(delta.finish_reason)
-        if generic_tools:
-            # The reply is one JSON document: it is parsed, and sent, once it is complete.
-            if finish_reason is None:
-                continue
-            message, called = tool_message(generation.text(index))
-            if called:
-                if finish_reason != "length":  # calls kept from a cut reply still end on length
-                    finish_reason = "tool_calls"
-                content = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
-            else:
-                content = {"content": message["content"] or ""}
-            yield chunk([{"index": index, "delta": content, "logprobs": None, "finish_reason": None}])
-            yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
-            continue
         logprobs = None
         if body.logprobs and delta.logprobs is not None:
             logprobs = {"content": token_text.chat_logprobs(delta.logprobs, body.top_logprobs or 0)}

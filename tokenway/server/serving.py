@@ -20,6 +20,7 @@ from tokenway.engine.structured_output import StructuredOutputSpec
 from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.tokenizer import PromptTooLong
+from tokenway.frontend.tool_parsers import ReplyFormat
 from tokenway.gateway.auth import Principal
 from tokenway.gateway.gatekeeper import Gatekeeper
 from tokenway.observability.observer import Observer
@@ -50,6 +51,7 @@ class ServerConfig:
     max_pending_requests: int = 256
     graceful_shutdown_seconds: float = 30.0
     admin_key: str | None = None  # guards /admin; None disables the admin API
+    tool_parser: str | None = None  # the local model's tool-call format (--tool-parser); None: its template's
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +61,13 @@ class ChatTemplating:
     prompt_token_ids: tuple[int, ...] | None  # None: the model's upstream templates the messages
     context_window: int
     max_tokens: int | None  # None only for an untemplated call that set none: the upstream's rest
-    structured: StructuredOutputSpec | None  # the JSON the reply is constrained to
-    generic_tools: bool  # the reply is the generic tool-call format, which the response parses
+    structured: StructuredOutputSpec | None  # what the reply is constrained to (JSON, a tool-call grammar)
+    reply_format: ReplyFormat | None  # how the reply's tool calls are read; None: no tools (or the upstream's)
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        """Formats that mark calls with special tokens ([TOOL_CALLS], <|python_tag|>) need them in the text."""
+        return self.reply_format is None or not self.reply_format.keeps_special_tokens
 
 
 @dataclass(slots=True)
@@ -163,7 +170,8 @@ class ServerState:
 
     def template_chat(self, call: Call, model: str, messages: list[dict], tools: list[dict] | None, tool_choice: Any,
                       requested_max_tokens: int | None, param: str, num_messages: int,
-                      parallel_tool_calls: bool = True, response_format: dict | None = None) -> ChatTemplating:
+                      parallel_tool_calls: bool | None = None, response_format: dict | None = None
+                      ) -> ChatTemplating:
         """A chat call's prompt for its model (stage 3), the same for every chat API: templated
         and checked against the window where tokenway has the model's tokenizer; else left to the
         upstream, with max_tokens checked against the config's window and an estimated prompt."""
@@ -172,14 +180,16 @@ class ServerState:
             window = self.max_model_len(model)
             max_tokens = self.max_tokens(call, window, estimate_chat_tokens(messages, tools), requested_max_tokens,
                                          param, num_messages=num_messages, exact=False)
-            return ChatTemplating(None, window, max_tokens, None, False)
+            return ChatTemplating(None, window, max_tokens, None, None)
         with context_window(frontend, "messages") as window:
             prompt = build_chat_prompt(frontend.tokenizer, messages, tools, tool_choice, parallel_tool_calls,
-                                       response_format, max_num_tokens=window)
+                                       response_format, max_num_tokens=window,
+                                       tool_parser=self.config.tool_parser if frontend.is_local else None)
         max_tokens = self.max_tokens(call, frontend.max_model_len, len(prompt.prompt_token_ids), requested_max_tokens,
                                      param, num_messages=num_messages)
         return ChatTemplating(tuple(prompt.prompt_token_ids), frontend.max_model_len, max_tokens,
-                              structured_output_spec(prompt.json_schema, prompt.json_object), prompt.generic_tools)
+                              structured_output_spec(prompt.json_schema, prompt.json_object, prompt.grammar),
+                              prompt.reply_format)
 
     async def admit(self, call: Call) -> None:
         """Budget and limits, reserving prompt + max_tokens for every choice. Raises 429."""
@@ -239,7 +249,10 @@ def resolve_max_tokens(window: int, num_prompt_tokens: int, max_tokens: int | No
     return max_tokens
 
 
-def structured_output_spec(json_schema: dict | None, json_object: bool) -> StructuredOutputSpec | None:
+def structured_output_spec(json_schema: dict | None, json_object: bool, grammar: str | None = None
+                           ) -> StructuredOutputSpec | None:
+    if grammar is not None:
+        return StructuredOutputSpec(kind="grammar", grammar=grammar)
     if json_schema is not None:
         return StructuredOutputSpec.json_schema(json_schema)  # keeps the user's property order
     if json_object:
@@ -248,7 +261,7 @@ def structured_output_spec(json_schema: dict | None, json_object: bool) -> Struc
 
 
 def make_sampling_params(body: Any, max_tokens: int, structured: StructuredOutputSpec | None,
-                         logprobs: int | None, stop: Any) -> SamplingParams:
+                         logprobs: int | None, stop: Any, skip_special_tokens: bool = True) -> SamplingParams:
     """Map the OpenAI fields onto SamplingParams; a ValueError there names the field."""
     logit_bias = None
     if getattr(body, "logit_bias", None):
@@ -277,6 +290,7 @@ def make_sampling_params(body: Any, max_tokens: int, structured: StructuredOutpu
             ignore_eos=bool(getattr(body, "ignore_eos", False)),
             logprobs=logprobs,
             structured_output=structured,
+            skip_special_tokens=skip_special_tokens,
         )
     except ValueError as exc:
         field_name = str(exc).split(":", 1)[0]

@@ -1,0 +1,172 @@
+"""Native tool-call formats with real chat templates (tests/fixtures/chat_templates, as the
+models ship them) on a real tokenizer (the default model's): the format each template is
+read in, tools and earlier calls and results rendered as transformers renders them, the
+grammar that tool_choice "required" compiles to, and a reply marked with special tokens
+decoded and parsed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import tokenizers
+
+from tokenway.engine.request import SamplingParams
+from tokenway.engine.scheduler import EngineOutput
+from tokenway.engine.structured_output import StructuredOutputManager, StructuredOutputSpec
+from tokenway.frontend.chat import build_chat_prompt, mistral_id, render_native_messages, tool_format
+from tokenway.frontend.output import RequestState
+from tokenway.frontend.tokenizer import Tokenizer
+from tokenway.frontend.tool_parsers import ReplyFormat
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "fixtures" / "chat_templates"
+FORMATS = {
+    "Qwen-Qwen2.5-7B-Instruct.jinja": "hermes",
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja": "hermes",
+    "meta-llama-Llama-3.1-8B-Instruct.jinja": "llama3_json",
+    "meta-llama-Llama-3.2-3B-Instruct.jinja": "llama3_json",
+    "mistralai-Mistral-Nemo-Instruct-2407.jinja": "mistral",
+}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time in a zone",
+                                         "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
+RESULT = json.dumps({"temperature_c": 21, "sky": "soleggiato ☀"}, ensure_ascii=False)
+
+
+@pytest.fixture(scope="module")
+def base(default_model_dir) -> Tokenizer:
+    return Tokenizer.from_dir(default_model_dir)
+
+
+def with_template(base: Tokenizer, name: str, special_tokens: tuple[str, ...] = ()) -> Tokenizer:
+    hf = tokenizers.Tokenizer.from_str(base.hf.to_str())
+    if special_tokens:
+        hf.add_special_tokens(list(special_tokens))
+    return Tokenizer(hf, {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"},
+                     chat_template=(TEMPLATES / name).read_text(), source=name)
+
+
+def conversation(call_id: str = "call_4f1c2a9b8e7d6c5b4a3f2e1d") -> list[dict]:
+    return [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": "Weather in Rome and Zürich?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps({"city": "Rome", "days": 2})}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": RESULT},
+    ]
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_each_template_is_read_in_its_own_format(base, name):
+    tokenizer = with_template(base, name)
+    assert tokenizer.template_supports_tools
+    assert tool_format(tokenizer) == FORMATS[name]
+    assert tool_format(tokenizer, "generic") == "generic"  # --tool-parser wins
+    with pytest.raises(ValueError, match="expected one of"):
+        tool_format(tokenizer, "xml")
+
+
+def test_a_template_without_tools_gets_the_generic_format(base):
+    assert not base.template_supports_tools and tool_format(base) == "generic"
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_tools_calls_and_results_render_as_the_template_writes_them(base, name):
+    tokenizer = with_template(base, name)
+    fmt = FORMATS[name]
+    prompt = build_chat_prompt(tokenizer, conversation(), [WEATHER, TIME], "auto")
+    text = tokenizer.decode(prompt.prompt_token_ids, skip_special_tokens=False)
+    assert prompt.reply_format == ReplyFormat(fmt) and prompt.grammar is None and prompt.json_schema is None
+    assert '"get_weather"' in text and '"get_time"' in text and "The weather in a city" in text  # the tools
+    assert RESULT in text  # the result, as the tool gave it
+    call = {"hermes": '{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}',
+            "llama3_json": '{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}',
+            "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}, '
+                       f'"id": "{mistral_id("call_4f1c2a9b8e7d6c5b4a3f2e1d")}"}}]'}[fmt]
+    assert call in text  # the earlier call in the model's own format, its arguments an object
+    marks = {"hermes": ["<tool_response>"], "llama3_json": ["ipython"], "mistral": ["[TOOL_RESULTS]"]}[fmt]
+    assert all(mark in text for mark in marks)  # the result as a result, not as a user turn
+    # As transformers renders the same messages with the same template.
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.hf)
+    from tokenway.frontend.chat import normalize_messages
+    messages = render_native_messages(normalize_messages(conversation()), fmt)
+    expected = reference.apply_chat_template(messages, tools=[WEATHER, TIME], chat_template=tokenizer.chat_template,
+                                             tokenize=False, add_generation_prompt=True,
+                                             bos_token="<|im_start|>", eos_token="<|im_end|>")
+    assert tokenizer.apply_chat_template(messages, tools=[WEATHER, TIME]) == expected
+
+
+def test_mistral_ids_are_nine_characters_and_match_between_call_and_result():
+    assert mistral_id("a1b2c3d4e") == "a1b2c3d4e"
+    mapped = mistral_id("call_4f1c2a9b8e7d6c5b4a3f2e1d")
+    assert len(mapped) == 9 and mapped.isalnum() and mapped == mistral_id("call_4f1c2a9b8e7d6c5b4a3f2e1d")
+    rendered = render_native_messages(conversation(), "mistral")
+    assert rendered[2]["tool_calls"][0]["id"] == rendered[3]["tool_call_id"] == mapped
+
+
+def test_llama3_parallel_calls_render_as_one_call_a_turn(base):
+    tokenizer = with_template(base, "meta-llama-Llama-3.1-8B-Instruct.jinja")
+    messages = conversation()
+    messages[2]["tool_calls"].append({"id": "call_2", "type": "function",
+                                      "function": {"name": "get_time", "arguments": "{\"zone\": \"CET\"}"}})
+    messages.append({"role": "tool", "tool_call_id": "call_2", "content": "12:00"})
+    text = tokenizer.decode(build_chat_prompt(tokenizer, messages, [WEATHER, TIME]).prompt_token_ids,
+                            skip_special_tokens=False)  # the template refuses two calls in one turn
+    assert '"name": "get_weather"' in text and '"name": "get_time"' in text
+
+
+@pytest.mark.parametrize("name,reply", [
+    ("Qwen-Qwen2.5-7B-Instruct.jinja",
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n</tool_call>'),
+    ("meta-llama-Llama-3.1-8B-Instruct.jinja", '{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}'),
+    ("mistralai-Mistral-Nemo-Instruct-2407.jinja",
+     '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}]'),
+])
+def test_required_compiles_to_a_grammar_of_the_formats_calls(base, name, reply):
+    tokenizer = with_template(base, name)
+    manager = StructuredOutputManager(base, base.vocab_size, [base.eos_token_id])
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        prompt = build_chat_prompt(tokenizer, conversation()[:2], [WEATHER, TIME], choice, parallel_tool_calls=False)
+        spec = StructuredOutputSpec(kind="grammar", grammar=prompt.grammar)
+        matcher = manager.new_matcher(spec)
+        for token_id in base.encode(reply, add_special_tokens=False):
+            assert matcher.accept_token(token_id), (choice, base.decode([token_id]))
+        assert matcher.accept_token(base.eos_token_id) or matcher.is_finished()
+    # A named function allows that function only.
+    named = build_chat_prompt(tokenizer, conversation()[:2], [WEATHER, TIME],
+                              {"type": "function", "function": {"name": "get_time"}})
+    matcher = manager.new_matcher(StructuredOutputSpec(kind="grammar", grammar=named.grammar))
+    assert not all(matcher.accept_token(t) for t in base.encode(reply, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("name,special,reply,needs_special", [
+    ("mistralai-Mistral-Nemo-Instruct-2407.jinja", ("[TOOL_CALLS]",),
+     'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Zürich"}}]', True),
+    ("meta-llama-Llama-3.1-8B-Instruct.jinja", ("<|python_tag|>",),
+     '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Zürich"}}', False),
+])
+def test_a_call_marked_by_a_special_token_is_read_from_the_decoded_stream(base, name, special, reply,
+                                                                          needs_special):
+    tokenizer = with_template(base, name, special)
+    token_ids = tokenizer.encode(reply, add_special_tokens=False)
+    assert tokenizer.hf.token_to_id(special[0]) in token_ids  # one token, as in the real tokenizer
+    prompt = build_chat_prompt(tokenizer, conversation()[:2], [WEATHER])
+    assert prompt.reply_format.keeps_special_tokens  # the server decodes them for this format
+    call = [("get_weather", {"city": "Zürich"})]
+    for skip_special_tokens, found in ((False, call), (True, [] if needs_special else call)):
+        state = RequestState("r", None, [1], SamplingParams(skip_special_tokens=skip_special_tokens), tokenizer)
+        parser = prompt.reply_format.parser()
+        content = []
+        for i, token_id in enumerate(token_ids):
+            out = state.process(EngineOutput("r", [token_id], finish_reason="stop" if i == len(token_ids) - 1 else None))
+            content.append(parser.feed(out.outputs[0].delta_text).content)
+        content.append(parser.finish().content)
+        assert [(c.name, json.loads(c.arguments)) for c in parser.tool_calls()] == found
+        if not skip_special_tokens:
+            assert "".join(content) == reply.split(special[0])[0]
