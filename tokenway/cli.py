@@ -39,6 +39,10 @@ SERVE_OPTIONS = {
     "max_num_seqs": (int, 128),
     "enable_prefix_caching": (bool, True),
     "tool_parser": (str, None),  # the local model's tool-call format; default: the one its chat template has
+    # the safety stage (safety/screen.py): off | flag | redact | block, and which categories
+    "safety_input": (str, "off"),
+    "safety_output": (str, "off"),
+    "safety_categories": (str, None),  # comma-separated; default: every built-in category
     "engine_process": (bool, True),  # the engine in a child process (False: a thread of the server)
     "engine_niceness": (int, 0),  # added to the engine process's niceness (> 0: the HTTP side wakes first)
     "embeddings": (bool, True),  # serve all-MiniLM-L6-v2 on /v1/embeddings beside the chat model
@@ -125,6 +129,13 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--tool-parser", choices=["generic", "hermes", "llama3_json", "mistral"],
                        help="the tool-call format of the model's replies (default: the one its chat template "
                             "renders tools in; generic for a template without tools)")
+    serve.add_argument("--safety-input", choices=["off", "flag", "redact", "block"],
+                       help="secrets and PII in the prompt: name them in the trace (flag), redact them before "
+                            "the model sees them, or refuse the call with a 400 (block); default off")
+    serve.add_argument("--safety-output", choices=["off", "flag", "redact", "block"],
+                       help="... in the reply: flag, redact, or end it there with finish_reason content_filter")
+    serve.add_argument("--safety-categories", help="comma-separated, of api_key,credit_card,iban,email,phone "
+                                                   "(default: all)")
     serve.add_argument("--max-num-batched-tokens", type=int)
     serve.add_argument("--max-num-seqs", type=int)
     serve.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False)
@@ -199,7 +210,10 @@ def run_serve(options: dict) -> int:
                                  max_body_bytes=parse_bytes(options["max_body_bytes"], "max_body_bytes"),
                                  max_pending_requests=options["max_pending_requests"],
                                  graceful_shutdown_seconds=options["graceful_shutdown_seconds"],
-                                 admin_key=admin_key(options), tool_parser=options["tool_parser"])
+                                 admin_key=admin_key(options), tool_parser=options["tool_parser"],
+                                 safety=safety_policy(options),
+                                 model_safety={e.name: e.safety for e in registry.models if e.safety is not None}
+                                 if registry is not None else {})
     check_tls(options)
     if options["tool_parser"] not in (None, *FORMATS):
         raise ValueError(f"tool_parser: expected one of {', '.join(FORMATS)}, got {options['tool_parser']!r}")
@@ -283,6 +297,15 @@ def build_embedder():
         print(f"tokenway: not serving /v1/embeddings: {exc}", file=sys.stderr, flush=True)
         return None
     return EmbeddingEngine(model)
+
+
+def safety_policy(options: dict):
+    from tokenway.safety.screen import SafetyPolicy
+
+    categories = options["safety_categories"]
+    return SafetyPolicy(input=options["safety_input"], output=options["safety_output"],
+                        categories=frozenset(c.strip() for c in categories.split(",") if c.strip())
+                        if categories else None)
 
 
 def admin_key(options: dict) -> str | None:

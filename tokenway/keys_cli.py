@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from tokenway.gateway.keystore import KeyInfo, KeyStore, UnknownKeyError
+from tokenway.safety.screen import SafetyPolicy
 
 _DURATION_UNITS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -69,6 +70,10 @@ def add_keys_parser(subparsers) -> None:
     create.add_argument("--max-tokens", type=int, help="cap on one request's max_tokens")
     create.add_argument("--budget-usd", type=float, help="spend allowed before requests get 429")
     create.add_argument("--expires", default="never", help="30d, 12h, 2026-12-31, an ISO datetime, or never")
+    create.add_argument("--safety-input", choices=["off", "flag", "redact", "block"],
+                        help="the key's own safety policy for its prompts (default: the model's or the server's)")
+    create.add_argument("--safety-output", choices=["off", "flag", "redact", "block"], help="... for its replies")
+    create.add_argument("--safety-categories", help="comma-separated (default: all)")
     listing = sub.add_parser("list", help="all keys with their limits (never a secret)")
     listing.add_argument("--json", action="store_true", help="one JSON array instead of a table")
     for command, text in (("revoke", "stop a key working"), ("rotate", "give a key a new secret")):
@@ -94,7 +99,8 @@ def _create(store: KeyStore, args: argparse.Namespace) -> int:
     models = tuple(name.strip() for name in args.models.split(",") if name.strip()) if args.models else None
     secret, info = store.create(
         args.name, models=models, rpm=args.rpm, tpm=args.tpm, tpd=args.tpd, max_concurrent=args.max_concurrent,
-        max_tokens=args.max_tokens, budget_usd=args.budget_usd, expires_at=parse_expires(args.expires, time.time()))
+        max_tokens=args.max_tokens, budget_usd=args.budget_usd, expires_at=parse_expires(args.expires, time.time()),
+        safety=_safety(args))
     expiry = f", expires {_when(info.expires_at)}" if info.expires_at is not None else ""
     _print_secret(f"created API key {info.key_id} ({info.name!r}{expiry})", secret)
     return 0
@@ -137,6 +143,16 @@ def _when(timestamp: float | None) -> str:
     if timestamp is None:
         return "-"
     return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _safety(args: argparse.Namespace) -> SafetyPolicy | None:
+    """The key's own policy, when any --safety-* flag is given (the modes not given: off)."""
+    if args.safety_input is None and args.safety_output is None and args.safety_categories is None:
+        return None
+    categories = args.safety_categories
+    return SafetyPolicy(input=args.safety_input or "off", output=args.safety_output or "off",
+                        categories=frozenset(c.strip() for c in categories.split(",") if c.strip())
+                        if categories else None)
 
 
 def _limit(value: float | None) -> str:

@@ -233,7 +233,7 @@ ERRORS = [
     ([model(context_windw=4096)], {},
      ("models[0]: unknown key 'context_windw' (did you mean 'context_window'?); known: aliases, balancer, "
       "between_tokens_timeout_s, breaker, connect_timeout_s, context_window, fallbacks, first_token_timeout_s, "
-      "health, kind, max_in_flight, name, prices, replicas, timeout_s")),
+      "health, kind, max_in_flight, name, prices, replicas, safety, timeout_s")),
     ([model("m", {"kind": "worker", "url": "http://h:8100", "api_key_env": "K"})], {},
      ("models[0].replicas[0]: unknown key 'api_key_env' for a worker replica; known: kind, max_in_flight, name, "
       "secret_env, url")),

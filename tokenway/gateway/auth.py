@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenway.protocol.errors import AuthenticationError, PermissionDeniedError, truncate
+from tokenway.safety.screen import SafetyPolicy
 
 if TYPE_CHECKING:
     from tokenway.gateway.keystore import KeyInfo, KeyStore, UnknownKeyError  # noqa: F401
@@ -72,6 +73,7 @@ class Principal:
     max_tokens: int | None = None  # per-request cap on max_tokens
     budget_usd: float | None = None
     expires_at: float | None = None  # unix seconds
+    safety: SafetyPolicy | None = None  # the key's own safety policy; None: the model's or the server's
 
     def __post_init__(self) -> None:
         check_key_fields(self.name, self.models, self.rpm, self.tpm, self.tpd, self.max_concurrent,

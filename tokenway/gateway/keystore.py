@@ -35,6 +35,7 @@ from tokenway.gateway.auth import (
     new_secret,
     secret_hint,
 )
+from tokenway.safety.screen import SafetyPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +54,15 @@ CREATE TABLE IF NOT EXISTS api_keys (
     expires_at REAL,            -- unix seconds; NULL: never
     created_at REAL NOT NULL,
     revoked_at REAL,
-    last_used_at REAL
+    last_used_at REAL,
+    safety TEXT                 -- JSON SafetyPolicy; NULL: the model's or the server's
 );
 CREATE TABLE IF NOT EXISTS api_keys_version (id INTEGER PRIMARY KEY CHECK (id = 0), version INTEGER NOT NULL);
 INSERT OR IGNORE INTO api_keys_version (id, version) VALUES (0, 0);
 """
 _LIMIT_COLUMNS = ("rpm", "tpm", "tpd", "max_concurrent", "max_tokens", "budget_usd", "expires_at")
-_COLUMNS = ("key_id", "name", "models", *_LIMIT_COLUMNS, "created_at", "revoked_at", "last_used_at", "hint")
+_COLUMNS = ("key_id", "name", "models", *_LIMIT_COLUMNS, "created_at", "revoked_at", "last_used_at", "hint",
+            "safety")
 
 
 class UnknownKeyError(ValueError):
@@ -84,6 +87,7 @@ class KeyInfo:
     revoked_at: float | None
     last_used_at: float | None
     hint: str  # "tw-k_3f9a2c1b-…a9Zq"
+    safety: SafetyPolicy | None = None
 
     def status(self, now: float) -> str:
         if self.revoked_at is not None:
@@ -95,6 +99,7 @@ class KeyInfo:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["models"] = list(self.models) if self.models is not None else None
+        data["safety"] = self.safety.to_dict() if self.safety is not None else None
         return data
 
 
@@ -119,6 +124,9 @@ class KeyStore:
             self._conn.execute("PRAGMA busy_timeout = 5000")
             self._conn.execute("PRAGMA journal_mode = WAL")
             self._conn.executescript(_SCHEMA)
+            columns = {row[1] for row in self._conn.execute("PRAGMA table_info(api_keys)")}
+            if "safety" not in columns:  # a database from before per-key safety policies
+                self._conn.execute("ALTER TABLE api_keys ADD COLUMN safety TEXT")
         # Replaced whole, never mutated, so a reader needs no lock.
         self._key_id_to_entry: dict[str, _Entry] = {}
         self._version = -1
@@ -149,7 +157,7 @@ class KeyStore:
     def create(self, name: str, models: tuple[str, ...] | list[str] | None = None, rpm: int | None = None,
                tpm: int | None = None, tpd: int | None = None, max_concurrent: int | None = None,
                max_tokens: int | None = None, budget_usd: float | None = None,
-               expires_at: float | None = None) -> tuple[str, KeyInfo]:
+               expires_at: float | None = None, safety: SafetyPolicy | None = None) -> tuple[str, KeyInfo]:
         """A new key; the secret is returned here once and stored only as a hash."""
         models = tuple(models) if models is not None else None
         check_key_fields(name, models, rpm, tpm, tpd, max_concurrent, max_tokens, budget_usd, expires_at)
@@ -163,10 +171,11 @@ class KeyStore:
                 with self._write() as conn:
                     conn.execute(
                         f"INSERT INTO api_keys (key_id, secret_sha256, hint, name, models, {', '.join(_LIMIT_COLUMNS)},"
-                        f" created_at) VALUES (?, ?, ?, ?, ?, {', '.join('?' * len(_LIMIT_COLUMNS))}, ?)",
+                        f" created_at, safety) VALUES (?, ?, ?, ?, ?, {', '.join('?' * len(_LIMIT_COLUMNS))}, ?, ?)",
                         (key_id, hash_secret(secret), secret_hint(secret), name,
                          json.dumps(list(models)) if models is not None else None,
-                         rpm, tpm, tpd, max_concurrent, max_tokens, budget_usd, expires_at, now))
+                         rpm, tpm, tpd, max_concurrent, max_tokens, budget_usd, expires_at, now,
+                         json.dumps(safety.to_dict()) if safety is not None else None))
             except sqlite3.IntegrityError:
                 continue  # key_id taken
             break
@@ -311,10 +320,11 @@ class _WriteTransaction:
 def _key_info(row: tuple) -> KeyInfo:
     values = dict(zip(_COLUMNS, row))
     values["models"] = tuple(json.loads(values["models"])) if values["models"] is not None else None
+    values["safety"] = SafetyPolicy.from_dict(json.loads(values["safety"])) if values["safety"] is not None else None
     return KeyInfo(**values)
 
 
 def _principal(info: KeyInfo) -> Principal:
     return Principal(key_id=info.key_id, name=info.name, models=info.models, rpm=info.rpm, tpm=info.tpm,
                      tpd=info.tpd, max_concurrent=info.max_concurrent, max_tokens=info.max_tokens,
-                     budget_usd=info.budget_usd, expires_at=info.expires_at)
+                     budget_usd=info.budget_usd, expires_at=info.expires_at, safety=info.safety)

@@ -58,6 +58,9 @@ class Trace:
     traceparent: str | None = None  # the caller's W3C trace context, when it sent one
     route: dict | None = None  # the routing stage's choice: pool, replica, and why that replica
     json_complete: bool | None = None  # a JSON reply: whole (True) or cut short (False); None: none asked
+    # The safety stage: per direction, the categories found and the action taken, and its time
+    # (input: its stage; output: the checks summed over the reply). None: no policy is on.
+    safety: dict | None = None
 
     @classmethod
     def of_call(cls, call, outcome, cost_usd: float = 0.0) -> "Trace":
@@ -78,12 +81,12 @@ class Trace:
             route=None if replica is None else {"pool": replica.pool, "replica": replica.replica,
                                                 "reason": replica.reason,
                                                 "failed_attempts": replica.num_failed_attempts},
-            json_complete=outcome.json_complete,
+            json_complete=outcome.json_complete, safety=safety_of(call, outcome),
         )
 
     # What the ledger row keeps besides its own columns (`tokenway trace` rebuilds the rest).
     LEDGER_FIELDS = ("endpoint", "total_ms", "ttft_ms", "tpot_ms", "stream", "num_choices", "cache_reason",
-                     "limit_kind", "sampling", "route", "json_complete")
+                     "limit_kind", "sampling", "route", "json_complete", "safety")
 
     def ledger_fields(self) -> dict:
         return {name: getattr(self, name) for name in self.LEDGER_FIELDS}
@@ -230,3 +233,18 @@ def render_summary(summary: dict) -> str:
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f} ms"
+
+
+def safety_of(call, outcome) -> dict | None:
+    """The trace's safety entry: what each direction's check found and did, and its time."""
+    screening = call.screening
+    if screening is None and not outcome.safety_output_ms and not outcome.safety_output:
+        return None
+    entry = {}
+    if screening is not None:
+        entry["input"] = {"categories": list(screening.categories), "action": screening.action,
+                          "ms": round(screening.ms, 3)}
+    if outcome.safety_output_ms or outcome.safety_output:
+        entry["output"] = {"categories": list(outcome.safety_output), "action": outcome.safety_output_action,
+                           "ms": round(outcome.safety_output_ms, 3)}
+    return entry

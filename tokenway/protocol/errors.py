@@ -70,6 +70,17 @@ class InvalidRequestError(TokenwayError):
     anthropic_type = "invalid_request_error"
 
 
+class ContentPolicyViolationError(InvalidRequestError):
+    """Input the server's safety policy blocks: which categories, never the text found."""
+
+    default_code = "content_policy_violation"
+
+    def __init__(self, categories: tuple[str, ...], param: str = "messages") -> None:
+        super().__init__(f"The input was blocked by this server's content policy: it contains "
+                         f"{', '.join(categories)}. Remove it and send the request again.", param=param)
+        self.categories = categories
+
+
 class ContextLengthExceededError(InvalidRequestError):
     default_code = "context_length_exceeded"
 

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 from tokenway.billing.pricing import ModelPrice
 from tokenway.routing.balancer import BalancerConfig
 from tokenway.routing.health import BreakerConfig, HealthCheckConfig
+from tokenway.safety.screen import SafetyPolicy
 
 if TYPE_CHECKING:  # upstream.py imports the engine's types, and torch with them: not at config time
     from tokenway.routing.upstream import UpstreamTimeouts
@@ -180,6 +181,7 @@ class ModelEntry:
     balancer: BalancerConfig = field(default_factory=BalancerConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     health: HealthCheckConfig = field(default_factory=HealthCheckConfig)
+    safety: SafetyPolicy | None = None  # config [models.safety]; None: serve's --safety-* policy
 
     def __post_init__(self) -> None:
         for key in ("replicas", "aliases", "fallbacks"):

@@ -22,6 +22,7 @@ from tokenway.routing.registry_config import (
     a,
     check_count,
 )
+from tokenway.safety.screen import MODES, SafetyPolicy
 
 
 @contextmanager
@@ -155,6 +156,7 @@ def parse_model(table: Table, default_local_model: str) -> ModelEntry:
     fields["balancer"] = _balancer(table.table("balancer"), max_in_flight)
     fields["breaker"] = _breaker(table.table("breaker"))
     fields["health"] = _health(table.table("health"))
+    fields["safety"] = _safety(table.table("safety"))
     replicas = tuple(parse_replica(t, name, kind, default_local_model) for t in table.tables("replicas"))
     table.finish()
     with at(table.path):
@@ -210,3 +212,15 @@ def _health(table: Table | None) -> HealthCheckConfig:
                                            "timeout": table.seconds("timeout_s")}))
     table.finish()
     return config
+
+
+def _safety(table: Table | None) -> SafetyPolicy | None:
+    """[models.safety]: the model's own safety policy, in place of serve's --safety-* flags."""
+    if table is None:
+        return None
+    categories = table.texts("categories")
+    policy = SafetyPolicy(**_present({"input": table.choice("input", MODES), "output": table.choice("output", MODES),
+                                      "categories": frozenset(categories) if categories else None,
+                                      "threshold": table.number("threshold", minimum=0, maximum=1)}))
+    table.finish()
+    return policy

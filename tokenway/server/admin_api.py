@@ -12,7 +12,7 @@ configured the whole API answers 404, as if it did not exist.
 from __future__ import annotations
 
 import hmac
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import pydantic
 from fastapi import APIRouter, Depends
@@ -23,10 +23,26 @@ from starlette.responses import JSONResponse
 from tokenway.gateway.auth import MAX_NAME_CHARS
 from tokenway.gateway.keystore import KeyStore, UnknownKeyError
 from tokenway.protocol.errors import AuthenticationError, InvalidRequestError, NotFoundError, truncate
+from tokenway.safety.detectors import CATEGORIES
+from tokenway.safety.screen import SafetyPolicy
 from tokenway.server.body_parser import BodyParser
 from tokenway.server.http import parse_body
 
 PositiveInt = Annotated[int, pydantic.Field(ge=1)]
+
+
+Mode = Literal["off", "flag", "redact", "block"]
+
+
+class SafetyBody(pydantic.BaseModel):
+    """A key's own safety policy (safety/screen.py), in place of the model's or the server's."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", strict=True)
+
+    input: Mode = "off"
+    output: Mode = "off"
+    categories: Annotated[list[Literal[CATEGORIES]], pydantic.Field(min_length=1)] | None = None
+    threshold: Annotated[float, pydantic.Field(gt=0, le=1, allow_inf_nan=False)] = 0.5
 
 
 class CreateKeyRequest(pydantic.BaseModel):
@@ -43,6 +59,7 @@ class CreateKeyRequest(pydantic.BaseModel):
     max_tokens: PositiveInt | None = None
     budget_usd: Annotated[float, pydantic.Field(ge=0, allow_inf_nan=False)] | None = None
     expires_at: Annotated[float, pydantic.Field(allow_inf_nan=False)] | None = None  # unix seconds
+    safety: SafetyBody | None = None
 
 
 def check_admin_key(request: Request, admin_key: str | None) -> None:
@@ -73,7 +90,10 @@ def admin_router(store: KeyStore, admin_key: str | None) -> APIRouter:
     async def create_key(request: Request) -> JSONResponse:
         body = await parse_body(request, CreateKeyRequest, parser)
         try:
-            secret, info = await run_in_threadpool(store.create, **body.model_dump())
+            fields = body.model_dump()
+            if body.safety is not None:
+                fields["safety"] = SafetyPolicy.from_dict(fields["safety"])
+            secret, info = await run_in_threadpool(store.create, **fields)
         except ValueError as exc:  # e.g. expires_at in the past
             field_name = str(exc).partition(":")[0]
             raise InvalidRequestError(str(exc), param=field_name if field_name in CreateKeyRequest.model_fields

@@ -48,7 +48,7 @@ def prepare(state: ServerState, body, call: Call) -> Generation:
                                len(body.messages), parallel)
     params = make_sampling_params(fields, chat.max_tokens, chat.structured, None, body.stop_sequences,
                                   chat.skip_special_tokens)
-    job = GenerationJob(new_id("msg_"), model, "chat", params, messages=tuple(messages),
+    job = GenerationJob(new_id("msg_"), model, "chat", params, messages=chat.messages,
                         tools=tuple(tools) if tools else None, tool_choice=tool_choice,
                         parallel_tool_calls=parallel is None, prompt_token_ids=chat.prompt_token_ids,
                         context_window=chat.context_window, stream=bool(body.stream))

@@ -38,6 +38,7 @@ from tokenway.protocol.errors import (
     from_validation_error,
     openai_error_body,
 )
+from tokenway.safety.moderations import ModerationRequest, moderation_response
 from tokenway.server import anthropic_api, openai_api
 from tokenway.server.admin_api import admin_router
 from tokenway.server.call import Call, CallStart
@@ -162,6 +163,7 @@ class GatewayMiddleware:
                     extra.update(await gatekeeper.limiter.headers(principal.key_id, gatekeeper.limit_spec(principal)))
                 if generation_call:  # every answer to a generation call names the id to trace it by
                     extra.setdefault("x-request-id", call.request_id)
+                    extra.update(safety_headers(call))
                 if extra:
                     response_headers = list(message.get("headers", []))
                     present = {name.lower() for name, _ in response_headers}
@@ -270,6 +272,11 @@ def create_app(state: ServerState) -> FastAPI:
         body = await parse_body(request, anthropic_schema.MessagesRequest, state.body_parser)
         return await anthropic_api.handle(state, request, body, call_of(request))
 
+    @app.post("/v1/moderations", openapi_extra=_schema_extra(ModerationRequest))
+    async def moderations(request: Request) -> Response:
+        body = await parse_body(request, ModerationRequest, state.body_parser)
+        return JSONResponse(moderation_response(state.config.safety, body.texts()))
+
     @app.post("/v1/embeddings", openapi_extra=_schema_extra(EmbeddingRequest))
     async def embeddings(request: Request) -> Response:
         return await create_embeddings(state, request, call_of(request))
@@ -355,3 +362,15 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_middleware(GatewayMiddleware, max_body_bytes=state.config.max_body_bytes, gatekeeper=state.gatekeeper,
                        observer=state.observer)
     return app
+
+
+def safety_headers(call: Call) -> dict[str, str]:
+    """What the safety stage found, named (never the text): the input's, and the output's where
+    the response starts after it is known (not a stream's)."""
+    headers = {}
+    if call.screening is not None and call.screening.categories:
+        headers["x-tokenway-safety-input"] = f"{call.screening.action}; {','.join(call.screening.categories)}"
+    outcome = call.outcome
+    if outcome is not None and outcome.safety_output:
+        headers["x-tokenway-safety-output"] = f"{outcome.safety_output_action}; {','.join(outcome.safety_output)}"
+    return headers

@@ -4,6 +4,7 @@
     routing           ─► RouteChoice  the model served and its pool
     Router            ─► ReplicaChoice the replica that ran it, and why (routing/router.py)
     API adaptor       ─► GenerationJob the typed work (routing/job.py; EmbeddingsJob for embeddings)
+    safety stage      ─► InputScreening what the input check found and did (safety/screen.py)
     Gatekeeper.admit  ─► Admission    the limits' reservation and rate headers
     whoever sees the call end ─► CallOutcome   status, usage, finish, error
                                    │
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenway.gateway.auth import ANONYMOUS, Principal
+from tokenway.safety.screen import InputScreening
 from tokenway.stages import StageClock
 
 if TYPE_CHECKING:
@@ -67,10 +69,15 @@ class CallOutcome:
     # A JSON reply (response_format json_schema / json_object): whether every choice's text is
     # a whole JSON document. None: no JSON was asked for, or the call failed.
     json_complete: bool | None = None
+    # The safety stage's output check: the categories found in the reply, what was done
+    # (flag, redact, block; None: nothing found) and its time over the whole reply.
+    safety_output: tuple[str, ...] = ()
+    safety_output_action: str | None = None
+    safety_output_ms: float = 0.0
 
 
 class Call:
-    __slots__ = ("clock", "start", "route", "job", "admission", "replica", "outcome", "committed")
+    __slots__ = ("clock", "start", "route", "job", "admission", "replica", "outcome", "committed", "screening")
 
     def __init__(self, start: CallStart, clock: StageClock | None = None) -> None:
         self.clock = clock or StageClock()
@@ -81,6 +88,7 @@ class Call:
         self.replica: ReplicaChoice | None = None
         self.outcome: CallOutcome | None = None
         self.committed = False  # the ledger row is written (Gatekeeper's flag)
+        self.screening: InputScreening | None = None  # the safety stage's input check
 
     @property
     def request_id(self) -> str:
@@ -101,6 +109,10 @@ class Call:
     def set_admission(self, admission: Admission) -> None:
         assert self.admission is None, "a call is admitted once"
         self.admission = admission
+
+    def set_screening(self, screening: InputScreening) -> None:
+        assert self.screening is None, "the input is screened once"
+        self.screening = screening
 
     def set_replica(self, choice: ReplicaChoice) -> None:
         assert self.replica is None, "a call runs on one replica"

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
@@ -24,6 +25,7 @@ from tokenway.frontend.tool_parsers import ReplyFormat
 from tokenway.protocol.errors import InternalServerError, InvalidRequestError, TokenwayError
 from tokenway.routing.job import ChoiceDelta, GenerationJob, ToolCallDelta, Usage
 from tokenway.routing.replicas import engine_unavailable
+from tokenway.safety.screen import OutputScreen
 from tokenway.server import sse
 from tokenway.server.call import Call, CallOutcome
 from tokenway.server.http import ClientDisconnected, unless_disconnected
@@ -92,6 +94,13 @@ class Generation:
         # A reply in a tool-call format is read as it streams: its deltas carry content and
         # call pieces (ToolCallDelta), as a replica that makes calls itself (an upstream) sends.
         self.parsers = [reply_format.parser() for _ in range(job.n)] if reply_format is not None else None
+        # The safety stage's output check, per choice, on the content (after the tool-call parser).
+        policy = self.policy = state.safety_policy(job.model, call.start.principal)
+        self.screens = [OutputScreen(policy) for _ in range(job.n)] if policy.output != "off" else None
+        if policy.output in ("redact", "block") and job.params.logprobs is not None:
+            # Each token's text would show what the policy takes out of the reply.
+            raise InvalidRequestError(f"logprobs: not available on this server (its safety policy "
+                                      f"{policy.output}s output)", param="logprobs")
         self.num_cached_tokens = 0
         self.cache_reason: str | None = None
         self.reported: Usage | None = None  # the replica's own count, once it sends it
@@ -103,34 +112,42 @@ class Generation:
         observer = self.state.observer
         last_token_times: list[float | None] = [None] * self.num_choices
         try:
-            async for event in self.router.generate(self.job, self.call.set_replica):
-                if isinstance(event, Usage):
-                    self.reported = event
-                    self.num_cached_tokens, self.cache_reason = event.cached_tokens, event.cache_reason
-                    continue
-                index = event.index
-                mark_stage_times(self.clock, event)
-                num_new = len(event.token_ids)
-                if observer is not None and num_new > 0:
-                    now, previous = time.monotonic(), last_token_times[index]
-                    if event.engine_times is not None and event.engine_times[2] is not None:
-                        now = event.engine_times[2]
-                    observer.on_tokens(self.model, num_new, None if previous is None else (now - previous) / num_new)
-                    last_token_times[index] = now
-                self.completion_tokens[index] += num_new
-                if self.parsers is not None:
-                    event = self._parsed(event)
-                if event.text:
-                    self.texts[index].append(event.text)
-                if event.logprobs and self.logprobs[index] is not None:
-                    self.logprobs[index].extend(event.logprobs)
-                for piece in event.tool_calls:
-                    add_tool_call_piece(self.tool_calls[index], piece)
-                if event.num_cached_tokens >= self.num_cached_tokens:
-                    self.num_cached_tokens, self.cache_reason = event.num_cached_tokens, event.cache_reason
-                if event.finish_reason is not None:
-                    self.finish_reasons[index], self.stop_reasons[index] = event.finish_reason, event.stop_reason
-                yield event
+            async with aclosing(self.router.generate(self.job, self.call.set_replica)) as events:
+                async for event in events:
+                    if isinstance(event, Usage):
+                        self.reported = event
+                        self.num_cached_tokens, self.cache_reason = event.cached_tokens, event.cache_reason
+                        continue
+                    index = event.index
+                    mark_stage_times(self.clock, event)
+                    num_new = len(event.token_ids)
+                    if observer is not None and num_new > 0:
+                        now, previous = time.monotonic(), last_token_times[index]
+                        if event.engine_times is not None and event.engine_times[2] is not None:
+                            now = event.engine_times[2]
+                        observer.on_tokens(self.model, num_new, None if previous is None else (now - previous) / num_new)
+                        last_token_times[index] = now
+                    self.completion_tokens[index] += num_new
+                    if self.parsers is not None:
+                        event = self._parsed(event)
+                    if self.screens is not None:
+                        event = self._screened(event)
+                        if event is None:  # a choice the safety stage ended: the rest of it is dropped
+                            continue
+                    if event.text:
+                        self.texts[index].append(event.text)
+                    if event.logprobs and self.logprobs[index] is not None:
+                        self.logprobs[index].extend(event.logprobs)
+                    for piece in event.tool_calls:
+                        add_tool_call_piece(self.tool_calls[index], piece)
+                    if event.num_cached_tokens >= self.num_cached_tokens:
+                        self.num_cached_tokens, self.cache_reason = event.num_cached_tokens, event.cache_reason
+                    if event.finish_reason is not None:
+                        self.finish_reasons[index], self.stop_reasons[index] = event.finish_reason, event.stop_reason
+                    yield event
+                    if self.screens is not None and "content_filter" in self.finish_reasons \
+                            and all(self.finish_reasons):
+                        break  # every choice has ended, one by the safety stage: the replica stops (aclosing)
         finally:
             self.state.release_engine_slots(self.num_choices)
 
@@ -150,6 +167,24 @@ class Generation:
                 finish_reason = "tool_calls"
         return dataclasses.replace(event, text=content, tool_calls=event.tool_calls + calls,
                                    finish_reason=finish_reason)
+
+    def _screened(self, event: ChoiceDelta) -> ChoiceDelta | None:
+        """A delta's content as the safety stage lets it out (safety/screen.py): redacted, held
+        back while a finding may still be forming, or cut at a finding the policy blocks, where
+        the choice ends with content_filter. None for a choice that has ended so."""
+        screen = self.screens[event.index]
+        if screen.blocked:
+            return None
+        screened = screen.feed(event.text) if event.text else None
+        text = screened.text if screened is not None else ""
+        if screened is None or not screened.blocked:
+            if event.finish_reason is None:
+                return dataclasses.replace(event, text=text)
+            screened = screen.finish()
+            text += screened.text
+            if not screened.blocked:
+                return dataclasses.replace(event, text=text)
+        return dataclasses.replace(event, text=text, tool_calls=(), finish_reason="content_filter", stop_reason=None)
 
     def text(self, index: int) -> str:
         """Choice `index`'s text so far (in a tool-call format, its content)."""
@@ -212,6 +247,14 @@ class Generation:
                 return False
         return True
 
+    def safety_output(self) -> dict:
+        """The output check's part of the outcome: what it found, did, and took."""
+        if self.screens is None:
+            return {}
+        categories = tuple(sorted(set().union(*(screen.categories for screen in self.screens))))
+        return {"safety_output": categories, "safety_output_action": self.policy.output if categories
+                else None, "safety_output_ms": sum(screen.seconds for screen in self.screens) * 1000}
+
     def finish(self, status: int = 200, error: str | None = None) -> None:
         """The call's outcome, made once from the counts as they stand, and its log line."""
         reasons = [r for r in self.finish_reasons if r]
@@ -221,7 +264,7 @@ class Generation:
             cached_tokens=self.num_cached_tokens, completion_tokens=self.num_completion_tokens,
             max_choice_tokens=max(self.completion_tokens), finish_reason=reasons[0] if reasons else None,
             error=error, cache_reason=self.cache_reason,
-            json_complete=self.json_complete() if status == 200 else None)
+            json_complete=self.json_complete() if status == 200 else None, **self.safety_output())
         self.call.end(outcome)
         log_request(self.request_id, self.model, self.clock, outcome)
 

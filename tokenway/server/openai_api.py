@@ -103,7 +103,7 @@ def prepare_chat(state: ServerState, body, call: Call) -> tuple[Generation]:
                                len(body.messages), body.parallel_tool_calls, response_format)
     params = make_sampling_params(body, chat.max_tokens, chat.structured, logprobs, body.stop,
                                   chat.skip_special_tokens)
-    job = GenerationJob(new_id("chatcmpl-"), model, "chat", params, n=body.n or 1, messages=tuple(messages),
+    job = GenerationJob(new_id("chatcmpl-"), model, "chat", params, n=body.n or 1, messages=chat.messages,
                         tools=tuple(tools) if tools else None, tool_choice=tool_choice,
                         parallel_tool_calls=body.parallel_tool_calls is not False, response_format=response_format,
                         prompt_token_ids=chat.prompt_token_ids, context_window=chat.context_window,
@@ -202,8 +202,20 @@ def tokenize(frontend: ModelFrontend, body) -> list[int]:
     return token_ids
 
 
+def screen_prompt(state: ServerState, body, call: Call) -> None:
+    """The safety stage for a completion: its prompt's text (token ids are not screened)."""
+    prompt = body.prompt
+    texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)] \
+        if isinstance(prompt, list) else []
+    redacted = state.screen(call, texts, "prompt")
+    if redacted is not None:
+        new = [r if r is not None else t for r, t in zip(redacted, texts)]
+        body.prompt = new[0] if isinstance(prompt, str) else new
+
+
 def prepare_completion(state: ServerState, body, call: Call) -> tuple[Generation, str]:
     model = state.route(body, call)
+    screen_prompt(state, body, call)
     frontend = state.frontend(model)
     if frontend is None:
         return prepare_untemplated_completion(state, body, call, model)

@@ -9,6 +9,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -17,7 +18,7 @@ from tokenway.embeddings import EmbeddingEngine
 from tokenway.engine.client import EngineClient
 from tokenway.engine.request import SamplingParams
 from tokenway.engine.structured_output import StructuredOutputSpec
-from tokenway.frontend.chat import build_chat_prompt
+from tokenway.frontend.chat import build_chat_prompt, text_content
 from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.tokenizer import PromptTooLong
 from tokenway.frontend.tool_parsers import ReplyFormat
@@ -25,6 +26,7 @@ from tokenway.gateway.auth import Principal
 from tokenway.gateway.gatekeeper import Gatekeeper
 from tokenway.observability.observer import Observer
 from tokenway.protocol.errors import (
+    ContentPolicyViolationError,
     ContextLengthExceededError,
     InvalidRequestError,
     NotFoundError,
@@ -33,6 +35,7 @@ from tokenway.protocol.errors import (
 from tokenway.routing.job import estimate_chat_tokens
 from tokenway.routing.replicas import LocalReplica
 from tokenway.routing.router import Pool, Router
+from tokenway.safety.screen import SafetyPolicy, screen_input
 from tokenway.server.body_parser import BodyParser
 from tokenway.server.call import Call, CallOutcome, RouteChoice
 from tokenway.stages import StageClock
@@ -52,6 +55,8 @@ class ServerConfig:
     graceful_shutdown_seconds: float = 30.0
     admin_key: str | None = None  # guards /admin; None disables the admin API
     tool_parser: str | None = None  # the local model's tool-call format (--tool-parser); None: its template's
+    safety: SafetyPolicy = SafetyPolicy()  # the safety stage's checks (--safety-input, --safety-output)
+    model_safety: Mapping[str, SafetyPolicy] = field(default_factory=dict)  # a model's own ([models.safety])
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +66,7 @@ class ChatTemplating:
     prompt_token_ids: tuple[int, ...] | None  # None: the model's upstream templates the messages
     context_window: int
     max_tokens: int | None  # None only for an untemplated call that set none: the upstream's rest
+    messages: tuple[dict, ...]  # as the safety stage passed them (redacted, under a redact policy)
     structured: StructuredOutputSpec | None  # what the reply is constrained to (JSON, a tool-call grammar)
     reply_format: ReplyFormat | None  # how the reply's tool calls are read; None: no tools (or the upstream's)
 
@@ -174,22 +180,50 @@ class ServerState:
                       ) -> ChatTemplating:
         """A chat call's prompt for its model (stage 3), the same for every chat API: templated
         and checked against the window where tokenway has the model's tokenizer; else left to the
-        upstream, with max_tokens checked against the config's window and an estimated prompt."""
+        upstream, with max_tokens checked against the config's window and an estimated prompt.
+        The safety stage screens the messages first, so a redacted prompt is templated once."""
+        redacted = self.screen(call, [text_content(m.get("content")) for m in messages], "messages")
+        if redacted is not None:
+            messages = [m if text is None else {**m, "content": text} for m, text in zip(messages, redacted)]
         frontend = self.frontend(model)
         if frontend is None:
             window = self.max_model_len(model)
             max_tokens = self.max_tokens(call, window, estimate_chat_tokens(messages, tools), requested_max_tokens,
                                          param, num_messages=num_messages, exact=False)
-            return ChatTemplating(None, window, max_tokens, None, None)
+            return ChatTemplating(None, window, max_tokens, tuple(messages), None, None)
         with context_window(frontend, "messages") as window:
             prompt = build_chat_prompt(frontend.tokenizer, messages, tools, tool_choice, parallel_tool_calls,
                                        response_format, max_num_tokens=window,
                                        tool_parser=self.config.tool_parser if frontend.is_local else None)
         max_tokens = self.max_tokens(call, frontend.max_model_len, len(prompt.prompt_token_ids), requested_max_tokens,
                                      param, num_messages=num_messages)
-        return ChatTemplating(tuple(prompt.prompt_token_ids), frontend.max_model_len, max_tokens,
+        return ChatTemplating(tuple(prompt.prompt_token_ids), frontend.max_model_len, max_tokens, tuple(messages),
                               structured_output_spec(prompt.json_schema, prompt.json_object, prompt.grammar),
                               prompt.reply_format)
+
+    def safety_policy(self, model: str, principal: Principal | None = None) -> SafetyPolicy:
+        """The caller's key's own policy where it has one, else the model's where its config
+        sets one, else the server's."""
+        if principal is not None and principal.safety is not None:
+            return principal.safety
+        return self.config.model_safety.get(model, self.config.safety)
+
+    def screen(self, call: Call, texts: list[str], param: str) -> list[str | None] | None:
+        """The safety stage's input check (safety/screen.py) of a call's texts, in order: raises
+        ContentPolicyViolationError (400) under a block policy that finds something; under a
+        redact policy, the texts redacted (None where a text is unchanged); else None."""
+        policy = self.safety_policy(call.model, call.start.principal)
+        if policy.input == "off":
+            call.clock.end("safety")
+            return None
+        screening = screen_input(policy, texts)
+        call.set_screening(screening)
+        call.clock.end("safety")
+        if screening.action == "block":
+            raise ContentPolicyViolationError(screening.categories, param=param)
+        if screening.redacted is None:
+            return None
+        return [new if new != old else None for new, old in zip(screening.redacted, texts)]
 
     async def admit(self, call: Call) -> None:
         """Budget and limits, reserving prompt + max_tokens for every choice. Raises 429."""

@@ -1,0 +1,175 @@
+"""The safety stage: a call's input screened after templating (before admission), its output
+screened as it streams (before the client sees it), by the configured checks, under a policy.
+
+    SafetyPolicy(input="block", output="redact", categories=...)       the server's (--safety-*)
+    screen_input(policy, texts)  -> InputScreening(findings, action, redacted texts)
+    OutputScreen(policy).feed(text) -> ScreenedText(text, categories, blocked)   one per choice
+                        .finish()   -> the text held back, screened
+
+Modes, for input and output alike:
+    off     nothing is checked
+    flag    checked; what is found is named in the trace (and the x-tokenway-safety-* headers)
+    redact  flag, and each finding is replaced by "[REDACTED:<category>]": in the prompt the
+            model sees, or in the reply the client gets
+    block   flag, and a finding stops the call: the input with a 400 (code
+            content_policy_violation), the output at the finding with finish_reason
+            content_filter (a stream ends there)
+
+Output in redact and block modes is held back only as far as a finding could still be
+forming: the word being written (an email or a key has no blank in it) and, where the
+last 64 characters hold digits, the digit groups among them (a card number, an IBAN or a
+phone number may be written in groups). Prose flows at once; a number waits for its end.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+from tokenway.safety.detectors import CATEGORIES, Finding, detect, redact
+
+MODES = ("off", "flag", "redact", "block")
+_DIGIT_GROUPS_TAIL = 64
+_MAX_HELD = 512  # longer than any key the detectors know
+# From the first of the trailing runs that hold a digit (with the blanks between them) to the
+# end: the part of the tail a number written in groups may still be growing in. The first
+# digit of a run is where the run's [^\s\d]* stops, so the pattern cannot backtrack far.
+_TRAILING_GROUPS = re.compile(r"(?:[^\s\d]*\d\S*[ \t]{1,2})*\S*\Z")
+
+
+@dataclass(frozen=True, slots=True)
+class SafetyPolicy:
+    input: str = "off"
+    output: str = "off"
+    categories: frozenset[str] | None = None  # None: every built-in category
+    threshold: float = 0.5  # a finding counts from this score
+
+    def __post_init__(self) -> None:
+        for name in ("input", "output"):
+            if getattr(self, name) not in MODES:
+                raise ValueError(f"safety_{name}: expected one of {', '.join(MODES)}, got {getattr(self, name)!r}")
+        if self.categories is not None and not self.categories <= set(CATEGORIES):
+            raise ValueError(f"safety_categories: unknown {sorted(self.categories - set(CATEGORIES))}; "
+                             f"known are {', '.join(CATEGORIES)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.input != "off" or self.output != "off"
+
+    def to_dict(self) -> dict:
+        return {"input": self.input, "output": self.output, "threshold": self.threshold,
+                "categories": sorted(self.categories) if self.categories is not None else None}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SafetyPolicy:
+        categories = data.get("categories")
+        return cls(input=data.get("input", "off"), output=data.get("output", "off"),
+                   categories=frozenset(categories) if categories is not None else None,
+                   threshold=data.get("threshold", 0.5))
+
+    def findings(self, text: str) -> tuple[Finding, ...]:
+        return tuple(f for f in detect(text, self.categories) if f.score >= self.threshold)
+
+
+@dataclass(frozen=True, slots=True)
+class InputScreening:
+    """What the input check found and did: categories found (sorted, once each), the action
+    taken (flag, redact, block; None when nothing was found), the texts redacted where the
+    action is redact, and how long it took."""
+
+    categories: tuple[str, ...] = ()
+    action: str | None = None
+    redacted: tuple[str, ...] | None = None
+    ms: float = 0.0
+
+
+def screen_input(policy: SafetyPolicy, texts: list[str]) -> InputScreening:
+    """Screen the texts of a call's input (each message's text, in order)."""
+    if policy.input == "off":
+        return InputScreening()
+    started = time.perf_counter()
+    found = [policy.findings(text) for text in texts]
+    categories = tuple(sorted({f.category for findings in found for f in findings}))
+    if not categories:
+        return InputScreening(ms=(time.perf_counter() - started) * 1000)
+    redacted = None
+    if policy.input == "redact":
+        redacted = tuple(redact(text, findings) if findings else text for text, findings in zip(texts, found))
+    return InputScreening(categories, policy.input, redacted, (time.perf_counter() - started) * 1000)
+
+
+@dataclass(frozen=True, slots=True)
+class ScreenedText:
+    text: str  # what may be sent now (redacted, in redact mode)
+    categories: tuple[str, ...] = ()  # found in it
+    blocked: bool = False  # a finding in block mode: the choice ends here, content_filter
+
+
+class OutputScreen:
+    """One choice's output, screened as it streams (module docstring)."""
+
+    def __init__(self, policy: SafetyPolicy) -> None:
+        self.policy = policy
+        self.mode = policy.output
+        self.held = ""
+        self.categories: set[str] = set()
+        self.seconds = 0.0
+        self.blocked = False
+        self._flag_text: list[str] = []  # flag mode: the text as it went, checked at the end
+
+    def feed(self, text: str) -> ScreenedText:
+        if self.blocked or not text:
+            return ScreenedText("")
+        if self.mode == "flag":
+            self._flag_text.append(text)  # nothing is held: checked once, at the end
+            return ScreenedText(text)
+        started = time.perf_counter()
+        try:
+            return self._screen(self.held + text, final=False)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def finish(self) -> ScreenedText:
+        started = time.perf_counter()
+        try:
+            if self.mode == "flag":
+                found = self.policy.findings("".join(self._flag_text))
+                self.categories.update(f.category for f in found)
+                return ScreenedText("", tuple(sorted({f.category for f in found})))
+            if self.blocked:
+                return ScreenedText("")
+            return self._screen(self.held, final=True)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _screen(self, buffer: str, final: bool) -> ScreenedText:
+        findings = self.policy.findings(buffer) if buffer else ()
+        release = len(buffer)
+        if not final:
+            release = _hold_from(buffer)
+            for finding in findings:  # a finding is released whole or not at all
+                if finding.start < release < finding.end:
+                    release = finding.start
+        done = [f for f in findings if f.end <= release]
+        if done and self.mode == "block":  # the reply ends at the first: what follows it is never seen
+            self.blocked, self.held = True, ""
+            self.categories.add(done[0].category)
+            return ScreenedText(buffer[:done[0].start], (done[0].category,), blocked=True)
+        categories = tuple(sorted({f.category for f in done}))
+        self.categories.update(categories)
+        self.held = buffer[release:]
+        return ScreenedText(redact(buffer[:release], done) if done else buffer[:release], categories)
+
+
+def _hold_from(buffer: str) -> int:
+    """Where the part of `buffer` a finding may still be growing in starts: the trailing digit
+    groups within the last 64 characters, or the word under way (back to its first character,
+    for a key longer than the tail; at most _MAX_HELD characters)."""
+    start = max(0, len(buffer) - _DIGIT_GROUPS_TAIL)
+    match = _TRAILING_GROUPS.search(buffer, start)
+    held_from = match.start() if match is not None else len(buffer)
+    if held_from == start and start > 0:
+        while held_from > 0 and not buffer[held_from - 1].isspace() and len(buffer) - held_from < _MAX_HELD:
+            held_from -= 1
+    return held_from
