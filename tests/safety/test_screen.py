@@ -44,8 +44,8 @@ def splits(text: str) -> list[list[int]]:
 
 
 def test_redact_gives_the_same_reply_however_it_is_split_and_never_releases_a_secret():
-    expected = (f"Sure. Write to [REDACTED:email] or call [REDACTED:phone]; pay with [REDACTED:credit_card] or to "
-                f"[REDACTED:iban]. The key is [REDACTED:api_key] and the order 4471-2290 ships in 2024.")
+    expected = ("Sure. Write to [REDACTED:email] or call [REDACTED:phone]; pay with [REDACTED:credit_card] or to "
+                "[REDACTED:iban]. The key is [REDACTED:api_key] and the order 4471-2290 ships in 2024.")
     for sizes in splits(REPLY):
         pieces, blocked, categories = screened("redact", REPLY, sizes)
         assert "".join(pieces) == expected and not blocked
