@@ -43,6 +43,9 @@ SERVE_OPTIONS = {
     "safety_input": (str, "off"),
     "safety_output": (str, "off"),
     "safety_categories": (str, None),  # comma-separated; default: every built-in category
+    "safety_guard_model": (str, None),  # a served model asked, in Llama Guard's format, about each input
+    "safety_guard_format": (str, "prompt"),  # "prompt" | "chat_template" (a Llama Guard model's own)
+    "safety_guard_fail_closed": (bool, False),
     "engine_process": (bool, True),  # the engine in a child process (False: a thread of the server)
     "engine_niceness": (int, 0),  # added to the engine process's niceness (> 0: the HTTP side wakes first)
     "embeddings": (bool, True),  # serve all-MiniLM-L6-v2 on /v1/embeddings beside the chat model
@@ -136,6 +139,13 @@ def add_serve_parser(sub) -> None:
                        help="... in the reply: flag, redact, or end it there with finish_reason content_filter")
     serve.add_argument("--safety-categories", help="comma-separated, of api_key,credit_card,iban,email,phone "
                                                    "(default: all)")
+    serve.add_argument("--safety-guard-model", help="a served model (any kind of replica) asked whether each "
+                                                    "input is unsafe, in Llama Guard 3's format and categories")
+    serve.add_argument("--safety-guard-format", choices=["prompt", "chat_template"],
+                       help="prompt: the guard task as a user turn (any model); chat_template: the conversation "
+                            "as it is, for a Llama Guard model whose template builds the task")
+    serve.add_argument("--safety-guard-fail-closed", dest="safety_guard_fail_closed", action="store_const",
+                       const=True, help="a guard that cannot answer refuses the call (503) instead of passing it")
     serve.add_argument("--max-num-batched-tokens", type=int)
     serve.add_argument("--max-num-seqs", type=int)
     serve.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False)
@@ -215,6 +225,10 @@ def run_serve(options: dict) -> int:
                                  model_safety={e.name: e.safety for e in registry.models if e.safety is not None}
                                  if registry is not None else {})
     check_tls(options)
+    for policy in (server_config.safety, *server_config.model_safety.values()):
+        if policy.guard_model is not None and policy.guard_model not in names and policy.guard_model not in aliases:
+            raise ValueError(f"safety guard_model: {policy.guard_model!r} is not a served chat model "
+                             f"({', '.join(names)})")
     if options["tool_parser"] not in (None, *FORMATS):
         raise ValueError(f"tool_parser: expected one of {', '.join(FORMATS)}, got {options['tool_parser']!r}")
     engine = None
@@ -305,7 +319,9 @@ def safety_policy(options: dict):
     categories = options["safety_categories"]
     return SafetyPolicy(input=options["safety_input"], output=options["safety_output"],
                         categories=frozenset(c.strip() for c in categories.split(",") if c.strip())
-                        if categories else None)
+                        if categories else None, guard_model=options["safety_guard_model"],
+                        guard_format=options["safety_guard_format"],
+                        guard_fail_closed=options["safety_guard_fail_closed"])
 
 
 def admin_key(options: dict) -> str | None:

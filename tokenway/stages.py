@@ -4,7 +4,8 @@ Every stage ends at a mark on one clock (time.monotonic, the clock the engine st
 requests with), so the stages add up to the end-to-end time exactly:
 
     received ─auth─► key checked ─validation─► body parsed ─routing─► model resolved
-      ─safety─► input screened ─tokenize─► prompt ready ─limits─► admitted ─queue─► first scheduled
+      ─safety─► input screened ─tokenize─► prompt ready ─guard─► a guard model's verdict
+      ─limits─► admitted ─queue─► first scheduled
       ─prefill─► first token ─decode─► last token ─postprocess─► response built
       ─billing─► done (ledger row committed, the last byte handed to the server)
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-STAGES = ("auth", "validation", "routing", "safety", "tokenize", "limits", "queue", "prefill", "decode", "postprocess",
+STAGES = ("auth", "validation", "routing", "safety", "tokenize", "guard", "limits", "queue", "prefill", "decode", "postprocess",
           "billing")
 _STAGE_INDEX = {stage: i for i, stage in enumerate(STAGES)}
 

@@ -123,3 +123,18 @@ def test_a_keys_policy_is_stored_with_it_and_an_older_database_gains_the_column(
         assert info.safety == policy and plain.safety is None
         assert store.authenticate(secret).safety == policy and store.authenticate(plain_secret).safety is None
         assert info.to_dict()["safety"] == {"input": "redact", "output": "block", "threshold": 0.5, "categories": None}
+
+
+def test_a_guards_reply_is_read_as_llama_guard_writes_it():
+    from tokenway.safety.guard import guard_messages, parse_verdict
+
+    assert parse_verdict("safe") == () and parse_verdict("  Safe\n") == ()
+    assert parse_verdict("unsafe\nS1") == ("violent_crimes",)
+    assert parse_verdict("unsafe\nS10, S12") == ("hate", "sexual_content")
+    assert parse_verdict("unsafe") == ("unsafe",)  # no code given: still unsafe
+    assert parse_verdict("I think this is fine, not unsafe at all.") == ()  # rambling blocks nobody
+    turns = [("user", "hi"), ("assistant", "hello"), ("user", "and now?")]
+    [task] = guard_messages(turns, "prompt")
+    assert "User: hi\n\nAgent: hello\n\nUser: and now?" in task["content"] and "S14: Code Interpreter Abuse." in \
+        task["content"]
+    assert guard_messages(turns, "chat_template") == [{"role": r, "content": t} for r, t in turns]

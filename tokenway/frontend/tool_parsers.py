@@ -372,6 +372,15 @@ class ToolCallParser:
 
     def _new_call(self) -> None:
         self.call = _CallObject(self.out, self.argument_keys)
+        self.mode = "call"
+
+    def _array_char(self, ch: str, end_mode: str) -> None:
+        """In a JSON array of calls: "{" opens the next call; "]", or anything but a comma or a
+        blank, ends the array."""
+        if ch == "{":
+            self._new_call()
+        elif ch == "]" or (ch not in _WHITESPACE and ch != ","):
+            self.mode = end_mode
 
 
 class _Tagged(ToolCallParser):
@@ -428,7 +437,6 @@ class HermesParser(_Tagged):
         elif mode == "open":
             if ch == "{":
                 self._new_call()
-                self.mode = "call"
             elif ch not in _WHITESPACE:
                 self.mode = "skip"  # not a call object: skip to the closing tag
                 self.held = ch
@@ -468,13 +476,7 @@ class MistralParser(_Tagged):
             else:
                 self.mode, self.name = "name", [ch]
         elif mode == "array":
-            if ch == "{":
-                self._new_call()
-                self.mode = "call"
-            elif ch == "]":
-                self.mode = "text"
-            elif ch not in _WHITESPACE and ch != ",":
-                self.mode = "text"
+            self._array_char(ch, "text")
         elif mode == "call":
             if self._call_char(ch):
                 self.mode = "array"
@@ -533,7 +535,6 @@ class Llama3JsonParser(ToolCallParser):
                 self.mode = "between"
             elif stripped == "{":
                 self._new_call()
-                self.mode = "call"
             elif not self.python_tag.startswith(stripped):
                 self.mode = "text"
                 self.out.text(self.held)
@@ -550,7 +551,6 @@ class Llama3JsonParser(ToolCallParser):
         else:  # between calls
             if ch == "{":
                 self._new_call()
-                self.mode = "call"
             elif ch not in _WHITESPACE and ch != ";":
                 self.held += ch
                 if not self.python_tag.startswith(self.held):
@@ -583,17 +583,11 @@ class GenericParser(ToolCallParser):
             self.out.text(self.string.push(ch))
             if self.string.done:
                 self.mode = "tail"
-        elif mode == "calls":
-            if ch == "{":
-                self._new_call()
-                self.mode = "call"
-            elif ch == "]":
-                self.mode = "tail"
-            elif ch not in _WHITESPACE and ch != ",":
-                self.mode = "tail"
+        elif mode == "array":
+            self._array_char(ch, "tail")
         elif mode == "call":
             if self._call_char(ch):
-                self.mode = "calls"
+                self.mode = "array"
         elif mode == "opening":
             self.held += ch
             opening = self._OPENING.match(self.held)
@@ -602,7 +596,7 @@ class GenericParser(ToolCallParser):
                 if opening.group(1) == "response":
                     self.mode, self.string = "response", _StringDecoder()
                 else:
-                    self.mode = "calls"
+                    self.mode = "array"
             elif self._MAYBE.match(self.held) is None:
                 self.mode = "text"  # not the format (an unconstrained replica): the text as it is
                 self.out.text(self.held)

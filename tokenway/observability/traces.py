@@ -237,13 +237,16 @@ def _ms(value: float | None) -> str:
 
 def safety_of(call, outcome) -> dict | None:
     """The trace's safety entry: what each direction's check found and did, and its time."""
-    screening = call.screening
-    if screening is None and not outcome.safety_output_ms and not outcome.safety_output:
+    screening, guard = call.screening, call.guard
+    if screening is None and guard is None and not outcome.safety_output_ms and not outcome.safety_output:
         return None
     entry = {}
     if screening is not None:
         entry["input"] = {"categories": list(screening.categories), "action": screening.action,
                           "ms": round(screening.ms, 3)}
+    if guard is not None:
+        entry.setdefault("input", {})["guard"] = {"categories": list(guard.categories), "ms": round(guard.ms, 3),
+                                                 "error": guard.error}
     if outcome.safety_output_ms or outcome.safety_output:
         entry["output"] = {"categories": list(outcome.safety_output), "action": outcome.safety_output_action,
                            "ms": round(outcome.safety_output_ms, 3)}

@@ -22,6 +22,7 @@ from tokenway.routing.registry_config import (
     a,
     check_count,
 )
+from tokenway.safety.guard import GUARD_FORMATS
 from tokenway.safety.screen import MODES, SafetyPolicy
 
 
@@ -219,8 +220,12 @@ def _safety(table: Table | None) -> SafetyPolicy | None:
     if table is None:
         return None
     categories = table.texts("categories")
+    fail_closed = table.choice("guard_on_error", ("pass", "refuse"))
     policy = SafetyPolicy(**_present({"input": table.choice("input", MODES), "output": table.choice("output", MODES),
                                       "categories": frozenset(categories) if categories else None,
-                                      "threshold": table.number("threshold", minimum=0, maximum=1)}))
+                                      "threshold": table.number("threshold", minimum=0, maximum=1),
+                                      "guard_model": table.text("guard_model"),
+                                      "guard_format": table.choice("guard_format", GUARD_FORMATS),
+                                      "guard_fail_closed": None if fail_closed is None else fail_closed == "refuse"}))
     table.finish()
     return policy

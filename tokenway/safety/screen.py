@@ -44,11 +44,18 @@ class SafetyPolicy:
     output: str = "off"
     categories: frozenset[str] | None = None  # None: every built-in category
     threshold: float = 0.5  # a finding counts from this score
+    # A guard model (safety/guard.py): a served model's name, asked about the input after the
+    # built-in checks; its categories are flagged, or block under `block`.
+    guard_model: str | None = None
+    guard_format: str = "prompt"  # "prompt": Llama Guard's task as a user turn; "chat_template": its own
+    guard_fail_closed: bool = False  # a guard that cannot answer: refuse the call (503), not pass it
 
     def __post_init__(self) -> None:
         for name in ("input", "output"):
             if getattr(self, name) not in MODES:
                 raise ValueError(f"safety_{name}: expected one of {', '.join(MODES)}, got {getattr(self, name)!r}")
+        if self.guard_format not in ("prompt", "chat_template"):
+            raise ValueError(f"safety_guard_format: expected prompt or chat_template, got {self.guard_format!r}")
         if self.categories is not None and not self.categories <= set(CATEGORIES):
             raise ValueError(f"safety_categories: unknown {sorted(self.categories - set(CATEGORIES))}; "
                              f"known are {', '.join(CATEGORIES)}")
@@ -58,15 +65,21 @@ class SafetyPolicy:
         return self.input != "off" or self.output != "off"
 
     def to_dict(self) -> dict:
-        return {"input": self.input, "output": self.output, "threshold": self.threshold,
+        data = {"input": self.input, "output": self.output, "threshold": self.threshold,
                 "categories": sorted(self.categories) if self.categories is not None else None}
+        if self.guard_model is not None:
+            data |= {"guard_model": self.guard_model, "guard_format": self.guard_format,
+                     "guard_fail_closed": self.guard_fail_closed}
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> SafetyPolicy:
         categories = data.get("categories")
         return cls(input=data.get("input", "off"), output=data.get("output", "off"),
                    categories=frozenset(categories) if categories is not None else None,
-                   threshold=data.get("threshold", 0.5))
+                   threshold=data.get("threshold", 0.5), guard_model=data.get("guard_model"),
+                   guard_format=data.get("guard_format", "prompt"),
+                   guard_fail_closed=data.get("guard_fail_closed", False))
 
     def findings(self, text: str) -> tuple[Finding, ...]:
         return tuple(f for f in detect(text, self.categories) if f.score >= self.threshold)

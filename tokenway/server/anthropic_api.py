@@ -176,6 +176,7 @@ class BlockWriter:
 
 async def handle(state: ServerState, request: Request, body, call: Call) -> Response:
     generation = await state.prepare(request, prepare, state, body, call)
+    await state.guard(call)
     await state.admit(call)
     if body.stream:
         return EventStreamResponse(message_stream(generation))

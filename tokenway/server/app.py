@@ -251,6 +251,7 @@ def create_app(state: ServerState) -> FastAPI:
         body = await parse_body(request, schema, state.body_parser)
         call = call_of(request)
         generation, *extra = await state.prepare(request, prepare, state, body, call)
+        await state.guard(call)
         await state.admit(call)
         if body.stream:
             events = respond_stream(state, body, generation, *extra)
@@ -368,8 +369,12 @@ def safety_headers(call: Call) -> dict[str, str]:
     """What the safety stage found, named (never the text): the input's, and the output's where
     the response starts after it is known (not a stream's)."""
     headers = {}
-    if call.screening is not None and call.screening.categories:
-        headers["x-tokenway-safety-input"] = f"{call.screening.action}; {','.join(call.screening.categories)}"
+    screening, guard = call.screening, call.guard
+    found = sorted({*(screening.categories if screening is not None else ()),
+                    *(guard.categories if guard is not None else ())})
+    if found:
+        action = screening.action if screening is not None and screening.categories else "flag"
+        headers["x-tokenway-safety-input"] = f"{action}; {','.join(found)}"
     outcome = call.outcome
     if outcome is not None and outcome.safety_output:
         headers["x-tokenway-safety-output"] = f"{outcome.safety_output_action}; {','.join(outcome.safety_output)}"

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenway.gateway.auth import ANONYMOUS, Principal
+from tokenway.safety.guard import GuardVerdict
 from tokenway.safety.screen import InputScreening
 from tokenway.stages import StageClock
 
@@ -77,7 +78,8 @@ class CallOutcome:
 
 
 class Call:
-    __slots__ = ("clock", "start", "route", "job", "admission", "replica", "outcome", "committed", "screening")
+    __slots__ = ("clock", "start", "route", "job", "admission", "replica", "outcome", "committed", "screening",
+                 "guard")
 
     def __init__(self, start: CallStart, clock: StageClock | None = None) -> None:
         self.clock = clock or StageClock()
@@ -89,6 +91,7 @@ class Call:
         self.outcome: CallOutcome | None = None
         self.committed = False  # the ledger row is written (Gatekeeper's flag)
         self.screening: InputScreening | None = None  # the safety stage's input check
+        self.guard: GuardVerdict | None = None  # a guard model's verdict on the input, where one is set
 
     @property
     def request_id(self) -> str:
@@ -113,6 +116,10 @@ class Call:
     def set_screening(self, screening: InputScreening) -> None:
         assert self.screening is None, "the input is screened once"
         self.screening = screening
+
+    def set_guard(self, verdict: GuardVerdict) -> None:
+        assert self.guard is None, "the guard is asked once"
+        self.guard = verdict
 
     def set_replica(self, choice: ReplicaChoice) -> None:
         assert self.replica is None, "a call runs on one replica"

@@ -10,8 +10,9 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
-from contextlib import contextmanager
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Iterator
 
 from tokenway.embeddings import EmbeddingEngine
@@ -32,9 +33,10 @@ from tokenway.protocol.errors import (
     NotFoundError,
     ServiceUnavailableError,
 )
-from tokenway.routing.job import estimate_chat_tokens
+from tokenway.routing.job import GenerationJob, estimate_chat_tokens
 from tokenway.routing.replicas import LocalReplica
 from tokenway.routing.router import Pool, Router
+from tokenway.safety.guard import ask_guard
 from tokenway.safety.screen import SafetyPolicy, screen_input
 from tokenway.server.body_parser import BodyParser
 from tokenway.server.call import Call, CallOutcome, RouteChoice
@@ -244,6 +246,53 @@ class ServerState:
         server runs one, and of every pool's replicas."""
         engine = self.engine.stats() if self.engine is not None else {}
         return {**engine, "num_pending_http": self.num_pending, "replicas": self.router.stats()}
+
+    async def guard(self, call: Call) -> None:
+        """A guard model's verdict on the input (safety/guard.py), after tokenizing and before
+        admission, where the call's policy names a guard: its categories are flagged, or a 400
+        under `block`; a guard that cannot answer passes the call (named in the trace), or is
+        a 503 with guard_fail_closed."""
+        policy = self.safety_policy(call.model, call.start.principal)
+        if policy.guard_model is None or policy.input == "off":
+            return
+        job = call.job
+        if job.kind == "chat":
+            turns = [(m["role"], text_content(m.get("content"))) for m in job.messages
+                     if m["role"] in ("user", "assistant")]
+        else:
+            turns = [("user", job.prompt or "")]
+        verdict = await ask_guard(self._guard_events, partial(self._guard_job, policy.guard_model), turns,
+                                  policy.guard_format)
+        call.set_guard(verdict)
+        call.clock.end("guard")
+        if verdict.error is not None:
+            logger.warning("guard model %s could not answer for %s: %s", policy.guard_model, call.request_id,
+                           verdict.error)
+            if policy.guard_fail_closed:
+                raise ServiceUnavailableError("The safety guard could not check this request; retry shortly.",
+                                              retry_after=1, code="guard_unavailable")
+        if verdict.categories and policy.input == "block":
+            raise ContentPolicyViolationError(verdict.categories, param="prompt" if job.kind == "completion"
+                                              else "messages")
+
+    def _guard_job(self, model: str, messages: list[dict], params: SamplingParams, request_id: str
+                   ) -> GenerationJob:
+        frontend = self.frontend(model)
+        if frontend is None:
+            return GenerationJob(request_id, model, "chat", params, messages=tuple(messages),
+                                 context_window=self.max_model_len(model))
+        prompt = build_chat_prompt(frontend.tokenizer, messages, max_num_tokens=frontend.max_model_len)
+        return GenerationJob(request_id, model, "chat", params, messages=tuple(messages),
+                             prompt_token_ids=tuple(prompt.prompt_token_ids), context_window=frontend.max_model_len)
+
+    async def _guard_events(self, job: GenerationJob):
+        self.take_engine_slots(1)
+        try:
+            async with aclosing(self.router.generate(job, lambda choice: None)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self.release_engine_slots(1)
 
     def take_engine_slots(self, count: int = 1) -> None:
         if self.num_pending + count > self.config.max_pending_requests:

@@ -18,6 +18,7 @@ const WINDOW_S = 300; // the charts' x axis: the last five minutes, as timeserie
 const SVG_NS = "http://www.w3.org/2000/svg";
 const STAGE_COLORS = {
   auth: "#818cf8", validation: "#a78bfa", routing: "#c084fc", safety: "#f87171", tokenize: "#e879f9",
+  guard: "#fb923c",
   limits: "#f472b6",
   queue: "#fbbf24", prefill: "#38bdf8", decode: "#34d399", postprocess: "#a3e635", billing: "#94a3b8",
 };
