@@ -1,6 +1,6 @@
 """The safety stage end to end: input and output policies (block, redact, flag), streamed and
-not, through both SDKs, on real servers; what a redacted call leaves in the ledger, the log
-and the trace; POST /v1/moderations.
+not, through both SDKs, on a real server (its own flag policy, and keys with policies of their
+own); what a redacted call leaves in the ledger, the log and the trace; POST /v1/moderations.
 
 The default model is made to write a secret deterministically with a json_schema whose
 property is a const: the reply is exactly {"contact": "<the secret>"}."""
@@ -42,49 +42,51 @@ def stream_text(oa, **request) -> tuple[str, str]:
     return "".join(text), finish
 
 
-def trace(server: Server, request_id: str, key: str = "unused") -> dict:
+def trace(server: Server, request_id: str, key: str) -> dict:
     return httpx.get(f"{server.base_url}/v1/traces/{request_id}", headers={"authorization": f"Bearer {key}"},
                      timeout=5).json()
 
 
 @pytest.fixture(scope="module")
-def strict(default_model_dir):
-    """Input blocked, output redacted."""
-    server = Server("--no-embeddings", "--safety-input", "block", "--safety-output", "redact")
-    yield server
-    assert server.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def lenient(default_model_dir):
-    """Input redacted, output blocked."""
-    server = Server("--no-embeddings", "--safety-input", "redact", "--safety-output", "block")
-    yield server
-    assert server.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def flagging(default_model_dir, tmp_path_factory):
-    """Flag for the server; one key with a policy of its own (block input, redact output)."""
+def safety_server(default_model_dir, tmp_path_factory):
+    """One server: its own policy flags (email and credit_card); three keys with policies of
+    their own, which win over it: strict (block input, redact output), lenient (redact input,
+    block output); plain has none."""
     db = tmp_path_factory.mktemp("safety") / "keys.db"
     with KeyStore(db) as store:
-        plain, _ = store.create("plain")
-        strict, _ = store.create("strict", safety=SafetyPolicy(input="block", output="redact"))
+        keys = {"plain": store.create("plain")[0],
+                "strict": store.create("strict", safety=SafetyPolicy(input="block", output="redact"))[0],
+                "lenient": store.create("lenient", safety=SafetyPolicy(input="redact", output="block"))[0]}
     server = Server("--no-embeddings", "--safety-input", "flag", "--safety-output", "flag",
                     "--safety-categories", "email,credit_card", db=db)
-    server.keys = {"plain": plain, "strict": strict}
+    server.keys = keys
     yield server
     assert server.stop() == 0
 
 
-def clients(server: Server, key: str | None = None):
-    key = key or getattr(server, "keys", {}).get("plain", "unused")
+@pytest.fixture(scope="module")
+def strict(safety_server):
+    return safety_server, safety_server.keys["strict"]
+
+
+@pytest.fixture(scope="module")
+def lenient(safety_server):
+    return safety_server, safety_server.keys["lenient"]
+
+
+@pytest.fixture(scope="module")
+def flagging(safety_server):
+    return safety_server, safety_server.keys["plain"]
+
+
+def clients(server: Server, key: str):
     return (openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0, timeout=120),
             anthropic.Anthropic(base_url=server.base_url, api_key=key, max_retries=0, timeout=120))
 
 
 def test_blocked_input_is_a_400_in_both_apis_streamed_or_not(strict):
-    oa, an = clients(strict)
+    server, key = strict
+    oa, an = clients(server, key)
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as refused:
             oa.chat.completions.create(model=MODEL, messages=ask(f"My card is {CARD}, is it valid?"), max_tokens=5,
@@ -103,7 +105,8 @@ def test_blocked_input_is_a_400_in_both_apis_streamed_or_not(strict):
 
 
 def test_redacted_output_streamed_and_not_and_what_it_leaves_behind(strict):
-    oa, _ = clients(strict)
+    server, key = strict
+    oa, _ = clients(server, key)
     request = dict(model=MODEL, messages=ask("Give me the contact."), response_format=const_reply(EMAIL),
                    max_tokens=40, temperature=0)
     raw = oa.chat.completions.with_raw_response.create(**request)
@@ -112,19 +115,20 @@ def test_redacted_output_streamed_and_not_and_what_it_leaves_behind(strict):
     assert content == '{"contact": "[REDACTED:email]"}' and reply.choices[0].finish_reason == "stop"
     assert raw.headers["x-tokenway-safety-output"] == "redact; email"
     assert stream_text(oa, **request) == (content, "stop")
-    entry = trace(strict, reply.id)
+    entry = trace(server, reply.id, key)
     assert entry["safety"]["output"]["categories"] == ["email"] and entry["safety"]["output"]["action"] == "redact"
     assert entry["safety"]["input"]["categories"] == [] and entry["stages_ms"]["safety"] >= 0
     # Neither the ledger row, the trace nor the server's log holds the secret.
-    assert EMAIL not in json.dumps(strict.ledger_row(reply.id)) and EMAIL not in json.dumps(entry)
-    assert EMAIL not in strict.read_log()
+    assert EMAIL not in json.dumps(server.ledger_row(reply.id)) and EMAIL not in json.dumps(entry)
+    assert EMAIL not in server.read_log()
     with pytest.raises(openai.BadRequestError) as refused:  # token texts would show what was redacted
         oa.chat.completions.create(**request, logprobs=True)
     assert refused.value.param == "logprobs"
 
 
 def test_redacted_input_is_what_the_model_sees(lenient):
-    oa, an = clients(lenient)
+    server, key = lenient
+    oa, an = clients(server, key)
     raw = oa.completions.with_raw_response.create(model=MODEL, prompt=f"Mail {EMAIL} the key {KEY}:", max_tokens=3,
                                                   echo=True, temperature=0)
     seen = raw.parse().choices[0].text
@@ -133,24 +137,26 @@ def test_redacted_input_is_what_the_model_sees(lenient):
     message = an.messages.with_raw_response.create(model=MODEL, max_tokens=5, messages=ask(f"Email {EMAIL} now."),
                                                    extra_body={"temperature": 0})
     assert message.headers["x-tokenway-safety-input"] == "redact; email"
-    assert EMAIL not in lenient.read_log() and EMAIL not in json.dumps(lenient.ledger_row(message.parse().id))
+    assert EMAIL not in server.read_log() and EMAIL not in json.dumps(server.ledger_row(message.parse().id))
 
 
 def test_blocked_output_ends_with_content_filter(lenient):
-    oa, an = clients(lenient)
+    server, key = lenient
+    oa, an = clients(server, key)
     request = dict(model=MODEL, messages=ask("Give me the contact."), response_format=const_reply(CARD),
                    max_tokens=40, temperature=0)
     reply = oa.chat.completions.create(**request)
     choice = reply.choices[0]
     assert choice.finish_reason == "content_filter" and choice.message.content == '{"contact": "'
     assert stream_text(oa, **request) == ('{"contact": "', "content_filter")
-    assert trace(lenient, reply.id)["safety"]["output"] == {"categories": ["credit_card"], "action": "block",
+    assert trace(server, reply.id, key)["safety"]["output"] == {"categories": ["credit_card"], "action": "block",
                                                              "ms": pytest.approx(0, abs=50)}
-    assert CARD not in lenient.read_log()
+    assert CARD not in server.read_log()
 
 
 def test_flag_passes_everything_and_names_what_it_found(flagging):
-    oa, an = clients(flagging)
+    server, key = flagging
+    oa, an = clients(server, key)
     request = dict(model=MODEL, messages=ask(f"I am {EMAIL}; my key is {KEY}."), response_format=const_reply(EMAIL),
                    max_tokens=40, temperature=0)
     raw = oa.chat.completions.with_raw_response.create(**request)
@@ -159,27 +165,16 @@ def test_flag_passes_everything_and_names_what_it_found(flagging):
     assert raw.headers["x-tokenway-safety-input"] == "flag; email"  # api_key is not among the categories
     assert raw.headers["x-tokenway-safety-output"] == "flag; email"
     assert stream_text(oa, **request) == (json.dumps({"contact": EMAIL}), "stop")
-    safety = trace(flagging, reply.id, flagging.keys["plain"])["safety"]
+    safety = trace(server, reply.id, key)["safety"]
     assert safety["input"]["categories"] == ["email"] and safety["output"]["categories"] == ["email"]
     message = an.messages.with_raw_response.create(model=MODEL, max_tokens=5, messages=ask(f"Card {CARD}?"),
                                                    extra_body={"temperature": 0})
     assert message.headers["x-tokenway-safety-input"] == "flag; credit_card"
 
 
-def test_a_keys_own_policy_wins_over_the_servers(flagging):
-    oa, an = clients(flagging, flagging.keys["strict"])
-    with pytest.raises(openai.BadRequestError) as refused:
-        oa.chat.completions.create(model=MODEL, messages=ask(f"I am {EMAIL}."), max_tokens=5)
-    assert refused.value.code == "content_policy_violation"
-    reply = oa.chat.completions.create(model=MODEL, messages=ask("Give me the contact."), max_tokens=40,
-                                       response_format=const_reply(EMAIL), temperature=0)
-    assert reply.choices[0].message.content == '{"contact": "[REDACTED:email]"}'
-    with pytest.raises(anthropic.BadRequestError):
-        an.messages.create(model=MODEL, max_tokens=5, messages=ask(f"Card {CARD}?"))
-
-
 def test_moderations_in_openais_shape(flagging):
-    oa, _ = clients(flagging)
+    server, key = flagging
+    oa, _ = clients(server, key)
     result = oa.moderations.create(input=[f"write to {EMAIL}", "4111 1111 1111 1112 is no card", "hello"])
     flagged = [(r.flagged, {k for k, v in r.categories.model_dump().items() if v}) for r in result.results]
     assert flagged == [(True, {"email"}), (False, set()), (False, set())]
