@@ -181,3 +181,23 @@ def test_moderations_in_openais_shape(flagging):
     assert set(result.results[0].category_scores.model_dump()) >= {"email", "credit_card"}
     with pytest.raises(openai.BadRequestError):
         oa.moderations.create(input="")
+
+
+def test_a_secret_in_tool_call_arguments_is_redacted_streamed_or_not(strict):
+    server, key = strict
+    oa, an = clients(server, key)
+    tool = {"type": "function", "function": {"name": "send_mail", "description": "Send a mail", "parameters": {
+        "type": "object", "properties": {"to": {"const": EMAIL}}, "required": ["to"]}}}
+    request = dict(model=MODEL, messages=ask("Mail Ann."), tools=[tool], tool_choice="required", max_tokens=40,
+                   temperature=0)
+    reply = oa.chat.completions.create(**request).choices[0]
+    assert reply.finish_reason == "tool_calls"
+    assert [json.loads(c.function.arguments) for c in reply.message.tool_calls] == [{"to": "[REDACTED:email]"}]
+    streamed = "".join(piece.function.arguments or "" for chunk in oa.chat.completions.create(**request, stream=True)
+                       if chunk.choices for piece in chunk.choices[0].delta.tool_calls or ())
+    assert streamed == reply.message.tool_calls[0].function.arguments and EMAIL not in streamed
+    message = an.messages.create(model=MODEL, max_tokens=40, tool_choice={"type": "any"}, messages=ask("Mail Ann."),
+                                 tools=[{"name": "send_mail", "description": "Send a mail",
+                                         "input_schema": tool["function"]["parameters"]}],
+                                 extra_body={"temperature": 0})
+    assert [(b.type, b.input) for b in message.content] == [("tool_use", {"to": "[REDACTED:email]"})]

@@ -81,7 +81,8 @@ def test_tools_calls_and_results_render_as_the_template_writes_them(base, name):
     fmt = FORMATS[name]
     prompt = build_chat_prompt(tokenizer, conversation(), [WEATHER, TIME], "auto")
     text = tokenizer.decode(prompt.prompt_token_ids, skip_special_tokens=False)
-    assert prompt.reply_format == ReplyFormat(fmt) and prompt.grammar is None and prompt.json_schema is None
+    assert prompt.reply_format == ReplyFormat(fmt) and prompt.json_schema is None
+    assert (prompt.grammar is not None) == (fmt == "hermes")  # auto: only Hermes calls are held to the schemas
     assert '"get_weather"' in text and '"get_time"' in text and "The weather in a city" in text  # the tools
     assert RESULT in text  # the result, as the tool gave it
     call = {"hermes": '{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}',
@@ -170,3 +171,18 @@ def test_a_call_marked_by_a_special_token_is_read_from_the_decoded_stream(base, 
         assert [(c.name, json.loads(c.arguments)) for c in parser.tool_calls()] == found
         if not skip_special_tokens:
             assert "".join(content) == reply.split(special[0])[0]
+
+
+def test_auto_in_the_hermes_format_leaves_text_free_and_holds_calls_to_the_schemas(base):
+    tokenizer = with_template(base, "Qwen-Qwen2.5-7B-Instruct.jinja")
+    manager = StructuredOutputManager(base, base.vocab_size, [base.eos_token_id])
+    prompt = build_chat_prompt(tokenizer, conversation()[:2], [WEATHER, TIME], "auto")
+    spec = StructuredOutputSpec(kind="grammar", grammar=prompt.grammar)
+    for reply, allowed in [
+        ("It is sunny in Rome, 21 °C {not a call} <b>bold</b>.", True),
+        ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>', True),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": 21}}\n</tool_call>', False),  # not its schema
+        ('<tool_call>\n{"name": "get_stock", "arguments": {}}\n</tool_call>', False),  # no such tool
+    ]:
+        matcher = manager.new_matcher(spec)
+        assert all(matcher.accept_token(t) for t in base.encode(reply, add_special_tokens=False)) == allowed, reply

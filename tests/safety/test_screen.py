@@ -138,3 +138,28 @@ def test_a_guards_reply_is_read_as_llama_guard_writes_it():
     assert "User: hi\n\nAgent: hello\n\nUser: and now?" in task["content"] and "S14: Code Interpreter Abuse." in \
         task["content"]
     assert guard_messages(turns, "chat_template") == [{"role": r, "content": t} for r, t in turns]
+
+
+def test_a_secret_in_tool_call_arguments_is_redacted_in_place_or_blocks():
+    from tokenway.routing.job import ToolCallDelta
+    from tokenway.safety.screen import ReplyScreen
+
+    arguments = '{"to": "' + EMAIL + '", "note": "card ' + CARD + ' ok"}'
+    for mode, expected in (("redact", '{"to": "[REDACTED:email]", "note": "card [REDACTED:credit_card] ok"}'),
+                           ("block", '{"to": "')):
+        screen = ReplyScreen(SafetyPolicy(output=mode))
+        pieces = [ToolCallDelta(0, id="call_1", name="send", arguments="")]
+        pieces += [ToolCallDelta(0, arguments=arguments[i:i + 3]) for i in range(0, len(arguments), 3)]
+        pieces.append(ToolCallDelta(1, id="call_2", name="ping", arguments="{}"))
+        sent: dict[int, str] = {}
+        for position, piece in enumerate(pieces):
+            _, out = screen.screen("", (piece,), final=position == len(pieces) - 1)
+            for p in out:
+                sent[p.index] = sent.get(p.index, "") + p.arguments
+            if screen.blocked:
+                break
+        assert sent[0] == expected
+        if mode == "redact":
+            assert sent[1] == "{}" and screen.released == {0, 1}  # the first call's arguments went out first
+        else:
+            assert screen.blocked and 1 not in sent and screen.released == set()

@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import llguidance
+
 from tokenway.frontend import tools as generic_tools
 from tokenway.frontend.tokenizer import Tokenizer
 from tokenway.frontend.tool_parsers import FORMATS, ReplyFormat
@@ -111,6 +113,8 @@ def build_chat_prompt(
             template_tools = [_as_tool(tool) for tool in tools]
             if tool_choice == "required" or isinstance(tool_choice, dict):
                 prompt.grammar = native_call_grammar(fmt, tools, tool_choice, parallel_tool_calls)
+            elif fmt == "hermes":
+                prompt.grammar = hermes_auto_grammar(tools)
     if use_tools:
         prompt.reply_format = ReplyFormat(fmt, max_calls=None if parallel_tool_calls else 1)
     else:
@@ -197,6 +201,16 @@ def native_call_grammar(fmt: str, tools: list[dict], tool_choice: Any, parallel_
         one, separator = f"%json {_grammar_json(call)}", '"; "'
     rules = f"start: call\ncall: {one}" if not parallel_tool_calls else f"start: call ({separator} call)*\ncall: {one}"
     return rules
+
+
+def hermes_auto_grammar(tools: list[dict]) -> str:
+    """tool_choice "auto" in the Hermes format: free text, but once the model writes
+    <tool_call> the call is held to the tools' schemas (llguidance's lazy trigger), so its
+    arguments always parse and match. The other native formats mark calls with special tokens,
+    which a lazy text trigger does not see: they stay free under auto, as in vLLM."""
+    tag = llguidance.StructTag(trigger="<tool_call>", begin="<tool_call>\n", end="\n</tool_call>",
+                               grammar=_grammar_json(generic_tools.call_schema(tools, "auto")))
+    return llguidance.StructTag.to_grammar([tag], assume_special=False)
 
 
 def _grammar_json(schema: dict) -> str:

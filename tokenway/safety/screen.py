@@ -23,10 +23,12 @@ phone number may be written in groups). Prose flows at once; a number waits for 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from dataclasses import dataclass
 
+from tokenway.routing.job import ToolCallDelta
 from tokenway.safety.detectors import CATEGORIES, Finding, detect, redact
 
 MODES = ("off", "flag", "redact", "block")
@@ -130,6 +132,7 @@ class OutputScreen:
         self.seconds = 0.0
         self.blocked = False
         self._flag_text: list[str] = []  # flag mode: the text as it went, checked at the end
+        self.finished = False
 
     def feed(self, text: str) -> ScreenedText:
         if self.blocked or not text:
@@ -144,6 +147,7 @@ class OutputScreen:
             self.seconds += time.perf_counter() - started
 
     def finish(self) -> ScreenedText:
+        self.finished = True
         started = time.perf_counter()
         try:
             if self.mode == "flag":
@@ -186,3 +190,69 @@ def _hold_from(buffer: str) -> int:
         while held_from > 0 and not buffer[held_from - 1].isspace() and len(buffer) - held_from < _MAX_HELD:
             held_from -= 1
     return held_from
+
+
+class ReplyScreen:
+    """One choice's reply screened: its content, and each tool call's arguments, each by its own
+    OutputScreen (a secret inside arguments is redacted in place: the JSON stays valid). A
+    call's held arguments go out before the next call starts; everything at the reply's end."""
+
+    def __init__(self, policy: SafetyPolicy) -> None:
+        self.policy = policy
+        self.content = OutputScreen(policy)
+        self.calls: dict[int, OutputScreen] = {}
+        self.released: set[int] = set()  # calls whose arguments are all out
+        self.blocked = False
+
+    def screen(self, text: str, pieces: tuple[ToolCallDelta, ...], final: bool
+               ) -> tuple[str, tuple[ToolCallDelta, ...]]:
+        """What may go out of one delta (text, call pieces); `blocked` is set when the policy
+        ends the reply here."""
+        out_calls: list[ToolCallDelta] = []
+        out_text = ""
+        if text:
+            screened = self.content.feed(text)
+            out_text = screened.text
+            if screened.blocked:
+                return self._block(out_text, out_calls)
+        for piece in pieces:
+            if piece.id is not None and not self._release(out_calls, below=piece.index):
+                return self._block(out_text, out_calls)
+            screen = self.calls.setdefault(piece.index, OutputScreen(self.policy))
+            screened = screen.feed(piece.arguments)
+            if piece.id is not None or screened.text:
+                out_calls.append(dataclasses.replace(piece, arguments=screened.text))
+            if screened.blocked:
+                return self._block(out_text, out_calls)
+        if final:
+            screened = self.content.finish()
+            out_text += screened.text
+            if screened.blocked or not self._release(out_calls, below=None):
+                return self._block(out_text, out_calls)
+        return out_text, tuple(out_calls)
+
+    def _release(self, out_calls: list[ToolCallDelta], below: int | None) -> bool:
+        """The held arguments of the calls before `below` (every call: None); False if blocked."""
+        for index in sorted(self.calls):
+            screen = self.calls[index]
+            if screen.finished or (below is not None and index >= below):
+                continue
+            screened = screen.finish()
+            if screened.text:
+                out_calls.append(ToolCallDelta(index, arguments=screened.text))
+            if screened.blocked:
+                return False
+            self.released.add(index)
+        return True
+
+    def _block(self, text: str, out_calls: list[ToolCallDelta]) -> tuple[str, tuple[ToolCallDelta, ...]]:
+        self.blocked = True
+        return text, tuple(out_calls)
+
+    @property
+    def categories(self) -> set[str]:
+        return self.content.categories.union(*(screen.categories for screen in self.calls.values()))
+
+    @property
+    def seconds(self) -> float:
+        return self.content.seconds + sum(screen.seconds for screen in self.calls.values())

@@ -25,7 +25,7 @@ from tokenway.frontend.tool_parsers import ReplyFormat
 from tokenway.protocol.errors import InternalServerError, InvalidRequestError, TokenwayError
 from tokenway.routing.job import ChoiceDelta, GenerationJob, ToolCallDelta, Usage
 from tokenway.routing.replicas import engine_unavailable
-from tokenway.safety.screen import OutputScreen
+from tokenway.safety.screen import ReplyScreen
 from tokenway.server import sse
 from tokenway.server.call import Call, CallOutcome
 from tokenway.server.http import ClientDisconnected, unless_disconnected
@@ -96,7 +96,7 @@ class Generation:
         self.parsers = [reply_format.parser() for _ in range(job.n)] if reply_format is not None else None
         # The safety stage's output check, per choice, on the content (after the tool-call parser).
         policy = self.policy = state.safety_policy(job.model, call.start.principal)
-        self.screens = [OutputScreen(policy) for _ in range(job.n)] if policy.output != "off" else None
+        self.screens = [ReplyScreen(policy) for _ in range(job.n)] if policy.output != "off" else None
         if policy.output in ("redact", "block") and job.params.logprobs is not None:
             # Each token's text would show what the policy takes out of the reply.
             raise InvalidRequestError(f"logprobs: not available on this server (its safety policy "
@@ -175,25 +175,29 @@ class Generation:
         screen = self.screens[event.index]
         if screen.blocked:
             return None
-        screened = screen.feed(event.text) if event.text else None
-        text = screened.text if screened is not None else ""
-        if screened is None or not screened.blocked:
-            if event.finish_reason is None:
-                return dataclasses.replace(event, text=text)
-            screened = screen.finish()
-            text += screened.text
-            if not screened.blocked:
-                return dataclasses.replace(event, text=text)
-        return dataclasses.replace(event, text=text, tool_calls=(), finish_reason="content_filter", stop_reason=None)
+        text, calls = screen.screen(event.text, event.tool_calls, final=event.finish_reason is not None)
+        if screen.blocked:
+            return dataclasses.replace(event, text=text, tool_calls=calls, finish_reason="content_filter",
+                                       stop_reason=None)
+        return dataclasses.replace(event, text=text, tool_calls=calls)
 
     def text(self, index: int) -> str:
         """Choice `index`'s text so far (in a tool-call format, its content)."""
         return "".join(self.texts[index])
 
     def completed_tool_calls(self, index: int) -> tuple[ToolCall, ...]:
-        if self.parsers is None:
-            return tuple(self.tool_calls[index])
-        return tuple(ToolCall(c.id, c.name, c.arguments) for c in self.parsers[index].tool_calls())
+        """The choice's calls as they went out (screened), those completed: by the replica, or
+        in a tool-call format the ones its parser completed; under a safety policy, those whose
+        arguments were all released before the reply ended."""
+        calls = self.tool_calls[index]
+        if self.parsers is not None:
+            completed = {call.id for call in self.parsers[index].tool_calls()}
+            calls = [call for call in calls if call.id in completed]
+        if self.screens is not None:
+            released = self.screens[index].released
+            calls = [call for position, call in enumerate(self.tool_calls[index])
+                     if position in released and call in calls]
+        return tuple(calls)
 
     async def final_outputs(self) -> list[ChoiceResult]:
         """Run to the end; every choice's result, by index."""
