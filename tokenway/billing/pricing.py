@@ -28,6 +28,10 @@ class ModelPrice:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"price {name}: must be a finite number >= 0 (USD per million tokens), got {value!r}")
 
+    def to_dict(self) -> dict[str, float]:
+        """As /v1/models shows it: USD per million tokens."""
+        return {"input": self.input, "cached_input": self.cached_input, "output": self.output}
+
 
 def cost_usd(price: ModelPrice, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> float:
     """Cached prompt tokens at cached_input, the rest of the prompt at input, completion at output.

@@ -243,13 +243,19 @@ def _is_token_id(value: Any) -> bool:
 
 
 class TokenizeRequest(RequestModel):
-    """vLLM's /tokenize: either a prompt or chat messages (rendered with the chat template)."""
+    """vLLM's /tokenize: either a prompt or chat messages (rendered with the chat template).
+    With messages, the chat fields that shape the prompt (tools, tool_choice,
+    parallel_tool_calls, response_format) count as a chat call with them is templated."""
 
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeRequest:

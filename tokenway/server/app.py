@@ -288,8 +288,11 @@ def create_app(state: ServerState) -> FastAPI:
                     "kind": "embeddings", "dimensions": state.embedder.dimensions,
                     "max_model_len": state.embedder.model.max_input_tokens}
         aliases = sorted(alias for alias, target in state.aliases.items() if target == name)
-        return {"id": name, "object": "model", "created": state.created, "owned_by": "tokenway", "kind": "chat",
+        card = {"id": name, "object": "model", "created": state.created, "owned_by": "tokenway", "kind": "chat",
                 "max_model_len": state.max_model_len(name), "aliases": aliases}
+        if state.gatekeeper is not None and name in state.gatekeeper.prices:
+            card["pricing"] = state.gatekeeper.prices.price(name).to_dict()  # USD per million tokens
+        return card
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -303,10 +306,11 @@ def create_app(state: ServerState) -> FastAPI:
         return model_card(state.resolve_model(model_id))
 
     @app.post("/tokenize", openapi_extra=_schema_extra(openai_schema.TokenizeRequest))
+    @app.post("/v1/tokenize", include_in_schema=False)  # under the SDKs' base URL: client.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         body = await parse_body(request, openai_schema.TokenizeRequest, state.body_parser)
         frontend = state.tokenizing_frontend(state.resolve_model(body.model) if body.model is not None else None)
-        tokens = await state.prepare(request, openai_api.tokenize, frontend, body)
+        tokens = await state.prepare(request, openai_api.tokenize, frontend, body, state.tool_parser(frontend))
         return {"tokens": tokens, "count": len(tokens), "max_model_len": frontend.max_model_len}
 
     @app.post("/detokenize", openapi_extra=_schema_extra(openai_schema.DetokenizeRequest))

@@ -6,6 +6,7 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from tokenway.engine.request import TokenLogprob
+from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.model import ModelFrontend
 from tokenway.protocol.errors import ContextLengthExceededError, InvalidRequestError, openai_error_body
 from tokenway.routing.job import GenerationJob, ToolCallDelta, estimate_tokens
@@ -185,10 +186,26 @@ def completion_prompts(frontend: ModelFrontend, prompt: Any) -> list[list[int]]:
                 for item in prompt]
 
 
-def tokenize(frontend: ModelFrontend, body) -> list[int]:
+def tokenize(frontend: ModelFrontend, body, tool_parser: str | None = None) -> list[int]:
     """POST /tokenize (vLLM's): a prompt or chat messages -> token ids; a text certainly over
-    the window is refused as a generation would be (and as vLLM does)."""
+    the window is refused as a generation would be (and as vLLM does). Messages with the
+    generation prompt are templated by the chat path itself (tools, response_format and all),
+    so the count is the prompt_tokens a chat call with the same fields reports."""
     tokenizer = frontend.tokenizer
+    if body.messages is not None and body.add_generation_prompt and body.add_special_tokens is not True:
+        tool_choice = body.tool_choice if body.tool_choice is not None else "auto"
+        if hasattr(tool_choice, "model_dump"):
+            tool_choice = tool_choice.model_dump(exclude_none=True)
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        response_format = body.response_format.model_dump(exclude_none=True, by_alias=True) \
+            if body.response_format else None
+        with context_window(frontend, "messages") as window:
+            token_ids = build_chat_prompt(tokenizer, [m.to_template_dict() for m in body.messages], tools,
+                                          tool_choice, body.parallel_tool_calls, response_format,
+                                          max_num_tokens=window, tool_parser=tool_parser).prompt_token_ids
+        if len(token_ids) > window:
+            raise ContextLengthExceededError(len(token_ids), None, window, param="messages")
+        return token_ids
     if body.messages is not None:
         messages = [m.to_template_dict() for m in body.messages]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)

@@ -195,13 +195,16 @@ class ServerState:
             return ChatTemplating(None, window, max_tokens, tuple(messages), None, None)
         with context_window(frontend, "messages") as window:
             prompt = build_chat_prompt(frontend.tokenizer, messages, tools, tool_choice, parallel_tool_calls,
-                                       response_format, max_num_tokens=window,
-                                       tool_parser=self.config.tool_parser if frontend.is_local else None)
+                                       response_format, max_num_tokens=window, tool_parser=self.tool_parser(frontend))
         max_tokens = self.max_tokens(call, frontend.max_model_len, len(prompt.prompt_token_ids), requested_max_tokens,
                                      param, num_messages=num_messages)
         return ChatTemplating(tuple(prompt.prompt_token_ids), frontend.max_model_len, max_tokens, tuple(messages),
                               structured_output_spec(prompt.json_schema, prompt.json_object, prompt.grammar),
                               prompt.reply_format)
+
+    def tool_parser(self, frontend: ModelFrontend) -> str | None:
+        """--tool-parser, for the local model; None: the model's template decides."""
+        return self.config.tool_parser if frontend.is_local else None
 
     def safety_policy(self, model: str, principal: Principal | None = None) -> SafetyPolicy:
         """The caller's key's own policy where it has one, else the model's where its config

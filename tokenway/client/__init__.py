@@ -1,0 +1,5 @@
+"""The caller's side of an LLM API call (issue 13), on the official openai and anthropic SDKs."""
+
+from tokenway.client.counting import LocalCounter, Price, RemoteCounter, price_of
+
+__all__ = ["LocalCounter", "Price", "RemoteCounter", "price_of"]
