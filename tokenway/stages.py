@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 STAGES = ("auth", "validation", "routing", "safety", "tokenize", "guard", "limits", "queue", "prefill", "decode", "postprocess",
           "billing")
 _STAGE_INDEX = {stage: i for i, stage in enumerate(STAGES)}
+# Stages a call may pass without running: each is marked when it ran (before any refusal it
+# makes), so time after the last mark is never theirs.
+_OPTIONAL_STAGES = frozenset({"safety", "guard"})
 
 
 @dataclass(slots=True)
@@ -51,8 +54,8 @@ class StageClock:
 
         A stage never marked gets 0 ms (its time counts to the next stage that was). The
         time after the last mark counts to the stage under way: the one after the last
-        stage marked (limits, for a request refused with a 429); billing, once started,
-        takes the time from its start to done."""
+        stage marked, optional stages (safety, guard) passed over (limits, for a request
+        refused with a 429); billing, once started, takes the time from its start to done."""
         done = self.done if self.done is not None else time.monotonic()
         cut = self.billing_started if self.billing_started is not None else done
         durations = dict.fromkeys(STAGES, 0.0)
@@ -62,7 +65,10 @@ class StageClock:
             at = min(max(at, previous), cut)
             durations[stage] = (at - previous) * 1000
             previous, last_index = at, _STAGE_INDEX[stage]
-        under_way = STAGES[min(last_index + 1, len(STAGES) - 1)]
+        under_way_index = last_index + 1
+        while under_way_index < len(STAGES) - 1 and STAGES[under_way_index] in _OPTIONAL_STAGES:
+            under_way_index += 1
+        under_way = STAGES[min(under_way_index, len(STAGES) - 1)]
         durations[under_way] += (cut - previous) * 1000
         if self.billing_started is not None:
             durations["billing"] += max(0.0, done - cut) * 1000

@@ -43,18 +43,34 @@ def _plain(value: Any) -> Any:
     return value
 
 
+class OverWindow(ValueError):
+    """The server counts no further than the model's window: this request is over it."""
+
+
 class RemoteCounter:
     """Counts through the server's POST /v1/tokenize, with the SDK's own HTTP client (its
-    base URL, key, retries and timeouts)."""
+    base URL, key, retries and timeouts). A request over the model's window raises OverWindow
+    (the server refuses to count further, as vLLM's /tokenize does); LocalCounter counts any
+    length."""
 
     def __init__(self, client: openai.OpenAI | openai.AsyncOpenAI) -> None:
         self.client = client
 
     def count(self, request: Mapping[str, Any]) -> int:
-        return int(self.client.post("/tokenize", body=tokenize_body(request), cast_to=object)["count"])
+        try:
+            return int(self.client.post("/tokenize", body=tokenize_body(request), cast_to=object)["count"])
+        except openai.BadRequestError as exc:
+            raise _over_window(exc) from None
 
     async def count_async(self, request: Mapping[str, Any]) -> int:
-        return int((await self.client.post("/tokenize", body=tokenize_body(request), cast_to=object))["count"])
+        try:
+            return int((await self.client.post("/tokenize", body=tokenize_body(request), cast_to=object))["count"])
+        except openai.BadRequestError as exc:
+            raise _over_window(exc) from None
+
+
+def _over_window(exc: openai.BadRequestError) -> Exception:
+    return OverWindow(exc.message) if exc.code == "context_length_exceeded" else exc
 
 
 class LocalCounter:
@@ -74,7 +90,7 @@ class LocalCounter:
         from tokenway.server.openai_api import tokenize
 
         body = TokenizeRequest.model_validate(tokenize_body(request))
-        return len(tokenize(self.frontend, body, self.tool_parser))
+        return len(tokenize(self.frontend, body, self.tool_parser, window_limit=False))
 
 
 @dataclass(frozen=True, slots=True)

@@ -186,11 +186,12 @@ def completion_prompts(frontend: ModelFrontend, prompt: Any) -> list[list[int]]:
                 for item in prompt]
 
 
-def tokenize(frontend: ModelFrontend, body, tool_parser: str | None = None) -> list[int]:
+def tokenize(frontend: ModelFrontend, body, tool_parser: str | None = None, window_limit: bool = True) -> list[int]:
     """POST /tokenize (vLLM's): a prompt or chat messages -> token ids; a text certainly over
     the window is refused as a generation would be (and as vLLM does). Messages with the
     generation prompt are templated by the chat path itself (tools, response_format and all),
-    so the count is the prompt_tokens a chat call with the same fields reports."""
+    so the count is the prompt_tokens a chat call with the same fields reports. window_limit
+    False (a caller's own counting, tokenway.client.LocalCounter): any length is counted."""
     tokenizer = frontend.tokenizer
     if body.messages is not None and body.add_generation_prompt and body.add_special_tokens is not True:
         tool_choice = body.tool_choice if body.tool_choice is not None else "auto"
@@ -202,8 +203,9 @@ def tokenize(frontend: ModelFrontend, body, tool_parser: str | None = None) -> l
         with context_window(frontend, "messages") as window:
             token_ids = build_chat_prompt(tokenizer, [m.to_template_dict() for m in body.messages], tools,
                                           tool_choice, body.parallel_tool_calls, response_format,
-                                          max_num_tokens=window, tool_parser=tool_parser).prompt_token_ids
-        if len(token_ids) > window:
+                                          max_num_tokens=window if window_limit else None,
+                                          tool_parser=tool_parser).prompt_token_ids
+        if len(token_ids) > window and window_limit:
             raise ContextLengthExceededError(len(token_ids), None, window, param="messages")
         return token_ids
     if body.messages is not None:

@@ -1,0 +1,155 @@
+"""Fitting a chat request into the model's window, with its output reserved.
+
+    fitted, report = fit(request, counter, window=8192, max_tokens=512, strategy="drop_oldest")
+
+The messages are cut in units that are never split: the system prompt (never dropped), and
+each turn, where an assistant message that called tools goes with every tool result that
+answers it. The last unit (the turn being asked) is always kept. Strategies:
+
+    drop_oldest            drop the oldest units until the request fits
+    sliding_window         keep at most `keep_last` units, then drop the oldest as needed
+    keep_first_and_recent  keep the first unit (the task, as first stated) and the most recent
+    summarize              replace the dropped units by one message summarising them, written
+                           by `summarize(messages) -> str` (e.g. a call to a cheaper model)
+
+Counting is the counter's (tokenway.client.counting): exact for tokenway's models. The number
+of units dropped is found by bisection, so a long conversation costs O(log n) counts.
+`report` (a CutReport) says what was cut and what the prompt costs before and after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+STRATEGIES = ("drop_oldest", "sliding_window", "keep_first_and_recent", "summarize")
+SUMMARY_PREFIX = "Summary of the earlier conversation: "
+
+
+class Counter(Protocol):
+    def count(self, request: Mapping[str, Any]) -> int: ...
+
+
+class ContextTooSmall(ValueError):
+    """Even the system prompt and the last turn do not fit the budget."""
+
+
+@dataclass(frozen=True, slots=True)
+class CutReport:
+    strategy: str
+    budget: int  # prompt tokens allowed: the window less the output reserved
+    prompt_tokens_before: int | None  # None: over the window, where the counter counts no further
+    prompt_tokens_after: int
+    dropped: tuple[int, ...] = ()  # indexes, in the original messages, of the messages cut
+    summarized: bool = False  # the dropped messages are in a summary message (strategy summarize)
+
+    @property
+    def cut(self) -> bool:
+        return bool(self.dropped)
+
+
+def units_of(messages: Sequence[Any]) -> tuple[list[int], list[list[int]]]:
+    """(the leading system messages' indexes, the other messages' indexes grouped into turns:
+    a tool call and its results are one unit)."""
+    pinned, units = [], []
+    position = 0
+    while position < len(messages) and _role(messages[position]) in ("system", "developer"):
+        pinned.append(position)
+        position += 1
+    while position < len(messages):
+        unit = [position]
+        if _role(messages[position]) == "assistant" and _field(messages[position], "tool_calls"):
+            while position + 1 < len(messages) and _role(messages[position + 1]) == "tool":
+                position += 1
+                unit.append(position)
+        units.append(unit)
+        position += 1
+    return pinned, units
+
+
+def fit(request: Mapping[str, Any], counter: Counter, *, window: int, max_tokens: int,
+        strategy: str = "drop_oldest", keep_last: int | None = None,
+        summarize: Callable[[list[Any]], str] | None = None) -> tuple[dict[str, Any], CutReport]:
+    """The request with its messages cut to fit `window - max_tokens` prompt tokens (and
+    max_tokens set), and what was cut. Raises ContextTooSmall if nothing can make it fit."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy: expected one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if strategy == "summarize" and summarize is None:
+        raise ValueError("summarize: the summarize strategy needs a summarize(messages) -> str callable")
+    budget = window - max_tokens
+    messages = list(request["messages"])
+    pinned, units = units_of(messages)
+    base = {**request, "max_tokens": max_tokens}
+    before = _count(counter, {**base, "messages": messages})
+
+    def build(dropped_units: Sequence[int], summary: str | None = None) -> list[Any]:
+        dropped = {i for u in dropped_units for i in units[u]}
+        kept = [messages[i] for i in pinned]
+        if summary is not None:
+            kept.append({"role": "user", "content": SUMMARY_PREFIX + summary})
+        return kept + [messages[i] for i in range(len(messages)) if i not in dropped and i not in pinned]
+
+    # The units that may go, in the order they go.
+    first = 1 if strategy == "keep_first_and_recent" and len(units) > 2 else 0
+    candidates = list(range(first, len(units) - 1))
+    forced = 0
+    if strategy == "sliding_window" and keep_last is not None:
+        forced = max(0, len(units) - keep_last - first)
+        forced = min(forced, len(candidates))
+    if before is not None and before <= budget and forced == 0:
+        return {**base, "messages": messages}, CutReport(strategy, budget, before, before)
+
+    def fits(num_dropped: int) -> tuple[bool, int | None]:
+        tokens = _count(counter, {**base, "messages": build(candidates[:num_dropped])})
+        return tokens is not None and tokens <= budget, tokens
+
+    low, high = forced, len(candidates)  # the fewest units dropped that fit, by bisection
+    fitted, tokens = fits(high)
+    if not fitted and strategy != "summarize":
+        need = f"{tokens} tokens" if tokens is not None else "more tokens than the window"
+        raise ContextTooSmall(f"the system prompt and the last turn need {need}; the budget is {budget} "
+                              f"({window} in the window, {max_tokens} reserved for the output)")
+    if fitted:
+        while low < high:
+            middle = (low + high) // 2
+            if fits(middle)[0]:
+                high = middle
+            else:
+                low = middle + 1
+    num_dropped = high
+    dropped_units = candidates[:num_dropped]
+    summary = None
+    if strategy == "summarize" and dropped_units:
+        # The summary takes room too: drop one more unit into it until the whole fits.
+        while True:
+            dropped_units = candidates[:num_dropped]
+            summary = summarize([messages[i] for u in dropped_units for i in units[u]])
+            tokens = _count(counter, {**base, "messages": build(dropped_units, summary)})
+            if tokens is not None and tokens <= budget:
+                break
+            if num_dropped == len(candidates):
+                raise ContextTooSmall(f"with the summary the prompt needs {tokens} tokens; the budget is {budget}")
+            num_dropped += 1
+    kept = build(dropped_units, summary)
+    after = counter.count({**base, "messages": kept})
+    dropped = tuple(i for u in dropped_units for i in units[u])
+    return {**base, "messages": kept}, CutReport(strategy, budget, before, after, dropped, summary is not None)
+
+
+def _count(counter: Counter, request: Mapping[str, Any]) -> int | None:
+    """The request's prompt tokens; None where the counter counts no further (over the window)."""
+    from tokenway.client.counting import OverWindow
+
+    try:
+        return counter.count(request)
+    except OverWindow:
+        return None
+
+
+def _role(message: Any) -> str:
+    return str(_field(message, "role") or "")
+
+
+def _field(message: Any, name: str) -> Any:
+    return message.get(name) if isinstance(message, Mapping) else getattr(message, name, None)
