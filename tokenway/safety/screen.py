@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from tokenway.routing.job import ToolCallDelta
 from tokenway.safety.detectors import CATEGORIES, Finding, detect, redact
+from tokenway.safety.guard import GUARD_FORMATS
 
 MODES = ("off", "flag", "redact", "block")
 _DIGIT_GROUPS_TAIL = 64
@@ -56,15 +57,12 @@ class SafetyPolicy:
         for name in ("input", "output"):
             if getattr(self, name) not in MODES:
                 raise ValueError(f"safety_{name}: expected one of {', '.join(MODES)}, got {getattr(self, name)!r}")
-        if self.guard_format not in ("prompt", "chat_template"):
-            raise ValueError(f"safety_guard_format: expected prompt or chat_template, got {self.guard_format!r}")
+        if self.guard_format not in GUARD_FORMATS:
+            raise ValueError(f"safety_guard_format: expected one of {', '.join(GUARD_FORMATS)}, "
+                             f"got {self.guard_format!r}")
         if self.categories is not None and not self.categories <= set(CATEGORIES):
             raise ValueError(f"safety_categories: unknown {sorted(self.categories - set(CATEGORIES))}; "
                              f"known are {', '.join(CATEGORIES)}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.input != "off" or self.output != "off"
 
     def to_dict(self) -> dict:
         data = {"input": self.input, "output": self.output, "threshold": self.threshold,

@@ -24,14 +24,14 @@ from tokenway.gateway.auth import MAX_NAME_CHARS
 from tokenway.gateway.keystore import KeyStore, UnknownKeyError
 from tokenway.protocol.errors import AuthenticationError, InvalidRequestError, NotFoundError, truncate
 from tokenway.safety.detectors import CATEGORIES
-from tokenway.safety.screen import SafetyPolicy
+from tokenway.safety.screen import MODES, SafetyPolicy
 from tokenway.server.body_parser import BodyParser
 from tokenway.server.http import parse_body
 
 PositiveInt = Annotated[int, pydantic.Field(ge=1)]
 
 
-Mode = Literal["off", "flag", "redact", "block"]
+Mode = Literal[MODES]
 
 
 class SafetyBody(pydantic.BaseModel):

@@ -189,15 +189,10 @@ class Generation:
         """The choice's calls as they went out (screened), those completed: by the replica, or
         in a tool-call format the ones its parser completed; under a safety policy, those whose
         arguments were all released before the reply ended."""
-        calls = self.tool_calls[index]
-        if self.parsers is not None:
-            completed = {call.id for call in self.parsers[index].tool_calls()}
-            calls = [call for call in calls if call.id in completed]
-        if self.screens is not None:
-            released = self.screens[index].released
-            calls = [call for position, call in enumerate(self.tool_calls[index])
-                     if position in released and call in calls]
-        return tuple(calls)
+        completed = {call.id for call in self.parsers[index].tool_calls()} if self.parsers is not None else None
+        released = self.screens[index].released if self.screens is not None else None
+        return tuple(call for position, call in enumerate(self.tool_calls[index])
+                     if (completed is None or call.id in completed) and (released is None or position in released))
 
     async def final_outputs(self) -> list[ChoiceResult]:
         """Run to the end; every choice's result, by index."""

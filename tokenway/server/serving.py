@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -184,7 +184,7 @@ class ServerState:
         and checked against the window where tokenway has the model's tokenizer; else left to the
         upstream, with max_tokens checked against the config's window and an estimated prompt.
         The safety stage screens the messages first, so a redacted prompt is templated once."""
-        redacted = self.screen(call, [text_content(m.get("content")) for m in messages], "messages")
+        redacted = self.screen(call, (text_content(m.get("content")) for m in messages), "messages")
         if redacted is not None:
             messages = [m if text is None else {**m, "content": text} for m, text in zip(messages, redacted)]
         frontend = self.frontend(model)
@@ -213,14 +213,16 @@ class ServerState:
             return principal.safety
         return self.config.model_safety.get(model, self.config.safety)
 
-    def screen(self, call: Call, texts: list[str], param: str) -> list[str | None] | None:
+    def screen(self, call: Call, texts: Iterable[str], param: str) -> list[str | None] | None:
         """The safety stage's input check (safety/screen.py) of a call's texts, in order: raises
         ContentPolicyViolationError (400) under a block policy that finds something; under a
-        redact policy, the texts redacted (None where a text is unchanged); else None."""
+        redact policy, the texts redacted (None where a text is unchanged); else None. The
+        texts are read only when a policy is on."""
         policy = self.safety_policy(call.model, call.start.principal)
         if policy.input == "off":
             call.clock.end("safety")
             return None
+        texts = list(texts)
         screening = screen_input(policy, texts)
         call.set_screening(screening)
         call.clock.end("safety")
