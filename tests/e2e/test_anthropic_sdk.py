@@ -54,3 +54,12 @@ def test_errors_are_anthropic_shaped(client):
         client.messages.create(model=MODEL, max_tokens=-1, messages=[{"role": "user", "content": "hi"}])
     assert excinfo.value.body["type"] == "error"
     assert excinfo.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_a_last_assistant_message_is_prefill_the_reply_goes_on_from(client):
+    ask = [{"role": "user", "content": "List three colours, comma-separated."}]
+    whole = client.messages.create(model=MODEL, max_tokens=16, extra_body={"temperature": 0}, messages=ask).content[0].text
+    begun = " ".join(whole.split(" ")[:2])  # at a word's end: "The th" would re-tokenize unlike the reply
+    rest = client.messages.create(model=MODEL, max_tokens=16, extra_body={"temperature": 0},
+                                  messages=[*ask, {"role": "assistant", "content": begun}]).content[0].text
+    assert (begun + rest).startswith(whole[:len(begun) + 8])

@@ -187,3 +187,17 @@ def test_typed_errors(client):
     with pytest.raises(openai.BadRequestError) as excinfo:
         client.chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=5, temperature=7)
     assert excinfo.value.param == "temperature"
+
+
+def test_continue_final_message_goes_on_from_the_begun_reply(server):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": "List three colours, comma-separated."}]
+    whole = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=16, temperature=0)
+    whole = whole.choices[0].message.content
+    begun = " ".join(whole.split(" ")[:2])  # at a word's end: "The th" would re-tokenize unlike the reply
+    rest = client.chat.completions.create(model=MODEL, messages=[*ask, {"role": "assistant", "content": begun}],
+                                          max_tokens=16, temperature=0, extra_body={"continue_final_message": True})
+    assert (begun + rest.choices[0].message.content).startswith(whole[:len(begun) + 8])
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4,
+                                       extra_body={"continue_final_message": True})

@@ -89,8 +89,12 @@ def build_chat_prompt(
     response_format: dict | None = None,
     max_num_tokens: int | None = None,
     tool_parser: str | None = None,
+    continue_final_message: bool = False,
 ) -> ChatPrompt:
     """Raises PromptTooLong when the rendered prompt certainly exceeds max_num_tokens.
+
+    continue_final_message: the last message is the start of the assistant's reply (vLLM's
+    parameter; Anthropic's prefill), and the reply goes on from its last character.
 
     parallel_tool_calls None (the caller did not say): several calls a reply in a native
     format; one in the generic format, as llama.cpp does: the models it serves are those
@@ -123,9 +127,25 @@ def build_chat_prompt(
             prompt.json_schema = response_format["json_schema"].get("schema") or {}
         elif kind == "json_object":
             prompt.json_object = True
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=template_tools)
+    if continue_final_message and messages[-1]["content"]:
+        text = _continuing(tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=template_tools),
+                           messages[-1]["content"])
+    else:  # an empty reply begun is no reply begun
+        text = tokenizer.apply_chat_template(messages[:-1] if continue_final_message else messages,
+                                             add_generation_prompt=True, tools=template_tools)
     prompt.prompt_token_ids = tokenizer.encode(text, add_special_tokens=False, max_num_tokens=max_num_tokens)
     return prompt
+
+
+def _continuing(text: str, begun: str) -> str:
+    """The rendered conversation up to the end of the begun reply: what the template puts after
+    the last message (its end-of-turn) is cut off, as transformers' continue_final_message does."""
+    for content in (begun, begun.strip()):
+        end = text.rfind(content)
+        if content and end >= 0:
+            return text[:end + len(content)]
+    raise ValueError("continue_final_message: the chat template does not render the last message's text as "
+                     "sent, so the reply cannot go on from it")
 
 
 def _as_tool(tool: dict) -> dict:

@@ -107,6 +107,8 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: the last (assistant) message is the reply's beginning, which goes on from it.
+    continue_final_message: bool = False
     # Accepted and ignored, as above.
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
@@ -138,6 +140,12 @@ class ChatCompletionRequest(SamplingRequest):
         if value is not None and not info.data.get("logprobs"):
             raise fail("top_logprobs", "requires logprobs to be true")
         return value
+
+    @model_validator(mode="after")
+    def _continues_an_assistant_message(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise fail("continue_final_message", "continue_final_message needs the last message to be the assistant's reply begun")
+        return self
 
     @field_validator("tools")
     @classmethod

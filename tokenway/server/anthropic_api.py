@@ -44,8 +44,9 @@ def prepare(state: ServerState, body, call: Call) -> Generation:
     fields = SimpleNamespace(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=None,
                              presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None)
     parallel = False if getattr(body.tool_choice, "disable_parallel_tool_use", None) else None
+    # A last assistant message is Anthropic's prefill: the reply goes on from it.
     chat = state.template_chat(call, model, messages, tools, tool_choice, body.max_tokens, "max_tokens",
-                               len(body.messages), parallel)
+                               len(body.messages), parallel, continue_final_message=messages[-1]["role"] == "assistant")
     params = make_sampling_params(fields, chat.max_tokens, chat.structured, None, body.stop_sequences,
                                   chat.skip_special_tokens)
     job = GenerationJob(new_id("msg_"), model, "chat", params, messages=chat.messages,

@@ -101,7 +101,8 @@ def prepare_chat(state: ServerState, body, call: Call) -> tuple[Generation]:
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     logprobs = top_logprobs if body.logprobs else None
     chat = state.template_chat(call, model, messages, tools, tool_choice, body.max_output_tokens, param,
-                               len(body.messages), body.parallel_tool_calls, response_format)
+                               len(body.messages), body.parallel_tool_calls, response_format,
+                               body.continue_final_message)
     params = make_sampling_params(body, chat.max_tokens, chat.structured, logprobs, body.stop,
                                   chat.skip_special_tokens)
     job = GenerationJob(new_id("chatcmpl-"), model, "chat", params, n=body.n or 1, messages=chat.messages,

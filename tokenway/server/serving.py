@@ -178,8 +178,8 @@ class ServerState:
 
     def template_chat(self, call: Call, model: str, messages: list[dict], tools: list[dict] | None, tool_choice: Any,
                       requested_max_tokens: int | None, param: str, num_messages: int,
-                      parallel_tool_calls: bool | None = None, response_format: dict | None = None
-                      ) -> ChatTemplating:
+                      parallel_tool_calls: bool | None = None, response_format: dict | None = None,
+                      continue_final_message: bool = False) -> ChatTemplating:
         """A chat call's prompt for its model (stage 3), the same for every chat API: templated
         and checked against the window where tokenway has the model's tokenizer; else left to the
         upstream, with max_tokens checked against the config's window and an estimated prompt.
@@ -195,7 +195,8 @@ class ServerState:
             return ChatTemplating(None, window, max_tokens, tuple(messages), None, None)
         with context_window(frontend, "messages") as window:
             prompt = build_chat_prompt(frontend.tokenizer, messages, tools, tool_choice, parallel_tool_calls,
-                                       response_format, max_num_tokens=window, tool_parser=self.tool_parser(frontend))
+                                       response_format, max_num_tokens=window, tool_parser=self.tool_parser(frontend),
+                                       continue_final_message=continue_final_message)
         max_tokens = self.max_tokens(call, frontend.max_model_len, len(prompt.prompt_token_ids), requested_max_tokens,
                                      param, num_messages=num_messages)
         return ChatTemplating(tuple(prompt.prompt_token_ids), frontend.max_model_len, max_tokens, tuple(messages),
