@@ -13,7 +13,8 @@ answers it. The last unit (the turn being asked) is always kept. Strategies:
                            by `summarize(messages) -> str` (e.g. a call to a cheaper model)
 
 Counting is the counter's (tokenway.client.counting): exact for tokenway's models. The number
-of units dropped is found by bisection, so a long conversation costs O(log n) counts.
+of units dropped is searched for from an estimate (each unit's share of the characters),
+galloping then bisecting, so it usually costs two or three counts, O(log n) at worst.
 `report` (a CutReport) says what was cut and what the prompt costs before and after.
 """
 
@@ -100,24 +101,26 @@ def fit(request: Mapping[str, Any], counter: Counter, *, window: int, max_tokens
     if before is not None and before <= budget and forced == 0:
         return {**base, "messages": messages}, CutReport(strategy, budget, before, before)
 
-    def fits(num_dropped: int) -> tuple[bool, int | None]:
-        tokens = _count(counter, {**base, "messages": build(candidates[:num_dropped])})
-        return tokens is not None and tokens <= budget, tokens
+    counted: dict[int, int | None] = {}  # units dropped -> prompt tokens
 
-    low, high = forced, len(candidates)  # the fewest units dropped that fit, by bisection
-    fitted, tokens = fits(high)
-    if not fitted and strategy != "summarize":
-        need = f"{tokens} tokens" if tokens is not None else "more tokens than the window"
-        raise ContextTooSmall(f"the system prompt and the last turn need {need}; the budget is {budget} "
-                              f"({window} in the window, {max_tokens} reserved for the output)")
-    if fitted:
-        while low < high:
-            middle = (low + high) // 2
-            if fits(middle)[0]:
-                high = middle
-            else:
-                low = middle + 1
-    num_dropped = high
+    def tokens_without(num_dropped: int) -> int | None:
+        if num_dropped not in counted:
+            counted[num_dropped] = _count(counter, {**base, "messages": build(candidates[:num_dropped])})
+        return counted[num_dropped]
+
+    def fits(num_dropped: int) -> bool:
+        tokens = tokens_without(num_dropped)
+        return tokens is not None and tokens <= budget
+
+    guess = _guess(messages, units, candidates, before, budget, forced)
+    num_dropped = _least(fits, guess, forced, len(candidates))
+    if num_dropped is None:
+        if strategy != "summarize":
+            tokens = tokens_without(len(candidates))
+            need = f"{tokens} tokens" if tokens is not None else "more tokens than the window"
+            raise ContextTooSmall(f"the system prompt and the last turn need {need}; the budget is {budget} "
+                                  f"({window} in the window, {max_tokens} reserved for the output)")
+        num_dropped = len(candidates)
     dropped_units = candidates[:num_dropped]
     summary = None
     if strategy == "summarize" and dropped_units:
@@ -132,9 +135,66 @@ def fit(request: Mapping[str, Any], counter: Counter, *, window: int, max_tokens
                 raise ContextTooSmall(f"with the summary the prompt needs {tokens} tokens; the budget is {budget}")
             num_dropped += 1
     kept = build(dropped_units, summary)
-    after = counter.count({**base, "messages": kept})
+    after = tokens if summary is not None else tokens_without(num_dropped)
     dropped = tuple(i for u in dropped_units for i in units[u])
     return {**base, "messages": kept}, CutReport(strategy, budget, before, after, dropped, summary is not None)
+
+
+def _least(fits: Callable[[int], bool], guess: int, lowest: int, highest: int) -> int | None:
+    """The least n in [lowest, highest] with fits(n) (fits is monotone), None if none: a
+    galloping search from `guess`, so a good guess costs two counts where bisection costs
+    log2(highest - lowest)."""
+    guess = min(max(guess, lowest), highest)
+    if fits(guess):
+        high, step = guess, 1
+        while high - step >= lowest and fits(high - step):
+            high -= step
+            step *= 2
+        low = max(lowest, high - step + 1)  # high - step does not fit, or is below lowest
+    else:
+        low, step = guess + 1, 1
+        while True:
+            probe = min(highest, guess + step)
+            if fits(probe):
+                high = probe
+                break
+            if probe == highest:
+                return None
+            low, step = probe + 1, step * 2
+    while low < high:  # fits(high); nothing below low fits
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return high
+
+
+def _guess(messages: Sequence[Any], units: list[list[int]], candidates: list[int], before: int | None,
+           budget: int, forced: int) -> int:
+    """How many units to drop, from each unit's share of the characters: the search starts
+    here and usually ends one count later."""
+    sizes = [sum(_num_chars(messages[i]) for i in units[u]) + _MESSAGE_OVERHEAD_CHARS * len(units[u])
+             for u in candidates]
+    total = sum(_num_chars(m) + _MESSAGE_OVERHEAD_CHARS for m in messages) or 1
+    tokens_per_char = before / total if before else 0.3
+    tokens = before if before else total * tokens_per_char
+    num_dropped = 0
+    while num_dropped < len(sizes) and (tokens > budget or num_dropped < forced):
+        tokens -= sizes[num_dropped] * tokens_per_char
+        num_dropped += 1
+    return num_dropped
+
+
+_MESSAGE_OVERHEAD_CHARS = 16  # a template's framing of one message, roughly
+
+
+def _num_chars(message: Any) -> int:
+    content = _field(message, "content")
+    num_chars = len(content) if isinstance(content, str) else len(str(content or ""))
+    for call in _field(message, "tool_calls") or ():
+        num_chars += len(str(call))
+    return num_chars
 
 
 def _count(counter: Counter, request: Mapping[str, Any]) -> int | None:

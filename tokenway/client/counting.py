@@ -83,6 +83,9 @@ class LocalCounter:
         from tokenway.models.loader import resolve_model
 
         self.frontend = ModelFrontend.from_dir(resolve_model(model))
+        # A conversation is counted again and again as it grows, and fit() counts it cut
+        # several ways: its turns' ids are remembered (exact, or not enabled at all).
+        self.frontend.tokenizer.enable_segment_cache()
         self.tool_parser = tool_parser
 
     def count(self, request: Mapping[str, Any]) -> int:

@@ -74,6 +74,7 @@ class Tokenizer:
             self._template_supports_tools = "tools" in variables
         self._source = source
         self.max_token_chars = _max_token_chars(hf)
+        self.segment_cache = None  # see enable_segment_cache
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
@@ -109,13 +110,27 @@ class Tokenizer:
             num_tokens_at_least = -(-len(text) // self.max_token_chars)
             if num_tokens_at_least > max_num_tokens:
                 raise PromptTooLong(num_tokens_at_least, max_num_tokens)
-        if len(text) > _GIL_FREE_CHARS:
-            token_ids = self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        if self.segment_cache is not None and not add_special_tokens:
+            token_ids = self.segment_cache.encode(text)
         else:
-            token_ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+            token_ids = self._encode(text, add_special_tokens)
         if add_special_tokens and self._prepend_bos:
             return [self.bos_token_id, *token_ids]
         return token_ids
+
+    def _encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if len(text) > _GIL_FREE_CHARS:
+            return self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def enable_segment_cache(self, max_chars: int = 4_000_000) -> bool:
+        """Remember the ids of the text between added tokens (segment_cache.py): a chat
+        prompt's earlier turns are then not tokenized again. False where that would not be
+        exact for this tokenizer (nothing is cached then)."""
+        from tokenway.frontend.segment_cache import SegmentCache
+
+        self.segment_cache = SegmentCache.for_tokenizer(self.hf, self._encode, max_chars)
+        return self.segment_cache is not None
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
