@@ -448,11 +448,13 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--seed", type=int)
     generate.add_argument("--dtype", default="auto")
+    from tokenway.chat_cli import add_chat_parser, run_chat
     from tokenway.keys_cli import add_keys_parser, run_keys
     from tokenway.trace_cli import add_trace_parser, run_trace
     from tokenway.worker_cli import add_worker_parser, run_worker
 
     add_keys_parser(sub)
+    add_chat_parser(sub)
     add_trace_parser(sub)
     add_worker_parser(sub)
     usage = sub.add_parser("usage", help="usage by key, day and model, from the ledger")
@@ -472,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_usage(args)
         if args.command == "trace":
             return run_trace(args)
+        if args.command == "chat":
+            return run_chat(args)
         if args.command == "worker":
             return run_worker(args)
         return run_generate(args)
