@@ -131,9 +131,15 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None, descriptio
 
 
 def schema_tool(name: str, description: str, parameters: dict[str, Any],
-                run: Callable[[dict[str, Any]], Awaitable[Any]]) -> Tool:
-    """A Tool from a JSON schema and an async callable taking the arguments object."""
-    validator = jsonschema.Draft202012Validator(parameters or {"type": "object"})
+                run: Callable[[dict[str, Any]], Awaitable[Any]], closed: bool = True) -> Tool:
+    """A Tool from a JSON schema and an async callable taking the arguments object. `closed`:
+    an object schema that does not say whether other properties are allowed gets
+    additionalProperties false, as for callables (a model given an open schema invents
+    arguments, and a grammar-constrained one may write them until max_tokens)."""
+    parameters = dict(parameters or {"type": "object", "properties": {}})
+    if closed and parameters.get("type") == "object" and "additionalProperties" not in parameters:
+        parameters["additionalProperties"] = False
+    validator = jsonschema.Draft202012Validator(parameters)
 
     def validate(arguments: dict[str, Any]) -> dict[str, Any]:
         problems = sorted(validator.iter_errors(arguments), key=lambda e: list(e.absolute_path))
@@ -142,7 +148,7 @@ def schema_tool(name: str, description: str, parameters: dict[str, Any],
                                              for p in problems[:5]))
         return arguments
 
-    return Tool(name, description, parameters or {"type": "object", "properties": {}}, run, validate)
+    return Tool(name, description, _without_titles(parameters), run, validate)
 
 
 def _caller_locals() -> dict[str, Any]:
