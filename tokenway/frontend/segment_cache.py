@@ -15,6 +15,7 @@ returns None and the caller encodes whole texts as before.
 from __future__ import annotations
 
 import re
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ class SegmentCache:
         self._encode = encode  # a text without added tokens -> its ids
         self._added = added  # added token text -> id
         self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
-        self._ids: dict[str, list[int]] = {}
+        self._ids: dict[str, array] = {}  # piece -> its ids, 4 bytes each
         self.max_chars = max_chars  # of the pieces remembered; past it the cache starts again
         self._num_chars = 0
         self.num_hits = 0
@@ -62,13 +63,13 @@ class SegmentCache:
                 ids.extend(self._piece(piece))
         return ids
 
-    def _piece(self, piece: str) -> list[int]:
+    def _piece(self, piece: str) -> array:
         cached = self._ids.get(piece)
         if cached is not None:
             self.num_hits += 1
             return cached
         self.num_misses += 1
-        cached = self._encode(piece)
+        cached = array("I", self._encode(piece))
         if self._num_chars + len(piece) > self.max_chars:
             self._ids.clear()  # simple and bounded: a conversation's pieces come back on its next call
             self._num_chars = 0

@@ -55,6 +55,9 @@ async def build_router(registry: Registry, engine: EngineClient | None, *, max_p
         templated = [_templated_replica(entry, spec, engine) for spec in entry.replicas
                      if spec.kind in ("local", "worker")]
         frontend = await _frontend(entry, templated, engine, cache_dir) if templated else None
+        if frontend is not None:
+            # A conversation comes back longer on every turn: its earlier turns' ids are kept.
+            frontend.tokenizer.enable_segment_cache()
         count_tokens = _token_counter(frontend) if frontend is not None else None
         replicas = iter(templated)
         pool = [next(replicas) if spec.kind in ("local", "worker") else _upstream(entry, spec, count_tokens)
