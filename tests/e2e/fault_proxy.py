@@ -136,5 +136,7 @@ class FaultProxy:
                         request.transport.abort()  # mid-body: no end chunk, the client sees a broken read
                         return response
                     await asyncio.sleep(3600)
+            if buffer:  # a body that ended before its n-th event (not a stream) goes through whole
+                await response.write(buffer)
             await response.write_eof()
             return response

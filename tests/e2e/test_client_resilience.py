@@ -207,3 +207,18 @@ async def test_a_cancelled_stream_is_gone_from_the_engine_within_a_second(proxy,
     assert stats["num_running"] == 0 and time.monotonic() - closed < 1.0, stats
     assert not result.complete and isinstance(result.error, StreamClosed)
     assert proxy.num_disconnects == 1
+
+
+def test_the_sync_client_retries_and_returns_a_cut_stream(proxy):
+    from tokenway.client.resilient import SyncResilientChat
+
+    proxy.queue(Fault(status=503, headers={"retry-after-ms": "200"}))
+    with SyncResilientChat([openai.OpenAI(base_url=f"{proxy.base_url}/v1", api_key="unused")]) as chat:
+        assert chat.create(**ASK).choices[0].message.content
+        proxy.queue(Fault(cut_after=6))
+        with chat.stream(**ASK) as stream:
+            texts = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+        assert not stream.result.complete and stream.result.num_chunks == 6
+        assert stream.result.text == "".join(texts)
+    first, second, third = proxy.chat_hits()
+    assert 0.2 <= second.time - first.time < 0.6

@@ -200,3 +200,105 @@ class ResilientStream:
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.close()
+
+
+class SyncResilientChat:
+    """ResilientChat for synchronous code: the same attempts, run on an event loop in a thread
+    of its own. Endpoints may be openai.OpenAI clients (an AsyncOpenAI with the same base
+    URL, key and headers is made for each) or AsyncOpenAI ones.
+
+        chat = SyncResilientChat([openai.OpenAI(base_url=...)], Policy(deadline=30))
+        reply = chat.create(model="m", messages=messages)
+        with chat.stream(model="m", messages=messages) as stream:
+            for chunk in stream: ...
+        stream.result
+    """
+
+    def __init__(self, endpoints: Sequence[Any], policy: Policy = Policy(),
+                 breakers: dict[str, CircuitBreaker] | None = None) -> None:
+        import threading
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tokenway-resilient", daemon=True)
+        self._thread.start()
+        self.chat = self._run(_make_async(endpoints, policy, breakers))
+
+    def _run(self, coroutine: Any) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # Ctrl-C in the caller's thread: the attempt's connection is closed too
+            raise
+
+    def create(self, **request: Any) -> Any:
+        return self._run(self.chat.create(**request))
+
+    def stream(self, **request: Any) -> SyncResilientStream:
+        return SyncResilientStream(self, self._run(self.chat.stream(**request)))
+
+    def close(self) -> None:
+        async def close_clients() -> None:
+            for endpoint in self.chat.endpoints:
+                await endpoint.client.close()
+
+        self._run(close_clients())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def __enter__(self) -> SyncResilientChat:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+async def _make_async(endpoints: Sequence[Any], policy: Policy,
+                      breakers: dict[str, CircuitBreaker] | None) -> ResilientChat:
+    """Made on the loop's thread: the async clients' connections belong to that loop."""
+    import openai
+
+    def as_async(client: Any) -> Any:
+        if isinstance(client, openai.OpenAI):
+            return openai.AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key,
+                                      organization=client.organization, project=client.project,
+                                      default_headers=dict(client._custom_headers), timeout=client.timeout)
+        return client
+
+    return ResilientChat([Endpoint(as_async(e.client), e.model, e.name) if isinstance(e, Endpoint)
+                          else as_async(e) for e in endpoints], policy, breakers)
+
+
+class SyncResilientStream:
+    def __init__(self, owner: SyncResilientChat, stream: ResilientStream) -> None:
+        self._owner = owner
+        self._stream = stream
+
+    @property
+    def result(self) -> StreamResult:
+        return self._stream.result
+
+    @property
+    def attempts(self) -> tuple:
+        return self._stream.attempts
+
+    def __iter__(self) -> SyncResilientStream:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return self._owner._run(self._stream.__anext__())
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+    def final(self) -> StreamResult:
+        return self._owner._run(self._stream.final())
+
+    def close(self) -> None:
+        self._owner._run(self._stream.close())
+
+    def __enter__(self) -> SyncResilientStream:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
