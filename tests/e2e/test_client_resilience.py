@@ -222,3 +222,29 @@ def test_the_sync_client_retries_and_returns_a_cut_stream(proxy):
         assert stream.result.text == "".join(texts)
     first, second, third = proxy.chat_hits()
     assert 0.2 <= second.time - first.time < 0.6
+
+
+async def test_the_messages_api_through_the_anthropic_sdk(proxy, server):
+    import anthropic
+
+    request = {"model": MODEL, "max_tokens": 40, "extra_body": {"temperature": 0},
+               "messages": [{"role": "user", "content": "Name three colours."}]}
+    reference = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    whole = reference.messages.create(**request).content[0].text
+    client = anthropic.AsyncAnthropic(base_url=proxy.base_url, api_key="unused")
+    chat = ResilientChat([client])
+    proxy.queue(Fault(status=529, headers={"retry-after": "0.3"}))  # Anthropic's "overloaded"
+    reply = await chat.create(**request)
+    assert reply.content[0].text == whole
+    first, second = proxy.hits[-2:]
+    assert 0.3 <= second.time - first.time < 0.7
+    proxy.queue(Fault(cut_after=9))  # 9 events (the SDK yields no ping events)
+    async with await chat.stream(**request) as stream:
+        async for _ in stream:
+            pass
+    cut = stream.result
+    assert cut.api == "anthropic" and not cut.complete and 7 <= cut.num_chunks <= 9 and whole.startswith(cut.text)
+    rest = await (await chat.stream(**cut.continue_request(request))).final()
+    assert rest.complete and (cut.text + rest.text).startswith(whole)
+    assert rest.message()["content"][0]["type"] == "text"
+    await client.close()

@@ -1,5 +1,6 @@
 """ResilientChat: chat calls and streams over resilience.Plan's attempts (see resilience.py for
-the rules, streaming.py for what a stream returns), on openai.AsyncOpenAI clients.
+the rules, streaming.py for what a stream returns), on openai.AsyncOpenAI clients (chat
+completions) or anthropic.AsyncAnthropic ones (the Messages API: the request is its shape).
 
     chat = ResilientChat([openai.AsyncOpenAI(base_url=a), Endpoint(openai.AsyncOpenAI(base_url=b), model="m2")],
                          Policy(deadline=30, ttft_timeout=5))
@@ -41,6 +42,8 @@ class ResilientChat:
         if not endpoints:
             raise ValueError("endpoints: give at least one")
         self.endpoints = tuple(_no_sdk_retries(e if isinstance(e, Endpoint) else Endpoint(e)) for e in endpoints)
+        if len({hasattr(e.client, "messages") for e in self.endpoints}) > 1:
+            raise ValueError("endpoints: all openai or all anthropic clients (the request's shape is one API's)")
         self.policy = policy
         self.breakers = {} if breakers is None else breakers
 
@@ -59,7 +62,7 @@ class ResilientChat:
             timeout = plan.timeout()
             try:
                 async with asyncio.timeout(timeout):
-                    reply = await endpoint.client.chat.completions.create(**endpoint.request(request), timeout=timeout)
+                    reply = await _create(endpoint)(**endpoint.request(request), timeout=timeout)
             except asyncio.CancelledError:
                 plan.abandoned(endpoint)
                 raise
@@ -85,8 +88,7 @@ class ResilientChat:
             accumulator, head, sdk_stream = Accumulator(), [], None
             try:
                 async with asyncio.timeout(timeout):
-                    sdk_stream = await endpoint.client.chat.completions.create(**endpoint.request(request),
-                                                                               timeout=timeout)
+                    sdk_stream = await _create(endpoint)(**endpoint.request(request), timeout=timeout)
                     while not accumulator.has_token:  # a role-only chunk is not a token yet
                         chunk = await anext(sdk_stream, None)
                         if chunk is None:
@@ -105,6 +107,12 @@ class ResilientChat:
                 continue
             plan.succeeded(endpoint)
             return ResilientStream(sdk_stream, head, accumulator, plan, endpoint, time.monotonic() - started)
+
+
+def _create(endpoint: Endpoint) -> Any:
+    """The SDK's call: the Messages API for an anthropic client, chat completions otherwise."""
+    messages = getattr(endpoint.client, "messages", None)
+    return messages.create if messages is not None else endpoint.client.chat.completions.create
 
 
 async def _next(plan: Plan) -> Endpoint | None:
@@ -205,7 +213,7 @@ class ResilientStream:
 class SyncResilientChat:
     """ResilientChat for synchronous code: the same attempts, run on an event loop in a thread
     of its own. Endpoints may be openai.OpenAI clients (an AsyncOpenAI with the same base
-    URL, key and headers is made for each) or AsyncOpenAI ones.
+    URL, key and headers is made for each), anthropic.Anthropic ones, or their async kinds.
 
         chat = SyncResilientChat([openai.OpenAI(base_url=...)], Policy(deadline=30))
         reply = chat.create(model="m", messages=messages)
@@ -256,6 +264,7 @@ class SyncResilientChat:
 async def _make_async(endpoints: Sequence[Any], policy: Policy,
                       breakers: dict[str, CircuitBreaker] | None) -> ResilientChat:
     """Made on the loop's thread: the async clients' connections belong to that loop."""
+    import anthropic
     import openai
 
     def as_async(client: Any) -> Any:
@@ -263,6 +272,10 @@ async def _make_async(endpoints: Sequence[Any], policy: Policy,
             return openai.AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key,
                                       organization=client.organization, project=client.project,
                                       default_headers=dict(client._custom_headers), timeout=client.timeout)
+        if isinstance(client, anthropic.Anthropic):
+            return anthropic.AsyncAnthropic(base_url=str(client.base_url), api_key=client.api_key,
+                                            auth_token=client.auth_token, timeout=client.timeout,
+                                            default_headers=dict(client._custom_headers))
         return client
 
     return ResilientChat([Endpoint(as_async(e.client), e.model, e.name) if isinstance(e, Endpoint)
