@@ -181,6 +181,11 @@ TOOL_USE = {"type": "tool_use", "id": "t", "name": "f", "input": {}}
         ({"temperature": 1.5}, "temperature", "temperature: must be <= 1.0, got 1.5"),
         ({"messages": []}, "messages", "messages: must have at least 1 item(s)"),
         ({"messages": [{"role": "human", "content": "x"}]}, "messages[0].role", None),
+        ({"messages": [{"role": "user", "content": []}]}, "messages",
+         "messages: message 0 has empty content: all messages must have non-empty content except for the "
+         "optional final assistant message"),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""},
+                       {"role": "user", "content": "b"}]}, "messages", None),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0]",
          "messages[0].content[0]: this model accepts text only; content block type 'image' is not supported"),
         ({"messages": [{"role": "user", "content": [
@@ -207,3 +212,9 @@ def test_invalid_messages_field(patch, param, message):
     err = from_validation_error(caught.value)
     assert err.param == param and (message is None or err.message == message)
     assert len(err.message) <= MAX_MESSAGE_CHARS
+
+
+def test_only_a_last_assistant_message_may_be_empty():
+    # It is the prefill the reply goes on from.
+    request = MessagesRequest.model_validate({**BASE, "messages": [*BASE["messages"], {"role": "assistant", "content": []}]})
+    assert to_chat_messages(request)[-1] == {"role": "assistant", "content": ""}

@@ -142,6 +142,16 @@ class MessagesRequest(RequestModel):
     service_tier: str | None = None  # accepted and ignored
     cache_control: dict[str, Any] | None = None  # accepted and ignored: prefix caching is automatic
 
+    @field_validator("messages")
+    @classmethod
+    def _contents_not_empty(cls, value: list[InputMessage]) -> list[InputMessage]:
+        # Anthropic's own rule: only a last assistant message (the prefill) may be empty.
+        for index, message in enumerate(value):
+            if not message.content and not (index == len(value) - 1 and message.role == "assistant"):
+                raise fail("empty_content", "message {index} has empty content: all messages must have "
+                           "non-empty content except for the optional final assistant message", index=index)
+        return value
+
     @field_validator("tool_choice")
     @classmethod
     def _choice_names_a_tool(cls, value: Any, info: ValidationInfo) -> Any:
