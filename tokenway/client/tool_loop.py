@@ -13,8 +13,10 @@ max_parallel at a time, each within tool_timeout). Every call gets a result mess
 conversation stays valid: a call the model made wrong gets its error (tools.py), and calls
 left when a cap stops the loop get "not run" with the cap's name, so a caller may resume from
 result.messages. Caps are checked after every round; max_seconds also bounds the calls in
-flight. Tool results are untrusted text: `wrap_result(text, source) -> str` (e.g. the
-spotlighting of tokenway.client.untrusted) marks them before the model reads them.
+flight. Tool results are untrusted text: with `spotlight` (tokenway.client.untrusted) each
+result is marked and scanned before the model reads it, the spotlight's rule joins the system
+prompt, and each run keeps its finding (`result.flagged` lists the runs whose result looked
+like instructions); `wrap_result(text, source) -> str` is the hook for marking of your own.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenway.client.counting import Price
+from tokenway.client.injection import Finding
 from tokenway.client.tools import Tool, ToolOutcome
+from tokenway.client.untrusted import Spotlight, with_rule
 
 STOP_REASONS = ("answered", "length", "content_filter", "max_rounds", "max_tokens", "max_cost", "max_seconds")
 
@@ -53,6 +57,8 @@ class ToolRun:
     arguments: str
     outcome: ToolOutcome
     seconds: float
+    finding: Finding | None = None  # the scan of the result, when a spotlight marked it
+    dropped: bool = False  # withheld from the model by the spotlight's policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +83,11 @@ class LoopResult:
     cost: float | None  # None without a price
     seconds: float
 
+    @property
+    def flagged(self) -> tuple[ToolRun, ...]:
+        """The runs whose result looked like instructions to the model."""
+        return tuple(run for run in self.runs if run.finding is not None and run.finding.flagged)
+
 
 @dataclass
 class _Totals:
@@ -92,7 +103,8 @@ class _Totals:
 
 
 async def run_tool_loop(chat: Any, request: dict[str, Any], tools: Sequence[Tool], limits: Limits = Limits(), *,
-                        price: Price | None = None, wrap_result: Callable[[str, str], str] | None = None,
+                        price: Price | None = None, spotlight: Spotlight | None = None,
+                        wrap_result: Callable[[str, str], str] | None = None,
                         reset_tool_choice: bool = True) -> LoopResult:
     """reset_tool_choice: after a round that called tools, a tool_choice of "required" or a
     named tool becomes "auto" (as the OpenAI Agents SDK does), so the model can answer rather
@@ -102,9 +114,11 @@ async def run_tool_loop(chat: Any, request: dict[str, Any], tools: Sequence[Tool
         raise ValueError("tools: two tools have the same name")
     if limits.max_cost is not None and price is None:
         raise ValueError("max_cost: needs a price (tokenway.client.price_of)")
+    if spotlight is not None and wrap_result is not None:
+        raise ValueError("spotlight, wrap_result: give one of them")
     create = chat.create if hasattr(chat, "create") else chat.chat.completions.create
     request = {**request, "tools": [*(request.get("tools") or ()), *(t.spec() for t in tools)]}
-    messages = list(request["messages"])
+    messages = list(request["messages"]) if spotlight is None else with_rule(request["messages"], spotlight)
     started, totals, runs = time.monotonic(), _Totals(), []
     semaphore = asyncio.Semaphore(limits.max_parallel)
 
@@ -174,9 +188,14 @@ async def run_tool_loop(chat: Any, request: dict[str, Any], tools: Sequence[Tool
             done = [(call, ToolOutcome("Not run: the tool loop stopped (max_seconds).", "timeout"), 0.0)
                     for call in calls]
         for call, outcome, seconds in done:
-            runs.append(ToolRun(rounds, call.id, call.function.name, call.function.arguments, outcome, seconds))
-            text = outcome.text if wrap_result is None or outcome.error else wrap_result(outcome.text,
-                                                                                          f"tool:{call.function.name}")
+            source, text, marked = f"tool:{call.function.name}", outcome.text, None
+            if outcome.error is None and spotlight is not None:  # our own error texts are not untrusted
+                marked = spotlight.mark(outcome.text, source)
+                text = marked.text
+            elif outcome.error is None and wrap_result is not None:
+                text = wrap_result(outcome.text, source)
+            runs.append(ToolRun(rounds, call.id, call.function.name, call.function.arguments, outcome, seconds,
+                                marked and marked.finding, bool(marked and marked.dropped)))
             messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
         if (left := remaining()) is not None and left <= 0:
             return result("max_seconds", rounds, reply)
