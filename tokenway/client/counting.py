@@ -34,13 +34,18 @@ def tokenize_body(request: Mapping[str, Any]) -> dict[str, Any]:
 
 def _plain(value: Any) -> Any:
     """SDK objects (a ChatCompletionMessage put back into messages) as the JSON they send."""
+    kind = type(value)
+    if kind is str or kind is int or kind is float or kind is bool or value is None:
+        return value
+    if kind is dict:
+        return {key: _plain(item) for key, item in value.items()}
+    if kind is list or kind is tuple:
+        return [_plain(item) for item in value]
     if hasattr(value, "model_dump"):
         return value.model_dump(exclude_none=True)
-    if isinstance(value, list):
-        return [_plain(item) for item in value]
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return {key: _plain(item) for key, item in value.items()}
-    return value
+    return [_plain(item) for item in value] if isinstance(value, list) else value
 
 
 class OverWindow(ValueError):

@@ -193,9 +193,26 @@ def _max_token_chars(hf: tokenizers.Tokenizer) -> int | None:
     return max(token_lengths)
 
 
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The sandbox's verdict on an attribute depends on the object's type and the attribute's
+    name only (jinja2's is_internal_attribute and modifies_known_mutable look at nothing
+    else), so it is remembered: the checks were half of rendering a 40-message conversation."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._type_attribute_to_safe: dict[tuple[type, str], bool] = {}
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        key = (type(obj), attr)
+        safe = self._type_attribute_to_safe.get(key)
+        if safe is None:
+            safe = self._type_attribute_to_safe[key] = super().is_safe_attribute(obj, attr, value)
+        return safe
+
+
 def _chat_template_env() -> ImmutableSandboxedEnvironment:
     """The environment transformers renders chat templates in, so prompts match byte for byte."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -10,6 +10,8 @@ errors.from_validation_error can show them as they are.
 
 from __future__ import annotations
 
+import functools
+import json
 from typing import Annotated, Any, Literal, Union
 
 from jsonschema import Draft202012Validator
@@ -63,16 +65,44 @@ def tagged_union(*members: type[BaseModel], what: str, text_only: frozenset[str]
 
 
 def check_json_schema(schema: dict[str, Any], *, object_root: bool = False) -> dict[str, Any]:
-    try:
-        Draft202012Validator.check_schema(schema)
-    except SchemaError as exc:
-        where = "" if exc.json_path == "$" else f" at {truncate(exc.json_path)}"
+    error = _schema_error(schema)
+    if error is not None:
         raise fail("invalid_json_schema", "is not a valid JSON schema: {reason}{where}",
-                   reason=truncate(exc.message), where=where) from None
+                   reason=error[0], where=error[1]) from None
     if object_root and schema.get("type", "object") != "object":
         raise fail("invalid_json_schema", "must be a JSON schema of type 'object', got type {got}",
                    got=short_repr(schema["type"]))
     return schema
+
+
+def _schema_error(schema: dict[str, Any]) -> tuple[str, str] | None:
+    """(reason, where) of the schema's first error against the meta-schema, or None."""
+    try:
+        text = json.dumps(schema, sort_keys=True)
+    except (TypeError, ValueError, RecursionError):
+        text = None
+    if text is not None and len(text) <= _CACHED_SCHEMA_CHARS:
+        return _cached_schema_error(text)
+    return _meta_schema_error(schema)
+
+
+# Checking a schema against the meta-schema costs ~3 ms for a small tool, and the same tools come
+# with every call of a conversation (and every count a client makes of it): verdicts are kept
+# for the 256 most recent schemas of up to 64 KiB.
+_CACHED_SCHEMA_CHARS = 65_536
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_schema_error(text: str) -> tuple[str, str] | None:
+    return _meta_schema_error(json.loads(text))
+
+
+def _meta_schema_error(schema: Any) -> tuple[str, str] | None:
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        return truncate(exc.message), "" if exc.json_path == "$" else f" at {truncate(exc.json_path)}"
+    return None
 
 
 # ---- shared field types -------------------------------------------------------------------------
