@@ -27,3 +27,21 @@ def test_resilient_streaming_goes_on_after_a_break(server):
     out = example("resilient_streaming.py", "--url", server.base_url, "--break-after", "10")
     assert "[broke off after 10 chunks: StreamClosed; going on]" in out
     assert re.search(r"\[length; served by .*; first token [\d.]+ s; 0 failed attempts", out)
+
+
+def test_rag_over_the_readme_prints_its_sources_and_an_answer(server, tmp_path):
+    # The README's first sections (the full file embeds for ~15 s on two cores): same code path.
+    readme = (REPO / "README.md").read_text()
+    excerpt = tmp_path / "README.md"
+    excerpt.write_text(readme[:readme.index("\n## Observability")])
+    args = ["How do I create an API key?", "--url", server.base_url, "--file", str(excerpt),
+            "--db", str(tmp_path / "rag.db"), "--k", "2", "--max-tokens", "16"]
+    out = example("rag_readme.py", *args)
+    assert re.search(r"^index: .*README\.md -> \d+ chunks, \d+ tokens embedded$", out, re.MULTILINE)
+    sources = re.findall(r"^  \[(\d)\] README\.md § (.+) \(chars \d+-\d+\)  score [\d.-]+$", out, re.MULTILINE)
+    assert [number for number, _ in sources] == ["1", "2"]
+    assert "Keys, limits, budgets and the usage ledger" in [section for _, section in sources]
+    assert re.search(r"^context: 2 passages kept, 0 dropped, \d+ prompt tokens of \d+$", out, re.MULTILINE)
+    answer = re.search(r"^answer:\n(.*)\n\[\d+ prompt tokens, \d+ completion tokens\]\n\Z", out,
+                       re.MULTILINE | re.DOTALL)
+    assert answer and answer.group(1).strip()
