@@ -71,3 +71,38 @@ def redis_url():
     yield url
     if not was_running:
         subprocess.run([script, "stop"], check=True)
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A real PostgreSQL on loopback, started by the project's script for the session and stopped
+    after it (left running if it was already up: another session may be using it)."""
+    import subprocess
+
+    psycopg = pytest.importorskip("psycopg", reason="the PostgreSQL backends need psycopg 3")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "postgres.sh"
+    url = subprocess.run([script, "url"], check=False, capture_output=True, text=True).stdout.strip()
+    try:
+        psycopg.connect(url, connect_timeout=2).close()
+        was_running = True
+    except psycopg.Error:
+        was_running = False
+    url = subprocess.run([script, "start"], check=True, capture_output=True, text=True).stdout.strip()
+    yield url
+    if not was_running:
+        subprocess.run([script, "stop"], check=True)
+
+
+@pytest.fixture
+def postgres_database(postgres_server):
+    """A fresh database on the session's server for one test, dropped after it."""
+    import uuid
+
+    import psycopg
+
+    name = f"test_{uuid.uuid4().hex[:16]}"
+    with psycopg.connect(postgres_server, autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {name}")
+    yield postgres_server.rsplit("/", 1)[0] + "/" + name
+    with psycopg.connect(postgres_server, autocommit=True) as admin:
+        admin.execute(f"DROP DATABASE {name} WITH (FORCE)")

@@ -1,16 +1,12 @@
 """The ledger's fixtures: a row factory, and both backends, SQLite in a temp file and a real
 PostgreSQL server started by scripts/postgres.sh for the session (a fresh database per test)."""
 
-import subprocess
-import uuid
 from calendar import timegm
-from pathlib import Path
 
 import pytest
 
 from tokenway.billing.ledger import UsageRecord
 
-REPO = Path(__file__).resolve().parents[2]
 DAY1 = timegm((2024, 3, 1, 23, 59, 59))  # the last second of a UTC day...
 DAY2 = DAY1 + 1  # ...and the first of the next
 
@@ -30,26 +26,8 @@ def make_record(request_id: str, key_id: str = "key-a", model: str = "m1", promp
                        finished_at=finished_at, **fields)
 
 
-@pytest.fixture(scope="session")
-def postgres_server():
-    pytest.importorskip("psycopg", reason="the PostgreSQL backend needs psycopg 3")
-    script = str(REPO / "scripts" / "postgres.sh")
-    url = subprocess.run([script, "start"], check=True, capture_output=True, text=True).stdout.strip()
-    yield url
-    subprocess.run([script, "stop"], check=True)
-
-
 @pytest.fixture(params=["sqlite", "postgresql"])
 def url(request, tmp_path):
     if request.param == "sqlite":
-        yield f"sqlite://{tmp_path}/ledger.db"
-        return
-    import psycopg
-
-    server_url = request.getfixturevalue("postgres_server")
-    name = f"ledger_test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(server_url, autocommit=True) as admin:
-        admin.execute(f"CREATE DATABASE {name}")
-    yield server_url.rsplit("/", 1)[0] + "/" + name
-    with psycopg.connect(server_url, autocommit=True) as admin:
-        admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+        return f"sqlite://{tmp_path}/ledger.db"
+    return request.getfixturevalue("postgres_database")  # tests/conftest.py

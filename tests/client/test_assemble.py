@@ -104,3 +104,14 @@ def test_what_cannot_be_assembled_says_why(counter):
     with pytest.raises(ValueError, match="context_share"):
         assemble({"model": MODEL, "messages": conversation(1)}, counter, window=2048, max_tokens=64,
                  passages=PASSAGES, context_share=0)
+
+
+def test_a_message_changed_in_place_is_counted_again(counter):
+    messages = conversation(1)
+    request = {"model": MODEL, "messages": messages}
+    before = counter.count(request)
+    messages[1]["content"] += " and the moon" * 20  # the same dict, edited after it was counted
+    assert counter.count(request) > before
+    fresh = LocalCounter.__new__(LocalCounter)  # nothing remembered: the same count from scratch
+    fresh.__dict__.update(counter.__dict__, _message_id_to_template={}, _fields_to_prompt_fields={})
+    assert fresh.count(request) == counter.count(request)

@@ -4,53 +4,10 @@ the extension). The same behaviour is asserted of each."""
 
 from __future__ import annotations
 
-import subprocess
-import uuid
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from tokenway.client.vectors import Item, PostgresVectorStore, SqliteVecStore
-
-REPO = Path(__file__).resolve().parents[2]
-POSTGRES_SCRIPT = REPO / "scripts" / "postgres.sh"
-
-
-@pytest.fixture(scope="session")
-def postgres_server():
-    """The project's throwaway PostgreSQL, left running if it was already up (another test
-    session may be using it)."""
-    pytest.importorskip("psycopg", reason="PostgresVectorStore needs psycopg 3")
-    was_running = _accepts(subprocess.run([POSTGRES_SCRIPT, "url"], capture_output=True, text=True).stdout.strip())
-    url = subprocess.run([POSTGRES_SCRIPT, "start"], check=True, capture_output=True, text=True).stdout.strip()
-    yield url
-    if not was_running:
-        subprocess.run([POSTGRES_SCRIPT, "stop"], check=True)
-
-
-def _accepts(url: str) -> bool:
-    import psycopg
-
-    try:
-        psycopg.connect(url, connect_timeout=2).close()
-        return True
-    except psycopg.Error:
-        return False
-
-
-@pytest.fixture
-def postgres_url(postgres_server):
-    """A fresh database for one test."""
-    import psycopg
-
-    name = f"vectors_test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(postgres_server, autocommit=True) as admin:
-        admin.execute(f"CREATE DATABASE {name}")
-    yield postgres_server.rsplit("/", 1)[0] + "/" + name
-    with psycopg.connect(postgres_server, autocommit=True) as admin:
-        admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
-
 
 def has_pgvector(url: str) -> bool:
     import psycopg
@@ -70,7 +27,7 @@ def make_store(request, tmp_path):
         elif request.param == "sqlite-memory":
             store = SqliteVecStore(":memory:", dimensions=dimensions)
         else:
-            url = request.getfixturevalue("postgres_url")
+            url = request.getfixturevalue("postgres_database")
             mode = request.param.removeprefix("postgres-")
             if mode == "pgvector" and not has_pgvector(url):
                 pytest.skip("this PostgreSQL server has no pgvector extension")
@@ -215,16 +172,16 @@ def test_a_sqlite_file_is_read_back_by_a_new_connection(tmp_path):
         SqliteVecStore(path, dimensions=384)
 
 
-def test_postgres_reports_its_mode_and_keeps_it(postgres_url):
-    available = has_pgvector(postgres_url)
-    with PostgresVectorStore(postgres_url, dimensions=4) as store:
+def test_postgres_reports_its_mode_and_keeps_it(postgres_database):
+    available = has_pgvector(postgres_database)
+    with PostgresVectorStore(postgres_database, dimensions=4) as store:
         assert store.mode == ("pgvector" if available else "exact")
         store.add([item("a", [1, 0, 0, 0])])
-    with PostgresVectorStore(postgres_url, dimensions=4) as store:
+    with PostgresVectorStore(postgres_database, dimensions=4) as store:
         assert store.count() == 1 and store.mode == ("pgvector" if available else "exact")
     other = "exact" if available else "pgvector"
     with pytest.raises(ValueError, match="mode"):
-        PostgresVectorStore(postgres_url, dimensions=4, mode=other)
+        PostgresVectorStore(postgres_database, dimensions=4, mode=other)
     if not available:
         with pytest.raises(ValueError, match="pgvector"):
-            PostgresVectorStore(postgres_url, dimensions=4, table="fresh", mode="pgvector")
+            PostgresVectorStore(postgres_database, dimensions=4, table="fresh", mode="pgvector")

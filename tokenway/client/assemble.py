@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenway.client.context import ContextTooSmall, Counter, CutReport, _count, _least, fit
+from tokenway.client.context import ContextTooSmall, Counter, CutReport, count_or_none, fit, least_true
 from tokenway.client.untrusted import Report, Spotlight, with_rule
 
 MEMORY_HEADING = "Remembered from earlier conversations:"
@@ -79,18 +79,18 @@ def assemble(request: Mapping[str, Any], counter: Counter, *, window: int, max_t
     # The pinned parts alone (system, tools, the last turn) fix what the context may take.
     pinned = [m for m in messages[:-1] if _role(m) in ("system", "developer")][:1]
     small = {**request, "max_tokens": max_tokens}
-    base = _count(counter, {**small, "messages": [*pinned, last]})
+    base = count_or_none(counter, {**small, "messages": [*pinned, last]})
     if base is None or base > budget:
         raise ContextTooSmall(f"the system prompt, the tools and the last turn need {base or 'more'} tokens; "
                               f"the budget is {budget} ({window} in the window, {max_tokens} reserved for the output)")
     context_budget = int((budget - base) * context_share)
 
     def fits(num_dropped: int) -> bool:
-        tokens = _count(counter, {**small, "messages": [*pinned, with_context(len(blocks) - num_dropped)]})
+        tokens = count_or_none(counter, {**small, "messages": [*pinned, with_context(len(blocks) - num_dropped)]})
         return tokens is not None and tokens - base <= context_budget
 
     guess = _guess_dropped([len(block.text) for block in blocks], context_budget)
-    num_dropped = _least(fits, guess, 0, len(blocks))
+    num_dropped = least_true(fits, guess, 0, len(blocks))
     num_kept = len(blocks) - (num_dropped if num_dropped is not None else len(blocks))
     assembled = {**request, "messages": [*messages[:-1], with_context(num_kept)]}
     fitted, cut = fit(assembled, counter, window=window, max_tokens=max_tokens, strategy=strategy,

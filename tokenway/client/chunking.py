@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenway.client.context import _least
+from tokenway.client.context import least_true
 
 WORD, SENTENCE, PARAGRAPH = 0, 1, 2  # how strong a break between two words is
 
@@ -149,8 +149,8 @@ class _SectionSplitter:
         first = bisect.bisect_right(self.break_ends, after)
         last = len(self.breaks) - 1
         guess = self.index_at(start + self.max_tokens * self.chars_per_token, self.break_ends, first)
-        # _least: the first break that does not fit; the one before it is the farthest that does.
-        too_long = _least(lambda i: self.count(start, self.break_ends[i]) > self.max_tokens, guess, first, last)
+        # least_true: the first break that does not fit; the one before it is the farthest that does.
+        too_long = least_true(lambda i: self.count(start, self.break_ends[i]) > self.max_tokens, guess, first, last)
         farthest = last if too_long is None else too_long - 1
         if farthest < first:
             return None
@@ -165,7 +165,7 @@ class _SectionSplitter:
     def cut_inside_word(self, start: int) -> int:
         """The farthest character end from `start` that fits, inside a word longer than a chunk."""
         word_end = self.break_ends[bisect.bisect_right(self.break_ends, start)]
-        too_long = _least(lambda n: self.count(start, start + n) > self.max_tokens,
+        too_long = least_true(lambda n: self.count(start, start + n) > self.max_tokens,
                           int(self.max_tokens * self.chars_per_token), 1, word_end - start)
         if too_long == 1:
             raise ValueError(f"max_tokens: {self.max_tokens} is too small for one character "
@@ -188,7 +188,7 @@ class _SectionSplitter:
         if overlap_tokens == 0 or last < first:
             return after
         guess = self.index_at(end - overlap_tokens * self.chars_per_token, self.break_starts, first)
-        fits = _least(lambda i: self.count(self.break_starts[i], end) <= overlap_tokens, min(guess, last), first, last)
+        fits = least_true(lambda i: self.count(self.break_starts[i], end) <= overlap_tokens, min(guess, last), first, last)
         if fits is None:
             return after
         halfway = self.break_starts[fits] + (end - self.break_starts[fits]) / 2

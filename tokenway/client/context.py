@@ -82,7 +82,7 @@ def fit(request: Mapping[str, Any], counter: Counter, *, window: int, max_tokens
     messages = list(request["messages"])
     pinned, units = units_of(messages)
     base = {**request, "max_tokens": max_tokens}
-    before = _count(counter, {**base, "messages": messages})
+    before = count_or_none(counter, {**base, "messages": messages})
 
     def build(dropped_units: Sequence[int], summary: str | None = None) -> list[Any]:
         dropped = {i for u in dropped_units for i in units[u]}
@@ -101,11 +101,11 @@ def fit(request: Mapping[str, Any], counter: Counter, *, window: int, max_tokens
     if before is not None and before <= budget and forced == 0:
         return {**base, "messages": messages}, CutReport(strategy, budget, before, before)
 
-    counted: dict[int, int | None] = {}  # units dropped -> prompt tokens
+    counted: dict[int, int | None] = {} if forced else {0: before}  # units dropped -> prompt tokens
 
     def tokens_without(num_dropped: int) -> int | None:
         if num_dropped not in counted:
-            counted[num_dropped] = _count(counter, {**base, "messages": build(candidates[:num_dropped])})
+            counted[num_dropped] = count_or_none(counter, {**base, "messages": build(candidates[:num_dropped])})
         return counted[num_dropped]
 
     def fits(num_dropped: int) -> bool:
@@ -113,7 +113,7 @@ def fit(request: Mapping[str, Any], counter: Counter, *, window: int, max_tokens
         return tokens is not None and tokens <= budget
 
     guess = _guess(messages, units, candidates, before, budget, forced)
-    num_dropped = _least(fits, guess, forced, len(candidates))
+    num_dropped = least_true(fits, guess, forced, len(candidates))
     if num_dropped is None:
         if strategy != "summarize":
             tokens = tokens_without(len(candidates))
@@ -128,7 +128,7 @@ def fit(request: Mapping[str, Any], counter: Counter, *, window: int, max_tokens
         while True:
             dropped_units = candidates[:num_dropped]
             summary = summarize([messages[i] for u in dropped_units for i in units[u]])
-            tokens = _count(counter, {**base, "messages": build(dropped_units, summary)})
+            tokens = count_or_none(counter, {**base, "messages": build(dropped_units, summary)})
             if tokens is not None and tokens <= budget:
                 break
             if num_dropped == len(candidates):
@@ -140,7 +140,7 @@ def fit(request: Mapping[str, Any], counter: Counter, *, window: int, max_tokens
     return {**base, "messages": kept}, CutReport(strategy, budget, before, after, dropped, summary is not None)
 
 
-def _least(fits: Callable[[int], bool], guess: int, lowest: int, highest: int) -> int | None:
+def least_true(fits: Callable[[int], bool], guess: int, lowest: int, highest: int) -> int | None:
     """The least n in [lowest, highest] with fits(n) (fits is monotone), None if none: a
     galloping search from `guess`, so a good guess costs two counts where bisection costs
     log2(highest - lowest)."""
@@ -197,7 +197,7 @@ def _num_chars(message: Any) -> int:
     return num_chars
 
 
-def _count(counter: Counter, request: Mapping[str, Any]) -> int | None:
+def count_or_none(counter: Counter, request: Mapping[str, Any]) -> int | None:
     """The request's prompt tokens; None where the counter counts no further (over the window)."""
     from tokenway.client.counting import OverWindow
 

@@ -13,6 +13,8 @@ tokenway's models the count is the `usage.prompt_tokens` the call then reports.
 
 from __future__ import annotations
 
+import copy
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +40,8 @@ def _plain(value: Any) -> Any:
     if kind is str or kind is int or kind is float or kind is bool or value is None:
         return value
     if kind is dict:
+        if all(type(item) is str or item is None for item in value.values()):
+            return value  # a plain message: validation reads it and copies nothing back
         return {key: _plain(item) for key, item in value.items()}
     if kind is list or kind is tuple:
         return [_plain(item) for item in value]
@@ -81,24 +85,63 @@ def _over_window(exc: openai.BadRequestError) -> Exception:
 class LocalCounter:
     """Counts with the model's own tokenizer and chat template, read from the files the engine
     loads (a GGUF, or a HuggingFace directory), through the same templating code as the
-    server; no server. `tool_parser`: as the server's --tool-parser, where it sets one."""
+    server; no server. `tool_parser`: as the server's --tool-parser, where it sets one.
+
+    A conversation is counted again and again as it grows, and fit() counts it cut several
+    ways, so the work per message is remembered: each message is validated and turned into
+    its template dict once (kept while it stays equal to what was seen), each prompt field
+    set once, and the tokenizer keeps its segments' ids (exact, or not enabled at all)."""
 
     def __init__(self, model: str, tool_parser: str | None = None) -> None:
         from tokenway.frontend.model import ModelFrontend
         from tokenway.models.loader import resolve_model
 
         self.frontend = ModelFrontend.from_dir(resolve_model(model))
-        # A conversation is counted again and again as it grows, and fit() counts it cut
-        # several ways: its turns' ids are remembered (exact, or not enabled at all).
         self.frontend.tokenizer.enable_segment_cache()
         self.tool_parser = tool_parser
+        self._message_id_to_template: dict[int, tuple[Any, dict]] = {}  # id -> (the message as seen, its dict)
+        self._fields_to_prompt_fields: dict[str, tuple] = {}  # the fields' JSON -> build_chat_prompt's args
 
     def count(self, request: Mapping[str, Any]) -> int:
-        from tokenway.protocol.openai_requests import TokenizeRequest
-        from tokenway.server.openai_api import tokenize
+        from tokenway.server.openai_api import templated_token_ids
 
-        body = TokenizeRequest.model_validate(tokenize_body(request))
-        return len(tokenize(self.frontend, body, self.tool_parser, window_limit=False))
+        messages = request["messages"]
+        if not messages:
+            raise ValueError("messages: must have at least 1 item(s)")
+        template = [self._template_dict(message) for message in messages]
+        return len(templated_token_ids(self.frontend, template, *self._prompt_fields(request), self.tool_parser,
+                                       window_limit=False))
+
+    def _template_dict(self, message: Any) -> dict:
+        """The message as the server templates it (validated as the server validates it)."""
+        from tokenway.protocol.openai_messages import ChatMessage
+
+        comparable = message if type(message) is dict else _plain(message)  # an SDK object: as it dumps now
+        seen = self._message_id_to_template.get(id(message))
+        if seen is not None and seen[0] == comparable:  # equal to what was seen: a changed message is redone
+            return seen[1]
+        template = ChatMessage.model_validate(_plain(message)).to_template_dict()
+        if len(self._message_id_to_template) >= _MAX_REMEMBERED:
+            self._message_id_to_template.clear()
+        self._message_id_to_template[id(message)] = (copy.deepcopy(comparable), template)
+        return template
+
+    def _prompt_fields(self, request: Mapping[str, Any]) -> tuple:
+        from tokenway.protocol.openai_requests import TokenizeRequest
+        from tokenway.server.openai_api import prompt_fields
+
+        fields = tokenize_body({name: value for name, value in request.items() if name != "messages"})
+        key = json.dumps(fields, sort_keys=True, default=str)
+        cached = self._fields_to_prompt_fields.get(key)
+        if cached is None:
+            body = TokenizeRequest.model_validate({**fields, "messages": [{"role": "user", "content": ""}]})
+            if len(self._fields_to_prompt_fields) >= _MAX_REMEMBERED:
+                self._fields_to_prompt_fields.clear()
+            cached = self._fields_to_prompt_fields[key] = prompt_fields(body)
+        return cached
+
+
+_MAX_REMEMBERED = 50_000
 
 
 @dataclass(frozen=True, slots=True)
