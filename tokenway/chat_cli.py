@@ -66,6 +66,7 @@ class Chat:
         self.tools: list[Any] = []
         self.total_cost = 0.0
         self.last_report = None
+        self.spotlight = None  # made with the first tool turn: tool results are marked as data
 
     def say(self, text: str = "", end: str = "\n") -> None:
         self.out.write(text + end)
@@ -222,12 +223,20 @@ class Chat:
 
     async def tool_turn(self, request: dict[str, Any]) -> Any:
         from tokenway.client.tool_loop import Limits, run_tool_loop
+        from tokenway.client.untrusted import Spotlight
 
+        self.spotlight = self.spotlight or Spotlight()  # one boundary for the session
         asked = len(request["messages"])
         without_specs = {key: value for key, value in request.items() if key != "tools"}  # the loop adds them
-        result = await run_tool_loop(self.chat, without_specs, self.tools, Limits(max_rounds=self.args.max_rounds))
+        result = await run_tool_loop(self.chat, without_specs, self.tools, Limits(max_rounds=self.args.max_rounds),
+                                     spotlight=self.spotlight)
+        if not request["messages"] or request["messages"][0].get("role") not in ("system", "developer"):
+            asked += 1  # the spotlight's rule came as a system message of its own
         for run in result.runs:
             self.say(f"  → {run.name}({run.arguments}) = {run.outcome.text[:200]}")
+            if run.finding is not None and run.finding.flagged:
+                self.say(f"  ! {run.name}'s result looked like instructions ({', '.join(run.finding.categories)}): "
+                         f"{'withheld' if run.dropped else 'kept as marked data'}")
         self.say(result.reply or "")
         if result.stop_reason not in ("answered", "length"):
             self.say(f"[the tool loop stopped: {result.stop_reason}]")
