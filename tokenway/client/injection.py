@@ -95,6 +95,9 @@ _LEET = str.maketrans("013457@$|!", "oieastasii")
 _LEET_INSIDE = re.compile(r"[a-z][013457$|!][a-z]|[a-z]@[a-z]+\b(?!\.)")  # not an e-mail address
 _BASE64 = re.compile(r"(?<![A-Za-z0-9+/=])[A-Za-z0-9+/]{24,}={0,2}(?![A-Za-z0-9+/=])")
 _PERCENT = re.compile(r"%[0-9a-fA-F]{2}")
+_LONG_RUN = re.compile(r"[A-Za-z0-9+/]{24}")  # where a base64 run could be
+_SPACED_HINT = re.compile(r"(?:\b\w \w \w \w )")  # where spaced-out letters could be
+_VIEW_WORDS = re.compile(r"rot-?\s*13|caesar|revers|backward|right\s+to\s+left", re.IGNORECASE)
 _CODE = re.compile(r"```.*?```|`[^`\n]+`|\{%.*?%\}|\{\{.*?\}\}", re.DOTALL)
 _TAG_CHARS = re.compile("[\U000E0020-\U000E007E]+")
 _SPACED = re.compile(r"(?<!\S)\w (?=\w(?: |$))")
@@ -167,15 +170,14 @@ def _match(text: str) -> list[Match]:
     positions = _word_positions(text, leet) if long else {}
     found = []
     for rule in _ALL_RULES:
-        present = rule.words & words
-        substrings = [sub for sub in rule.substrings if sub in text]
-        if (rule.words or rule.substrings) and not present and not substrings:
+        triggered = not rule.words.isdisjoint(words) or any(sub in text for sub in rule.substrings)
+        if not triggered and (rule.words or rule.substrings):
             continue
         if not long or not (rule.words or rule.substrings):
             windows = [(0, len(text))]
         else:  # a match holds one of its words: search only near them
-            starts = [start for word in present for start in positions.get(word, ())]
-            starts += [start for sub in substrings for start in _find_all(text, sub)]
+            starts = [start for word in rule.words & words for start in positions.get(word, ())]
+            starts += [start for sub in rule.substrings for start in _find_all(text, sub)]
             windows = _merge(starts, len(text))
         hit = _search_windows(rule.pattern, text, windows)
         if hit is None and leet is not None and rule.category in _LEET_CATEGORIES:
@@ -245,7 +247,10 @@ def _is_word_char(char: str) -> bool:
 def _decoded_views(text: str) -> list[tuple[str, str]]:
     """Base64 runs that decode to mostly printable text, the rot13 of a text that names it, and a
     text with many %XX escapes, unquoted."""
-    views = []
+    views: list[tuple[str, str]] = []
+    if text.isascii() and "%" not in text and not _LONG_RUN.search(text) and not _SPACED_HINT.search(text) \
+            and not _VIEW_WORDS.search(text):
+        return views  # nothing here could be a view: most text
     for run in _BASE64.findall(text):
         try:
             raw = base64.b64decode(run + "=" * (-len(run) % 4), validate=False)
