@@ -78,15 +78,20 @@ def main() -> None:
     p50, p99 = timed(lambda: fit(request, counter, window=tokens // 2, max_tokens=64), max(20, args.runs // 10))
     print(f"fit, half the window (drop_oldest, {len(report.dropped)} messages cut): p50 {p50:.2f} ms, "
           f"p99 {p99:.2f} ms")
+    p50, p99 = timed(lambda: fit(request, counter, window=tokens // 2, max_tokens=64, previous=report),
+                     max(20, args.runs // 10))
+    print(f"fit, half the window, given the conversation's previous cut: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
     spotlight, retrieved = Spotlight(), passages()
     memories = [Passage("The user is writing a book about salt roads.", "memory:1", 0.9, "mem-1", finding=scan(
         "The user is writing a book about salt roads."))]
     history = with_rule(request["messages"][:-1], spotlight)
     calls = iter(range(10**9))
 
+    previous: list = [None]
+
     def tool_turn(window: int) -> None:
         """A call of the tool loop: the next question, the model's call, the tool's new result
-        scanned and marked, the whole counted and fitted."""
+        scanned and marked, the whole counted and fitted (with the conversation's last cut)."""
         i = next(calls)
         result = spotlight.mark(f"Result {i}: " + "the salt road ran from the coast to the hills, " * 12,
                                 "tool:timetables")
@@ -94,20 +99,22 @@ def main() -> None:
                     {"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{i}", "type": "function", "function": {
                         "name": "timetables", "arguments": '{"query": "salt"}'}}]},
                     {"role": "tool", "tool_call_id": f"call_{i}", "content": result.text}]
-        fit({**request, "tools": TOOLS, "messages": messages}, counter, window=window, max_tokens=256)
+        _, previous[0] = fit({**request, "tools": TOOLS, "messages": messages}, counter, window=window,
+                             max_tokens=256, previous=previous[0])
 
     def rag_turn(window: int) -> None:
         """A RAG call: the next question with a memory and four passages assembled in."""
         asked = {**request, "tools": TOOLS, "messages": [*request["messages"][:-1], {
             "role": "user", "content": f"Question {next(calls)}: which route carried the most salt?"}]}
-        assemble(asked, counter, window=window, max_tokens=256, memories=memories, passages=retrieved,
-                 spotlight=spotlight)
+        _, previous[0] = assemble(asked, counter, window=window, max_tokens=256, memories=memories,
+                                  passages=retrieved, spotlight=spotlight, previous=previous[0])
 
     cases = (("a tool-loop call: 20 turns, 2 tools, a new question and a new 600-character tool result marked",
               tool_turn), ("a RAG call: 20 turns, 2 tools, a new question, 1 memory and 4 passages assembled in",
                            rag_turn))
     for label, turn in cases:
         for window_label, window in (("fits", tokens + 2048), ("history cut to a 2,048-token window", 2048)):
+            previous[0] = None
             turn(window)
             p50, p99 = timed(lambda: turn(window), args.runs)
             print(f"{label}, {window_label}: p50 {p50:.2f} ms, p99 {p99:.2f} ms")

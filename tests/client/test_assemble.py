@@ -11,7 +11,7 @@ import pytest
 
 from tokenway.client import LocalCounter
 from tokenway.client.assemble import MEMORY_HEADING, PASSAGES_HEADING, assemble
-from tokenway.client.context import ContextTooSmall
+from tokenway.client.context import ContextTooSmall, fit
 from tokenway.client.untrusted import Spotlight
 
 MODEL = "smollm2-135m-instruct"
@@ -115,3 +115,30 @@ def test_a_message_changed_in_place_is_counted_again(counter):
     fresh = LocalCounter.__new__(LocalCounter)  # nothing remembered: the same count from scratch
     fresh.__dict__.update(counter.__dict__, _message_id_to_template={}, _fields_to_prompt_fields={})
     assert fresh.count(request) == counter.count(request)
+
+
+def test_a_growing_conversation_cut_before_costs_two_counts(counter):
+    class Tally:
+        def __init__(self):
+            self.num_counts = 0
+
+        def count(self, request):
+            self.num_counts += 1
+            return counter.count(request)
+
+    messages, previous = conversation(12), None
+    for turn in range(6):  # the conversation grows a turn a call, past the window
+        messages = [*messages, {"role": "assistant", "content": f"Answer {turn}: " + "the ferry is late " * 8},
+                    {"role": "user", "content": f"And question {turn}?"}]
+        request = {"model": MODEL, "messages": messages}
+        alone, hinted = Tally(), Tally()
+        expected, report = fit(request, alone, window=700, max_tokens=64)
+        fitted, hinted_report = fit(request, hinted, window=700, max_tokens=64, previous=previous)
+        assert fitted == expected and hinted_report.dropped == report.dropped  # the same cut either way
+        assert hinted_report.prompt_tokens_after == report.prompt_tokens_after == counter.count(fitted)
+        if previous is not None:
+            assert hinted.num_counts == 2 < alone.num_counts and hinted_report.prompt_tokens_before is None
+        previous = hinted_report
+    # A bigger budget, or another strategy, is not gone on: the whole is counted again.
+    _, wider = fit(request, counter, window=100_000, max_tokens=64, previous=previous)
+    assert not wider.cut and wider.prompt_tokens_before == wider.prompt_tokens_after

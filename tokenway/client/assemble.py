@@ -52,15 +52,17 @@ class AssemblyReport:
 def assemble(request: Mapping[str, Any], counter: Counter, *, window: int, max_tokens: int,
              memories: Sequence[Any] = (), passages: Sequence[Any] = (), spotlight: Spotlight | None = None,
              context_share: float = 0.5, strategy: str = "drop_oldest", keep_last: int | None = None,
-             summarize: Callable[[list[Any]], str] | None = None) -> tuple[dict[str, Any], AssemblyReport]:
+             summarize: Callable[[list[Any]], str] | None = None,
+             previous: AssemblyReport | None = None) -> tuple[dict[str, Any], AssemblyReport]:
     """The request with memory and passages in its last turn and its history cut to the window,
-    and what was done. Raises ContextTooSmall when the pinned parts alone overrun the budget."""
+    and what was done. Raises ContextTooSmall when the pinned parts alone overrun the budget.
+    previous: this conversation's last report (its history is cut from where that one was)."""
     if not 0.0 < context_share <= 1.0:
         raise ValueError(f"context_share: expected a share in (0, 1], got {context_share}")
     items = [*memories, *passages]
     if not items:
         fitted, cut = fit(request, counter, window=window, max_tokens=max_tokens, strategy=strategy,
-                          keep_last=keep_last, summarize=summarize)
+                          keep_last=keep_last, summarize=summarize, previous=previous and previous.history)
         return fitted, AssemblyReport(cut.prompt_tokens_after, cut.budget, cut)
     spotlight = spotlight or Spotlight()
     messages = with_rule(request["messages"], spotlight)
@@ -94,7 +96,7 @@ def assemble(request: Mapping[str, Any], counter: Counter, *, window: int, max_t
     num_kept = len(blocks) - (num_dropped if num_dropped is not None else len(blocks))
     assembled = {**request, "messages": [*messages[:-1], with_context(num_kept)]}
     fitted, cut = fit(assembled, counter, window=window, max_tokens=max_tokens, strategy=strategy,
-                      keep_last=keep_last, summarize=summarize)
+                      keep_last=keep_last, summarize=summarize, previous=previous and previous.history)
     sources = [item.source for item in items]
     kept_memories = min(num_kept, num_memories)
     return fitted, AssemblyReport(

@@ -40,10 +40,13 @@ class ContextTooSmall(ValueError):
 class CutReport:
     strategy: str
     budget: int  # prompt tokens allowed: the window less the output reserved
-    prompt_tokens_before: int | None  # None: over the window, where the counter counts no further
+    # None: over the window, where the counter counts no further; or not counted, where the
+    # `previous` cut given to fit showed the conversation over the budget already.
+    prompt_tokens_before: int | None
     prompt_tokens_after: int
     dropped: tuple[int, ...] = ()  # indexes, in the original messages, of the messages cut
     summarized: bool = False  # the dropped messages are in a summary message (strategy summarize)
+    num_messages: int = 0  # the messages it was given (a later fit's `previous` reads how many are new)
 
     @property
     def cut(self) -> bool:
@@ -71,9 +74,14 @@ def units_of(messages: Sequence[Any]) -> tuple[list[int], list[list[int]]]:
 
 def fit(request: Mapping[str, Any], counter: Counter, *, window: int, max_tokens: int,
         strategy: str = "drop_oldest", keep_last: int | None = None,
-        summarize: Callable[[list[Any]], str] | None = None) -> tuple[dict[str, Any], CutReport]:
+        summarize: Callable[[list[Any]], str] | None = None,
+        previous: CutReport | None = None) -> tuple[dict[str, Any], CutReport]:
     """The request with its messages cut to fit `window - max_tokens` prompt tokens (and
-    max_tokens set), and what was cut. Raises ContextTooSmall if nothing can make it fit."""
+    max_tokens set), and what was cut. Raises ContextTooSmall if nothing can make it fit.
+
+    previous: this conversation's last report, its messages then a prefix of these. A
+    conversation cut before has only grown, so it is not counted whole again, and the search
+    starts at the turns dropped then: a call of a long conversation costs two counts."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: expected one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if strategy == "summarize" and summarize is None:
@@ -82,7 +90,11 @@ def fit(request: Mapping[str, Any], counter: Counter, *, window: int, max_tokens
     messages = list(request["messages"])
     pinned, units = units_of(messages)
     base = {**request, "max_tokens": max_tokens}
-    before = count_or_none(counter, {**base, "messages": messages})
+    # The units that may go, in the order they go.
+    first = 1 if strategy == "keep_first_and_recent" and len(units) > 2 else 0
+    candidates = list(range(first, len(units) - 1))
+    dropped_before = _dropped_before(previous, strategy, budget, messages, units, candidates)
+    before = None if dropped_before else count_or_none(counter, {**base, "messages": messages})
 
     def build(dropped_units: Sequence[int], summary: str | None = None) -> list[Any]:
         dropped = {i for u in dropped_units for i in units[u]}
@@ -91,17 +103,14 @@ def fit(request: Mapping[str, Any], counter: Counter, *, window: int, max_tokens
             kept.append({"role": "user", "content": SUMMARY_PREFIX + summary})
         return kept + [messages[i] for i in range(len(messages)) if i not in dropped and i not in pinned]
 
-    # The units that may go, in the order they go.
-    first = 1 if strategy == "keep_first_and_recent" and len(units) > 2 else 0
-    candidates = list(range(first, len(units) - 1))
     forced = 0
     if strategy == "sliding_window" and keep_last is not None:
         forced = max(0, len(units) - keep_last - first)
         forced = min(forced, len(candidates))
     if before is not None and before <= budget and forced == 0:
-        return {**base, "messages": messages}, CutReport(strategy, budget, before, before)
+        return {**base, "messages": messages}, CutReport(strategy, budget, before, before, num_messages=len(messages))
 
-    counted: dict[int, int | None] = {} if forced else {0: before}  # units dropped -> prompt tokens
+    counted: dict[int, int | None] = {} if forced or dropped_before else {0: before}  # units dropped -> tokens
 
     def tokens_without(num_dropped: int) -> int | None:
         if num_dropped not in counted:
@@ -112,7 +121,7 @@ def fit(request: Mapping[str, Any], counter: Counter, *, window: int, max_tokens
         tokens = tokens_without(num_dropped)
         return tokens is not None and tokens <= budget
 
-    guess = _guess(messages, units, candidates, before, budget, forced)
+    guess = dropped_before or _guess(messages, units, candidates, before, budget, forced)
     num_dropped = least_true(fits, guess, forced, len(candidates))
     if num_dropped is None:
         if strategy != "summarize":
@@ -137,7 +146,35 @@ def fit(request: Mapping[str, Any], counter: Counter, *, window: int, max_tokens
     kept = build(dropped_units, summary)
     after = tokens if summary is not None else tokens_without(num_dropped)
     dropped = tuple(i for u in dropped_units for i in units[u])
-    return {**base, "messages": kept}, CutReport(strategy, budget, before, after, dropped, summary is not None)
+    return {**base, "messages": kept}, CutReport(strategy, budget, before, after, dropped, summary is not None,
+                                                 len(messages))
+
+
+def _dropped_before(previous: CutReport | None, strategy: str, budget: int, messages: Sequence[Any],
+                   units: list[list[int]], candidates: list[int]) -> int:
+    """Where to start the search from the previous cut: the units it dropped, and as many
+    more as hold the characters added since (0: no previous cut to go on). Only a cut by the
+    same strategy into no larger a budget says the whole is over it now; a summary changes
+    what is counted, so it is not gone on."""
+    if previous is None or not previous.dropped or previous.summarized or previous.strategy != strategy \
+            or previous.budget < budget or previous.num_messages > len(messages):
+        return 0
+    gone = set(previous.dropped)
+    num_dropped = 0
+    while num_dropped < len(candidates) and all(i in gone for i in units[candidates[num_dropped]]):
+        num_dropped += 1
+    # Tokens per character of what the previous call kept; the new messages' tokens, so
+    # estimated, must come off the units next in line.
+    kept_chars = sum(_num_chars(messages[i]) + _MESSAGE_OVERHEAD_CHARS
+                     for i in range(previous.num_messages) if i not in gone) or 1
+    tokens_per_char = previous.prompt_tokens_after / kept_chars
+    excess = previous.prompt_tokens_after - budget + tokens_per_char * sum(
+        _num_chars(m) + _MESSAGE_OVERHEAD_CHARS for m in messages[previous.num_messages:])
+    while excess > 0 and num_dropped < len(candidates):
+        excess -= tokens_per_char * sum(_num_chars(messages[i]) + _MESSAGE_OVERHEAD_CHARS
+                                        for i in units[candidates[num_dropped]])
+        num_dropped += 1
+    return max(num_dropped, 1)
 
 
 def least_true(fits: Callable[[int], bool], guess: int, lowest: int, highest: int) -> int | None:
