@@ -223,15 +223,13 @@ class Chat:
 
     async def tool_turn(self, request: dict[str, Any]) -> Any:
         from tokenway.client.tool_loop import Limits, run_tool_loop
-        from tokenway.client.untrusted import Spotlight
+        from tokenway.client.untrusted import Spotlight, with_rule
 
         self.spotlight = self.spotlight or Spotlight()  # one boundary for the session
-        asked = len(request["messages"])
+        asked = len(with_rule(request["messages"], self.spotlight))  # the loop starts from these
         without_specs = {key: value for key, value in request.items() if key != "tools"}  # the loop adds them
         result = await run_tool_loop(self.chat, without_specs, self.tools, Limits(max_rounds=self.args.max_rounds),
                                      spotlight=self.spotlight)
-        if not request["messages"] or request["messages"][0].get("role") not in ("system", "developer"):
-            asked += 1  # the spotlight's rule came as a system message of its own
         for run in result.runs:
             self.say(f"  → {run.name}({run.arguments}) = {run.outcome.text[:200]}")
             if run.finding is not None and run.finding.flagged:

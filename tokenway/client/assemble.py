@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenway.client.context import ContextTooSmall, Counter, CutReport, count_or_none, fit, least_true
+from tokenway.client.context import ContextTooSmall, Counter, CutReport, count_or_none, fit, least_true, role_of
 from tokenway.client.untrusted import Report, Spotlight, with_rule
 
 MEMORY_HEADING = "Remembered from earlier conversations:"
@@ -67,7 +67,7 @@ def assemble(request: Mapping[str, Any], counter: Counter, *, window: int, max_t
     spotlight = spotlight or Spotlight()
     messages = with_rule(request["messages"], spotlight)
     last = messages[-1] if isinstance(messages[-1], Mapping) else messages[-1].model_dump(exclude_none=True)
-    if _role(last) != "user":
+    if role_of(last) != "user":
         raise ValueError("assemble: memory and passages go into the user's turn; the last message is not one")
     budget = window - max_tokens
     # Every item marked once, whether it is kept or not: the report says what each one held.
@@ -79,7 +79,7 @@ def assemble(request: Mapping[str, Any], counter: Counter, *, window: int, max_t
         return {**last, "content": _prepend(_context_text(blocks[:num_kept], num_memories), last["content"])}
 
     # The pinned parts alone (system, tools, the last turn) fix what the context may take.
-    pinned = [m for m in messages[:-1] if _role(m) in ("system", "developer")][:1]
+    pinned = [m for m in messages[:-1] if role_of(m) in ("system", "developer")][:1]
     small = {**request, "max_tokens": max_tokens}
     base = count_or_none(counter, {**small, "messages": [*pinned, last]})
     if base is None or base > budget:
@@ -134,6 +134,3 @@ def _guess_dropped(sizes: list[int], context_budget: int, chars_per_token: float
         kept += 1
     return len(sizes) - kept
 
-
-def _role(message: Any) -> str:
-    return str(message.get("role") if isinstance(message, Mapping) else getattr(message, "role", ""))

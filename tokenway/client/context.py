@@ -58,13 +58,13 @@ def units_of(messages: Sequence[Any]) -> tuple[list[int], list[list[int]]]:
     a tool call and its results are one unit)."""
     pinned, units = [], []
     position = 0
-    while position < len(messages) and _role(messages[position]) in ("system", "developer"):
+    while position < len(messages) and role_of(messages[position]) in ("system", "developer"):
         pinned.append(position)
         position += 1
     while position < len(messages):
         unit = [position]
-        if _role(messages[position]) == "assistant" and _field(messages[position], "tool_calls"):
-            while position + 1 < len(messages) and _role(messages[position + 1]) == "tool":
+        if role_of(messages[position]) == "assistant" and field_of(messages[position], "tool_calls"):
+            while position + 1 < len(messages) and role_of(messages[position + 1]) == "tool":
                 position += 1
                 unit.append(position)
         units.append(unit)
@@ -165,14 +165,12 @@ def _dropped_before(previous: CutReport | None, strategy: str, budget: int, mess
         num_dropped += 1
     # Tokens per character of what the previous call kept; the new messages' tokens, so
     # estimated, must come off the units next in line.
-    kept_chars = sum(_num_chars(messages[i]) + _MESSAGE_OVERHEAD_CHARS
-                     for i in range(previous.num_messages) if i not in gone) or 1
+    kept_chars = sum(_message_chars(messages[i]) for i in range(previous.num_messages) if i not in gone) or 1
     tokens_per_char = previous.prompt_tokens_after / kept_chars
     excess = previous.prompt_tokens_after - budget + tokens_per_char * sum(
-        _num_chars(m) + _MESSAGE_OVERHEAD_CHARS for m in messages[previous.num_messages:])
+        _message_chars(m) for m in messages[previous.num_messages:])
     while excess > 0 and num_dropped < len(candidates):
-        excess -= tokens_per_char * sum(_num_chars(messages[i]) + _MESSAGE_OVERHEAD_CHARS
-                                        for i in units[candidates[num_dropped]])
+        excess -= tokens_per_char * sum(_message_chars(messages[i]) for i in units[candidates[num_dropped]])
         num_dropped += 1
     return max(num_dropped, 1)
 
@@ -211,9 +209,8 @@ def _guess(messages: Sequence[Any], units: list[list[int]], candidates: list[int
            budget: int, forced: int) -> int:
     """How many units to drop, from each unit's share of the characters: the search starts
     here and usually ends one count later."""
-    sizes = [sum(_num_chars(messages[i]) for i in units[u]) + _MESSAGE_OVERHEAD_CHARS * len(units[u])
-             for u in candidates]
-    total = sum(_num_chars(m) + _MESSAGE_OVERHEAD_CHARS for m in messages) or 1
+    sizes = [sum(_message_chars(messages[i]) for i in units[u]) for u in candidates]
+    total = sum(_message_chars(m) for m in messages) or 1
     tokens_per_char = before / total if before else 0.3
     tokens = before if before else total * tokens_per_char
     num_dropped = 0
@@ -226,10 +223,15 @@ def _guess(messages: Sequence[Any], units: list[list[int]], candidates: list[int
 _MESSAGE_OVERHEAD_CHARS = 16  # a template's framing of one message, roughly
 
 
+def _message_chars(message: Any) -> int:
+    """A message's characters with its template framing, roughly: what the estimates weigh."""
+    return _num_chars(message) + _MESSAGE_OVERHEAD_CHARS
+
+
 def _num_chars(message: Any) -> int:
-    content = _field(message, "content")
+    content = field_of(message, "content")
     num_chars = len(content) if isinstance(content, str) else len(str(content or ""))
-    for call in _field(message, "tool_calls") or ():
+    for call in field_of(message, "tool_calls") or ():
         num_chars += len(str(call))
     return num_chars
 
@@ -244,9 +246,11 @@ def count_or_none(counter: Counter, request: Mapping[str, Any]) -> int | None:
         return None
 
 
-def _role(message: Any) -> str:
-    return str(_field(message, "role") or "")
+def role_of(message: Any) -> str:
+    """A message's role, whether it is a dict or an SDK object."""
+    return str(field_of(message, "role") or "")
 
 
-def _field(message: Any, name: str) -> Any:
+def field_of(message: Any, name: str) -> Any:
+    """A message's field, whether it is a dict or an SDK object."""
     return message.get(name) if isinstance(message, Mapping) else getattr(message, name, None)

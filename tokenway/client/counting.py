@@ -116,11 +116,12 @@ class LocalCounter:
         """The message as the server templates it (validated as the server validates it)."""
         from tokenway.protocol.openai_messages import ChatMessage
 
-        comparable = message if type(message) is dict else _plain(message)  # an SDK object: as it dumps now
+        dumped = None if type(message) is dict else _plain(message)  # an SDK object: compared as it dumps now
+        comparable = message if dumped is None else dumped
         seen = self._message_id_to_template.get(id(message))
         if seen is not None and seen[0] == comparable:  # equal to what was seen: a changed message is redone
             return seen[1]
-        template = ChatMessage.model_validate(_plain(message)).to_template_dict()
+        template = ChatMessage.model_validate(_plain(message) if dumped is None else dumped).to_template_dict()
         if len(self._message_id_to_template) >= _MAX_REMEMBERED:
             self._message_id_to_template.clear()
         self._message_id_to_template[id(message)] = (copy.deepcopy(comparable), template)

@@ -97,7 +97,6 @@ _BASE64 = re.compile(r"(?<![A-Za-z0-9+/=])[A-Za-z0-9+/]{24,}={0,2}(?![A-Za-z0-9+
 _PERCENT = re.compile(r"%[0-9a-fA-F]{2}")
 _LONG_RUN = re.compile(r"[A-Za-z0-9+/]{24}")  # where a base64 run could be
 _SPACED_HINT = re.compile(r"(?:\b\w \w \w \w )")  # where spaced-out letters could be
-_VIEW_WORDS = re.compile(r"rot-?\s*13|caesar|revers|backward|right\s+to\s+left", re.IGNORECASE)
 _CODE = re.compile(r"```.*?```|`[^`\n]+`|\{%.*?%\}|\{\{.*?\}\}", re.DOTALL)
 _TAG_CHARS = re.compile("[\U000E0020-\U000E007E]+")
 _SPACED = re.compile(r"(?<!\S)\w (?=\w(?: |$))")
@@ -248,8 +247,10 @@ def _decoded_views(text: str) -> list[tuple[str, str]]:
     """Base64 runs that decode to mostly printable text, the rot13 of a text that names it, and a
     text with many %XX escapes, unquoted."""
     views: list[tuple[str, str]] = []
+    folded = text.casefold()
+    rot13, reversed_ = _ROT13_HINT.search(folded), _REVERSE_HINT.search(folded)
     if text.isascii() and "%" not in text and not _LONG_RUN.search(text) and not _SPACED_HINT.search(text) \
-            and not _VIEW_WORDS.search(text):
+            and not rot13 and not reversed_:
         return views  # nothing here could be a view: most text
     for run in _BASE64.findall(text):
         try:
@@ -260,7 +261,7 @@ def _decoded_views(text: str) -> list[tuple[str, str]]:
         if len(decoded) >= 12 and sum(ch.isprintable() or ch.isspace() for ch in decoded) >= 0.9 * len(decoded) \
                 and sum(ch.isalpha() or ch == " " for ch in decoded) >= 0.7 * len(decoded):
             views.append((decoded, "base64"))
-    if _ROT13_HINT.search(text.casefold()):
+    if rot13:
         views.append((codecs.decode(text, "rot13"), "rot13"))
     if len(_PERCENT.findall(text)) >= 8:
         views.append((urllib.parse.unquote(text), "url_encoded"))
@@ -268,7 +269,7 @@ def _decoded_views(text: str) -> list[tuple[str, str]]:
         views.append(("".join(chr(ord(ch) - 0xE0000) for ch in "".join(_TAG_CHARS.findall(text))), "unicode_tags"))
     if len(_SPACED.findall(text)) >= 12:  # s p a c e d   o u t   letters
         views.append((_SPACED_GAP.sub("", text).replace("  ", " "), "spaced"))
-    if _REVERSE_HINT.search(text.casefold()):
+    if reversed_:
         views.append(("\n".join(line[::-1] for line in text.splitlines()), "reversed"))
     return views
 

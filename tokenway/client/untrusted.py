@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokenway.client.context import field_of, role_of
 from tokenway.client.injection import Finding, scan
 
 POLICIES = ("keep", "drop")
@@ -133,19 +134,15 @@ def with_rule(messages: Sequence[Any], spotlight: Spotlight) -> list[Any]:
     put first where there is none); already there, they are returned as they are."""
     messages = list(messages)
     first = messages[0] if messages else None
-    role = first.get("role") if isinstance(first, dict) else getattr(first, "role", None)
+    role = role_of(first)
     if role in ("system", "developer"):
-        content = first.get("content") if isinstance(first, dict) else first.content
+        content = field_of(first, "content")
         if isinstance(content, str) and spotlight.rule not in content:
             messages[0] = {"role": role, "content": f"{content}\n\n{spotlight.rule}" if content else spotlight.rule}
-        elif isinstance(content, list) and not any(spotlight.rule == _part_text(part) for part in content):
+        elif isinstance(content, list) and not any(spotlight.rule == field_of(part, "text") for part in content):
             messages[0] = {"role": role, "content": [*content, {"type": "text", "text": spotlight.rule}]}
         return messages
     return [{"role": "system", "content": spotlight.rule}, *messages]
-
-
-def _part_text(part: Any) -> str | None:
-    return part.get("text") if isinstance(part, dict) else getattr(part, "text", None)
 
 
 def defuse(text: str) -> str:
