@@ -186,3 +186,48 @@ def test_auto_in_the_hermes_format_leaves_text_free_and_holds_calls_to_the_schem
     ]:
         matcher = manager.new_matcher(spec)
         assert all(matcher.accept_token(t) for t in base.encode(reply, add_special_tokens=False)) == allowed, reply
+
+
+# pydantic writes nested models as "$defs" with "#/$defs/..." references, and a recursive
+# model refers to "#": both mean the parameters' own root, wherever the call nests them.
+ORDER = {"type": "function", "function": {"name": "place_order", "parameters": {
+    "type": "object", "$defs": {"Item": {"type": "object", "properties": {"sku": {"type": "string"},
+                                                                          "qty": {"type": "integer"}},
+                                         "required": ["sku", "qty"], "additionalProperties": False}},
+    "properties": {"item": {"$ref": "#/$defs/Item"}, "then": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}},
+    "required": ["item", "then"], "additionalProperties": False}}}
+ORDER_ARGUMENTS = {"item": {"sku": "A1", "qty": 2}, "then": {"item": {"sku": "B2", "qty": 1}, "then": None}}
+
+
+@pytest.mark.parametrize("name,reply,bad", [
+    ("Qwen-Qwen2.5-7B-Instruct.jinja", '<tool_call>\n{{"name": "place_order", "arguments": {}}}\n</tool_call>',
+     '<tool_call>\n{{"name": "place_order", "arguments": {}}}\n</tool_call>'),
+    ("meta-llama-Llama-3.1-8B-Instruct.jinja", '{{"name": "place_order", "parameters": {}}}',
+     '{{"name": "place_order", "parameters": {}}}'),
+    ("mistralai-Mistral-Nemo-Instruct-2407.jinja", '[TOOL_CALLS][{{"name": "place_order", "arguments": {}}}]',
+     '[TOOL_CALLS][{{"name": "place_order", "arguments": {}}}]'),
+    ("generic", '{{"tool_calls": [{{"name": "place_order", "arguments": {}}}]}}',
+     '{{"tool_calls": [{{"name": "place_order", "arguments": {}}}]}}'),
+])
+def test_tool_parameters_with_references_constrain_calls_in_every_format(base, name, reply, bad):
+    tokenizer = base if name == "generic" else with_template(base, name)
+    manager = StructuredOutputManager(base, base.vocab_size, [base.eos_token_id])
+    prompt = build_chat_prompt(tokenizer, conversation()[:2], [WEATHER, ORDER], "required", parallel_tool_calls=False)
+    spec = (StructuredOutputSpec.json_schema(prompt.json_schema) if name == "generic"
+            else StructuredOutputSpec(kind="grammar", grammar=prompt.grammar))
+    good_text = reply.format(json.dumps(ORDER_ARGUMENTS))
+    wrong = {"item": {"sku": "A1", "qty": "two"}, "then": None}  # qty is no integer: Item's schema holds
+    for text, allowed in ((good_text, True), (bad.format(json.dumps(wrong)), False)):
+        matcher = manager.new_matcher(spec)
+        assert all(matcher.accept_token(t) for t in base.encode(text, add_special_tokens=False)) == allowed, text
+
+
+def test_a_tool_no_arguments_can_satisfy_is_refused_naming_it(base):
+    from tokenway.engine.core import PromptChecker
+
+    checker = PromptChecker(base.vocab_size, 8192, StructuredOutputManager(base, base.vocab_size,
+                                                                           [base.eos_token_id]))
+    checker.check_tools([WEATHER, ORDER])  # fine
+    never = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}
+    with pytest.raises(ValueError, match=r"^tools\[2\]\.function\.parameters: the parameters of tool 'f'"):
+        checker.check_tools([WEATHER, ORDER, never])

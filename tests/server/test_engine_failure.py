@@ -64,11 +64,17 @@ async def _rows(ledger: Ledger):
 def test_engine_failure_mid_stream_ends_with_an_error_event(app_and_ledger, llm, monkeypatch, path, body,
                                                              last_events):
     app, ledger = app_and_ledger
+    runner = llm.engine.runner
+    real_execute = runner.execute
+    calls = {"n": 0}
 
-    def failing(out):
-        raise RuntimeError("simulated device failure")
+    def failing_after_the_first_token(out):
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise RuntimeError("simulated device failure")
+        return real_execute(out)
 
-    monkeypatch.setattr(llm.engine.runner, "execute", failing)
+    monkeypatch.setattr(runner, "execute", failing_after_the_first_token)
 
     async def main():
         transport = httpx.ASGITransport(app=app)
@@ -78,7 +84,31 @@ def test_engine_failure_mid_stream_ends_with_an_error_event(app_and_ledger, llm,
         return response
 
     response = asyncio.run(main())
-    assert response.status_code == 200  # the stream had begun
+    assert response.status_code == 200  # the stream had begun: its first token was out
     lines = [line for line in response.text.splitlines() if line and not line.startswith(":")]
     assert lines[-2:] == last_events
+    assert [r.status for r in asyncio.run(_rows(ledger))] == [500]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_engine_failure_before_the_first_token_of_a_stream_is_a_500(app_and_ledger, llm, monkeypatch, path):
+    app, ledger = app_and_ledger
+
+    def failing(out):
+        raise RuntimeError("simulated device failure")
+
+    monkeypatch.setattr(llm.engine.runner, "execute", failing)
+    body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "stream": True}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            response = await client.post(path, json=body)
+        await asyncio.sleep(0.05)
+        return response
+
+    response = asyncio.run(main())
+    assert response.status_code == 500 and response.headers["content-type"].startswith("application/json")
+    assert "simulated" not in response.text and "Traceback" not in response.text
     assert [r.status for r in asyncio.run(_rows(ledger))] == [500]

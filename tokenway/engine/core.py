@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from tokenway.engine.request import Request, RequestStatus, SamplingParams
 from tokenway.engine.runner import ModelRunner, kv_bytes_per_block
 from tokenway.engine.sampler import Sampler, SamplingMetadata
 from tokenway.engine.scheduler import EngineOutput, Scheduler
-from tokenway.engine.structured_output import StructuredOutputManager
+from tokenway.engine.structured_output import StructuredOutputManager, StructuredOutputSpec
 from tokenway.frontend.tokenizer import Tokenizer
 from tokenway.kv_cache.manager import KVCacheManager
 from tokenway.models.config import ModelConfig
@@ -100,6 +101,22 @@ class PromptChecker:
                 raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
         if params.structured_output is not None:
             self.structured_output.compile(params.structured_output)  # cached: add_request reuses it
+
+    def check_tools(self, tools: Sequence[Mapping]) -> None:
+        """Each tool's parameters compiled as a JSON schema of its own (cached), as a
+        response_format schema is: a tool no arguments can satisfy is refused naming it,
+        rather than constraining the reply to nothing."""
+        for position, tool in enumerate(tools):
+            function = tool.get("function", tool)
+            parameters = function.get("parameters")
+            if not parameters:
+                continue
+            try:
+                self.structured_output.compile(StructuredOutputSpec.json_schema(parameters))
+            except ValueError as exc:
+                reason = str(exc).removeprefix("response_format: ")
+                raise ValueError(f"tools[{position}].function.parameters: the parameters of tool "
+                                 f"{function.get('name')!r} cannot be used: {reason}") from None
 
 
 @dataclass(slots=True)

@@ -211,9 +211,12 @@ def native_call_grammar(fmt: str, tools: list[dict], tool_choice: Any, parallel_
     arguments_key = "parameters" if fmt == "llama3_json" else "arguments"
     call = generic_tools.call_schema(tools, tool_choice, arguments_key)
     if fmt == "mistral":
+        call, defs = generic_tools.nested(call)
         array = {"type": "array", "items": call, "minItems": 1}
         if not parallel_tool_calls:
             array["maxItems"] = 1
+        if defs:
+            array["$defs"] = defs
         return f'start: "[TOOL_CALLS]" %json {_grammar_json(array)}'
     if fmt == "hermes":
         one, separator = f'"<tool_call>\\n" %json {_grammar_json(call)} "\\n</tool_call>"', '"\\n"'

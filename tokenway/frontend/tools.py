@@ -26,35 +26,76 @@ def _function(tool: dict) -> dict:
 
 def call_schema(tools: list[dict], tool_choice: Any, arguments_key: str = "arguments") -> dict:
     """The JSON schema of one call: {"name": <a tool's>, <arguments_key>: <its parameters>},
-    name first. tool_choice: "auto" | "required" | {"function": {"name"}} (that tool only)."""
+    name first. tool_choice: "auto" | "required" | {"function": {"name"}} (that tool only).
+
+    A tool whose parameters hold references ("$ref": "#/$defs/X", as pydantic writes them, or
+    "#" for itself) means its own root by "#", which stops being the document's root once it
+    is nested in a call: such parameters go in the root's $defs and their references are
+    rebased there. A caller nesting this schema further moves "$defs" to its own root."""
     if isinstance(tool_choice, dict):
         wanted = tool_choice.get("function", tool_choice).get("name")
         tools = [t for t in tools if _function(t)["name"] == wanted]
-    calls = []
-    for tool in tools:
+    calls, defs = [], {}
+    for position, tool in enumerate(tools):
         function = _function(tool)
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        if _has_ref(parameters):
+            key = f"tool{position}"
+            defs[key] = rebase_refs(parameters, f"#/$defs/{key}")
+            parameters = {"$ref": f"#/$defs/{key}"}
         calls.append({
             "type": "object",
             "properties": {"name": {"const": function["name"]}, arguments_key: parameters},
             "required": ["name", arguments_key],
             "additionalProperties": False,
         })
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def _has_ref(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        return "$ref" in schema or any(_has_ref(value) for value in schema.values())
+    if isinstance(schema, list):
+        return any(_has_ref(value) for value in schema)
+    return False
+
+
+def rebase_refs(schema: Any, base: str) -> Any:
+    """`schema` with its document-relative references ("#", "#/...") moved under `base` (a
+    JSON pointer reference to where the schema now sits). Anchors ("#name") and other
+    documents' references are left alone."""
+    if isinstance(schema, dict):
+        return {key: base + value[1:] if key == "$ref" and isinstance(value, str) and (value == "#" or
+                                                                                    value.startswith("#/"))
+                else rebase_refs(value, base) for key, value in schema.items()}
+    if isinstance(schema, list):
+        return [rebase_refs(value, base) for value in schema]
+    return schema
+
+
+def nested(schema: dict) -> tuple[dict, dict]:
+    """(schema without its "$defs", those $defs): to nest a call schema in another whose root
+    takes the $defs."""
+    schema = dict(schema)
+    return schema, schema.pop("$defs", {})
 
 
 def tool_call_schema(tools: list[dict], tool_choice: Any, parallel_tool_calls: bool) -> dict:
     """The JSON schema a generic reply must satisfy."""
-    tool_calls = {"type": "array", "items": call_schema(tools, tool_choice), "minItems": 1}
+    call, defs = nested(call_schema(tools, tool_choice))
+    tool_calls = {"type": "array", "items": call, "minItems": 1}
     if not parallel_tool_calls:
         tool_calls["maxItems"] = 1
     call_branch = {"type": "object", "properties": {"tool_calls": tool_calls}, "required": ["tool_calls"],
                    "additionalProperties": False}
     if tool_choice == "required" or isinstance(tool_choice, dict):
-        return call_branch
-    response_branch = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
-                       "additionalProperties": False}
-    return {"anyOf": [call_branch, response_branch]}
+        schema = call_branch
+    else:
+        response_branch = {"type": "object", "properties": {"response": {"type": "string"}},
+                           "required": ["response"], "additionalProperties": False}
+        schema = {"anyOf": [call_branch, response_branch]}
+    return {**schema, "$defs": defs} if defs else schema
 
 
 def tool_system_prompt(tools: list[dict], tool_choice: Any) -> str:

@@ -180,5 +180,6 @@ async def handle(state: ServerState, request: Request, body, call: Call) -> Resp
     await state.guard(call)
     await state.admit(call)
     if body.stream:
-        return EventStreamResponse(message_stream(generation))
+        await generation.start_stream(request)  # a refusal is a status, not a 200 stream of one error
+        return EventStreamResponse(message_stream(generation), on_close=generation.aclose)
     return await generation.json_response(request, message_response(generation), "request-id")

@@ -254,8 +254,9 @@ def create_app(state: ServerState) -> FastAPI:
         await state.guard(call)
         await state.admit(call)
         if body.stream:
+            await generation.start_stream(request)  # a refusal is a status, not a 200 stream of one error
             events = respond_stream(state, body, generation, *extra)
-            return EventStreamResponse(openai_api.guarded_stream(events, generation))
+            return EventStreamResponse(openai_api.guarded_stream(events, generation), on_close=generation.aclose)
         return await generation.json_response(request, respond_json(state, body, generation, *extra))
 
     @app.post("/v1/chat/completions", openapi_extra=_schema_extra(openai_schema.ChatCompletionRequest))

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from tokenway.frontend.tool_parsers import ReplyFormat
 from tokenway.protocol.errors import InternalServerError, InvalidRequestError, TokenwayError
-from tokenway.routing.job import ChoiceDelta, GenerationJob, ToolCallDelta, Usage
+from tokenway.routing.job import ChoiceDelta, GenerationJob, ReplicaEvent, ToolCallDelta, Usage
 from tokenway.routing.replicas import engine_unavailable
 from tokenway.safety.screen import ReplyScreen
 from tokenway.server import sse
@@ -79,6 +79,8 @@ class Generation:
             # The engine's own checks (vocabulary, window, a response_format that cannot be
             # satisfied) run now, so they are a 400 before any byte of a stream is sent.
             try:
+                if job.tools and job.tool_choice != "none":
+                    self.frontend.prompts.check_tools(job.tools)
                 self.frontend.prompts.check(list(job.prompt_token_ids), job.params)
             except ValueError as exc:
                 raise InvalidRequestError(str(exc), param=str(exc).split(":", 1)[0]) from None
@@ -104,15 +106,51 @@ class Generation:
         self.num_cached_tokens = 0
         self.cache_reason: str | None = None
         self.reported: Usage | None = None  # the replica's own count, once it sends it
+        # The router's events once start() has run (its first event kept in _first for outputs()).
+        self._events: AsyncIterator[ReplicaEvent] | None = None
+        self._first: list[ReplicaEvent] = []
+        self._closed = False
         call.clock.end("tokenize")
+
+    async def start(self) -> None:
+        """Take the call's engine slots and wait for the replica's first event. Whatever
+        refuses a call before its first token (the engine or the pool full, no replica able to
+        run it, an upstream's error) raises here: a stream started after this answers such a
+        refusal with its status and Retry-After before its first byte, as a JSON response does.
+        Idempotent; aclose() undoes it."""
+        if self._events is not None or self._closed:
+            return
+        self.state.take_engine_slots(self.num_choices)
+        self._events = self.router.generate(self.job, self.call.set_replica)
+        try:
+            first = await anext(self._events, None)
+        except BaseException:
+            await self.aclose()
+            raise
+        self._first = [first] if first is not None else []
+
+    async def aclose(self) -> None:
+        """Stop the replica where it still runs and give the engine slots back. Idempotent: the
+        stream's end, its response's end and a failed start all call it."""
+        events, self._events = self._events, None
+        if events is None or self._closed:
+            return
+        self._closed = True
+        try:
+            await events.aclose()
+        finally:
+            self.state.release_engine_slots(self.num_choices)
 
     async def outputs(self) -> AsyncIterator[ChoiceDelta]:
         """The replica's deltas, in order, with the call's counts and stage times kept up to date."""
-        self.state.take_engine_slots(self.num_choices)
+        await self.start()
+        if self._events is None:  # closed already: nothing more comes
+            return
         observer = self.state.observer
         last_token_times: list[float | None] = [None] * self.num_choices
+        first, self._first = self._first, []
         try:
-            async with aclosing(self.router.generate(self.job, self.call.set_replica)) as events:
+            async with aclosing(_chained(first, self._events)) as events:
                 async for event in events:
                     if isinstance(event, Usage):
                         self.reported = event
@@ -147,9 +185,9 @@ class Generation:
                     yield event
                     if self.screens is not None and "content_filter" in self.finish_reasons \
                             and all(self.finish_reasons):
-                        break  # every choice has ended, one by the safety stage: the replica stops (aclosing)
+                        break  # every choice has ended, one by the safety stage: the replica stops (aclose)
         finally:
-            self.state.release_engine_slots(self.num_choices)
+            await self.aclose()
 
     def _parsed(self, event: ChoiceDelta) -> ChoiceDelta:
         """A delta of a tool-call format's reply as content and call pieces. At the reply's end
@@ -200,6 +238,17 @@ class Generation:
             pass
         return [ChoiceResult(i, self.text(i), self.finish_reasons[i], self.stop_reasons[i], self.logprobs[i],
                              self.completed_tool_calls(i)) for i in range(self.num_choices)]
+
+    async def start_stream(self, request) -> None:
+        """start(), raced against the client leaving; a refusal is the call's outcome."""
+        try:
+            await unless_disconnected(request, self.start())
+        except ClientDisconnected:
+            self.finish(499, "client disconnected")
+            raise
+        except TokenwayError as exc:
+            self.finish(exc.status, exc.message)
+            raise
 
     async def commit(self) -> None:
         """Make the ledger row durable; a stream calls this before its final event."""
@@ -258,14 +307,24 @@ class Generation:
         """The call's outcome, made once from the counts as they stand, and its log line."""
         reasons = [r for r in self.finish_reasons if r]
         reported = self.reported
+        num_prompt_tokens = reported.prompt_tokens if reported is not None else self.num_prompt_tokens
+        if status >= 400 and status != 499 and reported is None and not any(self.completion_tokens):
+            num_prompt_tokens = 0  # refused before the replica ran it (full, unavailable): nothing to bill
         outcome = CallOutcome(
-            status, prompt_tokens=reported.prompt_tokens if reported is not None else self.num_prompt_tokens,
+            status, prompt_tokens=num_prompt_tokens,
             cached_tokens=self.num_cached_tokens, completion_tokens=self.num_completion_tokens,
             max_choice_tokens=max(self.completion_tokens), finish_reason=reasons[0] if reasons else None,
             error=error, cache_reason=self.cache_reason,
             json_complete=self.json_complete() if status == 200 else None, **self.safety_output())
         self.call.end(outcome)
         log_request(self.request_id, self.model, self.clock, outcome)
+
+
+async def _chained(first: list[ReplicaEvent], rest: AsyncIterator[ReplicaEvent]) -> AsyncIterator[ReplicaEvent]:
+    for event in first:
+        yield event
+    async for event in rest:
+        yield event
 
 
 def add_tool_call_piece(calls: list[ToolCall], piece: ToolCallDelta) -> None:

@@ -5,7 +5,7 @@ response that notices a disconnect at once (not only at its next write)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
 import pydantic
@@ -79,11 +79,22 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str] | None = None,
+                 on_close: Callable[[], Awaitable[None]] | None = None) -> None:
+        """on_close: awaited once the response ends however it ends, also when `content` was
+        never iterated (the client gone before the first byte): what `content` holds is freed."""
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
         super().__init__(content, headers=headers, media_type=self.media_type)
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._stream(scope, receive, send)
+        finally:
+            if self.on_close is not None:
+                await self.on_close()
+
+    async def _stream(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with anyio.create_task_group() as group:
 
             async def stream_then_stop() -> None:
