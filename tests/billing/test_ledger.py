@@ -47,7 +47,7 @@ async def test_a_duplicate_request_id_keeps_the_first_row_only(url):
         assert ledger.num_rows_written == 2
 
 
-async def test_usage_groups_each_key_by_utc_day_and_model(url):
+async def test_usage_groups_each_key_by_utc_day_and_model_and_counts_refusals_apart(url):
     records = [
         make_record("a1", model="m1", prompt_tokens=10, cached_tokens=4, completion_tokens=1, cost_usd=0.5),
         make_record("a2", model="m1", prompt_tokens=20, cached_tokens=0, completion_tokens=2, cost_usd=0.25),
@@ -55,19 +55,27 @@ async def test_usage_groups_each_key_by_utc_day_and_model(url):
         make_record("a4", model="m1", prompt_tokens=40, cached_tokens=2, completion_tokens=4, cost_usd=2.0,
                     finished_at=DAY2),
         make_record("b1", key_id="key-b", model="m1", prompt_tokens=50, completion_tokens=5, cost_usd=4.0),
+        # Refused: answered 4xx before anything ran (no tokens)...
+        make_record("a5", model="m1", prompt_tokens=0, completion_tokens=0, cost_usd=0.0, status=429),
+        make_record("a6", model="m2", prompt_tokens=0, completion_tokens=0, cost_usd=0.0, status=401),
+        make_record("a7", model="m2", prompt_tokens=0, completion_tokens=0, cost_usd=0.0, status=498),
+        # ...not so: a client that left (499), a failure (5xx), a 4xx that counted the prompt.
+        make_record("a8", model="m1", prompt_tokens=0, completion_tokens=0, cost_usd=0.0, status=499),
+        make_record("a9", model="m1", prompt_tokens=0, completion_tokens=0, cost_usd=0.0, status=503),
+        make_record("a10", model="m1", prompt_tokens=7, completion_tokens=0, cost_usd=0.0, status=400),
     ]
     async with Ledger(url) as ledger:
         await asyncio.gather(*(ledger.record(rec) for rec in records))
         key_a = [
-            {"key_id": "key-a", "day": "2024-03-01", "model": "m1", "requests": 2, "prompt_tokens": 30,
-             "cached_tokens": 4, "completion_tokens": 3, "cost_usd": 0.75},
-            {"key_id": "key-a", "day": "2024-03-01", "model": "m2", "requests": 1, "prompt_tokens": 30,
-             "cached_tokens": 1, "completion_tokens": 3, "cost_usd": 1.0},
-            {"key_id": "key-a", "day": "2024-03-02", "model": "m1", "requests": 1, "prompt_tokens": 40,
-             "cached_tokens": 2, "completion_tokens": 4, "cost_usd": 2.0},
+            {"key_id": "key-a", "day": "2024-03-01", "model": "m1", "requests": 5, "refused_requests": 1,
+             "prompt_tokens": 37, "cached_tokens": 4, "completion_tokens": 3, "cost_usd": 0.75},
+            {"key_id": "key-a", "day": "2024-03-01", "model": "m2", "requests": 1, "refused_requests": 2,
+             "prompt_tokens": 30, "cached_tokens": 1, "completion_tokens": 3, "cost_usd": 1.0},
+            {"key_id": "key-a", "day": "2024-03-02", "model": "m1", "requests": 1, "refused_requests": 0,
+             "prompt_tokens": 40, "cached_tokens": 2, "completion_tokens": 4, "cost_usd": 2.0},
         ]
-        key_b = [{"key_id": "key-b", "day": "2024-03-01", "model": "m1", "requests": 1, "prompt_tokens": 50,
-                  "cached_tokens": 0, "completion_tokens": 5, "cost_usd": 4.0}]
+        key_b = [{"key_id": "key-b", "day": "2024-03-01", "model": "m1", "requests": 1, "refused_requests": 0,
+                  "prompt_tokens": 50, "cached_tokens": 0, "completion_tokens": 5, "cost_usd": 4.0}]
         assert await ledger.usage("key-a") == key_a
         assert await ledger.usage(None) == key_a + key_b
         assert await ledger.usage("key-a", since=DAY2) == key_a[2:]  # since inclusive

@@ -8,7 +8,10 @@ write returns, the row is in the kernel's page cache and survives the process be
 request path. When everything appended has been committed the file is emptied (back to its
 header); on start-up, rows still in it (a crash between append and commit) are committed
 again, which is harmless since ledger inserts are idempotent by request_id. (Surviving power
-loss too would take an fsync per batch; ask for it with fsync=True.)
+loss too would take an fsync per batch; ask for it with fsync=True.) While the database is
+down the file is the rows' only copy: the ledger's writer keeps only their count, and once the
+database is back commits the file's rows again from the start (rows(end)), then counts them
+committed.
 
 A journal belongs to one database. Its name carries the database's id and its first line
 (the header) names the database:
@@ -33,13 +36,11 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tokenway.billing.dead_letters import DeadLetters
-
-if TYPE_CHECKING:
-    from tokenway.billing.ledger import UsageRecord
+from tokenway.billing.record import UsageRecord
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class Journal:
             raise ValueError(f"ledger journal {self.path} is held by another running gateway") from None
         self._lock = threading.Lock()
         self.recovered = self._read_own()
+        # What the file held when opened: a line before it that cannot be read was quarantined then.
+        self._num_bytes_read_at_open = os.fstat(self._fd).st_size
         self._adopt_orphans(folder, name)
         if self.recovered:
             logger.warning("ledger journal %s: committing %d rows left by an earlier run", self.path,
@@ -85,7 +88,7 @@ class Journal:
         self._num_appended = len(self.recovered)
         self._num_committed = 0
 
-    def _read_own(self) -> list["UsageRecord"]:
+    def _read_own(self) -> list[UsageRecord]:
         """Our own file's rows, left in place until they are committed."""
         size = os.fstat(self._fd).st_size
         records = read_records(self.path, self.database, self.dead_letters) if size else []
@@ -137,12 +140,12 @@ class Journal:
             finally:
                 os.close(fd)
 
-    def append(self, record: "UsageRecord") -> None:
+    def append(self, record: UsageRecord) -> None:
         with self._lock:
             self._write(record)
             self._num_appended += 1
 
-    def _write(self, record: "UsageRecord") -> None:
+    def _write(self, record: UsageRecord) -> None:
         os.write(self._fd, encode_record(record))  # one O_APPEND write: never interleaved with another
         if self.fsync:
             os.fsync(self._fd)
@@ -156,6 +159,35 @@ class Journal:
                 os.ftruncate(self._fd, 0)
                 os.write(self._fd, self._header)
                 self._num_appended = self._num_committed = 0
+                self._num_bytes_read_at_open = 0
+
+    def end(self) -> int:
+        """Where the file ends now: after a whole line, since every append is one write(2)."""
+        with self._lock:
+            return os.fstat(self._fd).st_size
+
+    def rows(self, end: int, batch_max: int) -> Iterator[list[UsageRecord]]:
+        """The rows the file holds before byte `end` (an end()), in order, batch_max at a time.
+        Only the ledger's writer calls this, and it alone empties the file (committed()), so the
+        bytes before `end` stay as they are while they are read."""
+        batch: list[UsageRecord] = []
+        offset = 0
+        with open(self.path, "rb") as lines:
+            for number, line in enumerate(lines, 1):
+                offset += len(line)
+                if offset > end:
+                    break
+                if number == 1:  # the header, checked when the file was opened
+                    continue
+                dead_letters = self.dead_letters if offset > self._num_bytes_read_at_open else None
+                record = parse_line(line, f"{self.path.name} line {number}", dead_letters)
+                if record is not None:
+                    batch.append(record)
+                if len(batch) == batch_max:
+                    yield batch
+                    batch = []
+        if batch:
+            yield batch
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -163,36 +195,51 @@ class Journal:
             self._fd = -1
 
 
-def encode_record(record: "UsageRecord") -> bytes:
+def encode_record(record: UsageRecord) -> bytes:
     # ASCII JSON: whatever text a row holds, its line can be written and read back. The fields
     # are read as they are (dataclasses.asdict would deep-copy the trace first: a third of the cost).
     fields = {name: getattr(record, name) for name in record.__dataclass_fields__}
     return (json.dumps(fields, separators=(",", ":")) + "\n").encode("ascii")
 
 
-def read_records(path: Path, database: str | None, dead_letters: DeadLetters) -> list["UsageRecord"] | None:
+def read_records(path: Path, database: str | None, dead_letters: DeadLetters) -> list[UsageRecord] | None:
     """The rows in a journal file, or None if its header names a database other than
     `database` (None: accept a file without a header, from before headers). A line that cannot
     be read back is quarantined in the dead-letter file."""
-    from tokenway.billing.ledger import UsageRecord
-
     records = []
     with open(path, "rb") as lines:
         for number, line in enumerate(lines, 1):
-            try:
-                entry = json.loads(line.decode("utf-8"))
-            except ValueError as exc:  # not UTF-8, not JSON: torn by a crash, or damaged
-                dead_letters.add(f"{path.name} line {number}", f"unreadable: {exc}", raw=line)
-                continue
-            if number == 1 and isinstance(entry, dict) and entry.get("journal") == MAGIC:
-                if entry.get("database") != database:
+            if number == 1:
+                try:
+                    entry = json.loads(line.decode("utf-8"))
+                except ValueError as exc:  # torn by a crash, or damaged
+                    dead_letters.add(f"{path.name} line {number}", f"unreadable: {exc}", raw=line)
+                    continue
+                if isinstance(entry, dict) and entry.get("journal") == MAGIC:
+                    if entry.get("database") != database:
+                        return None
+                    continue
+                if database is not None:
+                    logger.warning("ledger journal %s has no header naming its database; not read", path)
                     return None
-                continue
-            if number == 1 and database is not None:
-                logger.warning("ledger journal %s has no header naming its database; not read", path)
-                return None
-            try:
-                records.append(UsageRecord(**entry))
-            except (ValueError, TypeError) as exc:
-                dead_letters.add(f"{path.name} line {number}", f"not a ledger row: {exc}", raw=line)
+            record = parse_line(line, f"{path.name} line {number}", dead_letters)
+            if record is not None:
+                records.append(record)
     return records
+
+
+def parse_line(line: bytes, source: str, dead_letters: DeadLetters | None) -> UsageRecord | None:
+    """The row on one line, or None: a line that cannot be read back goes to `dead_letters`
+    (None: it went there already)."""
+    try:
+        entry = json.loads(line.decode("utf-8"))
+    except ValueError as exc:  # not UTF-8, not JSON: torn by a crash, or damaged
+        reason = f"unreadable: {exc}"
+    else:
+        try:
+            return UsageRecord(**entry)
+        except (ValueError, TypeError) as exc:
+            reason = f"not a ledger row: {exc}"
+    if dead_letters is not None:
+        dead_letters.add(source, reason, raw=line)
+    return None

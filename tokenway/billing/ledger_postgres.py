@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.types.json import Jsonb
 
-from tokenway.billing.ledger import COLUMNS, USAGE_FIELDS, UsageRecord, usage_filter
+from tokenway.billing.record import COLUMNS, UsageRecord
+from tokenway.billing.store import USAGE_COUNTS, USAGE_FIELDS, usage_filter
 
 # Any constant: serializes CREATE TABLE IF NOT EXISTS between gateways starting together
 # (concurrent creates of one table can fail on the catalog's unique index).
@@ -27,10 +29,19 @@ _INSERT = (f"INSERT INTO usage_ledger ({', '.join(COLUMNS)}) VALUES ({', '.join(
 _DAY = "to_char(to_timestamp(finished_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
 
 
+def _timeouts(url: str) -> dict[str, int]:
+    """libpq's timeouts, unless the url sets them: without them a database host that vanished
+    (no RST, as in a network partition) holds the ledger's writer in connect() or a COMMIT for
+    minutes, where its outage handling wants a prompt error to retry after."""
+    defaults = {"connect_timeout": 5, "tcp_user_timeout": 15_000}  # seconds; milliseconds
+    given = conninfo_to_dict(url)
+    return {name: value for name, value in defaults.items() if name not in given}
+
+
 class PostgresStore:
     def __init__(self, url: str) -> None:
         # autocommit: reads leave no transaction open; writes use explicit transaction blocks.
-        self._conn = psycopg.connect(url, autocommit=True)
+        self._conn = psycopg.connect(url, autocommit=True, **_timeouts(url))
         with self._conn.transaction():
             self._conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_ID,))
             self._conn.execute(_SCHEMA)
@@ -53,8 +64,8 @@ class PostgresStore:
     def usage(self, key_id: str | None, since: float | None, until: float | None) -> list[dict]:
         where, params = usage_filter(key_id, since, until, "%s")
         rows = self._conn.execute(
-            f"SELECT key_id, {_DAY} AS day, model, COUNT(*), SUM(prompt_tokens)::bigint, SUM(cached_tokens)::bigint,"
-            " SUM(completion_tokens)::bigint, SUM(cost_usd) FROM usage_ledger" + where +
+            f"SELECT key_id, {_DAY} AS day, model, {USAGE_COUNTS}, SUM(prompt_tokens)::bigint,"
+            " SUM(cached_tokens)::bigint, SUM(completion_tokens)::bigint, SUM(cost_usd) FROM usage_ledger" + where +
             " GROUP BY key_id, day, model ORDER BY key_id, day, model", params).fetchall()
         return [dict(zip(USAGE_FIELDS, row)) for row in rows]
 
