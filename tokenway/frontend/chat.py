@@ -18,6 +18,7 @@ from typing import Any
 
 import llguidance
 
+from tokenway.frontend import special_text
 from tokenway.frontend import tools as generic_tools
 from tokenway.frontend.tokenizer import Tokenizer
 from tokenway.frontend.tool_parsers import FORMATS, ReplyFormat
@@ -99,6 +100,10 @@ def build_chat_prompt(
     parallel_tool_calls None (the caller did not say): several calls a reply in a native
     format; one in the generic format, as llama.cpp does: the models it serves are those
     whose templates know no tools, often small ones, which repeat a call over and over."""
+    escaped = None
+    rendered_tools = tools  # as the template shows them; the constraints are built from `tools` as sent
+    if not tokenizer.special_tokens_in_messages:
+        (messages, rendered_tools), escaped = special_text.escape(tokenizer, [messages, tools])
     messages = normalize_messages(messages)
     use_tools = bool(tools) and tool_choice != "none"
     prompt = ChatPrompt(prompt_token_ids=[])
@@ -109,12 +114,12 @@ def build_chat_prompt(
     if fmt == "generic":
         messages = generic_tools.render_tool_messages(messages)
         if use_tools:
-            messages = _with_system(messages, generic_tools.tool_system_prompt(tools, tool_choice))
+            messages = _with_system(messages, generic_tools.tool_system_prompt(rendered_tools, tool_choice))
             prompt.json_schema = generic_tools.tool_call_schema(tools, tool_choice, parallel_tool_calls)
     else:
         messages = render_native_messages(messages, fmt)
         if use_tools:
-            template_tools = [_as_tool(tool) for tool in tools]
+            template_tools = [_as_tool(tool) for tool in rendered_tools]
             if tool_choice == "required" or isinstance(tool_choice, dict):
                 prompt.grammar = native_call_grammar(fmt, tools, tool_choice, parallel_tool_calls)
             elif fmt == "hermes":
@@ -133,7 +138,10 @@ def build_chat_prompt(
     else:  # an empty reply begun is no reply begun
         text = tokenizer.apply_chat_template(messages[:-1] if continue_final_message else messages,
                                              add_generation_prompt=True, tools=template_tools)
-    prompt.prompt_token_ids = tokenizer.encode(text, add_special_tokens=False, max_num_tokens=max_num_tokens)
+    if escaped is None:
+        prompt.prompt_token_ids = tokenizer.encode(text, add_special_tokens=False, max_num_tokens=max_num_tokens)
+    else:
+        prompt.prompt_token_ids = special_text.encode(tokenizer, text, escaped, max_num_tokens)
     return prompt
 
 

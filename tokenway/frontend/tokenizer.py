@@ -8,6 +8,7 @@ directory says around it: special tokens and BOS (tokenizer_config.json), extra 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
@@ -54,7 +55,16 @@ class Tokenizer:
         self.eos_token_id = self._token_id("eos_token", generation_eos_ids[0] if generation_eos_ids else None)
         # Chat models often stop on an end-of-turn token too, which only generation_config.json lists.
         self.eos_token_ids = frozenset(generation_eos_ids + ([] if self.eos_token_id is None else [self.eos_token_id]))
-        self._special_ids = frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special)
+        added = hf.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        # The special tokens' strings, longest first (one may begin another): where they stand in
+        # a caller's text they are text, not control tokens (special_text.py).
+        special_texts = sorted({t.content for t in added.values() if t.special and t.content}, key=len, reverse=True)
+        self.special_token_pattern = re.compile("|".join(map(re.escape, special_texts))) if special_texts else None
+        # True: a special token's string in a message is the token itself (the caller may write
+        # control tokens; serve --special-tokens-in-messages). Off by default, as in vLLM.
+        self.special_tokens_in_messages = False
+        self._as_text_hf: tokenizers.Tokenizer | None = None  # a copy that reads special tokens as text
         # A tokenizer.json post-processor may already insert BOS; then add_bos_token must not add a second.
         post_processor = hf.post_processor
         adds_special = post_processor is not None and post_processor.num_special_tokens_to_add(False) > 0
@@ -122,6 +132,16 @@ class Tokenizer:
         if len(text) > _GIL_FREE_CHARS:
             return self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_special_tokens_as_text(self, text: str) -> list[int]:
+        """Token ids of `text` with special-token strings in it encoded as the text they are."""
+        if self._as_text_hf is None:
+            hf = tokenizers.Tokenizer.from_str(self.hf.to_str())
+            hf.encode_special_tokens = True  # set once, before the copy is shared: never toggled
+            self._as_text_hf = hf
+        if len(text) > _GIL_FREE_CHARS:
+            return self._as_text_hf.encode_batch([text], add_special_tokens=False)[0].ids
+        return self._as_text_hf.encode(text, add_special_tokens=False).ids
 
     def enable_segment_cache(self, max_chars: int = 4_000_000) -> bool:
         """Remember the ids of the text between added tokens (segment_cache.py): a chat
