@@ -194,13 +194,28 @@ def test_a_shared_prefix_returns_to_the_replica_that_has_it():
     system = tokens(0, 10 * BLOCK)
     first = balancer.route(system + tokens(1, 20), 300)
     assert first.choice.reason == "least_loaded" and first.choice.num_matched_tokens == 0
-    balancer.route(None, 100)  # b and c now carry 100 and 0: least loaded would say c
+    balancer.route(None, 100)
+    balancer.route(None, 50)  # b and c now carry 100 and 50: least loaded would say c
     again = balancer.route(system + tokens(2, 30), 300)
     assert (again.name, again.choice.reason, again.choice.num_matched_tokens) == (first.name, "affinity", 10 * BLOCK)
 
 
+def test_a_shared_system_prompt_does_not_pile_onto_one_replica_while_another_idles():
+    balancer = Balancer(["a", "b"], BalancerConfig(block_size=BLOCK), rng=random.Random(0))
+    system = tokens(0, 12 * BLOCK)  # every call opens with it, as an agent's calls do
+    leases = [balancer.route(system + tokens(i + 1, 20), len(system) + 20 + 64) for i in range(16)]
+    names = [lease.name for lease in leases]
+    assert names.count("a") == 8 and names.count("b") == 8, names
+    # The first call's replica keeps the prefix's calls while the bound allows: two in a row.
+    assert names[:2] == [names[0]] * 2
+    loads_now = loads(balancer)
+    num_tokens = len(system) + 20 + 64
+    assert max(loads_now.values()) <= 1.5 * sum(loads_now.values()) / 2 + num_tokens
+
+
 def test_a_match_below_the_threshold_goes_least_loaded():
-    balancer = make_balancer(BalancerConfig(block_size=BLOCK, min_match_fraction=0.5))
+    # A slack that keeps every call within the bound: only the match decides here.
+    balancer = make_balancer(BalancerConfig(block_size=BLOCK, min_match_fraction=0.5, balance_slack_tokens=1000))
     shared = tokens(0, 2 * BLOCK)
     assert balancer.route(shared + tokens(1, 2 * BLOCK), 10).name == "a"
     choice = balancer.pick(shared + tokens(2, 3 * BLOCK), 10)  # 2 of 5 blocks: 40%
@@ -210,15 +225,15 @@ def test_a_match_below_the_threshold_goes_least_loaded():
 
 
 def test_affinity_spills_when_the_replica_would_pass_the_bound():
-    balancer = make_balancer(BalancerConfig(block_size=BLOCK, balance_factor=1.5, balance_slack_tokens=100))
+    balancer = make_balancer(BalancerConfig(block_size=BLOCK, balance_factor=1.5, balance_slack_tokens=0))
     prompt = tokens(0, 8 * BLOCK)
-    balancer.route(prompt, 600)  # a: 600, holding the prefix
-    balancer.route(None, 400)  # b: 400
-    balancer.route(None, 400)  # c: 400
-    # bound = 1.5 * (1400 + T) / 3 + 100 = 800 + T / 2, and a + T = 600 + T: within while T <= 400
-    choice = balancer.pick(prompt, 400)
+    balancer.route(prompt, 900)  # a: 900, holding the prefix
+    balancer.route(None, 300)  # b: 300
+    balancer.route(None, 300)  # c: 300
+    # a + T <= bound = 1.5 * (1500 + T) / 3 + T  <=>  900 <= 750 + T / 2: within from T = 300
+    choice = balancer.pick(prompt, 300)
     assert (choice.name, choice.reason, choice.num_matched_tokens) == ("a", "affinity", 8 * BLOCK)
-    choice = balancer.pick(prompt, 402)  # 1002 > 1001
+    choice = balancer.pick(prompt, 298)  # 900 > 899
     assert (choice.name, choice.reason, choice.num_matched_tokens) == ("b", "least_loaded", 0)
 
 
@@ -308,7 +323,7 @@ def simulate(workload, route) -> tuple[float, int]:
 
 
 @pytest.mark.parametrize("config", [
-    BalancerConfig(block_size=BLOCK),  # the defaults: factor 1.25, slack 2048 tokens
+    BalancerConfig(block_size=BLOCK),  # the defaults: factor 1.5, no slack beyond the call's own tokens
     BalancerConfig(block_size=BLOCK, balance_factor=1.5, balance_slack_tokens=512),  # slack ~ 1.5 calls
 ], ids=["default-bound", "tight-bound"])
 def test_prefix_affinity_beats_round_robin_within_the_load_bound(config):
@@ -318,7 +333,8 @@ def test_prefix_affinity_beats_round_robin_within_the_load_bound(config):
 
     def route_affinity(prompt, num_tokens):
         before = loads(balancer)
-        bound = config.balance_factor * (sum(before.values()) + num_tokens) / len(NAMES) + config.balance_slack_tokens
+        bound = (config.balance_factor * (sum(before.values()) + num_tokens) / len(NAMES) + num_tokens
+                 + config.balance_slack_tokens)
         lease = balancer.route(prompt, num_tokens)
         reasons.append(lease.choice.reason)
         excess_over_bound.append(loads(balancer)[lease.name] - bound)

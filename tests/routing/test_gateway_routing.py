@@ -28,7 +28,7 @@ aliases = ["gpt-4o-mini"]
 name = "pair"
 fallbacks = ["small"]
 health = {{interval_s = 0.25, timeout_s = 1.0}}
-balancer = {{balance_slack_tokens = 0}}  # the bound is 1.25 x the mean load: concurrent calls spread
+balancer = {{balance_factor = 1.25}}  # the bound: 1.25 x the mean load + the call: concurrent calls spread
   [[models.replicas]]
   kind = "worker"
   name = "w1"
