@@ -400,8 +400,8 @@ def build_gatekeeper(options: dict, registry=None):
 
 
 def run_usage(args: argparse.Namespace) -> int:
-    """`tokenway usage`: the ledger by key, day and model."""
-    from tokenway.billing.ledger import Ledger
+    """`tokenway usage`: the ledger by key, day and model; requests served apart from those refused."""
+    from tokenway.billing.ledger import USAGE_FIELDS, Ledger
     from tokenway.keys_cli import default_db_path
 
     db = Path(args.db) if args.db else default_db_path()
@@ -414,11 +414,9 @@ def run_usage(args: argparse.Namespace) -> int:
             await ledger.close()
 
     rows = asyncio.run(read())
-    columns = ["key_id", "day", "model", "requests", "prompt_tokens", "cached_tokens", "completion_tokens",
-               "cost_usd"]
-    print("  ".join(f"{c:>14}" for c in columns))
+    print("  ".join(f"{c:>16}" for c in USAGE_FIELDS))
     for row in rows:
-        print("  ".join(f"{row[c]:>14.6f}" if c == "cost_usd" else f"{row[c]!s:>14}" for c in columns))
+        print("  ".join(f"{row[c]:>16.6f}" if c == "cost_usd" else f"{row[c]!s:>16}" for c in USAGE_FIELDS))
     return 0
 
 

@@ -252,6 +252,17 @@ class LedgerCollector(Collector):
         yield CounterMetricFamily("tokenway_ledger_quarantined_rows",
                                   "Ledger rows the database refused or the journal could not read back, kept in "
                                   "the dead-letter file instead.", value=stats["num_rows_quarantined"])
+        if "degraded" not in stats:  # a source that reports the counters only
+            return
+        yield GaugeMetricFamily("tokenway_ledger_degraded",
+                                "1 while the ledger's database is not taking rows (they wait in the journal and "
+                                "are committed once it is back).", value=int(stats["degraded"]))
+        yield GaugeMetricFamily("tokenway_ledger_pending_rows",
+                                "Ledger rows recorded by this process and not yet committed.",
+                                value=stats["num_pending_rows"])
+        yield CounterMetricFamily("tokenway_ledger_dropped_rows",
+                                  "Ledger rows lost: recorded without a journal while the database was down, past "
+                                  "max_pending_rows.", value=stats["num_rows_dropped"])
 
     def describe(self) -> Iterator:
         return iter(())

@@ -335,7 +335,14 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/ready")
     async def ready() -> Response:
         if state.ready and (state.engine is None or state.engine.is_alive) and all(state.router.is_servable(n) for n in state.model_names):
-            return JSONResponse({"status": "ready", "models": list(state.model_names)})
+            body: dict[str, Any] = {"status": "ready", "models": list(state.model_names)}
+            if state.gatekeeper is not None:
+                # A degraded ledger stays ready (200): its database is shared by every gateway, so
+                # a 503 here would take them all out of rotation at once, while each can still
+                # serve safely (rows journaled and replayed once it is back, budgets counting
+                # them meanwhile). The body says so; alert on tokenway_ledger_degraded.
+                body["ledger"] = "degraded" if state.gatekeeper.ledger.health().degraded else "ok"
+            return JSONResponse(body)
         return JSONResponse({"status": "not ready"}, status_code=503, headers={"Retry-After": "1"})
 
     def openapi() -> dict:
@@ -360,7 +367,15 @@ def create_app(state: ServerState) -> FastAPI:
             principal = call_of(request).start.principal
             if key_id is not None and key_id != principal.key_id and not is_admin(request, state.config.admin_key):
                 raise PermissionDeniedError("Only the admin key may read another key's usage.", param="key_id")
-            rows = await state.gatekeeper.ledger.usage(key_id or principal.key_id, since, until)
+            from tokenway.billing.ledger import LedgerUnavailable
+            from tokenway.protocol.errors import ServiceUnavailableError
+
+            try:
+                rows = await state.gatekeeper.ledger.usage(key_id or principal.key_id, since, until)
+            except LedgerUnavailable as exc:
+                raise ServiceUnavailableError("Usage cannot be read while the ledger's database is unreachable; "
+                                              "calls are still recorded.", retry_after=exc.retry_after_s,
+                                              code="ledger_unavailable") from exc
             return {"object": "list", "data": rows}
 
     if state.observer is not None:
