@@ -57,6 +57,7 @@ SERVE_OPTIONS = {
     "db": (str, None),  # SQLite file for API keys and (by default) the ledger
     "ledger_url": (str, None),  # "sqlite:///path" or "postgresql://..."; default: the db file
     "limits_url": (str, "memory"),  # "memory" (one process) or "redis://host:port" (shared)
+    "limits_on_error": (str, "open"),  # while that Redis is down: "open" admits without it, "closed" 503s
     "admin_key": (str, None),  # guards /admin; better from $TOKENWAY_ADMIN_KEY or admin_key_file
     "admin_key_file": (str, None),  # a file holding the admin key (first line)
     # TLS at the gateway: both files, PEM (the key unencrypted)
@@ -164,7 +165,10 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--db", help="SQLite file for API keys and the usage ledger (default: the keys CLI's)")
     serve.add_argument("--ledger-url", help="sqlite:///path or postgresql://... for the usage ledger")
-    serve.add_argument("--limits-url", help="'memory' (default) or redis://host:port to share limits")
+    serve.add_argument("--limits-url", help="'memory' (default) or redis://host:port to share limits and budgets")
+    serve.add_argument("--limits-on-error", choices=["open", "closed"],
+                       help="while the --limits-url Redis is down: open admits calls without its limits (budgets "
+                            "by the ledger's spend), closed refuses them with 503 limits_unavailable (default open)")
     serve.add_argument("--admin-key", help="guards /admin; visible to every user in `ps`: prefer "
                        "$TOKENWAY_ADMIN_KEY or --admin-key-file (none of them: admin API off)")
     serve.add_argument("--admin-key-file", help="a file whose first line is the admin key")
@@ -376,6 +380,7 @@ def build_gatekeeper(options: dict, registry=None):
     from tokenway.billing.ledger import Ledger
     from tokenway.billing.pricing import PriceTable
     from tokenway.gateway.auth import KeyStore
+    from tokenway.gateway.budgets import make_budgets
     from tokenway.gateway.gatekeeper import Defaults, Gatekeeper
     from tokenway.gateway.limits import make_limiter
     from tokenway.keys_cli import default_db_path
@@ -385,17 +390,20 @@ def build_gatekeeper(options: dict, registry=None):
     defaults = Defaults(rpm=options["default_rpm"], tpm=options["default_tpm"], tpd=options["default_tpd"],
                         max_concurrent=options["default_max_concurrent"], max_tokens=options["default_max_tokens"],
                         max_messages=options["max_messages"])
+    # The journal makes a row crash-safe before its response ends, without a DB commit
+    # on that path (billing/journal.py); one per gateway and database, replayed on its next start.
+    ledger = Ledger(options["ledger_url"] or f"sqlite:///{db.resolve()}", journal_dir=db.parent,
+                    journal_name=str(options["port"]))
     return Gatekeeper(
         keys=KeyStore(db),
         limiter=make_limiter(options["limits_url"]),
-        # The journal makes a row crash-safe before its response ends, without a DB commit
-        # on that path (billing/journal.py); one per gateway and database, replayed on its next start.
-        ledger=Ledger(options["ledger_url"] or f"sqlite:///{db.resolve()}", journal_dir=db.parent,
-                      journal_name=str(options["port"])),
+        ledger=ledger,
         prices=registry.price_table(options["prices"]) if registry is not None
         else PriceTable.from_config(options["prices"] or {}),
         defaults=defaults,
         host=options["host"],
+        budgets=make_budgets(options["limits_url"], ledger.spend_usd),
+        limits_on_error=options["limits_on_error"],
     )
 
 

@@ -147,6 +147,14 @@ def secret_from_headers(headers: Mapping[str, str]) -> str | None:
     return api_key.strip() if api_key and api_key.strip() else None
 
 
+def unauthenticated(headers: Mapping[str, str]) -> Principal:
+    """Whom a refused 401 is recorded under: the key_id its secret names if the secret is well
+    formed (not proof of anything: a guess names one too), else ''."""
+    secret = secret_from_headers(headers)
+    key_id = key_id_of(secret) if secret is not None else None
+    return Principal(key_id=key_id or "", name="unauthenticated")
+
+
 def principal_for(headers: Mapping[str, str], store: KeyStore | None) -> Principal:
     """The caller of a request; store None means auth is off and everyone is ANONYMOUS."""
     if store is None:

@@ -1,26 +1,38 @@
 """Stages 1 and 7 around every API call: who is calling, may they, how much, what it cost.
 
     socket ─► GatewayMiddleware ─► authenticate (key → Principal) ─► route: parse, tokenize
-          ─► admit (model allowed? budget left? limits reserve prompt + max_tokens) ─► engine
-          ─► finish: reconcile the reservation to the tokens used, price the usage
+          ─► admit: model allowed? the budget reserves the call's worst-case cost (budgets.py),
+             then the limits reserve prompt + max_tokens of every choice (limits.py) ─► engine
+          ─► finish: price the usage; both reservations settle to what was used and billed
           ─► the ledger row is committed before the response's last byte leaves
 
 The call's facts come as frozen values (server/call.py): admit() makes the Admission, and the
 one ledger row is derived from the call's CallOutcome, whatever happened (completed, refused,
-failed, or the client gone).
+failed, or the client gone). A refused call (401, 403, 429, a 4xx before generation) bills
+nothing, and whatever it had reserved settles to 0. A limits store that cannot answer is
+handled by the limits_on_error policy (outage.py), on every call into it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
 
 from tokenway.billing.ledger import Ledger, UsageRecord
-from tokenway.billing.pricing import PriceTable, cost_usd
+from tokenway.billing.pricing import ModelPrice, PriceTable, cost_usd
 from tokenway.gateway.auth import ANONYMOUS, KeyStore, Principal, authorize_model, needs_auth, principal_for
-from tokenway.gateway.limits import Decision, Limiter, LimitSpec
+from tokenway.gateway.budgets import (
+    BudgetDecision,
+    BudgetReservation,
+    BudgetStore,
+    InProcessBudgets,
+    format_usd,
+    nanos_down,
+    nanos_up,
+)
+from tokenway.gateway.limits import CONCURRENCY_RETRY_S, Decision, Limiter, LimitSpec, LimitsUnavailable, Reservation
+from tokenway.gateway.outage import StoreGuard
 from tokenway.observability.traces import Trace
 from tokenway.protocol.errors import AuthenticationError, InvalidRequestError, RateLimitError
 from tokenway.server.call import Call, CallOutcome
@@ -30,15 +42,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    """Gatekeeper.admit's answer for an admitted call: the limiter's reservation (settled
-    against the tokens used when the call ends) and the x-ratelimit-* headers to send."""
+    """Gatekeeper.admit's answer for an admitted call: the limiter's decision (its reservation
+    and the x-ratelimit-* headers to send) and the budget's reservation, both settled when the
+    call ends: to the tokens used, and to the cost billed."""
 
-    decision: Decision
+    decision: Decision | None  # None: admitted without the limits store (down, limits_on_error open)
     reserved_tokens: int
+    budget: BudgetReservation | None = None  # None: the key has no budget, or its store was down (open)
 
     @property
     def rate_headers(self) -> dict[str, str]:
-        return self.decision.headers
+        return self.decision.headers if self.decision is not None else {}
 
 
 @dataclass(slots=True)
@@ -54,14 +68,19 @@ class Defaults:
 
 
 class Gatekeeper:
+    """budgets: the budget store (default: in process, seeded from `ledger`); limits_on_error:
+    "open" or "closed", what a call gets while the limiter's or the budgets' store is down."""
+
     def __init__(self, keys: KeyStore, limiter: Limiter, ledger: Ledger, prices: PriceTable, defaults: Defaults,
-                 host: str) -> None:
+                 host: str, *, budgets: BudgetStore | None = None, limits_on_error: str = "open") -> None:
         self.keys = keys
         self.limiter = limiter
         self.ledger = ledger
         self.prices = prices
         self.defaults = defaults
         self.host = host
+        self.budgets = budgets if budgets is not None else InProcessBudgets(ledger.spend_usd)
+        self.guard = StoreGuard(limits_on_error)
 
     # -- who -------------------------------------------------------------------------
 
@@ -112,19 +131,66 @@ class Gatekeeper:
             raise InvalidRequestError(f"{max_tokens_param}: {max_tokens} exceeds this key's cap of {cap}",
                                       param=max_tokens_param)
 
-    async def admit(self, principal: Principal, reserve_tokens: int) -> Admission:
-        """Budget, then the limits, reserving prompt + max_tokens of every choice; 429 when refused."""
+    async def admit(self, principal: Principal, model: str, num_prompt_tokens: int, num_completion_tokens: int,
+                    n: int = 1) -> Admission:
+        """The budget, then the limits: the call's worst-case cost and its prompt + max_tokens of
+        every choice (num_completion_tokens: max_tokens * n) are reserved, or it is refused
+        with a 429 and nothing stays reserved."""
+        budget = None
         if principal.budget_usd is not None:
-            spent = await self.ledger.spend_usd(principal.key_id)
-            if spent >= principal.budget_usd:
-                raise RateLimitError(
-                    f"This API key has used its budget (${spent:.4f} of ${principal.budget_usd:.4f}).",
-                    code="insufficient_quota", limit_kind="budget")
-        decision = await self.limiter.admit(principal.key_id, self.limit_spec(principal), reserve_tokens)
+            budget = await self._reserve_budget(principal, model, num_prompt_tokens, num_completion_tokens, n)
+        reserve_tokens = num_prompt_tokens + num_completion_tokens
+        try:
+            decision = await self._reserve_limits(principal, reserve_tokens)
+        except BaseException:
+            if budget is not None:
+                self.guard.spawn(self._settle_stores(None, 0, budget, 0))
+            raise
+        return Admission(decision, reserve_tokens, budget)
+
+    async def _reserve_limits(self, principal: Principal, reserve_tokens: int) -> Decision | None:
+        spec = self.limit_spec(principal)
+        try:
+            decision = await self.guard.call("limits", lambda: self.limiter.admit(principal.key_id, spec,
+                                                                                  reserve_tokens))
+        except LimitsUnavailable:
+            self.guard.by_policy()
+            return None
         if not decision.allowed:
             raise RateLimitError(self._refusal(decision, reserve_tokens), retry_after=decision.retry_after_s,
                                  code=f"rate_limit_exceeded_{decision.limit_kind}", limit_kind=decision.limit_kind)
-        return Admission(decision, reserve_tokens)
+        return decision
+
+    async def _reserve_budget(self, principal: Principal, model: str, num_prompt_tokens: int,
+                              num_completion_tokens: int, n: int) -> BudgetReservation | None:
+        # Which prompt tokens the cache holds is known only once the call has run: uncached here.
+        price = self.prices.price(model)
+        worst = nanos_up(cost_usd(price, num_prompt_tokens, 0, num_completion_tokens))
+        budget = nanos_down(principal.budget_usd)
+        try:
+            decision = await self.guard.call("budgets", lambda: self.budgets.reserve(principal.key_id, budget, worst))
+        except LimitsUnavailable:
+            self.guard.by_policy()
+            try:  # open: the ledger's total still refuses a key that has used it all
+                decision = BudgetDecision(None, nanos_up(await self.ledger.spend_usd(principal.key_id)), 0)
+            except Exception:  # noqa: BLE001 - the ledger is down too: open admits
+                return None
+            if decision.spent_nanos < budget:
+                return None
+        if decision.reservation is not None:
+            return decision.reservation
+        left = budget - decision.spent_nanos  # calls in flight hold some of it: a retry may pass
+        raise RateLimitError(budget_refusal(price, decision, budget, worst, num_prompt_tokens, n),
+                             retry_after=CONCURRENCY_RETRY_S if worst <= left and left > 0 else None,
+                             code="insufficient_quota", limit_kind="budget")
+
+    async def rate_headers(self, principal: Principal) -> dict[str, str]:
+        """The x-ratelimit-* headers of a response the limiter did not admit ({} while its store is down)."""
+        spec = self.limit_spec(principal)
+        try:
+            return await self.guard.call("limits", lambda: self.limiter.headers(principal.key_id, spec))
+        except LimitsUnavailable:
+            return {}
 
     @staticmethod
     def _refusal(decision: Decision, reserve_tokens: int) -> str:
@@ -140,16 +206,28 @@ class Gatekeeper:
         return cost_usd(self.prices.price(model), outcome.prompt_tokens, outcome.cached_tokens,
                         outcome.completion_tokens)
 
-    def _settle(self, admission: Admission | None, outcome: CallOutcome) -> None:
-        """Give back the unused part of the call's reservation."""
-        if admission is None or admission.decision.reservation is None:
+    def _settle(self, admission: Admission | None, outcome: CallOutcome, cost: float) -> None:
+        """Turn the call's reservations into what it used (tokens) and billed (cost), in the background."""
+        if admission is None:
             return
-        used = outcome.prompt_tokens + outcome.completion_tokens
-        asyncio.get_running_loop().create_task(self.limiter.reconcile(admission.decision.reservation, used))
+        reservation = admission.decision.reservation if admission.decision is not None else None
+        if reservation is None and admission.budget is None:
+            return
+        used_tokens = outcome.prompt_tokens + outcome.completion_tokens
+        self.guard.spawn(self._settle_stores(reservation, used_tokens, admission.budget, nanos_up(cost)))
 
-    def usage_record(self, call: Call, outcome: CallOutcome) -> UsageRecord:
+    async def _settle_stores(self, reservation: Reservation | None, used_tokens: int,
+                             budget: BudgetReservation | None, used_nanos: int) -> None:
+        # Kept and replayed if a store is down: a reconcile or settle of a reservation its store
+        # no longer holds is harmless (budgets_redis.py: the epoch).
+        if budget is not None:
+            await self.guard.settle("budgets", lambda: self.budgets.settle(budget, used_nanos))
+        if reservation is not None:
+            await self.guard.settle("limits", lambda: self.limiter.reconcile(reservation, used_tokens))
+
+    def usage_record(self, call: Call, outcome: CallOutcome, cost: float | None = None) -> UsageRecord:
         """The ledger row, with the call's trace as of now (the commit is the billing stage)."""
-        trace = Trace.of_call(call, outcome, self.cost_usd(call.model, outcome))
+        trace = Trace.of_call(call, outcome, self.cost_usd(call.model, outcome) if cost is None else cost)
         return UsageRecord(
             request_id=call.request_id,
             key_id=call.start.principal.key_id,
@@ -175,8 +253,9 @@ class Gatekeeper:
         call.committed = True
         call.end_as_sent(status)
         call.clock.start_billing()
-        self._settle(call.admission, call.outcome)
-        return self.usage_record(call, call.outcome)
+        cost = self.cost_usd(call.model, call.outcome)
+        self._settle(call.admission, call.outcome, cost)
+        return self.usage_record(call, call.outcome, cost)
 
     async def commit(self, call: Call, status: int = 0) -> None:
         """Write the call's one ledger row and wait until it is durable."""
@@ -191,5 +270,34 @@ class Gatekeeper:
             self.ledger.record_nowait(row)
 
     async def close(self) -> None:
+        await self.guard.close()  # the last settlements, before their stores close
         await self.ledger.close()
         await self.limiter.close()
+        await self.budgets.close()
+
+
+def budget_refusal(price: ModelPrice, decision: BudgetDecision, budget: int, worst: int, num_prompt_tokens: int,
+                   n: int) -> str:
+    """What a call refused by its key's budget is told: the budget, what remains, and what would fit."""
+    spent, held = decision.spent_nanos, decision.held_nanos
+    left = budget - spent
+    if left <= 0:
+        return f"This API key has used its budget: {format_usd(spent)} of {format_usd(budget)} spent, nothing remains."
+    cost = (f"This request may cost up to {format_usd(worst)} (its prompt and max_tokens at the model's price, "
+            f"the prompt uncached)")
+    remains = f"{format_usd(left)} that remains of this API key's {format_usd(budget)} budget"
+    if worst <= left:
+        return f"{cost}; of the {remains}, {format_usd(held)} is held by its calls in flight. Retry when they finish."
+    fit = max_tokens_within(price, num_prompt_tokens, n, left)
+    return f"{cost}, more than the {remains}" + (f"; lower max_tokens to {fit} or less." if fit else ".")
+
+
+def max_tokens_within(price: ModelPrice, num_prompt_tokens: int, n: int, left: int) -> int:
+    """The largest max_tokens whose worst case (n choices) costs at most `left` nanos; 0: none does."""
+    if price.output <= 0 or nanos_up(cost_usd(price, num_prompt_tokens, 0, n)) > left:
+        return 0
+    prompt = cost_usd(price, num_prompt_tokens, 0, 0)
+    max_tokens = max(1, int((left / 1e9 - prompt) * 1e6 / (price.output * n)))
+    while max_tokens > 1 and nanos_up(cost_usd(price, num_prompt_tokens, 0, max_tokens * n)) > left:
+        max_tokens -= 1
+    return max_tokens

@@ -69,7 +69,15 @@ class Decision:
     headers: dict[str, str]
 
 
+class LimitsUnavailable(Exception):
+    """A shared store (the limiter's or the budgets', budgets.py) cannot answer: unreachable,
+    timed out, refusing writes. The gateway then follows its limits_on_error policy
+    (gateway/outage.py); anything else a backend raises is a bug."""
+
+
 class Limiter(Protocol):
+    """Every method may raise LimitsUnavailable, and nothing else for a store that is down."""
+
     async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int) -> Decision: ...
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None: ...

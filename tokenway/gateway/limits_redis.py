@@ -16,6 +16,10 @@ hash tag (a cluster keeps a key's state on one node):
 Every admit sets all seven to expire together after the longest horizon that matters
 (the window, the reservation TTL, the day when the key has a TPD), so an idle key leaves
 nothing behind and the sums never outlive what they sum.
+
+A Redis that is down, slow or refusing writes raises LimitsUnavailable within about
+timeout_s (connect, command and pool waits are all bounded, and a dropped connection is
+retried once, on a new one, so a restarted Redis answers at once).
 """
 
 from __future__ import annotations
@@ -23,12 +27,17 @@ from __future__ import annotations
 import uuid
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import RedisError
 
 from tokenway.gateway.limits import (
     CONCURRENCY_RETRY_S,
     NUM_DAY_BUCKETS,
     Decision,
     LimitSpec,
+    LimitsUnavailable,
     Refusal,
     Reservation,
     Windows,
@@ -181,6 +190,32 @@ def _limit_arg(value: int | None) -> int:
     return -1 if value is None else value
 
 
+def connect(url: str, timeout_s: float) -> aioredis.Redis:
+    """A client whose every wait is bounded by about timeout_s: a dead Redis must not hang calls."""
+    # A pool that waits for a free connection: the default one raises MaxConnectionsError
+    # once admissions plus background reconciles pass 100 at a time. One retry, on a fresh
+    # connection, for a pooled connection that a restarted Redis dropped; no backoff: a Redis
+    # that is really down answers the policy's way now, not after redis-py's ten retries.
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=256, timeout=timeout_s, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1))
+    return aioredis.Redis(connection_pool=pool)
+
+
+def redacted(url: str) -> str:
+    """The URL for log lines: no user or password."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}"
+
+
+async def run_script(script: AsyncScript, keys: list[str], args: list, where: str):
+    """One EVALSHA; LimitsUnavailable (naming the store, never its password) if Redis cannot answer."""
+    try:
+        return await script(keys=keys, args=args)
+    except (RedisError, OSError, TimeoutError) as exc:
+        raise LimitsUnavailable(f"{where}: {type(exc).__name__}: {exc}") from None
+
+
 class RedisLimiter:
     def __init__(
         self,
@@ -190,15 +225,17 @@ class RedisLimiter:
         day_s: float = 86400.0,
         reservation_ttl_s: float = 600.0,
         prefix: str = "tokenway:limits",
+        timeout_s: float = 1.0,
     ):
         self.windows = Windows.from_seconds(window_s, day_s, reservation_ttl_s)
         self._day_us = self.windows.bucket_us * NUM_DAY_BUCKETS
         self._prefix = prefix
-        # A pool that waits for a free connection: the default one raises MaxConnectionsError
-        # (a 500) once admissions plus background reconciles pass 100 at a time.
-        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=256, timeout=10)
-        self._redis = aioredis.Redis(connection_pool=pool)
+        self.where = redacted(url)
+        self._redis = connect(url, timeout_s)
         self._script = self._redis.register_script(LUA_SCRIPT)  # EVALSHA, loading it once if missing
+
+    async def _run(self, key_id: str, args: list) -> list:
+        return await run_script(self._script, self._keys(key_id), args, self.where)
 
     def _keys(self, key_id: str) -> list[str]:
         base = f"{self._prefix}:{{{key_id}}}"
@@ -225,9 +262,9 @@ class RedisLimiter:
             round(CONCURRENCY_RETRY_S * 1e6),
         ]
         if refusal is not None:  # nothing to record: only the headers' state is needed
-            state = WindowState(*await self._script(keys=self._keys(key_id), args=self._args("peek")))
+            state = WindowState(*await self._run(key_id, self._args("peek")))
             return make_decision(spec, state, None, refusal)
-        kind, wait_us, now_us, *state = await self._script(keys=self._keys(key_id), args=args)
+        kind, wait_us, now_us, *state = await self._run(key_id, args)
         if kind != 0:
             return make_decision(spec, WindowState(*state), None, Refusal(KIND_NAMES[kind], wait_us))
         reservation = Reservation(key_id, reservation_id, reserve_tokens, now_us / 1e6)
@@ -237,10 +274,10 @@ class RedisLimiter:
         if used_tokens < 0:
             raise ValueError(f"used_tokens must be >= 0, got {used_tokens}")
         args = self._args("reconcile") + [reservation.reservation_id, used_tokens]
-        await self._script(keys=self._keys(reservation.key_id), args=args)
+        await self._run(reservation.key_id, args)
 
     async def headers(self, key_id: str, spec: LimitSpec) -> dict[str, str]:
-        state = await self._script(keys=self._keys(key_id), args=self._args("peek"))
+        state = await self._run(key_id, self._args("peek"))
         return rate_headers(spec, WindowState(*state))
 
     async def close(self) -> None:

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenway.gateway.auth import ANONYMOUS
+from tokenway.gateway.auth import ANONYMOUS, unauthenticated
 from tokenway.gateway.gatekeeper import Gatekeeper
 from tokenway.observability.observer import Observer
 from tokenway.observability.routes import observability_router
@@ -83,8 +83,10 @@ class GatewayMiddleware:
     /v1 calls, enforce the route's body limit (Content-Length up front, a running count for
     chunked bodies), put the x-ratelimit-* headers and x-request-id on the response, answer
     anything unexpected with a 500 (never a traceback), and write the call's ledger row: before
-    the last byte of the response leaves, or (the client gone) right after. Last, a generation
-    call's trace goes to the observer."""
+    the last byte of the response leaves, or (the client gone) right after; a generation call
+    refused by auth gets its row too, queued after the 401. Last, a generation call's trace
+    goes to the observer. Nothing here raises once a response has started: an exception out of
+    an ASGI app after http.response.start makes the server drop the keep-alive connection."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int, gatekeeper: Gatekeeper | None,
                  observer: Observer | None) -> None:
@@ -130,8 +132,18 @@ class GatewayMiddleware:
             try:
                 principal = gatekeeper.authenticate(headers)
             except TokenwayError as exc:
-                await error_response(path, exc, CallStart.now(path).request_id)(scope, receive, send)
-                return exc.status, None
+                if not generation_call:
+                    await error_response(path, exc, CallStart.now(path).request_id)(scope, receive, send)
+                    return exc.status, None
+                # One row per refusal, batched with the others (a flood of 401s is a flood of rows,
+                # never of commits), under the key the secret names, billing nothing.
+                refused = Call(CallStart.now(path, unauthenticated(headers)), clock)
+                refused.end_with_error(exc.status, exc.message)
+                try:
+                    await error_response(path, exc, refused.request_id)(scope, receive, send)
+                finally:
+                    gatekeeper.commit_nowait(refused, exc.status)
+                return exc.status, refused
         clock.end("auth")
         call = Call(CallStart.now(path, principal, headers.get("traceparent")), clock)
         scope.setdefault("state", {})["call"] = call
@@ -150,28 +162,34 @@ class GatewayMiddleware:
                     raise too_large
             return message
 
+        async def with_policy_headers(message: Message) -> Message:
+            extra = {}
+            if call.admission is not None:
+                extra.update(call.admission.rate_headers)
+            elif gatekeeper is not None and needs_api_key(path):
+                # Not admitted through the limiter (a 400, a 429, /v1/models...): still tell the
+                # caller where its limits stand, as OpenAI does on every response.
+                extra.update(await gatekeeper.rate_headers(principal))
+            if generation_call:  # every answer to a generation call names the id to trace it by
+                extra.setdefault("x-request-id", call.request_id)
+                extra.update(safety_headers(call))
+            if not extra:
+                return message
+            response_headers = list(message.get("headers", []))
+            present = {name.lower() for name, _ in response_headers}
+            if b"request-id" in present:  # /v1/messages sends Anthropic's name for it
+                extra.pop("x-request-id", None)
+            response_headers += [(k.encode(), v.encode()) for k, v in extra.items() if k.encode() not in present]
+            return {**message, "headers": response_headers}
+
         async def send_with_policy(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
+                try:
+                    message = await with_policy_headers(message)
+                except Exception:  # a bug: the response goes out all the same, without them
+                    logger.exception("response headers on %s", path)
                 status = message["status"]
-                extra = {}
-                if call.admission is not None:
-                    extra.update(call.admission.rate_headers)
-                elif gatekeeper is not None and needs_api_key(path):
-                    # Not admitted through the limiter (a 400, a 429, /v1/models...): still tell the
-                    # caller where its limits stand, as OpenAI does on every response.
-                    extra.update(await gatekeeper.limiter.headers(principal.key_id, gatekeeper.limit_spec(principal)))
-                if generation_call:  # every answer to a generation call names the id to trace it by
-                    extra.setdefault("x-request-id", call.request_id)
-                    extra.update(safety_headers(call))
-                if extra:
-                    response_headers = list(message.get("headers", []))
-                    present = {name.lower() for name, _ in response_headers}
-                    if b"request-id" in present:  # /v1/messages sends Anthropic's name for it
-                        extra.pop("x-request-id", None)
-                    response_headers += [(k.encode(), v.encode()) for k, v in extra.items()
-                                         if k.encode() not in present]
-                    message = {**message, "headers": response_headers}
             elif ledgered and not message.get("more_body") and not call.committed:
                 await gatekeeper.commit(call, status)
             await send(message)
@@ -185,7 +203,7 @@ class GatewayMiddleware:
             await self.app(scope, limited_receive, send_with_policy)
         except Exception:
             # A bug, not the client's doing: log it whole, answer a plain 500 (with the request
-            # id, billed in the ledger like any other outcome) if nothing was sent yet.
+            # id, in the ledger like any other outcome) if nothing was sent yet.
             logger.exception("unhandled error on %s", path)
             call.end_with_error(500, "internal server error")
             if status == 0:

@@ -14,10 +14,16 @@
 `Call` only carries them: each slot is written once (a second write is a bug, and raises),
 nothing in it is mutated afterwards, and the ledger row and the trace are both derived from
 the same outcome, never written piecemeal.
+
+Billing follows generation: a call refused (401, 403, 429, any 4xx) or failed before its
+replica produced anything bills no tokens, whoever reports its outcome; its row keeps the
+status and the reason. A call that generated and then failed (a 5xx mid-stream), or whose
+client left (499), bills what its outcome counts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -76,6 +82,10 @@ class CallOutcome:
     safety_output_action: str | None = None
     safety_output_ms: float = 0.0
 
+    def unbilled(self) -> CallOutcome:
+        """The same outcome with no tokens: a call that generated nothing."""
+        return dataclasses.replace(self, prompt_tokens=0, cached_tokens=0, completion_tokens=0, max_choice_tokens=0)
+
 
 class Call:
     __slots__ = ("clock", "start", "route", "job", "admission", "replica", "outcome", "committed", "screening",
@@ -128,7 +138,13 @@ class Call:
     def end(self, outcome: CallOutcome) -> None:
         """The call's one outcome; a later report (the middleware's fallback) is ignored."""
         if self.outcome is None:
-            self.outcome = outcome
+            self.outcome = outcome if self._generated(outcome) else outcome.unbilled()
+
+    def _generated(self, outcome: CallOutcome) -> bool:
+        """Whether the outcome's tokens are owed: it succeeded, its client left, or its replica
+        had started (the router names it at the first event; "" when none could run it)."""
+        started = self.replica is not None and bool(self.replica.replica)
+        return outcome.status < 400 or outcome.status == 499 or started
 
     def end_as_sent(self, status: int) -> None:
         """An outcome for a call that ended without one of its own: the status sent, or 499
@@ -136,6 +152,6 @@ class Call:
         self.end(CallOutcome(status or 499, error=None if status else "client disconnected"))
 
     def end_with_error(self, status: int, error: str, limit_kind: str | None = None) -> None:
-        """An outcome for a call that failed before any output: what the job would have billed."""
-        num_prompt_tokens = self.job.num_prompt_tokens if self.job is not None else 0
-        self.end(CallOutcome(status, prompt_tokens=num_prompt_tokens, error=error, limit_kind=limit_kind))
+        """An outcome for a call that failed before any output (refused, or the client gone
+        while its body was read): nothing generated, nothing billed."""
+        self.end(CallOutcome(status, error=error, limit_kind=limit_kind))

@@ -234,9 +234,13 @@ class ServerState:
         return [new if new != old else None for new, old in zip(screening.redacted, texts)]
 
     async def admit(self, call: Call) -> None:
-        """Budget and limits, reserving prompt + max_tokens for every choice. Raises 429."""
+        """Budget and limits, reserving the worst-case cost and prompt + max_tokens for every
+        choice. Raises 429 (503 while the limits store is down, under limits_on_error closed)."""
         if self.gatekeeper is not None:
-            call.set_admission(await self.gatekeeper.admit(call.start.principal, call.job.num_reserved_tokens))
+            job = call.job
+            num_prompt_tokens = job.num_prompt_tokens
+            call.set_admission(await self.gatekeeper.admit(call.start.principal, call.model, num_prompt_tokens,
+                                                           job.num_reserved_tokens - num_prompt_tokens, job.n))
         call.clock.end("limits")
 
     async def prepare(self, request, prepare: Callable[..., Any], *args: Any) -> Any:

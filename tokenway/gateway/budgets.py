@@ -1,0 +1,227 @@
+"""Per-key budgets by reservation, as limits.py does tokens.
+
+    reserve(key_id, budget_nanos, worst_nanos) ─► BudgetDecision: a BudgetReservation, or a refusal
+        ... the call runs ...
+    settle(reservation, used_nanos) ─► the reservation becomes the call's actual cost, in one step
+
+A call reserves its worst case (gatekeeper.py: the prompt and every choice's max_tokens at the
+model's price, cached tokens priced as uncached) and settles to what its ledger row bills; a
+call refused after it was admitted settles to 0. Amounts are integer nano-dollars, so sums
+are exact: a cost rounds up (nanos_up), a budget down (nanos_down). Both backends keep, per key:
+
+  spent   the settled spend: seeded from the ledger (Ledger.spend_usd, committed rows plus
+          this process's rows not yet committed) the first time the store sees the key, then
+          plus every settled cost, here, so a cost is counted from its settlement on and
+          never waits for its ledger commit
+  held    the sum of the reservations in flight, each expiring reservation_ttl_s after it was
+          made (a gateway that died gives its holds back; its settle then adds the cost alone)
+
+reserve admits iff spent + held + worst <= budget and spent < budget (a key that has used it
+all is refused even a free call), atomically (no await between reading and writing here; one
+Lua script in Redis, budgets_redis.py), so for every key, while each call costs no more than
+it reserved: spent + held <= budget, and the ledger's total <= spent.
+A call's worst case exceeds its cost only for a model tokenway cannot tokenize (its prompt
+is an estimate until the upstream's usage comes back).
+
+Keys that gain a budget while their unbudgeted calls run: those calls reserved nothing and
+settle nothing here; the seed counts them only if their rows are in the ledger by then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tokenway.gateway.limits import LimitsUnavailable
+
+NANOS_PER_USD = 10**9
+# Lua's numbers are doubles: integers are exact up to 2**53 nanos (about $9 million); a budget
+# above that is as good as none.
+MAX_NANOS = 2**53 - 1
+
+# The ledger's view of a key's spend in USD, for the seed (Ledger.spend_usd).
+SpendSeed = Callable[[str], Awaitable[float]]
+
+
+def nanos_up(usd: float) -> int:
+    """A cost in nanos, rounded up (after dropping float noise: 0.0015 * 1e9 is 1499999.9999999998)."""
+    if not math.isfinite(usd) or usd < 0:
+        raise ValueError(f"an amount must be finite and >= 0, got {usd!r}")
+    return min(MAX_NANOS, math.ceil(round(usd * NANOS_PER_USD, 3)))
+
+
+def nanos_down(usd: float) -> int:
+    """A budget in nanos, rounded down: the budget is never exceeded by a rounding."""
+    if not math.isfinite(usd) or usd < 0:
+        raise ValueError(f"an amount must be finite and >= 0, got {usd!r}")
+    return min(MAX_NANOS, math.floor(round(usd * NANOS_PER_USD, 3)))
+
+
+def format_usd(nanos: int) -> str:
+    """$0.50, $0.034, $0.000123: cents always, more digits only where they say something."""
+    text = f"{nanos / NANOS_PER_USD:,.6f}".rstrip("0")
+    whole, _, cents = text.partition(".")
+    return f"${whole}.{cents.ljust(2, '0')}"
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetReservation:
+    """What reserve() holds for one call until settle()."""
+
+    key_id: str
+    reservation_id: str
+    reserved_nanos: int
+    # The key's state it was made in: Redis re-seeds a key whose state it lost under a new
+    # epoch, and a settle for the old one is dropped (the seed read the ledger, which has the call).
+    epoch: str
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetDecision:
+    reservation: BudgetReservation | None  # None: refused
+    spent_nanos: int  # the key's settled spend when decided
+    held_nanos: int  # the other calls' reservations in flight when decided
+
+    @property
+    def allowed(self) -> bool:
+        return self.reservation is not None
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetState:
+    spent_nanos: int
+    held_nanos: int
+
+
+class BudgetStore(Protocol):
+    """Every method may raise LimitsUnavailable (the store or the ledger's seed cannot answer)."""
+
+    async def reserve(self, key_id: str, budget_nanos: int, worst_nanos: int) -> BudgetDecision: ...
+
+    async def settle(self, reservation: BudgetReservation, used_nanos: int) -> None:
+        """Replace the reservation by the call's cost; at most once per reservation."""
+
+    async def state(self, key_id: str) -> BudgetState | None:
+        """The key's spend and holds; None for a key the store has not seeded."""
+
+    async def close(self) -> None: ...
+
+
+def check_amounts(budget_nanos: int, worst_nanos: int) -> None:
+    if budget_nanos < 0 or worst_nanos < 0:
+        raise ValueError(f"budget and worst case must be >= 0 nanos, got {budget_nanos}, {worst_nanos}")
+
+
+class SeedReader:
+    """The ledger's spend of a key in nanos, read once however many calls ask at the same time
+    (a cold key's burst is one ledger read); LimitsUnavailable when the ledger cannot say."""
+
+    def __init__(self, seed: SpendSeed) -> None:
+        self._seed = seed
+        self._key_to_read: dict[str, asyncio.Future[int]] = {}
+
+    async def read(self, key_id: str) -> int:
+        read = self._key_to_read.get(key_id)
+        if read is None:
+            read = self._key_to_read[key_id] = asyncio.ensure_future(self._read(key_id))
+            read.add_done_callback(lambda _: self._key_to_read.pop(key_id, None))
+        return await asyncio.shield(read)  # a caller cancelled does not cancel the others' read
+
+    async def _read(self, key_id: str) -> int:
+        try:
+            return nanos_up(await self._seed(key_id))
+        except Exception as exc:  # noqa: BLE001 - a database down, a ledger closed: the outage's log line names it
+            raise LimitsUnavailable(f"the ledger cannot seed {key_id}'s spend: {type(exc).__name__}: {exc}") from None
+
+
+@dataclass(slots=True)
+class _KeyBudget:
+    spent_nanos: int
+    held_nanos: int = 0
+    rid_to_nanos: dict[str, int] = field(default_factory=dict)  # in flight
+    # (expires_us, reservation_id) in reservation order; settled ones are skipped lazily.
+    expiry_order: deque[tuple[int, str]] = field(default_factory=deque)
+
+
+class InProcessBudgets:
+    """The embedded backend: one _KeyBudget per key. Atomic within one event loop because no
+    method awaits between reading and writing a key's state (not thread-safe). Gateways that
+    do not share Redis each count their own spend on top of their own seed."""
+
+    EPOCH = "local"
+
+    def __init__(self, seed: SpendSeed, *, reservation_ttl_s: float = 600.0) -> None:
+        if reservation_ttl_s <= 0:
+            raise ValueError("reservation_ttl_s must be positive")
+        self._seeds = SeedReader(seed)
+        self._ttl_us = round(reservation_ttl_s * 1e6)
+        self._key_to_state: dict[str, _KeyBudget] = {}
+        self._reservation_ids = itertools.count()
+
+    async def reserve(self, key_id: str, budget_nanos: int, worst_nanos: int) -> BudgetDecision:
+        check_amounts(budget_nanos, worst_nanos)
+        state = self._key_to_state.get(key_id)
+        if state is None:
+            spent = await self._seeds.read(key_id)
+            # Another call may have seeded it during the await; its state (and holds) stands.
+            state = self._key_to_state.setdefault(key_id, _KeyBudget(spent))
+        now = time.monotonic_ns() // 1000
+        self._prune(state, now)
+        spent, held = state.spent_nanos, state.held_nanos
+        if spent + held + worst_nanos > budget_nanos or spent >= budget_nanos:
+            return BudgetDecision(None, spent, held)
+        reservation = BudgetReservation(key_id, str(next(self._reservation_ids)), worst_nanos, self.EPOCH)
+        state.rid_to_nanos[reservation.reservation_id] = worst_nanos
+        state.held_nanos += worst_nanos
+        state.expiry_order.append((now + self._ttl_us, reservation.reservation_id))
+        return BudgetDecision(reservation, spent, held)
+
+    async def settle(self, reservation: BudgetReservation, used_nanos: int) -> None:
+        if used_nanos < 0:
+            raise ValueError(f"used_nanos must be >= 0, got {used_nanos}")
+        state = self._key_to_state.get(reservation.key_id)
+        if state is None:
+            return
+        self._prune(state, time.monotonic_ns() // 1000)
+        held = state.rid_to_nanos.pop(reservation.reservation_id, None)
+        if held is not None:
+            state.held_nanos -= held
+        # An expired reservation gave its hold back already; the cost is owed all the same.
+        state.spent_nanos += used_nanos
+
+    async def state(self, key_id: str) -> BudgetState | None:
+        state = self._key_to_state.get(key_id)
+        if state is None:
+            return None
+        self._prune(state, time.monotonic_ns() // 1000)
+        return BudgetState(state.spent_nanos, state.held_nanos)
+
+    async def close(self) -> None:
+        self._key_to_state.clear()
+
+    def _prune(self, state: _KeyBudget, now: int) -> None:
+        while state.expiry_order:
+            expires_us, reservation_id = state.expiry_order[0]
+            if reservation_id in state.rid_to_nanos and expires_us > now:
+                break
+            state.expiry_order.popleft()
+            held = state.rid_to_nanos.pop(reservation_id, None)
+            if held is not None:
+                state.held_nanos -= held
+
+
+def make_budgets(url: str | None, seed: SpendSeed) -> BudgetStore:
+    """The budget store beside the limits: in process for "memory", else the same Redis."""
+    if url is None or url == "memory":
+        return InProcessBudgets(seed)
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from tokenway.gateway.budgets_redis import RedisBudgets  # redis is only needed for this backend
+
+        return RedisBudgets(url, seed)
+    raise ValueError(f"limits backend must be 'memory' or a redis:// URL, got {url!r}")

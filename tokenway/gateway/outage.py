@@ -1,0 +1,137 @@
+"""What the gateway does while its limits store (the limiter's and the budgets' Redis) is down.
+
+    limits_on_error = "open"    the default: admit calls without the limits store's limits and
+                                reservations (a budget falls back to the ledger's spend: a key
+                                that has used it all is still refused), and say so in the log
+    limits_on_error = "closed"  refuse them: 503 limits_unavailable with Retry-After
+
+StoreGuard runs every call into the stores. A store that fails (LimitsUnavailable) is tried
+again by one call a probe interval, and the calls in between go by the policy at once, so a
+dead or black-holed Redis costs calls nothing but a probe now and then. One warning when an
+outage starts (at most one a minute, however often the store flaps) and one line when it
+ends; never a traceback per call. Budget settlements that could not be written are kept
+(the newest max_unsettled) and replayed once the budgets' store answers again. Background work
+(settlements, reconciles) runs as tasks the guard holds until done; close() waits for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+from tokenway.gateway.limits import LimitsUnavailable
+from tokenway.protocol.errors import ServiceUnavailableError
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+LIMITS_ON_ERROR = ("open", "closed")
+LOG_INTERVAL_S = 60.0
+
+
+class StoreGuard:
+    def __init__(self, on_error: str = "open", *, probe_interval_s: float = 1.0, max_unsettled: int = 100_000
+                 ) -> None:
+        if on_error not in LIMITS_ON_ERROR:
+            raise ValueError(f"limits_on_error: expected one of {', '.join(LIMITS_ON_ERROR)}, got {on_error!r}")
+        self.on_error = on_error
+        self.probe_interval_s = probe_interval_s
+        self._store_to_next_probe: dict[str, float] = {}  # the stores down now
+        self._outage_started: float | None = None
+        self._outage_logged = False
+        self._last_logged = -LOG_INTERVAL_S
+        self.num_calls_by_policy = 0  # in this outage: admitted without the stores (open) or refused (closed)
+        # Settlements that failed, to replay: (the store's name, the operation).
+        self._unsettled: deque[tuple[str, Callable[[], Awaitable[None]]]] = deque(maxlen=max_unsettled)
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def is_down(self) -> bool:
+        return bool(self._store_to_next_probe)
+
+    async def call(self, store: str, operation: Callable[[], Awaitable[T]]) -> T:
+        """operation() unless `store` is down and not due for a probe; LimitsUnavailable if it fails or is skipped."""
+        next_probe = self._store_to_next_probe.get(store)
+        if next_probe is not None:
+            now = time.monotonic()
+            if now < next_probe:
+                raise LimitsUnavailable(f"{store} store down")
+            self._store_to_next_probe[store] = now + self.probe_interval_s  # this call probes; the others wait
+        try:
+            result = await operation()
+        except LimitsUnavailable as exc:
+            self._failed(store, exc)
+            raise
+        if next_probe is not None:
+            self._recovered(store)
+        return result
+
+    def by_policy(self) -> None:
+        """A call the stores could not decide: a 503 under `closed`; under `open` it goes on."""
+        self.num_calls_by_policy += 1
+        if self.on_error == "closed":
+            raise ServiceUnavailableError("The limits store is unavailable, so this gateway cannot check this "
+                                          "key's limits and budget; retry shortly.",
+                                          retry_after=self.probe_interval_s, code="limits_unavailable")
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` in the background, held until it is done."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def settle(self, store: str, operation: Callable[[], Awaitable[None]]) -> None:
+        """A settlement: done now, or kept for replay if the store cannot take it."""
+        try:
+            await self.call(store, operation)
+        except LimitsUnavailable:
+            self._unsettled.append((store, operation))
+
+    async def close(self) -> None:
+        if self._tasks:
+            await asyncio.wait(self._tasks)
+
+    def _failed(self, store: str, exc: LimitsUnavailable) -> None:
+        now = time.monotonic()
+        self._store_to_next_probe[store] = now + self.probe_interval_s
+        if self._outage_started is not None:
+            return
+        self._outage_started = now
+        self.num_calls_by_policy = 0
+        self._outage_logged = now - self._last_logged >= LOG_INTERVAL_S
+        if self._outage_logged:
+            self._last_logged = now
+            action = ("admitting calls without its limits and reservations (budgets by the ledger's spend)"
+                      if self.on_error == "open" else "refusing calls with 503 limits_unavailable")
+            logger.warning("tokenway: limits store unavailable (%s); limits_on_error=%s: %s until it answers",
+                           exc, self.on_error, action)
+
+    def _recovered(self, store: str) -> None:
+        if self._store_to_next_probe.pop(store, None) is None:
+            return  # a probe that overlapped this one answered first
+        if self._unsettled:
+            self.spawn(self._replay(store))
+        if self._store_to_next_probe or self._outage_started is None:
+            return
+        if self._outage_logged:
+            verb = "admitted" if self.on_error == "open" else "refused"
+            logger.warning("tokenway: limits store answering again after %.1f s; %d calls %s by limits_on_error=%s "
+                           "meanwhile", time.monotonic() - self._outage_started, self.num_calls_by_policy, verb,
+                           self.on_error)
+        self._outage_started = None
+
+    async def _replay(self, store: str) -> None:
+        for _ in range(len(self._unsettled)):
+            name, operation = self._unsettled.popleft()
+            if name != store:
+                self._unsettled.append((name, operation))
+                continue
+            try:
+                await self.call(store, operation)
+            except LimitsUnavailable:
+                self._unsettled.appendleft((name, operation))
+                return
