@@ -137,3 +137,23 @@ async def test_without_a_journal_an_unstorable_row_is_logged_and_the_caller_is_n
         assert await ledger.get("fine") is not None
     assert any('"request_id": "huge"' in r.getMessage() for r in caplog.records)
 
+
+
+def test_rows_reads_the_file_up_to_an_end_and_quarantines_nothing_twice(tmp_path):
+    dead = DeadLetters(tmp_path / "dead.jsonl")
+    journal = Journal(tmp_path, "sqlite:///a.db", "8000", dead)
+    journal.append(make_record("left-1"))
+    journal.close()
+    with open(journal.path, "ab") as f:
+        f.write(b"torn\n")  # quarantined when the journal is opened again
+    journal = Journal(tmp_path, "sqlite:///a.db", "8000", dead)
+    assert dead.num_rows == 1
+    for i in range(5):
+        journal.append(make_record(f"new-{i}"))
+    end = journal.end()
+    journal.append(make_record("after-end"))
+    batches = list(journal.rows(end, batch_max=2))
+    assert [[r.request_id for r in batch] for batch in batches] == [["left-1", "new-0"], ["new-1", "new-2"],
+                                                                      ["new-3", "new-4"]]
+    assert dead.num_rows == 1
+    journal.close()

@@ -152,3 +152,17 @@ async def test_closing_during_an_outage_leaves_the_rows_in_the_journal_for_the_n
         assert restarted.health().num_pending_rows == 0  # committed before the start returned
         assert len(restarted.journal_path.read_bytes().splitlines()) == 1
     assert [request_id for request_id, _ in committed_rows(url)] == ["committed"] + [f"journaled-{i}" for i in range(5)]
+
+
+async def test_a_spend_read_is_what_finds_the_outage_and_the_ledger_recovers_with_no_row_to_commit(own_postgres):
+    url = own_postgres.new_database()
+    async with Ledger(url) as ledger:
+        await asyncio.to_thread(own_postgres.stop)
+        try:
+            with pytest.raises(LedgerUnavailable):
+                await ledger.spend_usd("key-a")
+            assert ledger.health().degraded and ledger.health().num_pending_rows == 0
+        finally:
+            await asyncio.to_thread(own_postgres.start)
+        assert await wait_for(lambda: not ledger.health().degraded)
+        assert await ledger.spend_usd("key-a") == 0.0

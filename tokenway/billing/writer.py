@@ -240,6 +240,8 @@ class LedgerWriter:
     # ---- degraded ----
 
     def _begin_outage(self, error: Exception) -> None:
+        close_quietly(self._store)
+        self._store = None
         self.outage = Outage(time.time(), repr(error))
         self._retry_delay_s = RETRY_FIRST_S
         self._retry_at = time.monotonic() + RETRY_FIRST_S * random.uniform(0.5, 1.0)
@@ -271,7 +273,11 @@ class LedgerWriter:
         _settle([job.waiter for job in jobs], self.unavailable())
 
     def _recover(self) -> None:
-        """One attempt to end the outage: commit the rows in memory, then the journal's."""
+        """One attempt to end the outage: connect, commit the rows in memory, then the journal's."""
+        try:  # with nothing to commit (an outage a seed ran into) the connection is the test
+            self._store = self._store or open_store(self.url)
+        except Exception as exc:
+            return self._retry_later(exc)
         num_replayed = 0
         while self._held:
             jobs = [self._held[index] for index in range(min(self.batch_max, len(self._held)))]
