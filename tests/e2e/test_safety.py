@@ -3,7 +3,8 @@ not, through both SDKs, on a real server (its own flag policy, and keys with pol
 own); what a redacted call leaves in the ledger, the log and the trace; POST /v1/moderations.
 
 The default model is made to write a secret deterministically with a json_schema whose
-property is a const: the reply is exactly {"contact": "<the secret>"}."""
+property is a const: the reply is exactly {"contact": "<the secret>"}. The input screen reads
+schemas too, so those calls use keys whose policy screens the output only."""
 
 from __future__ import annotations
 
@@ -49,14 +50,16 @@ def trace(server: Server, request_id: str, key: str) -> dict:
 
 @pytest.fixture(scope="module")
 def safety_server(default_model_dir, tmp_path_factory):
-    """One server: its own policy flags (email and credit_card); three keys with policies of
-    their own, which win over it: strict (block input, redact output), lenient (redact input,
-    block output); plain has none."""
+    """One server: its own policy flags (email and credit_card); keys with policies of their
+    own, which win over it: strict (block input, redact output), lenient (redact input, block
+    output), redacting and blocking (output only: redact, block); plain has none."""
     db = tmp_path_factory.mktemp("safety") / "keys.db"
     with KeyStore(db) as store:
         keys = {"plain": store.create("plain")[0],
                 "strict": store.create("strict", safety=SafetyPolicy(input="block", output="redact"))[0],
-                "lenient": store.create("lenient", safety=SafetyPolicy(input="redact", output="block"))[0]}
+                "lenient": store.create("lenient", safety=SafetyPolicy(input="redact", output="block"))[0],
+                "redacting": store.create("redacting", safety=SafetyPolicy(output="redact"))[0],
+                "blocking": store.create("blocking", safety=SafetyPolicy(output="block"))[0]}
     server = Server("--no-embeddings", "--safety-input", "flag", "--safety-output", "flag",
                     "--safety-categories", "email,credit_card", db=db)
     server.keys = keys
@@ -72,6 +75,16 @@ def strict(safety_server):
 @pytest.fixture(scope="module")
 def lenient(safety_server):
     return safety_server, safety_server.keys["lenient"]
+
+
+@pytest.fixture(scope="module")
+def redacting(safety_server):
+    return safety_server, safety_server.keys["redacting"]
+
+
+@pytest.fixture(scope="module")
+def blocking(safety_server):
+    return safety_server, safety_server.keys["blocking"]
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +117,8 @@ def test_blocked_input_is_a_400_in_both_apis_streamed_or_not(strict):
     assert oa.chat.completions.create(model=MODEL, messages=ask("Say hi."), max_tokens=5).choices[0].finish_reason
 
 
-def test_redacted_output_streamed_and_not_and_what_it_leaves_behind(strict):
-    server, key = strict
+def test_redacted_output_streamed_and_not_and_what_it_leaves_behind(redacting):
+    server, key = redacting
     oa, _ = clients(server, key)
     request = dict(model=MODEL, messages=ask("Give me the contact."), response_format=const_reply(EMAIL),
                    max_tokens=40, temperature=0)
@@ -117,7 +130,7 @@ def test_redacted_output_streamed_and_not_and_what_it_leaves_behind(strict):
     assert stream_text(oa, **request) == (content, "stop")
     entry = trace(server, reply.id, key)
     assert entry["safety"]["output"]["categories"] == ["email"] and entry["safety"]["output"]["action"] == "redact"
-    assert entry["safety"]["input"]["categories"] == [] and entry["stages_ms"]["safety"] >= 0
+    assert "input" not in entry["safety"] and entry["stages_ms"]["safety"] >= 0  # this key screens output only
     # Neither the ledger row, the trace nor the server's log holds the secret.
     assert EMAIL not in json.dumps(server.ledger_row(reply.id)) and EMAIL not in json.dumps(entry)
     assert EMAIL not in server.read_log()
@@ -140,8 +153,8 @@ def test_redacted_input_is_what_the_model_sees(lenient):
     assert EMAIL not in server.read_log() and EMAIL not in json.dumps(server.ledger_row(message.parse().id))
 
 
-def test_blocked_output_ends_with_content_filter(lenient):
-    server, key = lenient
+def test_blocked_output_ends_with_content_filter(blocking):
+    server, key = blocking
     oa, an = clients(server, key)
     request = dict(model=MODEL, messages=ask("Give me the contact."), response_format=const_reply(CARD),
                    max_tokens=40, temperature=0)
@@ -183,8 +196,8 @@ def test_moderations_in_openais_shape(flagging):
         oa.moderations.create(input="")
 
 
-def test_a_secret_in_tool_call_arguments_is_redacted_streamed_or_not(strict):
-    server, key = strict
+def test_a_secret_in_tool_call_arguments_is_redacted_streamed_or_not(redacting):
+    server, key = redacting
     oa, an = clients(server, key)
     tool = {"type": "function", "function": {"name": "send_mail", "description": "Send a mail", "parameters": {
         "type": "object", "properties": {"to": {"const": EMAIL}}, "required": ["to"]}}}

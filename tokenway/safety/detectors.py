@@ -9,13 +9,30 @@ api_key regex), then keeps, among overlapping candidates, the most specific cate
 (api_key > credit_card > iban > email > phone), so a key whose digits look like a phone number
 is reported once, as a key. A Finding holds only offsets, so a secret is never copied into it.
 
+The patterns are ASCII. The input screen (screen.py) runs them on a normalized view of the
+request (normalize.py: other scripts' digits, fullwidth forms, invisible characters, odd spaces
+and dashes, look-alike letters folded), so what they see is what a reader sees. On that view:
+  cards     groups split by a space, dash, dot or slash (blanks around it allowed) or a line
+            break, one kind per number; a bare line break may cut a group (a card split across
+            two texts: the screen joins a request's texts with line breaks), and a candidate
+            running from one line's number into the next is tried again line by line
+  IBANs     groups of any size split by a blank or a line break
+  api keys  broken by blanks or line breaks: the pieces after the first are joined up to the
+            first that reads as a word ("and", "Then", "2024"), so prose after a key stays out
+
 Scores: 1.0 where the match is checked beyond its shape (Luhn and IIN range for cards, mod-97
 and the country's length for IBANs) or is an exact key format; 0.95 for emails; 0.8 for phone
 numbers, 0.9 when a word such as "phone" or "call" comes just before.
 
 Deliberately not detected: obfuscated emails ("ann at example dot com"), lowercase IBANs,
 plain digit runs as phone numbers ("4155550132"), card numbers whose groups are not 4-digit
-led ("41 1111 1111 1111 11").
+led ("41 1111 1111 1111 11"), a card led by another number on its line ("ref 1234 4111 1111
+1111 1111" is one 20-digit run, and trying every group as a start would multiply false
+positives in lists of numbers), a key whose prefix itself is broken ("s k-proj-...").
+
+Out of a pattern detector's reach, left to a guard model (guard.py): secrets encoded (base64,
+hex, URL or JSON escapes), reversed, spelled out ("four one one one ..."), interleaved with
+other text, or spread over more than two places; numbers in a JSON array split into items.
 """
 
 from __future__ import annotations
@@ -68,6 +85,16 @@ _KEY_PREFIX_TO_REST = (
 _KEY_PATTERNS = tuple(
     (prefix, re.compile(f"{re.escape(prefix)}(?<![{_KEY_CHARS}]{re.escape(prefix)}){rest}(?![{_KEY_CHARS}])"))
     for prefix, rest in _KEY_PREFIX_TO_REST)
+# A prefix and what may be its key, broken by blanks or line breaks (up to 32 times): the pieces
+# are joined and checked against the key's pattern in Python (_key_end). Not for JWTs, whose dots
+# a piece does not hold.
+_BROKEN_KEYS = tuple(
+    (prefix, re.compile(f"{re.escape(prefix)}(?<![{_KEY_CHARS}]{re.escape(prefix)})[{_KEY_CHARS}]*"
+                        f"(?:[ \t\n]{{1,2}}[{_KEY_CHARS}]+){{0,32}}"), pattern)
+    for prefix, pattern in _KEY_PATTERNS if prefix != "eyJ")
+_JWT = next(pattern for prefix, pattern in _KEY_PATTERNS if prefix == "eyJ")
+_KEY_PIECE = re.compile(f"[{_KEY_CHARS}]+")
+_WORD_PART = re.compile(r"[-_]")
 # The whole PEM block when its END line follows; else the header alone.
 _PEM = re.compile(r"-----BEGIN ((?:[A-Z0-9]+ )*)PRIVATE KEY-----"
                   r"(?:[A-Za-z0-9+/=:,\s-]{0,16384}?-----END \1PRIVATE KEY-----)?")
@@ -81,12 +108,43 @@ def _is_mixed(body: str) -> bool:
             and any(ch.islower() for ch in body))
 
 
+def _is_word(piece: str) -> bool:
+    """Whether a piece after a blank reads as prose ("and", "Then", "API", "2024", "well-known")
+    rather than the rest of a random key, which nearly always mixes cases or letters and digits."""
+    return all(part.isdigit() or part.isalpha() and (part.islower() or part.isupper() or part.istitle())
+               for part in _WORD_PART.split(piece))
+
+
+def _key_end(run: str, pattern: re.Pattern[str]) -> int | None:
+    """Where the key `run` starts with ends (an offset in `run`), or None: its first piece and
+    the pieces after it up to the first that reads as a word (one of one or two characters,
+    "d" or "Ab", is a key's if what follows it does not read as one), as many as make a key."""
+    pieces = list(_KEY_PIECE.finditer(run))
+    words = [_is_word(piece.group()) for piece in pieces]
+    num_kept = 1
+    while num_kept < len(pieces) and (not words[num_kept] or len(pieces[num_kept].group()) <= 2
+                                      and num_kept + 1 < len(pieces) and not words[num_kept + 1]):
+        num_kept += 1
+    pieces = pieces[:num_kept]
+    for num_pieces in range(len(pieces), 0, -1):
+        key = "".join(piece.group() for piece in pieces[:num_pieces])
+        if pattern.fullmatch(key) and (not key.startswith("sk-") or _is_mixed(_SK_KIND.sub("", key))):
+            return pieces[num_pieces - 1].end()
+    return None
+
+
 def _find_api_keys(text: str, windows: list[tuple[int, int]]) -> Iterator[Finding]:
-    for prefix, pattern in _KEY_PATTERNS:
+    for prefix, broken, pattern in _BROKEN_KEYS:
         if prefix in text:
-            for m in pattern.finditer(text):
-                if prefix != "sk-" or _is_mixed(_SK_KIND.sub("", m.group())):
-                    yield Finding("api_key", m.start(), m.end(), 1.0)
+            position = 0
+            while (m := broken.search(text, position)) is not None:
+                end = _key_end(m.group(), pattern)
+                if end is not None:
+                    yield Finding("api_key", m.start(), m.start() + end, 1.0)
+                position = m.start() + (end or len(prefix))
+    if "eyJ" in text:
+        for m in _JWT.finditer(text):
+            yield Finding("api_key", m.start(), m.end(), 1.0)
     if "PRIVATE KEY-----" in text:
         for m in _PEM.finditer(text):
             yield Finding("api_key", m.start(), m.end(), 1.0)
@@ -96,8 +154,9 @@ def _find_api_keys(text: str, windows: list[tuple[int, int]]) -> Iterator[Findin
 
 # A card, IBAN or phone number holds a digit run; scanning the text once for runs and then
 # running the three regexes only near them is what keeps a long prompt cheap. Digits are ASCII
-# (re.ASCII below): other scripts' digits are not detected.
-_NUMBER_RUN = re.compile(r"[0-9][0-9 ()+./-]*")
+# (re.ASCII below): the input screen hands detect() its normalized view (normalize.py), where
+# every script's digits are ASCII ones.
+_NUMBER_RUN = re.compile(r"[0-9][0-9 \t\n()+./-]*")
 # Context a window keeps around a run: before, an IBAN's country code and a phone's "+" or "(";
 # after, an IBAN's letter groups ("MALT", "MTLC AST0") and what the lookaheads read.
 _MARGIN_BEFORE, _MARGIN_AFTER = 4, 12
@@ -124,8 +183,12 @@ def _finditer_in(pattern: re.Pattern[str], text: str, windows: list[tuple[int, i
 
 # ---- credit_card ---------------------------------------------------------------------------------
 
-# 13-19 digits, optionally in groups split by one space or dash; checked further in Python.
-_CARD = re.compile(r"(?<![\w.,/-])\d{4}(?:[ -]?\d){9,15}(?![\w]|[.,/-]\d)", re.ASCII)
+# 13-19 digits, optionally in groups split by a space, a dash, a dot or a slash (with blanks
+# around it) or by a line break; checked further in Python. The three kinds of gap match
+# disjoint strings, so a failing candidate cannot backtrack through many ways of reading it.
+_CARD_GAP = r"(?:[ \t]{0,2}\n[ \t]{0,2}|[ \t]?\n?[ \t]?[./-][ \t]?\n?[ \t]?|[ \t]{1,2})"
+_CARD = re.compile(rf"(?<![\w.,/-])\d(?:{_CARD_GAP}?\d){{12,18}}(?![\w]|[.,/-]\d)", re.ASCII)
+_DIGITS_OR_GAP = re.compile(r"\d+|\D+", re.ASCII)
 # (first digits range, allowed lengths) per scheme.
 _IIN_RANGES = (
     ((4, 4), (13, 16, 19)),  # Visa
@@ -155,22 +218,67 @@ def _known_scheme(digits: str) -> bool:
     return False
 
 
+def _card_ok(candidate: str) -> bool:
+    """Whether a _CARD match is a card: one kind of separator, groups of 3-6 digits led by one
+    of 4-6, 13-19 digits in all in a known scheme's range and length, Luhn. A bare line break
+    may cut a group (a card split across two texts, or wrapped): the digits around it are one
+    group, and the groups a line break touches are not held to the group lengths."""
+    groups: list[str] = []
+    loose: list[bool] = []  # per group: a line break cuts it or is next to it
+    kinds: set[str] = set()
+    merge = loose_next = False
+    for token in _DIGITS_OR_GAP.findall(candidate):
+        if token[0].isdigit():
+            if merge:
+                groups[-1] += token
+                loose[-1] = True
+            else:
+                groups.append(token)
+                loose.append(loose_next)
+            merge = loose_next = False
+            continue
+        kind = token.strip(" \t\n") or (" " if token.strip("\n") else None)
+        if kind is None:
+            merge = True
+            continue
+        kinds.add(kind)
+        if "\n" in token:
+            loose[-1] = loose_next = True
+    if len(kinds) > 1:
+        return False
+    if kinds and (not all(is_loose or 3 <= len(group) <= 6 for group, is_loose in zip(groups, loose))
+                  or not loose[0] and len(groups[0]) < 4):
+        return False
+    digits = "".join(groups)
+    return 13 <= len(digits) <= 19 and _known_scheme(digits) and luhn_ok(digits)
+
+
 def _find_cards(text: str, windows: list[tuple[int, int]]) -> Iterator[Finding]:
-    for m in _finditer_in(_CARD, text, windows):
-        candidate = m.group()
-        separators = set(re.findall(r"[ -]", candidate))
-        if len(separators) > 1:
-            continue
-        digits = candidate.replace(" ", "").replace("-", "")
-        if separators and not all(3 <= len(g) <= 6 for g in re.split(r"[ -]", candidate)):
-            continue
-        if 13 <= len(digits) <= 19 and _known_scheme(digits) and luhn_ok(digits):
-            yield Finding("credit_card", m.start(), m.end(), 1.0)
+    for start, end in windows:
+        position = start
+        while (m := _CARD.search(text, position, end)) is not None:
+            candidate, position = m.group(), m.end()
+            if _card_ok(candidate):
+                yield Finding("credit_card", m.start(), m.end(), 1.0)
+            elif "\n" in candidate:
+                # A candidate across line breaks may join one text's number to the next one's
+                # (a reference ending a message, a card starting the next): a card may be in
+                # its first lines, else it is looked for again from its next line on.
+                breaks = [i for i, ch in enumerate(candidate) if ch == "\n"]
+                first_lines = (candidate[:i].rstrip(" \t\n./-") for i in reversed(breaks))
+                card = next((lines for lines in first_lines if _card_ok(lines)), None)
+                if card is not None:
+                    yield Finding("credit_card", m.start(), m.start() + len(card), 1.0)
+                    position = m.start() + len(card)
+                else:
+                    position = m.start() + breaks[0] + 1
 
 
 # ---- iban ----------------------------------------------------------------------------------------
 
-_IBAN = re.compile(r"(?<![A-Za-z0-9])[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,3})?(?![A-Za-z0-9])", re.ASCII)
+# Country, check digits, then 11-30 letters and digits, in groups of any size split by a blank
+# or a line break; cut to the country's length in Python.
+_IBAN = re.compile(r"(?<![A-Za-z0-9])[A-Z]{2}\d{2}(?:[ \n]{0,2}[A-Z0-9]){11,30}(?![A-Za-z0-9])", re.ASCII)
 # The SWIFT IBAN registry's lengths; a country not here is not an IBAN.
 IBAN_COUNTRY_TO_LENGTH = {
     "AD": 24, "AE": 23, "AL": 28, "AT": 20, "AZ": 28, "BA": 20, "BE": 16, "BG": 22, "BH": 22, "BI": 27,
@@ -199,13 +307,13 @@ def _find_ibans(text: str, windows: list[tuple[int, int]]) -> Iterator[Finding]:
             continue
         # The regex may run on into a following word ("... 3000 AND"): cut at the country's
         # length, and only where a group ends.
-        offsets = [i for i, ch in enumerate(m.group()) if ch != " "]
+        offsets = [i for i, ch in enumerate(m.group()) if ch not in " \n"]
         if len(offsets) < length:
             continue
         end = m.start() + offsets[length - 1] + 1
-        if end < m.end() and text[end] != " ":
+        if end < m.end() and text[end] not in " \n":
             continue
-        if iban_ok(text[m.start():end].replace(" ", "")):
+        if iban_ok(text[m.start():end].replace(" ", "").replace("\n", "")):
             yield Finding("iban", m.start(), end, 1.0)
 
 

@@ -1,8 +1,13 @@
-"""The safety stage: a call's input screened after templating (before admission), its output
+"""The safety stage: a call's input screened before templating (before admission), its output
 screened as it streams (before the client sees it), by the configured checks, under a policy.
 
     SafetyPolicy(input="block", output="redact", categories=...)       the server's (--safety-*)
-    screen_input(policy, texts)  -> InputScreening(findings, action, redacted texts)
+    screen_input(policy, texts)  -> InputScreening(categories, action, redacted texts)
+                   texts: every text the request carries into the prompt (channels.py), read
+                   as one normalized view (normalize.py), so a secret split between two of
+                   them or disguised in other scripts' digits, invisible characters or
+                   look-alike letters is found; each finding redacts the original characters
+                   it covers, in each text it covers
     OutputScreen(policy).feed(text) -> ScreenedText(text, categories, blocked)   one per choice
                         .finish()   -> the text held back, screened
 
@@ -26,11 +31,14 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenway.routing.job import ToolCallDelta
+from tokenway.safety.channels import PromptText
 from tokenway.safety.detectors import CATEGORIES, Finding, detect, redact
 from tokenway.safety.guard import GUARD_FORMATS
+from tokenway.safety.normalize import JoinedView
 
 MODES = ("off", "flag", "redact", "block")
 _DIGIT_GROUPS_TAIL = 64
@@ -89,27 +97,53 @@ class SafetyPolicy:
 class InputScreening:
     """What the input check found and did: categories found (sorted, once each), the action
     taken (flag, redact, block; None when nothing was found), the texts redacted where the
-    action is redact, and how long it took."""
+    action is redact, the request field of the first finding, and how long it took. Under a
+    redact policy the action is block where a finding is in a text that cannot be redacted."""
 
     categories: tuple[str, ...] = ()
     action: str | None = None
     redacted: tuple[str, ...] | None = None
     ms: float = 0.0
+    param: str | None = None
 
 
-def screen_input(policy: SafetyPolicy, texts: list[str]) -> InputScreening:
-    """Screen the texts of a call's input (each message's text, in order)."""
+def screen_input(policy: SafetyPolicy, texts: Sequence[PromptText | str]) -> InputScreening:
+    """Screen the texts a call carries into its prompt (a str is a PromptText of its own)."""
     if policy.input == "off":
         return InputScreening()
     started = time.perf_counter()
-    found = [policy.findings(text) for text in texts]
-    categories = tuple(sorted({f.category for findings in found for f in findings}))
-    if not categories:
+    texts = [text if isinstance(text, PromptText) else PromptText(text) for text in texts]
+    view = JoinedView.of([text.text for text in texts], [text.flows for text in texts])
+    found = policy.findings(view.text)
+    if not found:
         return InputScreening(ms=(time.perf_counter() - started) * 1000)
-    redacted = None
-    if policy.input == "redact":
-        redacted = tuple(redact(text, findings) if findings else text for text, findings in zip(texts, found))
-    return InputScreening(categories, policy.input, redacted, (time.perf_counter() - started) * 1000)
+    index_to_spans: dict[int, list[tuple[int, int, str]]] = {}
+    for finding in found:
+        for index, start, end in view.pieces(finding.start, finding.end):
+            spans = index_to_spans.setdefault(index, [])
+            if spans and start < spans[-1][1]:  # two findings in one character folded into several
+                spans[-1] = (spans[-1][0], max(end, spans[-1][1]), spans[-1][2])
+            else:
+                spans.append((start, end, finding.category))
+    categories = tuple(sorted({f.category for f in found}))
+    param = texts[min(index_to_spans)].param
+    action, redacted = policy.input, None
+    if action == "redact":
+        if all(texts[index].redactable for index in index_to_spans):
+            redacted = tuple(_redact_spans(text.text, index_to_spans[i]) if i in index_to_spans else text.text
+                             for i, text in enumerate(texts))
+        else:
+            action = "block"
+    return InputScreening(categories, action, redacted, (time.perf_counter() - started) * 1000, param)
+
+
+def _redact_spans(text: str, spans: list[tuple[int, int, str]]) -> str:
+    pieces, position = [], 0
+    for start, end, category in spans:
+        pieces += (text[position:start], f"[REDACTED:{category}]")
+        position = end
+    pieces.append(text[position:])
+    return "".join(pieces)
 
 
 @dataclass(frozen=True, slots=True)

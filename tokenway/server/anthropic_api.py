@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from functools import partial
 from types import SimpleNamespace
 from typing import AsyncIterator
 
@@ -13,6 +14,7 @@ from starlette.responses import Response
 from tokenway.protocol.anthropic import map_stop_reason, to_chat_messages, to_chat_tools
 from tokenway.protocol.errors import anthropic_error_body
 from tokenway.routing.job import GenerationJob, ToolCallDelta
+from tokenway.safety.channels import ChatInput, screen_chat
 from tokenway.server import sse
 from tokenway.server.call import Call
 from tokenway.server.generation import ChoiceResult, Generation, framed_stream
@@ -40,7 +42,8 @@ def prepare(state: ServerState, body, call: Call) -> Generation:
     """The adaptor for Messages: the body becomes the same GenerationJob a chat call makes."""
     model = state.route(body, call)
     tools, tool_choice = openai_tools(body)
-    messages = to_chat_messages(body)
+    chat_input = screen_chat(partial(state.screen, call), ChatInput(to_chat_messages(body), tools))
+    messages, tools = chat_input.messages, chat_input.tools
     fields = SimpleNamespace(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=None,
                              presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None)
     parallel = False if getattr(body.tool_choice, "disable_parallel_tool_use", None) else None

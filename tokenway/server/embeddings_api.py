@@ -1,6 +1,7 @@
 """POST /v1/embeddings: OpenAI's shape, through the same stages as a generation call.
 
-    body ─► EmbeddingRequest ─► routing (the embeddings model, its pool) ─► tokenize (checked ids)
+    body ─► EmbeddingRequest ─► routing (the embeddings model, its pool) ─► safety (each input's
+         text screened) ─► tokenize (checked ids)
          ─► EmbeddingsJob ─► admit (the caller's token limits reserve the inputs' tokens)
          ─► EmbeddingEngine (batched with other calls' inputs) ─► one CallOutcome ─► JSON
 
@@ -11,6 +12,7 @@ forward pass is timed as the prefill stage.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -18,7 +20,9 @@ from starlette.responses import JSONResponse, Response
 from tokenway.protocol.embeddings import EmbeddingRequest, embedding_response
 from tokenway.protocol.errors import NotFoundError, TokenwayError
 from tokenway.routing.job import EmbeddingsJob
+from tokenway.embeddings import EmbeddingEngine
 from tokenway.routing.router import ReplicaChoice
+from tokenway.safety.channels import prompt_texts
 from tokenway.server.call import Call, CallOutcome, RouteChoice
 from tokenway.server.http import ClientDisconnected, parse_body, unless_disconnected
 from tokenway.server.serving import ServerState, log_request, new_id
@@ -38,7 +42,8 @@ async def create_embeddings(state: ServerState, request: Request, call: Call) ->
     call.set_replica(ReplicaChoice(name, "local", "only"))
     clock = call.clock
     clock.end("routing")
-    token_ids = await embedder.tokenize(body.input, dimensions=body.dimensions)
+    value = await state.prepare(request, screen_inputs, state, call, embedder, body.input)
+    token_ids = await embedder.tokenize(value, dimensions=body.dimensions)
     job = EmbeddingsJob(new_id("embd-"), name, tuple(tuple(ids) for ids in token_ids), body.encoding_format)
     call.set_job(job)
     clock.end("tokenize")
@@ -62,6 +67,28 @@ async def create_embeddings(state: ServerState, request: Request, call: Call) ->
     clock.end("postprocess")
     finish(call, CallOutcome(200, prompt_tokens=num_tokens))
     return JSONResponse(payload, headers={"Server-Timing": clock.server_timing(), "x-request-id": job.request_id})
+
+
+def screen_inputs(state: ServerState, call: Call, embedder: EmbeddingEngine, value: Any) -> Any:
+    """The safety stage for embeddings: each input's text (token ids decoded with the model's
+    tokenizer) screened on its own; `value` as it came, or with the redacted inputs in place
+    (an input given as token ids, its redacted text's ids)."""
+    items = [value] if isinstance(value, str) or type(value[0]) is int else value
+    model = embedder.model
+    texts = [item if isinstance(item, str) else "" for item in items]
+
+    def decoded() -> Any:
+        for i, item in enumerate(items):
+            if not isinstance(item, str):
+                texts[i] = model.tokenizer.decode([t for t in item if t < model.vocab_size])
+        yield from prompt_texts(texts, "input")
+
+    redacted = state.screen(call, decoded(), "input")
+    if redacted is None:
+        return value
+    new_items = [item if new == text else new if isinstance(item, str) else model.tokenize([new])[0]
+                 for item, text, new in zip(items, texts, redacted)]
+    return new_items if items is value else new_items[0]
 
 
 def finish(call: Call, outcome: CallOutcome) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any, AsyncIterator, Callable
 
 from tokenway.engine.request import TokenLogprob
@@ -10,6 +11,7 @@ from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.model import ModelFrontend
 from tokenway.protocol.errors import ContextLengthExceededError, InvalidRequestError, openai_error_body
 from tokenway.routing.job import GenerationJob, ToolCallDelta, estimate_tokens
+from tokenway.safety.channels import ChatInput, prompt_texts, screen_chat
 from tokenway.server import sse
 from tokenway.server.call import Call
 from tokenway.server.generation import Generation, framed_stream
@@ -97,10 +99,11 @@ def prepare_chat(state: ServerState, body, call: Call) -> tuple[Generation]:
     if hasattr(tool_choice, "model_dump"):
         tool_choice = tool_choice.model_dump(exclude_none=True)
     response_format = body.response_format.model_dump(exclude_none=True, by_alias=True) if body.response_format else None
-    messages = body.template_messages()
+    chat_input = screen_chat(partial(state.screen, call), ChatInput(body.template_messages(), tools, response_format))
+    tools, response_format = chat_input.tools, chat_input.response_format
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     logprobs = top_logprobs if body.logprobs else None
-    chat = state.template_chat(call, model, messages, tools, tool_choice, body.max_output_tokens, param,
+    chat = state.template_chat(call, model, chat_input.messages, tools, tool_choice, body.max_output_tokens, param,
                                len(body.messages), body.parallel_tool_calls, response_format,
                                body.continue_final_message)
     params = make_sampling_params(body, chat.max_tokens, chat.structured, logprobs, body.stop,
@@ -237,14 +240,31 @@ def templated_token_ids(frontend: ModelFrontend, messages: list[dict], tools: li
 
 
 def screen_prompt(state: ServerState, body, call: Call) -> None:
-    """The safety stage for a completion: its prompt's text (token ids are not screened)."""
-    prompt = body.prompt
-    texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)] \
-        if isinstance(prompt, list) else []
-    redacted = state.screen(call, texts, "prompt")
+    """The safety stage for a completion: each prompt's text, token ids decoded with the
+    model's tokenizer first; a redacted prompt given as token ids becomes its redacted text.
+    Token ids for a model tokenway has no tokenizer for cannot be read: refused under a block
+    or redact policy, passed unread under flag."""
+    frontend = state.frontend(call.model)
+    prompts = body.prompts
+    texts = [prompt if isinstance(prompt, str) else "" for prompt in prompts]
+
+    def decoded() -> Any:
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                continue
+            if frontend is not None:
+                texts[i] = frontend.tokenizer.decode(t for t in prompt if t < frontend.vocab_size)
+            elif state.safety_policy(call.model, call.start.principal).input in ("block", "redact"):
+                raise InvalidRequestError(
+                    "prompt: this server's content policy reads every prompt, and token ids for this model "
+                    "cannot be read (tokenway has no tokenizer for it); send the prompt as text", param="prompt",
+                    code="content_policy_unreadable")
+        yield from prompt_texts(texts, "prompt")
+
+    redacted = state.screen(call, decoded(), "prompt")
     if redacted is not None:
-        new = [r if r is not None else t for r, t in zip(redacted, texts)]
-        body.prompt = new[0] if isinstance(prompt, str) else new
+        new = [prompt if new == text else new for prompt, text, new in zip(prompts, texts, redacted)]
+        body.prompt = new if prompts is body.prompt else new[0]  # prompts wraps a single prompt in a list
 
 
 def prepare_completion(state: ServerState, body, call: Call) -> tuple[Generation, str]:

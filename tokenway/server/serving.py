@@ -36,6 +36,7 @@ from tokenway.protocol.errors import (
 from tokenway.routing.job import GenerationJob, estimate_chat_tokens
 from tokenway.routing.replicas import LocalReplica
 from tokenway.routing.router import Pool, Router
+from tokenway.safety.channels import PromptText
 from tokenway.safety.guard import ask_guard
 from tokenway.safety.screen import SafetyPolicy, screen_input
 from tokenway.server.body_parser import BodyParser
@@ -183,10 +184,8 @@ class ServerState:
         """A chat call's prompt for its model (stage 3), the same for every chat API: templated
         and checked against the window where tokenway has the model's tokenizer; else left to the
         upstream, with max_tokens checked against the config's window and an estimated prompt.
-        The safety stage screens the messages first, so a redacted prompt is templated once."""
-        redacted = self.screen(call, (text_content(m.get("content")) for m in messages), "messages")
-        if redacted is not None:
-            messages = [m if text is None else {**m, "content": text} for m, text in zip(messages, redacted)]
+        The adaptor has had the safety stage screen the call's input (screen) first, so a
+        redacted prompt is templated once."""
         frontend = self.frontend(model)
         if frontend is None:
             window = self.max_model_len(model)
@@ -214,24 +213,23 @@ class ServerState:
             return principal.safety
         return self.config.model_safety.get(model, self.config.safety)
 
-    def screen(self, call: Call, texts: Iterable[str], param: str) -> list[str | None] | None:
-        """The safety stage's input check (safety/screen.py) of a call's texts, in order: raises
-        ContentPolicyViolationError (400) under a block policy that finds something; under a
-        redact policy, the texts redacted (None where a text is unchanged); else None. The
-        texts are read only when a policy is on."""
+    def screen(self, call: Call, texts: Iterable[PromptText], param: str = "messages") -> tuple[str, ...] | None:
+        """The safety stage's input check (safety/screen.py) of every text a call carries into
+        its prompt (safety/channels.py): raises ContentPolicyViolationError (400, naming the
+        field of the first finding, else `param`) under a block policy that finds something, or
+        a redact policy that finds something it cannot redact in place; under a redact policy
+        that finds something, the texts redacted (every one, in order); else None. The texts
+        are read only when a policy is on."""
         policy = self.safety_policy(call.model, call.start.principal)
         if policy.input == "off":
             call.clock.end("safety")
             return None
-        texts = list(texts)
-        screening = screen_input(policy, texts)
+        screening = screen_input(policy, list(texts))
         call.set_screening(screening)
         call.clock.end("safety")
         if screening.action == "block":
-            raise ContentPolicyViolationError(screening.categories, param=param)
-        if screening.redacted is None:
-            return None
-        return [new if new != old else None for new, old in zip(screening.redacted, texts)]
+            raise ContentPolicyViolationError(screening.categories, param=screening.param or param)
+        return screening.redacted
 
     async def admit(self, call: Call) -> None:
         """Budget and limits, reserving the worst-case cost and prompt + max_tokens for every
