@@ -83,8 +83,9 @@ async def main(args: argparse.Namespace) -> None:
             await record_for(args.outage_s)
             spend = sum([await ledger.spend_usd(f"key-{i}") for i in range(20)])
             health = ledger.health()
-            print(f"outage {args.outage_s:.0f} s at {args.rate:.0f} rows/s: {len(recorded) - num_before} rows recorded, "
-                  f"{health.num_pending_rows} pending, writer connected {num_connects - connects_before} times")
+            print(f"outage {args.outage_s:.0f} s at {args.rate:.0f} rows/s: {len(recorded) - num_before} rows "
+                  f"recorded, {health.num_pending_rows} pending, writer connected {num_connects - connects_before} "
+                  "times")
             print(f"spend during the outage ${spend:.4f}, recorded ${sum(r.cost_usd for r in recorded):.4f}")
             await asyncio.to_thread(postgres, "start")
             up_at = time.monotonic()
