@@ -117,8 +117,11 @@ def _build_folding() -> _Folding:
     for code in (*range(0x00, 0x09), *range(0x0B, 0x20), 0x7F):  # ASCII controls but tab and newline
         folded = _fold_char(chr(code), "Cc")
         (one_to_one if len(folded) == 1 else other)[code] = folded
-    to_ascii = "".join(chr(code) for code, folded in one_to_one.items() if folded.isascii())
-    changes = re.compile(f"[{_char_class(other)}]|(?<=[\\x00-\\x7f{re.escape(to_ascii)}])[{_char_class(marks)}]+")
+    # Marks are dropped after what is (or becomes) ASCII or is dropped itself ("4", ZWJ, U+0301),
+    # and at the start, where they decorate the end of the text before (a card split after "4").
+    after = [code for code, folded in (*one_to_one.items(), *other.items()) if folded.isascii()]
+    changes = re.compile(f"[{_char_class(other)}]|(?:^|(?<=[\\x00-\\x7f{_char_class(after)}]))"
+                         f"[{_char_class(marks)}]+")
     return _Folding(one_to_one, other, changes)
 
 
