@@ -52,6 +52,12 @@ SERVE_OPTIONS = {
     "max_pending_requests": (int, 256),
     "max_body_bytes": (str, "8MiB"),
     "graceful_shutdown_seconds": (float, 30.0),
+    # reading requests (server/connections.py ConnectionPolicy; None: its default, caps from RLIMIT_NOFILE)
+    "header_timeout_seconds": (float, None),
+    "body_timeout_seconds": (float, None),
+    "keep_alive_timeout_seconds": (float, None),
+    "max_connections": (int, None),
+    "max_connections_per_client": (int, None),
     "log_level": (str, "info"),
     # stage 1 and 7: keys, limits, ledger
     "db": (str, None),  # SQLite file for API keys and (by default) the ledger
@@ -162,6 +168,20 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--max-pending-requests", type=int, help="in flight before 503 + Retry-After")
     serve.add_argument("--max-body-bytes")
     serve.add_argument("--graceful-shutdown-seconds", type=float)
+    serve.add_argument("--header-timeout-seconds", type=float,
+                       help="accept (TLS handshake included) to the end of a request's head, and a later "
+                            "request's first byte to the end of its head; slower: closed (default 10)")
+    serve.add_argument("--body-timeout-seconds", type=float,
+                       help="the end of a request's head to the end of its whole body, not counting time the "
+                            "server itself stops reading; slower: closed (default 60)")
+    serve.add_argument("--keep-alive-timeout-seconds", type=float,
+                       help="idle time allowed between a response and the next request (default 20)")
+    serve.add_argument("--max-connections", type=int,
+                       help="open at once; at the cap the connection waiting longest for a request head is "
+                            "closed (default: 90%% of RLIMIT_NOFILE, raised to its hard limit at start)")
+    serve.add_argument("--max-connections-per-client", type=int,
+                       help="open at once from one client address, as --max-connections (default: a quarter of "
+                            "it; behind a proxy every client is the proxy's address: raise it)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--db", help="SQLite file for API keys and the usage ledger (default: the keys CLI's)")
     serve.add_argument("--ledger-url", help="sqlite:///path or postgresql://... for the usage ledger")
@@ -192,6 +212,7 @@ def run_serve(options: dict) -> int:
     from tokenway.engine.process import ProcessEngine
     from tokenway.frontend.tool_parsers import FORMATS
     from tokenway.server.app import create_app
+    from tokenway.server.connections import ConnectionPolicy
     from tokenway.server.serving import ServerConfig, ServerState
     from tokenway.server.uvicorn_server import Server, run_event_loop
 
@@ -252,7 +273,7 @@ def run_serve(options: dict) -> int:
         app, host=server_config.host, port=server_config.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=server_config.graceful_shutdown_seconds, lifespan="off",
         ssl_certfile=options["ssl_certfile"], ssl_keyfile=options["ssl_keyfile"],
-    ))
+    ), policy=ConnectionPolicy.from_options(options))
     scheme = "https" if options["ssl_certfile"] else "http"
 
     server.announcement = (f"tokenway: serving {', '.join(names + state.embedding_model_names)} on "

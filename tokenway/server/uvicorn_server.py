@@ -4,21 +4,50 @@ SIGINT/SIGTERM: stop accepting, give in-flight requests the grace period, abort 
 0 (uvicorn itself would re-raise the signal after shutting down, exiting 130/143). The ready
 line is printed once the socket is bound, before the first request can be answered, so a log
 reader never races it.
+
+Every connection is held to a ConnectionPolicy (server/connections.py: read timeouts, the
+head's size, caps per client address and in all). uvicorn has a keep-alive timeout only: a
+connection that never finishes its request head, or a body shorter than its Content-Length,
+would otherwise hold a file descriptor for as long as its sender likes. The timeouts apply to
+reading requests, never to writing answers: a long event stream is not cut. Under TLS the
+handshake runs inside the protocol (loop.start_tls) rather than in uvicorn's listener, so a
+connection is counted and timed from accept, handshake included (as Go's ReadHeaderTimeout).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
+import logging
 import signal
+import ssl
 import sys
 import threading
+from asyncio import TimerHandle
+from dataclasses import dataclass
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from tokenway.protocol.errors import InvalidRequestError, openai_error_body
+from tokenway.protocol.errors import InvalidRequestError, ServiceUnavailableError, TokenwayError, openai_error_body
+from tokenway.server.connections import ConnectionPolicy, ConnectionTable, raise_fd_limit
+
+logger = logging.getLogger(__name__)
+
+
+def error_response_bytes(error: TokenwayError, default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """A whole OpenAI-shaped error response that closes the connection, for the protocol to
+    write before (or instead of) the app."""
+    body = json.dumps(openai_error_body(error)).encode()
+    content = [STATUS_LINE[error.status]]
+    for name, value in default_headers:
+        content.extend([name, b": ", value, b"\r\n"])
+    content.extend(f"{name}: {value}\r\n".encode("latin-1") for name, value in error.headers.items())
+    content.extend([b"content-type: application/json\r\n", b"content-length: " + str(len(body)).encode() + b"\r\n",
+                    b"connection: close\r\n", b"\r\n", body])
+    return b"".join(content)
 
 
 class JSONErrorsHttpToolsProtocol(HttpToolsProtocol):
@@ -30,25 +59,227 @@ class JSONErrorsHttpToolsProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         exc = sys.exc_info()[1]  # uvicorn calls this while handling the parser's error
         detail = str(exc) if exc is not None and str(exc) else msg
-        if "transfer-encoding" in detail.lower() and "content-length" in detail.lower():
+        if exc is not None and isinstance(exc.__context__, TokenwayError):
+            error = exc.__context__  # raised by one of this protocol's parser callbacks
+        elif "transfer-encoding" in detail.lower() and "content-length" in detail.lower():
             error = InvalidRequestError("The request has both Content-Length and Transfer-Encoding; send one.",
                                         code="ambiguous_framing")
         else:
             error = InvalidRequestError(f"The request is not valid HTTP/1.1: {detail}", code="invalid_http_request")
-        body = json.dumps(openai_error_body(error)).encode()
-        content = [STATUS_LINE[400]]
-        for name, value in self.server_state.default_headers:
-            content.extend([name, b": ", value, b"\r\n"])
-        content.extend([b"content-type: application/json\r\n", b"content-length: " + str(len(body)).encode() + b"\r\n",
-                        b"connection: close\r\n", b"\r\n", body])
-        self.transport.write(b"".join(content))
+        self.send_error_and_close(error)
+
+    def send_error_and_close(self, error: TokenwayError) -> None:
+        self.transport.write(error_response_bytes(error, self.server_state.default_headers))
         self.transport.close()
 
 
+@dataclass(frozen=True, slots=True)
+class ConnectionGuard:
+    """What every connection of one server shares: the policy (resolved: both caps set), the
+    table counting connections, and the TLS context the protocol handshakes with (None: plain)."""
+
+    policy: ConnectionPolicy
+    table: ConnectionTable
+    tls: ssl.SSLContext | None
+
+
+class GuardedHttpToolsProtocol(JSONErrorsHttpToolsProtocol):
+    """JSONErrorsHttpToolsProtocol held to its server's ConnectionGuard.
+
+    Until its first request head is complete a connection is `opening`: its bytes are only
+    collected (up to max_head_bytes) and the table closes it at the header timeout, or earlier
+    to make room. uvicorn's half of the protocol (its parser with eight bound callbacks, flow
+    control, the request scope: ~25 objects the garbage collector walks on every full
+    collection) is made only then, so a flood of half-open connections costs a few objects
+    each, and the event loop little. After that: a later request's head is timed from its
+    first byte and capped in size, its body timed once it is pending, and an idle connection
+    is evictable again. A stalled body closes the connection: the app's receive() then returns
+    http.disconnect, as for a client that left."""
+
+    def __init__(self, config, server_state, app_state, _loop=None, *, guard: ConnectionGuard) -> None:
+        # HttpToolsProtocol.__init__ runs in _open(), once a request head has arrived.
+        self._uvicorn_args = (config, server_state, app_state, _loop)
+        self._guard = guard
+        self.loop = _loop or asyncio.get_event_loop()
+        self.server_state = server_state
+        self._opening = True
+        self._received = bytearray()  # while opening: the bytes so far
+        self._socket_transport: asyncio.Transport | None = None
+        self._transport: asyncio.Transport | None = None  # the socket's, or under TLS the one over it
+        self._head_timer: TimerHandle | None = None  # a later request's head
+        self._body_timer: TimerHandle | None = None
+        self._num_heads = 0
+        self._reading_head = True  # the next bytes belong to a request head
+        self._reading_body = False
+        self._num_head_bytes = 0
+        self._lost = False
+
+    # -- the connection's life ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._socket_transport = transport
+        peer = transport.get_extra_info("peername")
+        client = peer[0] if isinstance(peer, tuple) else ""  # a Unix socket's clients are one
+        if not self._guard.table.admit(self, client, self.loop.time()):
+            if self._guard.tls is None:
+                refusal = ServiceUnavailableError("The server has too many connections open; retry shortly.",
+                                                  retry_after=1)
+                transport.write(error_response_bytes(refusal, self.server_state.default_headers))
+                transport.close()
+            else:
+                transport.abort()
+            return
+        if self._guard.tls is None:
+            self._transport = transport
+        else:
+            self._start_tls(transport)
+
+    def _start_tls(self, transport: asyncio.Transport) -> None:
+        """Hands the socket to the TLS layer now, inside connection_made. start_tls is a
+        coroutine, and a task would take its first step an event-loop iteration later: by then
+        uvloop, which starts reading once connection_made returns, may have given the client's
+        hello to this protocol instead, and the handshake would wait for it in vain. So its
+        first step (pause reading, swap the protocol) runs here, and the rest when the
+        handshake's future is done."""
+        handshake = self.loop.start_tls(transport, self, self._guard.tls, server_side=True,
+                                        ssl_handshake_timeout=self._guard.policy.header_timeout_seconds)
+        try:
+            waiter = handshake.send(None)  # the future of the handshake's end
+        except BaseException:
+            handshake.close()
+            raise
+        waiter.add_done_callback(lambda _: self._end_tls_handshake(handshake, transport))
+
+    def _end_tls_handshake(self, handshake, transport: asyncio.Transport) -> None:
+        try:
+            handshake.send(None)
+        except StopIteration as done:
+            if not self._lost:  # else it closed between the handshake's end and now
+                self._transport = done.value
+            return
+        except Exception as exc:  # noqa: BLE001  # a failed, timed-out or abandoned handshake: the peer's doing
+            logger.debug("TLS handshake with %s failed: %r", transport.get_extra_info("peername"), exc)
+            transport.abort()
+            return
+        raise RuntimeError("start_tls awaited something other than its handshake")
+
+    def _open(self) -> None:
+        """The first request head is complete: make uvicorn's half and hand it the bytes."""
+        received, self._received = bytes(self._received), bytearray()
+        self._opening = False
+        HttpToolsProtocol.__init__(self, *self._uvicorn_args)
+        super().connection_made(self._transport)
+        self.data_received(received)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        self._guard.table.remove(self)
+        for timer in (self._head_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._body_timer = None
+        if not self._opening:
+            super().connection_lost(exc)
+
+    def evict(self) -> None:
+        """The table closes this connection: to make room, or at the header timeout."""
+        self._drop()
+
+    def _drop(self) -> None:
+        transport = self._transport or self._socket_transport
+        if transport is None or transport.is_closing():
+            return
+        if transport.get_write_buffer_size():
+            transport.close()  # the last answer is still going out to a slow reader: let it
+        else:
+            transport.abort()  # now, not after a TLS close_notify exchange the peer may never finish
+
+    # -- reading requests --------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self._opening:
+            self._collect(data)
+            return
+        if self._reading_head:
+            self._num_head_bytes += len(data)
+        super().data_received(data)
+        if self.transport.is_closing():
+            return
+        if self._reading_head and self._num_head_bytes > self._guard.policy.max_head_bytes:
+            self.send_error_and_close(self._head_too_large())  # still coming: refused before it is whole
+        elif self._reading_body and self._body_timer is None:
+            self._body_timer = self.loop.call_later(self._guard.policy.body_timeout_seconds, self._on_body_timeout)
+
+    def _collect(self, data: bytes) -> None:
+        if self._transport is None or self._transport.is_closing():
+            return  # refused or dropped: nothing more is read
+        received = self._received
+        search_from = max(0, len(received) - 3)
+        received += data
+        # A bare LF (llhttp's 400) ends the wait too, so its sender hears why at once.
+        if received.find(b"\r\n\r\n", search_from) >= 0 or data.count(b"\n") != data.count(b"\r\n"):
+            self._open()
+        elif len(received) > self._guard.policy.max_head_bytes:
+            self._transport.write(error_response_bytes(self._head_too_large(), self.server_state.default_headers))
+            self._transport.close()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._num_heads:  # a later request's head: timed from its first byte (the first one's by the table)
+            self._head_timer = self._head_timer or self.loop.call_later(
+                self._guard.policy.header_timeout_seconds, self._drop)
+
+    def on_headers_complete(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        num_head_bytes = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if num_head_bytes > self._guard.policy.max_head_bytes:  # arrived whole in one read
+            raise self._head_too_large()  # the parser stops; send_400_response answers with it
+        self._num_heads += 1
+        self._reading_head, self._reading_body, self._num_head_bytes = False, True, 0
+        self._guard.table.mark_active(self)
+        super().on_headers_complete()
+
+    def _head_too_large(self) -> InvalidRequestError:
+        return InvalidRequestError(f"The request head is larger than {self._guard.policy.max_head_bytes} bytes.",
+                                   code="request_head_too_large")
+
+    def on_message_complete(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        self._reading_head, self._reading_body, self._num_head_bytes = True, False, 0
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.timeout_keep_alive_task is not None:  # idle: nothing pipelined waits its turn
+            self._guard.table.mark_idle(self)
+
+    def _on_body_timeout(self) -> None:
+        self._body_timer = None
+        cycle = self.cycle
+        if self.flow.read_paused or (cycle is not None and cycle.waiting_for_100_continue):
+            # The server, not the client, is holding the body back: its buffer is full, a
+            # pipelined request waits its turn, or the app has not asked for the body yet.
+            self._body_timer = self.loop.call_later(self._guard.policy.body_timeout_seconds, self._on_body_timeout)
+            return
+        self._drop()  # connection_lost then tells the app: receive() returns http.disconnect
+
+
 class Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, announcement: str = "") -> None:
-        if config.http == "auto":
-            config.http = JSONErrorsHttpToolsProtocol
+    """uvicorn's server with tokenway's protocol, its signals and its ready line. The soft
+    RLIMIT_NOFILE is raised to the hard one here, and the policy's caps derived from it."""
+
+    def __init__(self, config: uvicorn.Config, announcement: str = "",
+                 policy: ConnectionPolicy = ConnectionPolicy()) -> None:
+        config.http = JSONErrorsHttpToolsProtocol  # startup() binds it to this server's guard
+        # tokenway serves no WebSocket; an upgraded connection would leave the guard's reach.
+        config.ws = "none"
+        self.policy = policy.resolved(raise_fd_limit())
+        config.timeout_keep_alive = self.policy.keep_alive_timeout_seconds
+        self.connection_table = ConnectionTable(self.policy.max_connections, self.policy.max_connections_per_client)
         super().__init__(config)
         self.announcement = announcement
 
@@ -67,8 +298,21 @@ class Server(uvicorn.Server):
                 signal.signal(sig, self.handle_exit)
         yield
 
+    async def on_tick(self, counter: int) -> bool:
+        # uvicorn's main loop ticks every 0.1 s: the header timeout's resolution.
+        now = asyncio.get_running_loop().time()
+        self.connection_table.close_expired(accepted_before=now - self.policy.header_timeout_seconds)
+        return await super().on_tick(counter)
+
     async def startup(self, sockets=None) -> None:
-        await super().startup(sockets=sockets)
+        config = self.config  # loaded by now: config.ssl is the context uvicorn built
+        tls, config.ssl = config.ssl, None  # the listener stays plain; the protocol handshakes
+        guard = ConnectionGuard(self.policy, self.connection_table, tls)
+        config.http_protocol_class = functools.partial(GuardedHttpToolsProtocol, guard=guard)
+        try:
+            await super().startup(sockets=sockets)
+        finally:
+            config.ssl = tls
         if self.started and self.announcement:
             print(self.announcement, file=sys.stderr, flush=True)
 
