@@ -135,7 +135,8 @@ def test_tpm_by_reservation_and_reconciliation(gated):
 
 
 def test_budget_exhausted_is_429_insufficient_quota(gated, tmp_path):
-    key = create_key(gated.db, "--name", "budget", "--budget-usd", "0.000001")
+    # A call reserves its worst case, ~35 tokens at $0.001 here: the first fits, a second could not.
+    key = create_key(gated.db, "--name", "budget", "--budget-usd", "0.05")
     # Prices are zero unless configured, so this server never charges: use a priced server.
     config = tmp_path / "prices.toml"
     config.write_text(f'[prices."{MODEL}"]\ninput = 1000.0\noutput = 1000.0\n')

@@ -18,6 +18,7 @@ from tokenway.gateway.auth import KeyStore, Principal
 from tokenway.gateway.budgets import (
     BudgetStore,
     InProcessBudgets,
+    SeedUnavailable,
     format_usd,
     make_budgets,
     nanos_down,
@@ -176,11 +177,11 @@ def test_an_expired_reservation_gives_its_hold_back_and_its_cost_still_counts(ba
     run(body)
 
 
-def test_a_seed_the_ledger_cannot_give_is_limits_unavailable(backend):
+def test_a_seed_the_ledger_cannot_give_is_seed_unavailable(backend):
     async def body():
         store = backend(Seed(error=OSError("connection refused")))
         try:
-            with pytest.raises(LimitsUnavailable, match="cannot seed"):
+            with pytest.raises(SeedUnavailable, match="cannot seed"):
                 await store.reserve(new_key(), 1000, 10)
         finally:
             await store.close()

@@ -88,16 +88,18 @@ def test_closed_refuses_with_503_limits_unavailable_and_retry_after():
 
 def test_settlements_a_down_store_missed_are_replayed_once_it_answers():
     async def body():
-        guard, store = StoreGuard("open", probe_interval_s=0.05), FlakyStore()
-        store.down = True
+        guard, budgets, limits = StoreGuard("open", probe_interval_s=0.05), FlakyStore(), FlakyStore()
+        budgets.down = limits.down = True
         for value in (1, 2, 3):
-            await guard.settle("budgets", lambda value=value: store.settle(value))
-        assert store.settled == []
-        store.down = False
+            await guard.settle("budgets", lambda value=value: budgets.settle(value))
+            await guard.settle("limits", lambda value=value: limits.settle(value))
+        assert budgets.settled == limits.settled == []
+        budgets.down = limits.down = False
         await asyncio.sleep(0.06)
-        await guard.settle("budgets", lambda: store.settle(4))  # the probe that finds it back
-        await guard.close()  # the replay runs in the background
-        assert sorted(store.settled) == [1, 2, 3, 4]
+        await asyncio.gather(guard.settle("budgets", lambda: budgets.settle(4)),  # the probes that find them back
+                             guard.settle("limits", lambda: limits.settle(4)))
+        await guard.close()  # the replays run in the background
+        assert sorted(budgets.settled) == sorted(limits.settled) == [1, 2, 3, 4]
 
     asyncio.run(body())
 

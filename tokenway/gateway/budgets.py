@@ -38,8 +38,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tokenway.gateway.limits import LimitsUnavailable
-
 NANOS_PER_USD = 10**9
 # Lua's numbers are doubles: integers are exact up to 2**53 nanos (about $9 million); a budget
 # above that is as good as none.
@@ -100,7 +98,8 @@ class BudgetState:
 
 
 class BudgetStore(Protocol):
-    """Every method may raise LimitsUnavailable (the store or the ledger's seed cannot answer)."""
+    """Every method may raise LimitsUnavailable (the store cannot answer); reserve also
+    SeedUnavailable (the ledger cannot seed a key the store has not seen)."""
 
     async def reserve(self, key_id: str, budget_nanos: int, worst_nanos: int) -> BudgetDecision: ...
 
@@ -118,9 +117,15 @@ def check_amounts(budget_nanos: int, worst_nanos: int) -> None:
         raise ValueError(f"budget and worst case must be >= 0 nanos, got {budget_nanos}, {worst_nanos}")
 
 
+class SeedUnavailable(Exception):
+    """The ledger cannot give a key's spend to seed it (its database is down, it is closed).
+    Not the store's fault: the gateway follows limits_on_error for this call alone, and the
+    ledger logs its own outage."""
+
+
 class SeedReader:
     """The ledger's spend of a key in nanos, read once however many calls ask at the same time
-    (a cold key's burst is one ledger read); LimitsUnavailable when the ledger cannot say."""
+    (a cold key's burst is one ledger read); SeedUnavailable when the ledger cannot say."""
 
     def __init__(self, seed: SpendSeed) -> None:
         self._seed = seed
@@ -136,8 +141,8 @@ class SeedReader:
     async def _read(self, key_id: str) -> int:
         try:
             return nanos_up(await self._seed(key_id))
-        except Exception as exc:  # noqa: BLE001 - a database down, a ledger closed: the outage's log line names it
-            raise LimitsUnavailable(f"the ledger cannot seed {key_id}'s spend: {type(exc).__name__}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - whatever the ledger's failure, the call goes by the policy
+            raise SeedUnavailable(f"the ledger cannot seed {key_id}'s spend: {type(exc).__name__}: {exc}") from None
 
 
 @dataclass(slots=True)

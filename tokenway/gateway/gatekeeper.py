@@ -27,6 +27,7 @@ from tokenway.gateway.budgets import (
     BudgetReservation,
     BudgetStore,
     InProcessBudgets,
+    SeedUnavailable,
     format_usd,
     nanos_down,
     nanos_up,
@@ -169,7 +170,7 @@ class Gatekeeper:
         budget = nanos_down(principal.budget_usd)
         try:
             decision = await self.guard.call("budgets", lambda: self.budgets.reserve(principal.key_id, budget, worst))
-        except LimitsUnavailable:
+        except (LimitsUnavailable, SeedUnavailable):
             self.guard.by_policy()
             try:  # open: the ledger's total still refuses a key that has used it all
                 decision = BudgetDecision(None, nanos_up(await self.ledger.spend_usd(principal.key_id)), 0)

@@ -47,6 +47,7 @@ class StoreGuard:
         self.num_calls_by_policy = 0  # in this outage: admitted without the stores (open) or refused (closed)
         # Settlements that failed, to replay: (the store's name, the operation).
         self._unsettled: deque[tuple[str, Callable[[], Awaitable[None]]]] = deque(maxlen=max_unsettled)
+        self._replaying = False  # one replay at a time
         self._tasks: set[asyncio.Task] = set()
 
     @property
@@ -113,8 +114,9 @@ class StoreGuard:
     def _recovered(self, store: str) -> None:
         if self._store_to_next_probe.pop(store, None) is None:
             return  # a probe that overlapped this one answered first
-        if self._unsettled:
-            self.spawn(self._replay(store))
+        if self._unsettled and not self._replaying:
+            self._replaying = True
+            self.spawn(self._replay())
         if self._store_to_next_probe or self._outage_started is None:
             return
         if self._outage_logged:
@@ -124,14 +126,18 @@ class StoreGuard:
                            self.on_error)
         self._outage_started = None
 
-    async def _replay(self, store: str) -> None:
-        for _ in range(len(self._unsettled)):
-            name, operation = self._unsettled.popleft()
-            if name != store:
-                self._unsettled.append((name, operation))
-                continue
-            try:
-                await self.call(store, operation)
-            except LimitsUnavailable:
-                self._unsettled.appendleft((name, operation))
-                return
+    async def _replay(self) -> None:
+        """Each kept settlement of a store that answers, oldest first; those of a store still down stay."""
+        try:
+            for _ in range(len(self._unsettled)):
+                if not self._unsettled:
+                    return
+                store, operation = self._unsettled.popleft()
+                try:
+                    if store in self._store_to_next_probe:
+                        raise LimitsUnavailable(f"{store} store down")
+                    await self.call(store, operation)
+                except LimitsUnavailable:
+                    self._unsettled.append((store, operation))
+        finally:
+            self._replaying = False
