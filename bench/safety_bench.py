@@ -1,7 +1,9 @@
-"""Safety detectors benchmark: quality on the labelled set, and the latency of detect().
+"""Safety detectors benchmark: quality on the labelled set, the latency of detect(), and the
+latency of the input screen on a whole chat request, against the screen it replaced.
 
     python bench/safety_bench.py            # 1,000 timed runs per prompt
     python bench/safety_bench.py --quick    # 100
+    python bench/safety_bench.py --baseline REV   # the screen to compare with (default below)
 
 Quality: precision and recall per category over findings on tests/safety/data/pii_lines.tsv
 (a finding counts as true when its line expects that category; counts per line), and the share
@@ -9,22 +11,41 @@ of lines whose found categories equal the expected ones exactly.
 Latency: p50/p99 of detect() on a ~16,000-character (~4,000-token) prompt of mixed prose with
 digits, dates, versions and a few PII items; and on the same length of prose with no digit and
 no '@' (the fast path: only the key-prefix scans run). The goal (issue 12) is p99 under 1 ms.
+The input screen: p50/p99 of what ServerState.screen runs for a ~4,000-token chat request (a
+system prompt, tools with schemas, eight turns, two tool calls with their JSON results; prose
+with dates, amounts and ids, no secret): the current screen (every channel gathered, the
+normalized view, one detect() pass) and the baseline's (each message's content, detect() on
+each), the baseline loaded from git at --baseline, in the same process, runs alternated. Then
+the current screen on the same request written in Cyrillic and with fullwidth digits (the
+normalization's slow path). The goal: p99 under 1 ms.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
+import subprocess
 import sys
 import time
+import types
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tokenway.safety.detectors import CATEGORIES, detect  # noqa: E402  (after the sys.path line)
+# After the sys.path line:
+from tokenway.frontend.chat import text_content  # noqa: E402
+from tokenway.routing.job import estimate_chat_tokens  # noqa: E402
+from tokenway.safety.channels import ChatInput  # noqa: E402
+from tokenway.safety.detectors import CATEGORIES, detect  # noqa: E402
+from tokenway.safety.screen import SafetyPolicy, screen_input  # noqa: E402
+
+# The screen before every channel was read (message contents only, raw text, one detect() each).
+BASELINE = "6cf0200"
 
 PII_LINES = REPO / "tests" / "safety" / "data" / "pii_lines.tsv"
 PROMPT_CHARS = 16_000
@@ -79,9 +100,121 @@ def time_detect(text: str, num_runs: int) -> tuple[float, float]:
     return cuts[49] * 1000, cuts[98] * 1000
 
 
+SENTENCES = (
+    "The customer says the parcel for order {order} arrived on {date} with one item missing.",
+    "We refunded ${amount} to the original payment method; it usually shows within {days} business days.",
+    "Version {version} of the app fixes the crash that happened when the cart held more than {num} items.",
+    "Our warehouse in Rotterdam ships Monday to Friday between 09:00 and 17:30 local time.",
+    "The tracking page said the parcel left the depot at {time} and was out for delivery the next morning.",
+    "Please keep the answer short, friendly and in the language the customer wrote in.",
+    "If the customer asks for a manager, offer a callback within {days} working days instead.",
+    "Items returned after {days} days are refunded as store credit, not to the card.",
+    "The discount code took {num}% off the first order but cannot be combined with the spring sale.",
+    "She mentioned ticket {ticket} from last month, which was closed after the replacement shipped.",
+)
+
+
+def sentence(rng: random.Random) -> str:
+    return rng.choice(SENTENCES).format(
+        order=f"ORD-2024-{rng.randrange(10**6):06d}", date=f"2024-{rng.randrange(1, 13):02d}-{rng.randrange(1, 29):02d}",
+        amount=f"{rng.randrange(5, 500)}.{rng.randrange(100):02d}", days=rng.randrange(2, 31),
+        version=f"{rng.randrange(1, 9)}.{rng.randrange(30)}.{rng.randrange(10)}", num=rng.randrange(2, 60),
+        time=f"{rng.randrange(24):02d}:{rng.randrange(60):02d}", ticket=f"#{rng.randrange(10**5, 10**6)}")
+
+
+def paragraph(rng: random.Random, num_chars: int) -> str:
+    sentences = []
+    while sum(len(s) + 1 for s in sentences) < num_chars:
+        sentences.append(sentence(rng))
+    return " ".join(sentences)
+
+
+def make_chat_request(rng: random.Random) -> ChatInput:
+    """A support agent's conversation of ~4,000 tokens, as the chat template gets it: system
+    prompt, four tools with schemas, eight turns, two tool calls and their JSON results."""
+    def function(name: str, description: str, properties: dict) -> dict:
+        return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+            "type": "object", "properties": properties, "required": list(properties)[:1]}}}
+
+    tools = [
+        function("get_order", "Look up an order by its id: items, status, shipping and tracking.", {
+            "order_id": {"type": "string", "description": "The order id, e.g. ORD-2024-004471"},
+            "include": {"type": "array", "items": {"type": "string", "enum": ["items", "shipping", "payments"]}}}),
+        function("refund_order", "Refund an order or some of its items to the original payment method.", {
+            "order_id": {"type": "string", "description": "The order to refund"},
+            "amount": {"type": "number", "description": "Amount in EUR; leave out for a full refund", "minimum": 0},
+            "reason": {"type": "string", "enum": ["missing_item", "damaged", "late", "other"]}}),
+        function("search_help_center", "Search the help-center articles; returns titles and snippets.", {
+            "query": {"type": "string", "description": "What to search for, in the customer's words"},
+            "limit": {"type": "integer", "minimum": 1, "maximum": 20, "default": 5}}),
+        function("schedule_callback", "Book a phone callback with a manager within the opening hours.", {
+            "when": {"type": "string", "description": "ISO 8601 time, e.g. 2024-03-15T14:30:00+01:00"},
+            "topic": {"type": "string", "description": "One line on what the call is about"}}),
+    ]
+    order = f"ORD-2024-{rng.randrange(10**6):06d}"
+    order_json = json.dumps({"order_id": order, "status": "delivered", "shipped": "2024-03-12",
+                             "tracking": "1Z 999 AA1 0123 4567 84", "items": [
+                                 {"sku": f"SKU-{rng.randrange(10**4):04d}", "qty": rng.randrange(1, 4),
+                                  "price": rng.randrange(500, 9000) / 100} for _ in range(6)]})
+    messages = [{"role": "system", "content": paragraph(rng, 2000)}]
+    for turn in range(8):
+        messages.append({"role": "user", "content": paragraph(rng, 550)})
+        if turn in (2, 5):
+            call_id = f"call_{rng.randrange(16**12):012x}"
+            messages.append({"role": "assistant", "content": "", "tool_calls": [{
+                "id": call_id, "type": "function", "function": {"name": "get_order", "arguments": json.dumps(
+                    {"order_id": order, "include": ["items", "shipping"]})}}]})
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": order_json})
+        messages.append({"role": "assistant", "content": paragraph(rng, 700)})
+    messages.append({"role": "user", "content": paragraph(rng, 400)})
+    return ChatInput(messages, tools)
+
+
+def load_baseline(rev: str) -> types.ModuleType:
+    """safety/screen.py as it was at `rev`, with that revision's detectors."""
+    def module(name: str, path: str, replace: tuple[str, str] | None = None) -> types.ModuleType:
+        source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, check=True, capture_output=True,
+                                text=True).stdout
+        if replace is not None:
+            source = source.replace(*replace)
+        loaded = types.ModuleType(name)
+        sys.modules[name] = loaded  # dataclasses look their module up
+        exec(compile(source, f"{rev}:{path}", "exec"), loaded.__dict__)
+        return loaded
+
+    module("baseline_detectors", "tokenway/safety/detectors.py")
+    return module("baseline_screen", "tokenway/safety/screen.py",
+                  ("from tokenway.safety.detectors import", "from baseline_detectors import"))
+
+
+def time_alternated(screens: dict[str, Callable[[], object]], num_runs: int) -> dict[str, tuple[float, float]]:
+    """p50 and p99 (ms) of each screen, run in turn so that they share the machine's moments."""
+    for screen in screens.values():
+        for _ in range(50):
+            screen()
+    name_to_latencies: dict[str, list[float]] = {name: [] for name in screens}
+    for _ in range(num_runs):
+        for name, screen in screens.items():
+            start = time.perf_counter()
+            screen()
+            name_to_latencies[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(latencies) * 1000,
+                   statistics.quantiles(latencies, n=100, method="inclusive")[98] * 1000)
+            for name, latencies in name_to_latencies.items()}
+
+
+def cyrillic(chat: ChatInput) -> ChatInput:
+    """The request with its prose's Latin look-alikes written in Cyrillic and its digits fullwidth."""
+    table = str.maketrans({**dict(zip("aeopcxyABEKMHOPCTX", "аеорсхуАВЕКМНОРСТХ")),
+                           **{str(d): chr(0xFF10 + d) for d in range(10)}})
+    return ChatInput([{**m, "content": m["content"].translate(table)} if m["role"] != "tool" else m
+                      for m in chat.messages], chat.tools)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--baseline", default=BASELINE, help="git revision of the screen to compare with")
     args = parser.parse_args()
 
     category_to_counts, num_exact, num_lines = evaluate(PII_LINES)
@@ -99,6 +232,24 @@ def main() -> None:
         p50, p99 = time_detect(prompt, num_runs)
         print(f"detect() on {len(prompt):,} chars, {name}: {len(detect(prompt))} findings, "
               f"p50 {p50:.3f} ms, p99 {p99:.3f} ms ({num_runs} runs)")
+
+    chat = make_chat_request(random.Random(1))
+    policy = SafetyPolicy(input="block")
+    baseline = load_baseline(args.baseline)
+    baseline_policy = baseline.SafetyPolicy(input="block")
+    slow = cyrillic(chat)
+    screens = {
+        f"baseline screen ({args.baseline})": lambda: baseline.screen_input(
+            baseline_policy, [text_content(m.get("content")) for m in chat.messages]),
+        "current screen": lambda: screen_input(policy, list(chat.texts())),
+        "current, Cyrillic + fullwidth": lambda: screen_input(policy, list(slow.texts())),
+    }
+    num_chars = sum(len(t.text) for t in chat.texts())
+    print(f"input screen on one chat request: ~{estimate_chat_tokens(chat.messages, chat.tools):,} tokens, "
+          f"{len(chat.messages)} messages, {len(chat.tools)} tools, {len(list(chat.texts()))} texts, {num_chars:,} chars;"
+          f" findings: {screen_input(policy, list(chat.texts())).categories or 'none'}")
+    for name, (p50, p99) in time_alternated(screens, num_runs).items():
+        print(f"  {name:<32} p50 {p50:.3f} ms, p99 {p99:.3f} ms ({num_runs} runs)")
 
 
 if __name__ == "__main__":

@@ -189,7 +189,8 @@ def test_prompts_and_inputs_are_screened_each_alone():
 # ---- every disguise -----------------------------------------------------------------------------
 
 ZERO_CODE_POINTS = (0xFF10, 0x0660, 0x06F0, 0x0966, 0x09E6, 0x0A66, 0x0BE6, 0x0E50, 0x1040, 0x1D7CE, 0x1D7EC)
-INVISIBLE = ("\u200d", "\u200b", "\u200c", "\u00ad", "\ufeff", "\u2060", "\u0301", "\u0336", "\ufe0f", "\u034f")
+INVISIBLE = ("\u200d", "\u200b", "\u200c", "\u00ad", "\ufeff", "\u2060", "\u0301", "\u0336", "\ufe0f", "\u034f", "\x00",
+             "\x07")
 SEPARATORS = (" ", "-", ".", "/", "\u00a0", "\n", "\u2011", "\t", " - ", "\u2009", "\u202f", "\u3000", "\u2013", "\r\n")
 
 

@@ -28,14 +28,18 @@ def test_folds(text, view):
 def test_plain_text_is_its_own_view_without_a_map():
     text = "Plain ASCII prose with numbers 4111 and tabs\tand lines\n."
     normalized = normalize(text)
-    assert normalized.text is text and normalized.norm_starts == ()
+    assert normalized.text is text and normalized.original is None
     assert normalized.original_span(5, 10) == (5, 10)
 
 
-def test_scripts_whose_marks_are_letters_keep_them():
-    # Devanagari vowel signs and viramas are combining marks: after a Devanagari letter they stay
-    # (only marks after a Latin letter or a digit are decoration).
-    assert normalize("नमस्ते ४२").text == "नमस्ते 42"
+def test_marks_go_from_every_script_and_the_map_skips_them():
+    # Devanagari vowel signs and viramas are combining marks too: they match no ASCII pattern.
+    text = "नमस्ते ४२४२"
+    normalized = normalize(text)
+    assert normalized.text == "नमसत 4242"
+    start = normalized.text.index("4")
+    assert text[slice(*normalized.original_span(start, start + 4))] == "४२४२"
+    assert text[slice(*normalized.original_span(0, 4))] == "नमस्त"
 
 
 def test_a_span_of_the_view_maps_to_exactly_the_original_characters():
@@ -64,8 +68,7 @@ def test_every_view_span_comes_from_its_original_span(text):
         for end in range(start + 1, len(view) + 1):
             original_start, original_end = normalized.original_span(start, end)
             assert 0 <= original_start < original_end <= len(text)
-            # with the character before, which decides whether a mark is dropped
-            assert view[start:end] in normalize(text[max(0, original_start - 1):original_end]).text
+            assert view[start:end] in normalize(text[original_start:original_end]).text
 
 
 def test_joined_view_flows_messages_and_isolates_fields():

@@ -29,13 +29,17 @@ whole; names, ids and JSON values stand alone.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# A text this short (ASCII) holds no finding (the shortest, an email, has 6 characters), and a
-# standalone one cannot be part of one: not screened (tool schemas hold many such words).
-_MIN_CHARS = 6
+# A text that stands alone (a name, an id, a JSON value or key) and is ASCII holds no finding when
+# it is this short (the shortest finding, an email, has 6 characters), or shorter than the
+# shortest key (Slack's, 15) with no digit and no "@": it is not screened (tool schemas are
+# mostly such words: "type", "string", "description", "order_id").
+_MIN_CHARS, _MIN_KEY_CHARS = 6, 15
+_DIGIT_OR_AT = re.compile(r"[0-9@]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,14 +166,15 @@ def _walk_call(call: dict, visit: Visit) -> dict:
 
 
 def _visit_field(text: str, visit: Visit, param: str, redactable: bool = True) -> str:
-    if len(text) < _MIN_CHARS and text.isascii():
+    if text.isascii() and (len(text) < _MIN_CHARS or len(text) < _MIN_KEY_CHARS and _DIGIT_OR_AT.search(text) is None):
         return text
     return visit(text, param, False, redactable)
 
 
 def _walk_json(value: Any, visit: Visit, param: str, schema: bool) -> Any:
     """`value` with its strings (keys too) and integers visited; the same object where none
-    changed. A changed integer becomes its new text, a JSON string."""
+    changed (nothing is copied unless something changes). A changed integer becomes its new
+    text, a JSON string."""
     if isinstance(value, str):
         return _visit_field(value, visit, param)
     if type(value) is int:
@@ -179,12 +184,23 @@ def _walk_json(value: Any, visit: Visit, param: str, schema: bool) -> Any:
         new = visit(text, param, False, not schema)
         return value if new == text else new
     if isinstance(value, dict):
-        items = [(_visit_field(key, visit, param, redactable=False) if isinstance(key, str) else key,
-                  _walk_json(item, visit, param, schema)) for key, item in value.items()]
-        if all(new_item is item for (_, new_item), item in zip(items, value.values())):
-            return value  # a key cannot change: a finding in one refuses the call
-        return dict(items)
+        changed: dict | None = None
+        for i, (key, item) in enumerate(value.items()):
+            if isinstance(key, str):
+                _visit_field(key, visit, param, redactable=False)  # a finding in one refuses the call
+            new_item = _walk_json(item, visit, param, schema)
+            if changed is None and new_item is not item:
+                changed = dict(list(value.items())[:i])
+            if changed is not None:
+                changed[key] = new_item
+        return value if changed is None else changed
     if isinstance(value, list):
-        items = [_walk_json(item, visit, param, schema) for item in value]
-        return value if all(new is old for new, old in zip(items, value)) else items
+        new_list: list | None = None
+        for i, item in enumerate(value):
+            new_item = _walk_json(item, visit, param, schema)
+            if new_list is None and new_item is not item:
+                new_list = value[:i]
+            if new_list is not None:
+                new_list.append(new_item)
+        return value if new_list is None else new_list
     return value

@@ -8,18 +8,20 @@ The view folds what a reader (and a model) sees past, per character:
                         and mathematical letters and digits; accents off ("é" -> "e")
   digits of any script  unicodedata.decimal: Arabic-Indic "٤", Devanagari "४", Bengali ... -> "4"
   invisible characters  format characters (Cf: ZWJ, ZWSP, soft hyphen, BOM, bidi and tag
-                        characters) and control characters other than tab and newline are
-                        dropped; combining marks (Mn, Me) are dropped after a Latin letter or a
-                        digit, where they only decorate it
+                        characters), combining marks (Mn, Me) and control characters other than
+                        tab and newline are dropped (the patterns are ASCII: a mark on a Hindi
+                        letter matters no more to them than one on a digit)
   separators            every space (Zs: NBSP, thin, ideographic ...) -> " "; line and paragraph
                         separators, VT, FF, NEL -> "\\n"; dashes (Pd: U+2010-2015 with the
                         non-breaking hyphen U+2011, minus U+2212 ...) -> "-"
   confusables           Cyrillic and Greek letters that look like Latin ones ("ѕ", "а", "ο") ->
                         those Latin letters, so a key's prefix cannot hide behind them
 
-Folding is per character, so the map is exact: each view character comes from one original
-character (a character folded into several, "ﬁ" -> "fi", maps each of them to it). Text that
-is ASCII without control characters, nearly every request, is its own view: no copy, no map.
+Folding is per character, one str.translate pass (C speed), so the map is exact: each view
+character comes from one original character (a character folded into several, "ﬁ" -> "fi",
+maps each of them to it). The map is made only when a finding needs it, from the characters
+that fold into other than one. Text that is ASCII without control characters, nearly every
+request, is its own view: no copy at all.
 """
 
 from __future__ import annotations
@@ -47,39 +49,45 @@ _SCANNED_RANGES = ((0x80, 0x33FF), (0x4DC0, 0x4DFF), (0xA000, 0xABFF), (0xD7A4, 
 
 @dataclass(frozen=True, slots=True)
 class NormalizedText:
-    """A text's view (`text`) and, where it differs, the map back: the view is cut into segments
-    at each original character that became more or fewer than one; segment i starts at view
-    offset norm_starts[i] and original offset orig_starts[i], and is aligned (one view character
-    per original character) unless folded[i] (one original character that became several)."""
+    """A text's view (`text`) and the original it folds (None: the view is the original)."""
 
     text: str
-    norm_starts: tuple[int, ...] = ()  # empty: the view is the original
-    orig_starts: tuple[int, ...] = ()
-    folded: tuple[bool, ...] = ()
+    original: str | None = None
 
     def original_span(self, start: int, end: int) -> tuple[int, int]:
         """The original characters view[start:end] comes from (start < end)."""
-        if not self.norm_starts:
+        if self.original is None:
             return start, end
-        i = bisect.bisect_right(self.norm_starts, start) - 1
-        original_start = self.orig_starts[i] + (0 if self.folded[i] else start - self.norm_starts[i])
-        j = bisect.bisect_right(self.norm_starts, end - 1) - 1
-        original_end = self.orig_starts[j] + (1 if self.folded[j] else end - self.norm_starts[j])
+        # The view in segments: one starts after each original character that folds into other
+        # than one (dropped, or several); segment i starts at view offset norm_starts[i] and
+        # original offset orig_starts[i], one view character per original one unless folded[i]
+        # (one original character become several).
+        norm_starts, orig_starts, folded = [0], [0], [False]
+        num_chars = 0  # the view's characters before the current original one
+        position = 0
+        for match in _FOLDING.length_changing.finditer(self.original):
+            num_chars += match.start() - position
+            replacement = _FOLDING.table[ord(match.group())]
+            if replacement:
+                norm_starts.append(num_chars), orig_starts.append(match.start()), folded.append(True)
+                num_chars += len(replacement)
+            position = match.end()
+            norm_starts.append(num_chars), orig_starts.append(position), folded.append(False)
+        i = bisect.bisect_right(norm_starts, start) - 1
+        original_start = orig_starts[i] + (0 if folded[i] else start - norm_starts[i])
+        j = bisect.bisect_right(norm_starts, end - 1) - 1
+        original_end = orig_starts[j] + (1 if folded[j] else end - norm_starts[j])
         return original_start, original_end
 
 
 @dataclass(frozen=True, slots=True)
 class _Folding:
-    """The fold of every character that changes: one-for-one ones by str.translate, the others
-    (dropped, or folded into several) one at a time."""
-
-    one_to_one: dict[int, str]
-    other: dict[int, str]
-    changes: re.Pattern[str]  # a character of `other`, or marks after a Latin letter or digit
+    table: dict[int, str]  # code point -> its fold, for every character that changes
+    length_changing: re.Pattern[str]  # a character that folds into other than one
 
 
 def _fold_char(ch: str, category: str) -> str:
-    if category in ("Cf", "Cc"):
+    if category in ("Cf", "Cc", "Mn", "Me"):
         return ch if ch in "\t\n" else "\n" if ch in "\x0b\x0c\x85" else ""
     if category in ("Zl", "Zp"):
         return "\n"
@@ -95,41 +103,29 @@ def _fold_char(ch: str, category: str) -> str:
 
 
 def _build_folding() -> _Folding:
-    one_to_one: dict[int, str] = {}
-    other: dict[int, str] = {}
-    marks: list[str] = []
+    table: dict[int, str] = {}
     for low, high in _SCANNED_RANGES:
         for code in range(low, high + 1):
             ch = chr(code)
             category = unicodedata.category(ch)
             if category in ("Cn", "Co", "Cs"):
                 continue
-            if category in ("Mn", "Me"):
-                marks.append(ch)
-                continue
             folded = _fold_char(ch, category)
             if folded == ch:
-                decomposed = unicodedata.normalize("NFKD", ch)
-                folded = "".join(_fold_char(part, unicodedata.category(part)) for part in decomposed
-                                 if unicodedata.category(part) not in ("Mn", "Me"))
+                folded = "".join(_fold_char(part, unicodedata.category(part))
+                                 for part in unicodedata.normalize("NFKD", ch))
             if folded != ch:
-                (one_to_one if len(folded) == 1 else other)[code] = folded
+                table[code] = folded
     for code in (*range(0x00, 0x09), *range(0x0B, 0x20), 0x7F):  # ASCII controls but tab and newline
-        folded = _fold_char(chr(code), "Cc")
-        (one_to_one if len(folded) == 1 else other)[code] = folded
-    # Marks are dropped after what is (or becomes) ASCII or is dropped itself ("4", ZWJ, U+0301),
-    # and at the start, where they decorate the end of the text before (a card split after "4").
-    after = [code for code, folded in (*one_to_one.items(), *other.items()) if folded.isascii()]
-    changes = re.compile(f"[{_char_class(other)}]|(?:^|(?<=[\\x00-\\x7f{_char_class(after)}]))"
-                         f"[{_char_class(marks)}]+")
-    return _Folding(one_to_one, other, changes)
+        table[code] = _fold_char(chr(code), "Cc")
+    length_changing = [code for code, folded in table.items() if len(folded) != 1]
+    return _Folding(table, re.compile(f"[{_char_class(length_changing)}]"))
 
 
-def _char_class(chars) -> str:
-    """A regex character class body for the given characters (or code points), as ranges."""
-    codes = sorted(ord(ch) if isinstance(ch, str) else ch for ch in chars)
+def _char_class(codes: list[int]) -> str:
+    """A regex character class body for the given code points, as ranges."""
     ranges: list[list[int]] = []
-    for code in codes:
+    for code in sorted(codes):
         if ranges and code == ranges[-1][1] + 1:
             ranges[-1][1] = code
         else:
@@ -139,37 +135,20 @@ def _char_class(chars) -> str:
 
 
 _FOLDING = _build_folding()
-_ASCII_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+_PLAIN_ASCII = bytes(range(0x20, 0x7F)) + b"\t\n"  # bytes.translate drops these: 4 us, a regex 30
+_PLAIN_ASCII_AND_NUL = _PLAIN_ASCII + b"\0"
 
 
 def is_plain(text: str) -> bool:
     """Whether `text` is its own view: ASCII, no control character but tab and newline."""
-    return text.isascii() and _ASCII_CONTROL.search(text) is None
+    return text.isascii() and not text.encode().translate(None, _PLAIN_ASCII)
 
 
 def normalize(text: str) -> NormalizedText:
     """`text`'s view for matching, with the map back (module docstring)."""
     if is_plain(text):
         return NormalizedText(text)
-    folding = _FOLDING
-    pieces: list[str] = []
-    norm_starts, orig_starts, folded = [0], [0], [False]
-    position = num_chars = 0
-    for match in folding.changes.finditer(text):
-        aligned = text[position:match.start()].translate(folding.one_to_one)
-        pieces.append(aligned)
-        num_chars += len(aligned)
-        if match.end() - match.start() == 1 and (replacement := folding.other.get(ord(match.group()))):
-            pieces.append(replacement)
-            if len(replacement) > 1:
-                norm_starts.append(num_chars), orig_starts.append(match.start()), folded.append(True)
-            num_chars += len(replacement)
-        position = match.end()  # what follows starts an aligned segment
-        norm_starts.append(num_chars), orig_starts.append(position), folded.append(False)
-    if len(norm_starts) == 1:  # one-for-one folds only: the offsets are the original's
-        return NormalizedText(text.translate(folding.one_to_one))
-    pieces.append(text[position:].translate(folding.one_to_one))
-    return NormalizedText("".join(pieces), tuple(norm_starts), tuple(orig_starts), tuple(folded))
+    return NormalizedText(text.translate(_FOLDING.table), text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,21 +168,22 @@ class JoinedView:
     def of(cls, texts: list[str], flows: list[bool]) -> JoinedView:
         order = tuple([i for i, flow in enumerate(flows) if flow] + [i for i, flow in enumerate(flows) if not flow])
         num_flowing = sum(flows)
-        views = None
         parts = [texts[i] for i in order]
-        if not all(map(is_plain, parts)):
-            views = tuple(normalize(text) for text in texts)
+        text = _join(parts, num_flowing)
+        views = None
+        # One look at the whole request: plain ASCII (the NULs are the joins') is its own view.
+        num_joins = len(parts) - max(num_flowing, 1) if parts else 0
+        if (not text.isascii() or text.count("\0") != num_joins
+                or text.encode().translate(None, _PLAIN_ASCII_AND_NUL)):  # a control character is left
+            views = tuple(map(normalize, texts))
             parts = [views[i].text for i in order]
+            text = _join(parts, num_flowing)
         starts, ends, position = [], [], 0
-        for k, part in enumerate(parts):
-            if k:
-                position += 1  # the "\n" or "\0" before it
+        for part in parts:
             starts.append(position)
             position += len(part)
             ends.append(position)
-        text = "\n".join(parts[:num_flowing])
-        if num_flowing < len(parts):
-            text = "\0".join([text, *parts[num_flowing:]]) if num_flowing else "\0".join(parts)
+            position += 1  # the "\n" or "\0" after it
         return cls(text, order, tuple(starts), tuple(ends), views)
 
     def pieces(self, start: int, end: int) -> Iterator[tuple[int, int, int]]:
@@ -220,3 +200,12 @@ class JoinedView:
                 else:
                     yield index, *self.views[index].original_span(local_start, local_end)
             k += 1
+
+
+def _join(parts: list[str], num_flowing: int) -> str:
+    """The flowing parts (the first num_flowing) joined by line breaks, then the others by NULs."""
+    if num_flowing == len(parts):
+        return "\n".join(parts)
+    if not num_flowing:
+        return "\0".join(parts)
+    return "\0".join(["\n".join(parts[:num_flowing]), *parts[num_flowing:]])
