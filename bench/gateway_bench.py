@@ -1,12 +1,17 @@
-"""Gateway benchmark: what auth, limits and the usage ledger add to a request, open loop.
+"""Gateway benchmark: what auth, limits, budgets and the usage ledger add to a request, open loop.
 
-    python bench/gateway_bench.py            # 10 s per run, 2 repeats (~8 min)
-    python bench/gateway_bench.py --quick    # 3 s per run (~3 min)
+    python bench/gateway_bench.py            # 10 s per run, 2 repeats (~12 min)
+    python bench/gateway_bench.py --quick    # 3 s per run (~5 min)
+    python bench/gateway_bench.py --quick --configs memory,budget --baseline /path/to/other/checkout
 
-Three fresh `tokenway serve` processes, alive side by side: off (--no-gateway), on with
-in-process limits, on with Redis limits (a private redis-server). The on servers have one
-API key with limits far above the load, so every request is authenticated, admitted by
-reservation, reconciled and written to the SQLite ledger (group commit), and none is refused.
+Fresh `tokenway serve` processes, alive side by side: off (--no-gateway), on with in-process
+limits (memory), on with Redis limits (redis, a private redis-server), and the same two with a
+budget on the key and a price on the model (budget, redis_budget: every call also reserves its
+worst-case cost and settles it). The on servers have one API key with limits (and a budget) far
+above the load, so every request is authenticated, admitted by reservation, reconciled and
+written to the SQLite ledger (group commit), and none is refused. --baseline adds budget@base:
+the budget configuration served from another checkout (the code before a change), run in
+alternation with the others, so before and after meet the same machine at the same moments.
 
 Each run sends POST /v1/completions with one prompt token and max_tokens=1 on a fixed schedule
 (open loop: a slow response never delays the next send) at one rate for a fixed time. Latency
@@ -48,7 +53,11 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
 BODY = {"model": MODEL, "prompt": [1234], "max_tokens": 1, "temperature": 0}
-CONFIGS = ("off", "memory", "redis")
+CONFIGS = ("off", "memory", "budget", "redis", "redis_budget")
+# What a budget configuration's extra cost is measured against: the same without the budget.
+BUDGET_TO_PLAIN = {"budget": "memory", "redis_budget": "redis", "budget@base": "memory"}
+# Prices for the budget configurations (USD per million tokens), so the reservations are not zero.
+PRICES_TOML = f'[prices."{MODEL}"]\ninput = 0.15\ncached_input = 0.075\noutput = 0.6\n'
 BLOWN_P99_S = 1.0  # a rate where every configuration's p99 passes this (or errors >= 1%) is the last
 TIMEOUT_S = 2.0  # from the scheduled send time: 100x a lone request's latency
 
@@ -166,27 +175,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def create_key(db: Path) -> str:
+def create_key(db: Path, repo: Path, budget: bool) -> str:
+    extra = ["--budget-usd", "1000000"] if budget else []
     result = subprocess.run([sys.executable, "-m", "tokenway.cli", "keys", "create", "--db", str(db), "--name", "bench",
-                             "--rpm", "1000000", "--tpm", "1000000000"],
-                            cwd=REPO, check=True, capture_output=True, text=True)
+                             "--rpm", "1000000", "--tpm", "1000000000", *extra],
+                            cwd=repo, check=True, capture_output=True, text=True, env={**os.environ,
+                                                                                       "PYTHONPATH": str(repo)})
     return result.stdout.strip()
 
 
-def start_server(config: str, workdir: Path, redis_url: str) -> tuple[subprocess.Popen, str, dict[str, str]]:
-    """Spawn one server; its URL and the headers its requests need. Does not wait for /ready."""
+def start_server(config: str, workdir: Path, redis_url: str, repo: Path = REPO, label: str | None = None
+                 ) -> tuple[subprocess.Popen, str, dict[str, str]]:
+    """Spawn one server of `repo`'s code; its URL and the headers its requests need. Does not wait for /ready.
+    Its files in workdir are named by `label` (default: the configuration)."""
+    label = label or config
     port = free_port()
-    args = ["serve", "--port", str(port), "--log-level", "warning"]
+    # A small KV cache: one-token prompts need little, and six servers side by side must fit in memory.
+    args = ["serve", "--port", str(port), "--log-level", "warning", "--no-embeddings", "--kv-cache-memory", "256MiB"]
     headers = {}
     if config == "off":
         args.append("--no-gateway")
     else:
-        db = workdir / f"{config}.db"
-        headers["Authorization"] = f"Bearer {create_key(db)}"
-        args += ["--db", str(db)] + (["--limits-url", redis_url] if config == "redis" else [])
-    log = open(workdir / f"{config}.log", "w")  # noqa: SIM115 (the server holds it open)
-    process = subprocess.Popen([sys.executable, "-m", "tokenway.cli", *args], cwd=REPO, stdout=log, stderr=log,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
+        db = workdir / f"{label}.db"
+        budget = config in BUDGET_TO_PLAIN
+        headers["Authorization"] = f"Bearer {create_key(db, repo, budget)}"
+        args += ["--db", str(db)] + (["--limits-url", redis_url] if config.startswith("redis") else [])
+        if budget:
+            prices = workdir / f"{label}-prices.toml"
+            prices.write_text(PRICES_TOML)
+            args += ["--config", str(prices)]
+    log = open(workdir / f"{label}.log", "w")  # noqa: SIM115 (the server holds it open)
+    process = subprocess.Popen([sys.executable, "-m", "tokenway.cli", *args], cwd=repo, stdout=log, stderr=log,
+                               env={**os.environ, "PYTHONPATH": str(repo)})
     return process, f"http://127.0.0.1:{port}", headers
 
 
@@ -283,7 +303,7 @@ async def run(urls: dict[str, tuple[str, dict[str, str]]], rates: list[int], dur
 
 def print_rate(rate: int, config_to_stats: dict[str, RunStats]) -> None:
     for config, s in config_to_stats.items():
-        print(f"{rate:>5} {config:<7} {s.p50:8.2f} {s.p99:8.2f} {s.error_pct:6.2f} | {s.gw_p50:6.3f} {s.gw_p99:6.3f} "
+        print(f"{rate:>5} {config:<12} {s.p50:8.2f} {s.p99:8.2f} {s.error_pct:6.2f} | {s.gw_p50:6.3f} {s.gw_p99:6.3f} "
               f"{s.admit_p50:6.3f} {s.admit_p99:6.3f} {s.srv_p50:7.2f} {s.out_p50:6.2f} | {s.lag_p99:6.2f}  "
               + ", ".join(f"{error} x{count}" for error, count in s.error_to_count.most_common()), flush=True)
 
@@ -293,9 +313,9 @@ def gateway_ms(s: RunStats, q: int) -> float:
     return s.gw_p50 + s.admit_p50 if q == 50 else s.gw_p99 + s.admit_p99
 
 
-def print_server_errors(workdir: Path) -> None:
+def print_server_errors(workdir: Path, configs: list[str]) -> None:
     """What the servers logged at warning and above (a 500 leaves its traceback there)."""
-    for config in CONFIGS:
+    for config in configs:
         log = workdir / f"{config}.log"
         lines = log.read_text().splitlines() if log.exists() else []
         line_to_count = Counter(line for line in lines if line and not line.startswith((" ", "tokenway: ")))
@@ -304,28 +324,36 @@ def print_server_errors(workdir: Path) -> None:
 
 
 def print_summary(rate_to_stats: dict[int, dict[str, RunStats]]) -> None:
+    configs = list(next(iter(rate_to_stats.values())))
     print("\nadded vs off, ms (client p50/p99; gw+admit p50/p99 from Server-Timing); * a configuration had >= 1% "
           "errors, so that row measures overload, not the gateway")
-    print(f"{'rate':>5}  {'memory p50':>10} {'p99':>7}  {'redis p50':>10} {'p99':>7}  {'redis-mem p50':>13}  "
-          f"{'gw+admit mem':>13} {'gw+admit redis':>15}")
     for rate, by_config in rate_to_stats.items():
-        off, mem, red = by_config["off"], by_config["memory"], by_config["redis"]
-        added = {(config, q): gateway_ms(by_config[config], q) - gateway_ms(off, q)
-                 for config in ("memory", "redis") for q in (50, 99)}
+        off = by_config.get("off")
         overloaded = " *" if any(s.error_pct >= 1 for s in by_config.values()) else ""
-        print(f"{rate:>5}  {mem.p50 - off.p50:+10.2f} {mem.p99 - off.p99:+7.2f}  {red.p50 - off.p50:+10.2f} "
-              f"{red.p99 - off.p99:+7.2f}  {red.p50 - mem.p50:+13.2f}  "
-              f"{added['memory', 50]:+6.3f}/{added['memory', 99]:+6.3f} "
-              f"{added['redis', 50]:+7.3f}/{added['redis', 99]:+7.3f}{overloaded}")
+        for config, s in by_config.items():
+            if config == "off" or off is None:
+                continue
+            print(f"{rate:>5}  {config:<12} client {s.p50 - off.p50:+7.2f}/{s.p99 - off.p99:+7.2f}  gw+admit "
+                  f"{gateway_ms(s, 50) - gateway_ms(off, 50):+7.3f}/{gateway_ms(s, 99) - gateway_ms(off, 99):+7.3f}"
+                  f"{overloaded}")
+    budgets = [(config, plain) for config, plain in BUDGET_TO_PLAIN.items() if config in configs and plain in configs]
+    if budgets:
+        print("\nwhat the budget adds, ms: admit (the `limits` stage: budget + limits) p50/p99 and client p50, against "
+              "the same configuration without a budget; goal: admit p50 <= +0.1 ms")
+        for rate, by_config in rate_to_stats.items():
+            for config, plain in budgets:
+                s, base = by_config[config], by_config[plain]
+                print(f"{rate:>5}  {config:<12} - {plain:<7} admit {s.admit_p50 - base.admit_p50:+7.3f}/"
+                      f"{s.admit_p99 - base.admit_p99:+7.3f}  client p50 {s.p50 - base.p50:+7.2f}")
     print(f"\nhighest rate held (< 1% errors at it and every lower rate; tried up to {max(rate_to_stats)} req/s):")
-    for config in CONFIGS:
+    for config in configs:
         held = None
         for rate, by_config in rate_to_stats.items():
             if by_config[config].error_pct >= 1:
                 break
             held = rate
         print(f"    {config:<7} {held or 'none'}")
-    if 300 in rate_to_stats:
+    if 300 in rate_to_stats and {"off", "memory", "redis"} <= set(configs):
         by_config = rate_to_stats[300]
         off = by_config["off"]
         print("\ntargets at 300 req/s: added p50 <= 1 ms, p99 <= 5 ms; redis p50 <= memory p50 + 1 ms")
@@ -341,33 +369,47 @@ def print_summary(rate_to_stats: dict[int, dict[str, RunStats]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"comma-separated, of {', '.join(CONFIGS)} (default all)")
+    parser.add_argument("--baseline", type=Path,
+                        help="another checkout of tokenway: also run the budget configuration from its code")
+    parser.add_argument("--rates", help="comma-separated requests per second (default: rising until overload)")
     args = parser.parse_args()
+    configs = args.configs.split(",")
+    if unknown := set(configs) - set(CONFIGS):
+        raise SystemExit(f"--configs: unknown {', '.join(sorted(unknown))}; known: {', '.join(CONFIGS)}")
     rates = [100, 200, 300, 400, 600] if args.quick else [100, 150, 200, 250, 300, 400, 600]
+    if args.rates:
+        rates = [int(rate) for rate in args.rates.split(",")]
     duration_s, num_repeats, warmup_s = (3, 2, 2) if args.quick else (10, 2, 4)
 
     processes: list[subprocess.Popen] = []
+    servers: dict[str, tuple[subprocess.Popen, str, dict[str, str]]] = {}
     with tempfile.TemporaryDirectory(prefix="gateway-bench-") as workdir:
         try:
             redis, redis_url = start_redis(Path(workdir))
             processes.append(redis)
-            servers = {}
-            for config in CONFIGS:
+            for config in configs:
                 servers[config] = start_server(config, Path(workdir), redis_url)
                 processes.append(servers[config][0])
+            if args.baseline is not None:
+                servers["budget@base"] = start_server("budget", Path(workdir), redis_url, args.baseline.resolve(),
+                                                      label="budget@base")
+                processes.append(servers["budget@base"][0])
             for config, (process, base_url, _) in servers.items():
                 wait_ready(process, base_url, Path(workdir) / f"{config}.log")
             print(f"gateway overhead, open loop, {duration_s} s per run, median of {num_repeats} repeats, "
                   f"configurations interleaved; limits {redis_url} for redis")
-            print(f"NOTE: {os.cpu_count()} cores shared by the client, three servers and whatever else runs "
+            print(f"NOTE: {os.cpu_count()} cores shared by the client, {len(servers)} servers and whatever else runs "
                   f"on this machine: figures are noisy; compare configurations within a rate")
-            print(f"{'rate':>5} {'config':<7} {'p50':>8} {'p99':>8} {'err%':>6} | {'gw50':>6} {'gw99':>6} "
+            print(f"{'rate':>5} {'config':<12} {'p50':>8} {'p99':>8} {'err%':>6} | {'gw50':>6} {'gw99':>6} "
                   f"{'adm50':>6} {'adm99':>6} {'srv50':>7} {'out50':>6} | {'lag99':>6}   (ms)")
             urls = {config: (url, headers) for config, (_, url, headers) in servers.items()}
             print_summary(asyncio.run(run(urls, rates, duration_s, num_repeats, warmup_s, TIMEOUT_S)))
         finally:
             for process in reversed(processes):  # servers first (they flush to Redis and the ledger)
                 stop_process(process)
-        print_server_errors(Path(workdir))
+        print_server_errors(Path(workdir), list(servers))
 
 
 if __name__ == "__main__":
