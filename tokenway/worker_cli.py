@@ -47,8 +47,10 @@ def add_worker_parser(sub) -> None:
     worker.add_argument("--max-pending-requests", type=int, default=256, help="in flight before 503 + Retry-After")
     worker.add_argument("--graceful-shutdown-seconds", type=float, default=30.0)
     # The same read timeouts and connection caps as `tokenway serve` (server/connections.py).
-    worker.add_argument("--header-timeout-seconds", type=float, help="accept to the end of a request's head (default 10)")
-    worker.add_argument("--body-timeout-seconds", type=float, help="the end of a head to the end of its body (default 60)")
+    worker.add_argument("--header-timeout-seconds", type=float,
+                        help="accept to the end of a request's head (default 10)")
+    worker.add_argument("--body-timeout-seconds", type=float,
+                        help="the end of a head to the end of its body (default 60)")
     worker.add_argument("--keep-alive-timeout-seconds", type=float, help="idle between requests (default 20)")
     worker.add_argument("--max-connections", type=int, help="open at once (default: 90%% of RLIMIT_NOFILE)")
     worker.add_argument("--max-connections-per-client", type=int,
