@@ -27,6 +27,10 @@ from urllib.parse import urlsplit
 import httptools
 
 READ_BYTES = 65536
+# A response head's size (status line and headers). llhttp hands httptools a header in the
+# pieces it arrived in, and httptools joins them with bytes +=: an endless header would be
+# quadratic time and unbounded memory.
+MAX_HEAD_BYTES = 64 * 1024
 
 
 class HTTPError(Exception):
@@ -53,10 +57,11 @@ class _Connection:
 class _Parser:
     """httptools' callbacks, collected: status, headers, body pieces, the message's end."""
 
-    __slots__ = ("headers", "headers_done", "body", "complete", "keep_alive", "parser")
+    __slots__ = ("headers", "name_to_values", "headers_done", "body", "complete", "keep_alive", "parser")
 
     def __init__(self) -> None:
-        self.headers: dict[str, str] = {}
+        self.headers: dict[str, str] = {}  # a repeated header's values joined by ", ", once all have come
+        self.name_to_values: dict[str, list[str]] = {}
         self.headers_done = False
         self.body: list[bytes] = []
         self.complete = False
@@ -64,11 +69,10 @@ class _Parser:
         self.parser = httptools.HttpResponseParser(self)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        key = name.decode("latin-1").lower()
-        text = value.decode("latin-1")
-        self.headers[key] = f"{self.headers[key]}, {text}" if key in self.headers else text
+        self.name_to_values.setdefault(name.decode("latin-1").lower(), []).append(value.decode("latin-1"))
 
     def on_headers_complete(self) -> None:
+        self.headers = {name: ", ".join(values) for name, values in self.name_to_values.items()}
         self.headers_done = True
 
     def on_body(self, body: bytes) -> None:
@@ -189,18 +193,20 @@ class ConnectionPool:
 
     async def _exchange(self, connection: _Connection, request: bytes, method: str) -> Response:
         connection.writer.write(request)
-        parser, received = _Parser(), False
+        parser, num_received = _Parser(), 0
         try:
             await connection.writer.drain()
             while not parser.headers_done:
                 data = await connection.reader.read(READ_BYTES)
                 if not data:
-                    raise _StaleConnection() if not received else HTTPError(
+                    raise _StaleConnection() if not num_received else HTTPError(
                         "the upstream closed the connection mid-answer")
-                received = True
+                num_received += len(data)
                 parser.feed(data)
+                if not parser.headers_done and num_received > MAX_HEAD_BYTES:
+                    raise HTTPError(f"the response head is larger than {MAX_HEAD_BYTES} bytes")
         except (ConnectionResetError, BrokenPipeError) as exc:
-            if not received:
+            if not num_received:
                 raise _StaleConnection() from exc
             raise HTTPError(f"the connection failed: {exc}") from None
         except OSError as exc:

@@ -14,7 +14,10 @@ What the caller sees when the upstream fails:
     503, 529 (Anthropic's overloaded)            ServiceUnavailableError   retry-after passed on
     500, 502, 504, any other 5xx                 BadGatewayError 502
     refused, reset, closed mid-stream, not SSE,  BadGatewayError 502
-      bad JSON, a stream that ends unfinished
+      bad JSON, a stream that ends unfinished,
+      a line or event over max_event_chars, a
+      response head over 64 KiB, a JSON body
+      over its cap
     an error event inside a 200 stream           by its code/type as above (`stream_error`), else 502
     connect timeout, silence longer than the     GatewayTimeoutError 504
       gap, the job's deadline passed
@@ -22,6 +25,15 @@ What the caller sees when the upstream fails:
 Every wait (connect, response headers, each read) ends by the earliest of its own timeout and
 the job's deadline, so a hanging upstream costs at most that long. A stream is closed, and
 its connection dropped, whenever its reader stops early (aclose, cancellation, an error).
+
+What an upstream sends is bounded before it is parsed, since the parsing runs on the event
+loop every call shares: a response head (64 KiB, http_client.py), one line or event of a
+stream (ConnectionLimits.max_event_chars, 1 MiB: json.loads takes 0.3 ms for one long string,
+13 ms for half a million small numbers),
+a JSON body read whole (max_bytes, 64 MiB: only a tokenway worker's tokenizer files need so
+much). Parsing in a thread would not free the loop: json.loads holds the GIL for the whole
+call (20 MB of JSON: the loop stalled 160 ms of the 160 ms parse, measured); what keeps the
+loop free is that each chunk is looked at once (sse_decoder.py) and nothing large is parsed.
 """
 
 from __future__ import annotations
@@ -46,7 +58,7 @@ from tokenway.protocol.errors import (
 )
 from tokenway.routing.http_client import ConnectionPool, HTTPError, Response
 from tokenway.routing.job import GenerationJob, Usage, estimate_tokens
-from tokenway.routing.sse_decoder import SSEDecoder, SSEEvent
+from tokenway.routing.sse_decoder import MAX_EVENT_CHARS, EventTooLargeError, SSEDecoder, SSEEvent
 from tokenway.routing.upstream_errors import error_for_status
 
 logger = logging.getLogger(__name__)
@@ -78,17 +90,27 @@ class UpstreamTimeouts:
 
 @dataclass(frozen=True, slots=True)
 class ConnectionLimits:
+    """An upstream's connections, and how much of what it sends one call takes."""
+
     max_connections: int = 512  # each streaming call holds one for its whole length
     max_keepalive_connections: int = 64
-    # Below uvicorn's 5 s keep-alive (vLLM, SGLang, tokenway): reusing a connection the upstream
-    # is closing at that moment fails the call.
+    # Below uvicorn's 5 s keep-alive (vLLM, SGLang; tokenway's own is 20 s): reusing a
+    # connection the upstream is closing at that moment fails the call.
     keepalive_expiry: float = 4.0
+    # One line or event of a stream; over it the call ends with a 502 saying so. A token's
+    # chunk is ~200 characters; one with top-20 logprobs a few thousand.
+    max_event_chars: int = MAX_EVENT_CHARS
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_keepalive_connections", "max_event_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
 
 
 def parse_json_object(name: str, data: str) -> dict[str, Any]:
     try:
         payload = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the interpreter's stack
         payload = None
     if not isinstance(payload, dict):
         raise BadGatewayError(f"Upstream {name} sent an event that is not a JSON object: {truncate(data, 60)!r}")
@@ -200,10 +222,13 @@ class UpstreamHTTP:
             if response.status >= 300:
                 raise await self._error(response, deadline)
             chunks, text = response.chunks(), codecs.getincrementaldecoder("utf-8")()
-            sse = SSEDecoder()
+            sse = SSEDecoder(self._limits.max_event_chars)
             while (chunk := await self._within(lambda: anext(chunks, None), event_by, deadline)) is not None:
                 try:
                     events = sse.feed(text.decode(chunk))
+                except EventTooLargeError as exc:
+                    raise BadGatewayError(f"Upstream {self.name} sent {exc}, more than one event may hold "
+                                          f"(max_event_chars); the call was ended.") from None
                 except ValueError as exc:  # UnicodeDecodeError included
                     raise BadGatewayError(f"Upstream {self.name} sent a malformed event stream: {exc}") from None
                 for event in events:
@@ -253,7 +278,7 @@ class UpstreamHTTP:
             raise BadGatewayError(f"Upstream {self.name} answered GET {path} with more than {max_bytes} bytes.")
         try:
             return json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise BadGatewayError(f"Upstream {self.name} answered GET {path} with something other than JSON.") from None
 
     async def probe(self) -> bool:
