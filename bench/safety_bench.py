@@ -116,7 +116,8 @@ SENTENCES = (
 
 def sentence(rng: random.Random) -> str:
     return rng.choice(SENTENCES).format(
-        order=f"ORD-2024-{rng.randrange(10**6):06d}", date=f"2024-{rng.randrange(1, 13):02d}-{rng.randrange(1, 29):02d}",
+        order=f"ORD-2024-{rng.randrange(10**6):06d}",
+        date=f"2024-{rng.randrange(1, 13):02d}-{rng.randrange(1, 29):02d}",
         amount=f"{rng.randrange(5, 500)}.{rng.randrange(100):02d}", days=rng.randrange(2, 31),
         version=f"{rng.randrange(1, 9)}.{rng.randrange(30)}.{rng.randrange(10)}", num=rng.randrange(2, 60),
         time=f"{rng.randrange(24):02d}:{rng.randrange(60):02d}", ticket=f"#{rng.randrange(10**5, 10**6)}")
@@ -246,8 +247,8 @@ def main() -> None:
     }
     num_chars = sum(len(t.text) for t in chat.texts())
     print(f"input screen on one chat request: ~{estimate_chat_tokens(chat.messages, chat.tools):,} tokens, "
-          f"{len(chat.messages)} messages, {len(chat.tools)} tools, {len(list(chat.texts()))} texts, {num_chars:,} chars;"
-          f" findings: {screen_input(policy, list(chat.texts())).categories or 'none'}")
+          f"{len(chat.messages)} messages, {len(chat.tools)} tools, {len(list(chat.texts()))} texts screened, "
+          f"{num_chars:,} chars; findings: {screen_input(policy, list(chat.texts())).categories or 'none'}")
     for name, (p50, p99) in time_alternated(screens, num_runs).items():
         print(f"  {name:<32} p50 {p50:.3f} ms, p99 {p99:.3f} ms ({num_runs} runs)")
 

@@ -155,10 +155,10 @@ def test_every_channel_is_blocked_and_redacted_in_place(channel, secret, categor
 
 
 def test_a_redaction_keeps_everything_else_as_it_was():
-    chat = openai_input(messages=[user("Hi there"), user(f"card {CARD}.")], tools=[tool()])
+    chat = openai_input(messages=[*called('{"order_id": "ORD-2024-004471"}'), user(f"card {CARD}.")], tools=[tool()])
     clean = redacted(chat)
-    assert clean.messages[0] is chat.messages[0] and clean.tools[0] is chat.tools[0]
-    assert clean.messages[1]["content"] == "card [REDACTED:credit_card]."
+    assert all(new is old for new, old in zip(clean.messages[:3], chat.messages)) and clean.tools[0] is chat.tools[0]
+    assert clean.messages[3]["content"] == "card [REDACTED:credit_card]."
 
 
 def test_a_number_in_arguments_becomes_the_redaction_and_stays_json():
@@ -386,3 +386,12 @@ def test_labelled_positives_are_found_as_detect_finds_them():
         if expected:
             screening = screened(openai_input(messages=[user(text)]), "flag")
             assert screening.categories == tuple(sorted({f.category for f in detect(text)})), text
+
+
+def test_moderations_read_the_view_the_input_screen_reads():
+    from tokenway.safety.moderations import moderation_response
+
+    results = moderation_response(SafetyPolicy(), [f"card {CARD_TRICKS['digits from U+0660']}", KEY_TRICKS["fullwidth"],
+                                                   "order ٤٤٧١-٢٢٩٠"])["results"]
+    assert [[c for c, flagged in r["categories"].items() if flagged] for r in results] == [
+        ["credit_card"], ["api_key"], []]

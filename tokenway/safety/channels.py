@@ -21,9 +21,15 @@ value, so the document stays valid JSON. Under `redact`:
     changing what the document means (a renamed property, a schema whose "minimum" is a
     string): a finding there refuses the call, as `block` does.
 
-Texts of the same kind that the template writes one after the other (one message's content,
-then the next message's) "flow": the screen joins them so a number split between them is seen
-whole; names, ids and JSON values stand alone.
+Message contents "flow": the template writes them in sequence, and the screen joins them in
+order with line breaks, which a card number, an IBAN or a key may run across (detectors.py) and
+nothing else does, so a number split between two parts (joined by a line break already) or two
+messages is seen whole, and digits ending one message and starting the next are a card only if
+they pass its checksum and grouping. Names, ids and JSON values stand alone: nothing runs into
+or out of them. A completion's prompts and embeddings inputs are each a prompt of their own.
+
+Not carried, so not screened: image, audio and document parts (refused by the schemas: the
+models are text-only); tool_choice (it names a tool already read).
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ class PromptText:
 
     text: str
     param: str = "messages"  # the request field it is in, named in a refusal
-    flows: bool = False  # free text the template writes right after the previous flowing text
+    flows: bool = False  # a message's content: joined with the other contents, in order
     redactable: bool = True  # False: a finding here refuses the call under redact too
 
 
@@ -119,7 +125,7 @@ def _walk_message(message: dict, visit: Visit) -> dict:
     changes: dict[str, Any] = {}
     content = message.get("content")
     if isinstance(content, str):
-        changes["content"] = visit(content, "messages", True, True)
+        changes["content"] = _visit(content, visit, "messages", True, True)
     elif isinstance(content, list):  # text parts
         parts = [_walk_part(part, visit) for part in content]
         changes["content"] = content if all(new is old for new, old in zip(parts, content)) else parts
@@ -127,7 +133,9 @@ def _walk_message(message: dict, visit: Visit) -> dict:
         if isinstance(message.get(field), str):
             changes[field] = _visit_field(message[field], visit, "messages")
     if message.get("tool_calls"):
-        changes["tool_calls"] = [_walk_call(call, visit) for call in message["tool_calls"]]
+        calls = [_walk_call(call, visit) for call in message["tool_calls"]]
+        changes["tool_calls"] = message["tool_calls"] if all(
+            new is old for new, old in zip(calls, message["tool_calls"])) else calls
     if all(new is message.get(key) for key, new in changes.items()):
         return message
     return {**message, **changes}
@@ -136,7 +144,7 @@ def _walk_message(message: dict, visit: Visit) -> dict:
 def _walk_part(part: Any, visit: Visit) -> Any:
     if not isinstance(part, dict) or not isinstance(part.get("text"), str):
         return part
-    text = visit(part["text"], "messages", True, True)
+    text = _visit(part["text"], visit, "messages", True, True)
     return part if text is part["text"] else {**part, "text": text}
 
 
@@ -157,7 +165,7 @@ def _walk_call(call: dict, visit: Visit) -> dict:
             if new_value is not value:
                 new_function["arguments"] = json.dumps(new_value, ensure_ascii=False)
         else:  # not a JSON object or array (a call cut short): the template writes it as it is
-            new_function["arguments"] = visit(arguments, "messages", False, True)
+            new_function["arguments"] = _visit(arguments, visit, "messages", False, True)
     elif isinstance(arguments, (dict, list)):
         new_function["arguments"] = _walk_json(arguments, visit, "messages", schema=False)
     if new_id is call.get("id") and all(new_function[key] is function.get(key) for key in new_function):
@@ -168,7 +176,14 @@ def _walk_call(call: dict, visit: Visit) -> dict:
 def _visit_field(text: str, visit: Visit, param: str, redactable: bool = True) -> str:
     if text.isascii() and (len(text) < _MIN_CHARS or len(text) < _MIN_KEY_CHARS and _DIGIT_OR_AT.search(text) is None):
         return text
-    return visit(text, param, False, redactable)
+    return _visit(text, visit, param, False, redactable)
+
+
+def _visit(text: str, visit: Visit, param: str, flows: bool, redactable: bool) -> str:
+    """The visited text, or `text` itself where it is the same (arguments are parsed anew by
+    each walk: an unchanged value must be the same object for its document to stay as sent)."""
+    new = visit(text, param, flows, redactable)
+    return text if new == text else new
 
 
 def _walk_json(value: Any, visit: Visit, param: str, schema: bool) -> Any:
@@ -181,8 +196,8 @@ def _walk_json(value: Any, visit: Visit, param: str, schema: bool) -> Any:
         if -10**(_MIN_CHARS - 1) < value < 10**(_MIN_CHARS - 1):
             return value
         text = str(value)
-        new = visit(text, param, False, not schema)
-        return value if new == text else new
+        new = _visit(text, visit, param, False, not schema)
+        return value if new is text else new
     if isinstance(value, dict):
         changed: dict | None = None
         for i, (key, item) in enumerate(value.items()):

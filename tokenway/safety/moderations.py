@@ -5,7 +5,8 @@
 
 Each result names every category the checks cover (the built-in detectors': api_key,
 credit_card, iban, email, phone, or the configured subset), flagged where a finding scores
-at least the policy's threshold; category_scores is the highest score found. Categories the
+at least the policy's threshold; category_scores is the highest score found. Each text is read
+as the input screen reads a request (normalize.py), so the two agree on what they find. Categories the
 checks do not cover (OpenAI's hate, violence, ...) are not reported as false: they are absent.
 """
 
@@ -18,6 +19,7 @@ from pydantic import AfterValidator, Field
 
 from tokenway.protocol.openai_messages import RequestModel, fail
 from tokenway.safety.detectors import CATEGORIES
+from tokenway.safety.normalize import normalize
 from tokenway.safety.screen import SafetyPolicy
 
 MODEL = "tokenway-detectors"
@@ -52,7 +54,7 @@ def moderation_response(policy: SafetyPolicy, texts: list[str]) -> dict:
     results = []
     for text in texts:
         scores = dict.fromkeys(categories, 0.0)
-        for finding in policy.findings(text):
+        for finding in policy.findings(normalize(text).text):  # the input screen's view
             scores[finding.category] = max(scores[finding.category], finding.score)
         flags = {category: score > 0.0 for category, score in scores.items()}
         results.append({"flagged": any(flags.values()), "categories": flags, "category_scores": scores,
