@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import random
 import socket
 import uuid
 from collections import Counter
@@ -287,6 +288,19 @@ def test_the_worst_case_is_reserved_and_max_tokens_that_fits_is_said(gatekeeper)
             await gate.close()
 
     run(body)
+
+
+def test_max_tokens_within_is_the_largest_that_fits():
+    rng = random.Random(0)
+    for _ in range(500):
+        price = ModelPrice(input=rng.choice([0.0, 0.15, 2.5, 1000.0]), output=rng.choice([0.075, 0.6, 10.0, 2000.0]))
+        num_prompt_tokens, n, left = rng.randrange(5000), rng.randrange(1, 4), rng.randrange(1, 10**9)
+
+        def cost(max_tokens: int) -> int:
+            return nanos_up(cost_usd(price, num_prompt_tokens, 0, max_tokens * n))
+
+        best = max_tokens_within(price, num_prompt_tokens, n, left)
+        assert cost(best + 1) > left and (cost(best) <= left if best else cost(1) > left)
 
 
 def test_a_spent_budget_and_a_prompt_that_alone_does_not_fit(gatekeeper):

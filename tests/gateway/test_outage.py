@@ -168,11 +168,14 @@ def test_closed_refuses_every_call_it_cannot_check_with_503(tmp_path):
     async def body():
         gate = make_gatekeeper(tmp_path, "closed")
         try:
-            for caller in (Principal(key_id="k_00000003", name="plain"),
+            for caller in (Principal(key_id="k_00000003", name="limited", rpm=10),
                            Principal(key_id="k_00000004", name="budgeted", budget_usd=1.0)):
                 with pytest.raises(ServiceUnavailableError) as info:
                     await gate.admit(caller, MODEL, 10, 10)
                 assert info.value.code == "limits_unavailable" and info.value.retry_after == 1.0
+            # A key with neither limits nor a budget has nothing to check.
+            unlimited = await gate.admit(Principal(key_id="k_00000005", name="unlimited"), MODEL, 10, 10)
+            assert unlimited.decision is None and unlimited.budget is None
         finally:
             await gate.close()
 

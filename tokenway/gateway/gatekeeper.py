@@ -155,7 +155,8 @@ class Gatekeeper:
             decision = await self.guard.call("limits", lambda: self.limiter.admit(principal.key_id, spec,
                                                                                   reserve_tokens))
         except LimitsUnavailable:
-            self.guard.by_policy()
+            if not spec.is_unlimited:  # a key with no limits has nothing to enforce: no policy to apply
+                self.guard.by_policy()
             return None
         if not decision.allowed:
             raise RateLimitError(self._refusal(decision, reserve_tokens), retry_after=decision.retry_after_s,
@@ -247,7 +248,7 @@ class Gatekeeper:
         )
 
     def _final_row(self, call: Call, status: int) -> UsageRecord | None:
-        """The call's one row, the first time it is asked for (None after): settles the limits too.
+        """The call's one row, the first time it is asked for (None after): settles its reservations too.
         `status` is what was sent, for a call that ended without an outcome of its own."""
         if call.committed:
             return None
@@ -297,8 +298,13 @@ def max_tokens_within(price: ModelPrice, num_prompt_tokens: int, n: int, left: i
     """The largest max_tokens whose worst case (n choices) costs at most `left` nanos; 0: none does."""
     if price.output <= 0 or nanos_up(cost_usd(price, num_prompt_tokens, 0, n)) > left:
         return 0
-    prompt = cost_usd(price, num_prompt_tokens, 0, 0)
-    max_tokens = max(1, int((left / 1e9 - prompt) * 1e6 / (price.output * n)))
-    while max_tokens > 1 and nanos_up(cost_usd(price, num_prompt_tokens, 0, max_tokens * n)) > left:
+    def fits(max_tokens: int) -> bool:
+        return nanos_up(cost_usd(price, num_prompt_tokens, 0, max_tokens * n)) <= left
+
+    # From the float estimate to the exact answer, in a step or two either way.
+    max_tokens = max(1, int((left / 1e9 - cost_usd(price, num_prompt_tokens, 0, 0)) * 1e6 / (price.output * n)))
+    while max_tokens > 1 and not fits(max_tokens):
         max_tokens -= 1
+    while fits(max_tokens + 1):
+        max_tokens += 1
     return max_tokens

@@ -47,6 +47,10 @@ class LimitSpec:
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
 
+    @property
+    def is_unlimited(self) -> bool:
+        return self.rpm is None and self.tpm is None and self.tpd is None and self.max_concurrent is None
+
 
 @dataclass(slots=True)
 class Reservation:

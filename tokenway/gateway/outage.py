@@ -34,6 +34,8 @@ LOG_INTERVAL_S = 60.0
 
 
 class StoreGuard:
+    """The gateway's one way into its limits stores: a breaker per store, the policy, the log."""
+
     def __init__(self, on_error: str = "open", *, probe_interval_s: float = 1.0, max_unsettled: int = 100_000
                  ) -> None:
         if on_error not in LIMITS_ON_ERROR:
