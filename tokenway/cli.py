@@ -39,6 +39,8 @@ SERVE_OPTIONS = {
     "max_num_seqs": (int, 128),
     "enable_prefix_caching": (bool, True),
     "tool_parser": (str, None),  # the local model's tool-call format; default: the one its chat template has
+    # True: special-token strings inside messages are read as the control tokens (default: as text)
+    "special_tokens_in_messages": (bool, False),
     # the safety stage (safety/screen.py): off | flag | redact | block, and which categories
     "safety_input": (str, "off"),
     "safety_output": (str, "off"),
@@ -139,6 +141,9 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--tool-parser", choices=["generic", "hermes", "llama3_json", "mistral"],
                        help="the tool-call format of the model's replies (default: the one its chat template "
                             "renders tools in; generic for a template without tools)")
+    serve.add_argument("--special-tokens-in-messages", dest="special_tokens_in_messages", action="store_const",
+                       const=True, help="read special-token strings inside messages (<|im_start|>...) as the "
+                                        "control tokens; by default they are text, so a caller cannot forge a turn")
     serve.add_argument("--safety-input", choices=["off", "flag", "redact", "block"],
                        help="secrets and PII in the prompt: name them in the trace (flag), redact them before "
                             "the model sees them, or refuse the call with a 400 (block); default off")
@@ -290,6 +295,9 @@ def run_serve(options: dict) -> int:
                                or Path.home() / ".cache" / "tokenway") / "tokenizers")
             state.router, state.frontends, state.context_windows = (routes.router, routes.frontends,
                                                                     routes.context_windows)
+        if options["special_tokens_in_messages"]:
+            for frontend in state.frontends.values():
+                frontend.tokenizer.special_tokens_in_messages = True
         await state.body_parser.start()
         state.router.start()
         if gatekeeper is not None:

@@ -13,6 +13,7 @@ Principal or KeyInfo.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import ipaddress
 import math
 import secrets
@@ -87,6 +88,9 @@ class Principal:
 
 
 ANONYMOUS = Principal(key_id=ANONYMOUS_KEY_ID, name="anonymous")
+# The operator, by the server's admin key: reads every key's usage and traces, the models and
+# the engine's stats; manages keys. It calls no model (an API key does, under limits and budget).
+ADMIN = Principal(key_id="admin", name="admin")
 
 
 def __getattr__(name: str) -> object:
@@ -145,6 +149,19 @@ def secret_from_headers(headers: Mapping[str, str]) -> str | None:
             return value.strip()
     api_key = headers.get("x-api-key")
     return api_key.strip() if api_key and api_key.strip() else None
+
+
+def presents_admin_key(headers: Mapping[str, str], admin_key: str | None) -> bool:
+    """Whether the request carries the admin key, as `Authorization: Bearer` or `x-api-key`
+    (compared in constant time; with both headers, either may hold it)."""
+    if not admin_key:
+        return False
+    expected = admin_key.encode()
+    candidates = [headers.get("x-api-key", "").strip()]
+    scheme, _, value = headers.get("authorization", "").strip().partition(" ")
+    if scheme.lower() == "bearer":
+        candidates.append(value.strip())
+    return any(hmac.compare_digest(candidate.encode(), expected) for candidate in candidates if candidate)
 
 
 def unauthenticated(headers: Mapping[str, str]) -> Principal:

@@ -1,8 +1,9 @@
 """The observability HTTP surface.
 
     GET /metrics                          Prometheus exposition (open, as vLLM's is: scrape it from a trusted network)
-    GET /v1/traces/{request_id}           the caller's own trace: the ring, else the ledger
+    GET /v1/traces/{request_id}           the caller's own trace: the ring, else the ledger (the admin key: any)
     GET /v1/traces?limit=N[&summary=true] the caller's recent traces, or the 'where the time went' table
+                                          (the admin key: everyone's)
     GET /admin/traces/{request_id}        any trace (admin key)
     GET /admin/traces?limit=N[&summary=true]
     GET /dashboard                        the web page (static files, nothing built at run time)
@@ -18,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 
+from tokenway.gateway.auth import ADMIN
 from tokenway.observability.traces import Trace, summarize
 from tokenway.protocol.errors import AuthenticationError, NotFoundError
 from tokenway.server.admin_api import check_admin_key
@@ -57,9 +59,10 @@ def observability_router(state) -> APIRouter:
 
     @router.get("/v1/traces/{request_id}")
     async def own_trace(request: Request, request_id: str) -> dict:
-        key_id = request.scope["state"]["call"].start.principal.key_id
+        principal = request.scope["state"]["call"].start.principal
         trace = await find(request_id)
-        if trace is None or trace.key_id != key_id:  # another key's trace does not exist for this one
+        # Another key's trace does not exist for this one.
+        if trace is None or (trace.key_id != principal.key_id and principal is not ADMIN):
             raise NotFoundError(f"No trace for request '{request_id[:64]}' (traces of other keys are not shown)",
                                 param="request_id", code="trace_not_found")
         return trace_body(trace)
@@ -67,8 +70,8 @@ def observability_router(state) -> APIRouter:
     @router.get("/v1/traces")
     async def own_traces(request: Request, limit: int = Query(100, ge=1, le=MAX_LIMIT),
                          summary: bool = False) -> dict:
-        key_id = request.scope["state"]["call"].start.principal.key_id
-        return listing(await recent(limit, key_id), summary)
+        principal = request.scope["state"]["call"].start.principal
+        return listing(await recent(limit, None if principal is ADMIN else principal.key_id), summary)
 
     @router.get("/admin/traces/{request_id}")
     async def any_trace(request: Request, request_id: str) -> dict:

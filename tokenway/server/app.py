@@ -7,7 +7,6 @@ with a plain message while the traceback goes to the log.
 
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import Any
 
@@ -19,7 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenway.gateway.auth import ANONYMOUS, unauthenticated
+from tokenway.billing.ledger import LedgerUnavailable
+from tokenway.gateway.auth import ADMIN, ANONYMOUS, presents_admin_key, unauthenticated
 from tokenway.gateway.gatekeeper import Gatekeeper
 from tokenway.observability.observer import Observer
 from tokenway.observability.routes import observability_router
@@ -33,6 +33,7 @@ from tokenway.protocol.errors import (
     NotFoundError,
     PayloadTooLargeError,
     PermissionDeniedError,
+    ServiceUnavailableError,
     TokenwayError,
     anthropic_error_body,
     from_validation_error,
@@ -48,13 +49,6 @@ from tokenway.server.serving import ServerState
 from tokenway.stages import StageClock
 
 logger = logging.getLogger(__name__)
-
-
-def is_admin(request: Request, admin_key: str | None) -> bool:
-    if not admin_key:
-        return False
-    supplied = request.headers.get("x-api-key") or request.headers.get("authorization", "")[7:].strip()
-    return hmac.compare_digest(supplied.encode(), admin_key.encode())
 
 
 def error_response(request_path: str, exc: TokenwayError, request_id: str | None = None) -> JSONResponse:
@@ -74,8 +68,9 @@ SMALL_BODY_BYTES = 64 * 1024
 
 
 def needs_api_key(path: str) -> bool:
-    """The routes behind the API key when auth is on (what costs model time, or shows usage)."""
-    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+    """The routes behind the API key (or the admin key) when auth is on: what costs model time,
+    or shows usage or load."""
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/engine/stats")
 
 
 class GatewayMiddleware:
@@ -89,11 +84,12 @@ class GatewayMiddleware:
     an ASGI app after http.response.start makes the server drop the keep-alive connection."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int, gatekeeper: Gatekeeper | None,
-                 observer: Observer | None) -> None:
+                 observer: Observer | None, admin_key: str | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.gatekeeper = gatekeeper
         self.observer = observer
+        self.admin_key = admin_key  # its bearer is ADMIN wherever the admin may read
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -130,7 +126,15 @@ class GatewayMiddleware:
         principal = ANONYMOUS
         if gatekeeper is not None and needs_api_key(path):
             try:
-                principal = gatekeeper.authenticate(headers)
+                if presents_admin_key(headers, self.admin_key):
+                    principal = ADMIN
+                    if generation_call:
+                        raise PermissionDeniedError(
+                            "The admin key manages this server and reads its usage; it calls no model. Call "
+                            "models with an API key (POST /admin/keys or `tokenway keys create`).",
+                            code="admin_key_not_for_calls")
+                else:
+                    principal = gatekeeper.authenticate(headers)
             except TokenwayError as exc:
                 if not generation_call:
                     await error_response(path, exc, CallStart.now(path).request_id)(scope, receive, send)
@@ -314,37 +318,54 @@ def create_app(state: ServerState) -> FastAPI:
         return card
 
     @app.get("/v1/models")
-    async def list_models() -> dict:
+    async def list_models(request: Request) -> dict:
+        """The models the caller's key may use, as OpenAI lists those a key has access to."""
+        principal = call_of(request).start.principal
         return {"object": "list", "data": [model_card(name)
-                                           for name in state.model_names + state.embedding_model_names]}
+                                           for name in state.model_names + state.embedding_model_names
+                                           if principal.may_use(name)]}
 
     @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str) -> dict:
+    async def get_model(request: Request, model_id: str) -> dict:
+        principal = call_of(request).start.principal
         if model_id in state.embedding_model_names:
-            return model_card(state.resolve_model(model_id, kind="embeddings"))
-        return model_card(state.resolve_model(model_id))
+            return model_card(state.resolve_model(model_id, principal, kind="embeddings"))
+        return model_card(state.resolve_model(model_id, principal))
+
+    def tokenizing_frontend(request: Request, model: str | None):
+        """The model /tokenize and /detokenize use (None: the first served), as the key may use it."""
+        name = state.resolve_model(model if model is not None else state.model_names[0],
+                                   call_of(request).start.principal)
+        return state.tokenizing_frontend(name)
 
     @app.post("/tokenize", openapi_extra=_schema_extra(openai_schema.TokenizeRequest))
     @app.post("/v1/tokenize", include_in_schema=False)  # under the SDKs' base URL: client.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         body = await parse_body(request, openai_schema.TokenizeRequest, state.body_parser)
-        frontend = state.tokenizing_frontend(state.resolve_model(body.model) if body.model is not None else None)
+        frontend = tokenizing_frontend(request, body.model)
         tokens = await state.prepare(request, openai_api.tokenize, frontend, body, state.tool_parser(frontend))
         return {"tokens": tokens, "count": len(tokens), "max_model_len": frontend.max_model_len}
 
     @app.post("/detokenize", openapi_extra=_schema_extra(openai_schema.DetokenizeRequest))
     async def detokenize(request: Request) -> dict:
         body = await parse_body(request, openai_schema.DetokenizeRequest, state.body_parser)
-        frontend = state.tokenizing_frontend(state.resolve_model(body.model) if body.model is not None else None)
+        frontend = tokenizing_frontend(request, body.model)
         vocab_size = frontend.vocab_size
         if any(not 0 <= t < vocab_size for t in body.tokens):
             raise InvalidRequestError(f"tokens: token ids must be in [0, {vocab_size})", param="tokens")
         return {"prompt": frontend.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.get("/engine/stats")
-    async def engine_stats() -> dict:
-        """A snapshot of the engine: what runs, what waits, how full the KV cache is."""
-        return state.engine_stats()
+    async def engine_stats(request: Request) -> dict:
+        """A snapshot of the engine: what runs, what waits, how full the KV cache is. Each pool's
+        replicas (their names are hosts) for the admin, and for anyone while auth is off; an API
+        key sees its models' pools as totals."""
+        principal = call_of(request).start.principal
+        stats = state.engine_stats()
+        if principal is ADMIN or principal is ANONYMOUS:
+            return stats
+        visible = {pool.name for model, pool in state.router.pools.items() if principal.may_use(model)}
+        return {**stats, "replicas": pool_totals(stats["replicas"], visible)}
 
     @app.get("/health")
     async def health() -> dict:
@@ -381,15 +402,14 @@ def create_app(state: ServerState) -> FastAPI:
         @app.get("/v1/usage")
         async def usage(request: Request, key_id: str | None = None, since: float | None = None,
                         until: float | None = None) -> dict:
-            """The caller's usage by day and model (an admin key may name any key_id)."""
+            """The caller's usage by day and model; the admin key's: every key's, or the key_id named."""
             principal = call_of(request).start.principal
-            if key_id is not None and key_id != principal.key_id and not is_admin(request, state.config.admin_key):
+            if key_id is None:
+                key_id = None if principal is ADMIN else principal.key_id
+            elif key_id != principal.key_id and principal is not ADMIN:
                 raise PermissionDeniedError("Only the admin key may read another key's usage.", param="key_id")
-            from tokenway.billing.ledger import LedgerUnavailable
-            from tokenway.protocol.errors import ServiceUnavailableError
-
             try:
-                rows = await state.gatekeeper.ledger.usage(key_id or principal.key_id, since, until)
+                rows = await state.gatekeeper.ledger.usage(key_id, since, until)
             except LedgerUnavailable as exc:
                 raise ServiceUnavailableError("Usage cannot be read while the ledger's database is unreachable; "
                                               "calls are still recorded.", retry_after=exc.retry_after_s,
@@ -399,8 +419,18 @@ def create_app(state: ServerState) -> FastAPI:
     if state.observer is not None:
         app.include_router(observability_router(state))
     app.add_middleware(GatewayMiddleware, max_body_bytes=state.config.max_body_bytes, gatekeeper=state.gatekeeper,
-                       observer=state.observer)
+                       observer=state.observer, admin_key=state.config.admin_key)
     return app
+
+
+def pool_totals(pool_to_replicas: dict[str, dict[str, dict]], shown: set[str]) -> dict[str, dict]:
+    """Router.stats() without the replicas' names: per pool (of those `shown`), how many
+    replicas, how many available, and their calls and tokens in flight."""
+    return {pool: {"num_replicas": len(replicas),
+                   "num_available": sum(r["available"] for r in replicas.values()),
+                   "num_in_flight": sum(r["num_in_flight"] for r in replicas.values()),
+                   "num_outstanding_tokens": sum(r["num_outstanding_tokens"] for r in replicas.values())}
+            for pool, replicas in pool_to_replicas.items() if pool in shown}
 
 
 def safety_headers(call: Call) -> dict[str, str]:
