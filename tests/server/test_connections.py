@@ -57,6 +57,17 @@ def test_opening_connections_go_before_idle_ones_and_active_ones_never():
     assert table.num_evicted == 2
 
 
+def test_past_the_opening_cap_the_oldest_opening_one_goes_even_below_the_caps():
+    table = ConnectionTable(max_connections=10, max_connections_per_client=10, max_opening_connections=2)
+    a, b = admit(table, "a"), admit(table, "b")
+    table.mark_active(a)  # active ones do not count as opening
+    c = admit(table, "c")
+    assert not (a.evicted or b.evicted or c.evicted)
+    d = admit(table, "d")
+    assert b.evicted and not (c.evicted or d.evicted)
+    assert (table.num_connections, table.num_waiting, table.num_evicted) == (3, 2, 1)
+
+
 def test_every_connection_active_refuses_the_new_one():
     table = make_table(max_connections=2)
     for conn in (admit(table, "a"), admit(table, "b")):
@@ -125,7 +136,9 @@ def test_policy_checks_and_derived_caps():
     with pytest.raises(ValueError, match="max_connections_per_client"):
         ConnectionPolicy(max_connections_per_client=0)
     resolved = ConnectionPolicy().resolved(num_fds=20_000)
-    assert (resolved.max_connections, resolved.max_connections_per_client) == (18_000, 4_500)
+    assert (resolved.max_connections, resolved.max_connections_per_client, resolved.max_opening_connections) == (
+        18_000, 4_500, 4_096)
+    assert ConnectionPolicy().resolved(num_fds=1024).max_opening_connections == 512
     assert default_max_connections(1024) == 512 and default_max_connections(10**7) == 65_536
     assert ConnectionPolicy(max_connections=100, max_connections_per_client=500).resolved(20_000) \
         .max_connections_per_client == 100

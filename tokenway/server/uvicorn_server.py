@@ -287,7 +287,8 @@ class Server(uvicorn.Server):
         config.ws = "none"
         self.policy = policy.resolved(raise_fd_limit())
         config.timeout_keep_alive = self.policy.keep_alive_timeout_seconds
-        self.connection_table = ConnectionTable(self.policy.max_connections, self.policy.max_connections_per_client)
+        self.connection_table = ConnectionTable(self.policy.max_connections, self.policy.max_connections_per_client,
+                                                self.policy.max_opening_connections)
         super().__init__(config)
         self.announcement = announcement
 
