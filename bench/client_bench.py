@@ -7,7 +7,7 @@ the last turn, two tools, the history cut to the window; each call asks a new qu
 
     python bench/client_bench.py            # 200 timed runs each
 
-The goal (issue 13): p50 under 1 ms for a 20-turn conversation with counting cached.
+The goal: p50 under 1 ms for a 20-turn conversation with counting cached.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ TPOT per stream is (last chunk - first visible content) / (completion tokens - 1
 benchmarks compute it; content held back while a number forms moves the first visible token
 later (TTFT, printed too) and sends some tokens together, neither of which is decode slower.
 
-The goal (issue 12): streamed output checks add no more than 5% to TPOT.
+The goal: streamed output checks add no more than 5% to TPOT.
 """
 
 from __future__ import annotations

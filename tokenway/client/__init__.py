@@ -1,4 +1,4 @@
-"""The caller's side of an LLM API call (issue 13), on the official openai and anthropic SDKs."""
+"""The caller's side of an LLM API call, on the official openai and anthropic SDKs."""
 
 from tokenway.client.counting import LocalCounter, Price, RemoteCounter, price_of
 
