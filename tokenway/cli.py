@@ -255,6 +255,7 @@ def run_serve(options: dict) -> int:
                                  model_safety={e.name: e.safety for e in registry.models if e.safety is not None}
                                  if registry is not None else {})
     check_tls(options)
+    connection_policy = ConnectionPolicy.from_options(options)  # a bad value is one line now, not after loading
     for policy in (server_config.safety, *server_config.model_safety.values()):
         if policy.guard_model is not None and policy.guard_model not in names and policy.guard_model not in aliases:
             raise ValueError(f"safety guard_model: {policy.guard_model!r} is not a served chat model "
@@ -278,7 +279,7 @@ def run_serve(options: dict) -> int:
         app, host=server_config.host, port=server_config.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=server_config.graceful_shutdown_seconds, lifespan="off",
         ssl_certfile=options["ssl_certfile"], ssl_keyfile=options["ssl_keyfile"],
-    ), policy=ConnectionPolicy.from_options(options))
+    ), policy=connection_policy)
     scheme = "https" if options["ssl_certfile"] else "http"
 
     server.announcement = (f"tokenway: serving {', '.join(names + state.embedding_model_names)} on "
