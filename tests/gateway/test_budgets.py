@@ -200,7 +200,7 @@ def test_redis_state_lost_is_seeded_again_and_its_old_settles_dropped(redis_url)
         try:
             seed.key_to_usd[key] = 0.000001  # 1000 nanos
             old = await store.reserve(key, 10_000, 4000)
-            await client.delete(*store._keys(key))  # as a Redis restart would
+            await client.delete(*store.keys(key))  # as a Redis restart would
             seed.key_to_usd[key] = 0.000003  # the ledger holds the old call's row by now
             new = await store.reserve(key, 10_000, 2000)
             assert new.allowed and new.spent_nanos == 3000 and new.reservation.epoch != old.reservation.epoch
@@ -208,7 +208,7 @@ def test_redis_state_lost_is_seeded_again_and_its_old_settles_dropped(redis_url)
             state = await store.state(key)
             assert (state.spent_nanos, state.held_nanos) == (3000, 2000)
             assert seed.num_calls[key] == 2
-            ttl_ms = [await client.pttl(name) for name in store._keys(key)]
+            ttl_ms = [await client.pttl(name) for name in store.keys(key)]
             assert all(86_000_000 < ttl <= 86_400_000 for ttl in ttl_ms), ttl_ms  # expiring together
         finally:
             await client.aclose()

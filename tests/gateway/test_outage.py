@@ -104,6 +104,33 @@ def test_settlements_a_down_store_missed_are_replayed_once_it_answers():
     asyncio.run(body())
 
 
+def test_an_operation_on_both_stores_goes_by_both_breakers():
+    async def body():
+        guard, store, both = StoreGuard("open", probe_interval_s=0.05), FlakyStore(), ("budgets", "limits")
+        store.down = True
+        await guard.settle(both, lambda: store.settle(7))  # fails: both stores are down, the settlement kept
+        for stores in ("budgets", "limits", both):
+            with pytest.raises(LimitsUnavailable):
+                await guard.call(stores, store.answer)
+        assert store.num_calls == 1
+        store.down = False
+        await asyncio.sleep(0.06)
+        assert await guard.call("limits", store.answer) == "ok"  # limits' probe: budgets is still down ...
+        store.down = True
+        with pytest.raises(LimitsUnavailable):
+            await guard.call("budgets", store.answer)  # ... and its probe fails
+        store.down = False
+        with pytest.raises(LimitsUnavailable, match="budgets store down"):
+            await guard.call(both, store.answer)  # skipped while one of them is down
+        assert store.num_calls == 3 and store.settled == []
+        await asyncio.sleep(0.06)
+        assert await guard.call(both, store.answer) == "ok" and not guard.is_down
+        await guard.close()  # the replay runs in the background
+        assert store.settled == [7]
+
+    asyncio.run(body())
+
+
 def test_a_flapping_store_logs_one_outage_a_minute(caplog):
     async def body():
         guard, store = StoreGuard("open", probe_interval_s=0.0), FlakyStore()

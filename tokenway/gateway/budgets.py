@@ -38,6 +38,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tokenway.gateway.limits import Decision, Limiter, LimitSpec, Reservation
+
 NANOS_PER_USD = 10**9
 # Lua's numbers are doubles: integers are exact up to 2**53 nanos (about $9 million); a budget
 # above that is as good as none.
@@ -109,7 +111,32 @@ class BudgetStore(Protocol):
     async def state(self, key_id: str) -> BudgetState | None:
         """The key's spend and holds; None for a key the store has not seeded."""
 
+    def joint_with(self, limiter: Limiter) -> JointStore | None:
+        """This store and `limiter` as one JointStore where they can be; None: they are asked in turn."""
+
     async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class JointDecision:
+    """A budgeted call decided by its budget and its limits at once: held by both, or by neither."""
+
+    budget: BudgetDecision  # its reservation: the call's, when the limits admit it too (else None)
+    limits: Decision | None  # None: the budget refused, and the limits were not asked
+
+
+class JointStore(Protocol):
+    """A budget store and a limiter as one (joint_redis.py: one script on the Redis they share),
+    so that a budgeted call is admitted in one step and settled in one, rather than in turn.
+    The budget is asked first: where both would refuse, the call hears the budget's refusal.
+    Raises as both stores do (LimitsUnavailable, SeedUnavailable)."""
+
+    async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int, budget_nanos: int,
+                    worst_nanos: int) -> JointDecision: ...
+
+    async def settle(self, budget: BudgetReservation, used_nanos: int, reservation: Reservation,
+                     used_tokens: int) -> None:
+        """BudgetStore.settle and Limiter.reconcile, of one call's two reservations."""
 
 
 def check_amounts(budget_nanos: int, worst_nanos: int) -> None:
@@ -206,6 +233,9 @@ class InProcessBudgets:
             return None
         self._prune(state, time.monotonic_ns() // 1000)
         return BudgetState(state.spent_nanos, state.held_nanos)
+
+    def joint_with(self, limiter: Limiter) -> None:
+        return None  # nothing to save: no round trip to either store
 
     async def close(self) -> None:
         self._key_to_state.clear()

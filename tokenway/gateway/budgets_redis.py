@@ -15,94 +15,130 @@ stands. A settle carries its reservation's epoch: for a state re-seeded since, i
 since the seed read the ledger, where the call's row was. (A call in flight across such a
 loss whose row reaches the ledger only after the re-seed is missed until the key re-seeds.)
 Every call sets the three keys to expire together state_ttl_s after the key's last call.
+
+With a RedisLimiter on the same Redis, a budgeted call's budget and limits are one script
+(joint_redis.py), built from this module's LUA_BUDGETS and limits_redis's LUA_LIMITS.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 
 from tokenway.gateway.budgets import (
     BudgetDecision,
     BudgetReservation,
     BudgetState,
+    JointStore,
     SeedReader,
     SpendSeed,
     check_amounts,
 )
-from tokenway.gateway.limits_redis import connect, redacted, run_script
+from tokenway.gateway.limits import Limiter
+from tokenway.gateway.limits_redis import LUA_PRELUDE, RedisLimiter, connect, redacted, run_script
 
-# Numbers go back to Redis through int(): Lua would print a large one as "1.7e+15", which
-# HINCRBY rejects. Lua numbers are doubles: exact to 2**53 nanos (budgets.MAX_NANOS).
-LUA_SCRIPT = """
-local bud, res, fly = KEYS[1], KEYS[2], KEYS[3]
-local op = ARGV[1]
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
-local function int(x) return string.format('%d', x) end
+# The rules of InProcessBudgets, as Lua functions over one key's three keys (KEY_NAMES'
+# order), so that another script (joint_redis.py) can run them beside its own. Lua numbers
+# are doubles: exact to 2**53 nanos (budgets.MAX_NANOS).
+LUA_BUDGETS = """
+local function budgets_store(keys)
+  local bud, res, fly = unpack(keys)
+  local B = {}
 
--- Reservations past their expiry give their holds back.
-local function prune()
-  local ids = redis.call('ZRANGEBYSCORE', fly, '-inf', int(now))
-  for i = 1, #ids, 1000 do
-    local chunk = {unpack(ids, i, math.min(i + 999, #ids))}
-    local n = 0
-    for _, v in ipairs(redis.call('HMGET', res, unpack(chunk))) do n = n + (tonumber(v) or 0) end
-    redis.call('HINCRBY', bud, 'held', int(-n))
-    redis.call('HDEL', res, unpack(chunk))
-    redis.call('ZREM', fly, unpack(chunk))
+  -- A reservation's arguments (RedisBudgets.reservation_args), from ARGV[i] on.
+  function B.reservation(i)
+    return {budget = tonumber(ARGV[i]), worst = tonumber(ARGV[i + 1]), rid = ARGV[i + 2],
+            ttl_us = tonumber(ARGV[i + 3]), state_ttl_ms = ARGV[i + 4], seed = ARGV[i + 5], new_epoch = ARGV[i + 6]}
   end
+
+  function B.epoch() return redis.call('HGET', bud, 'epoch') end
+
+  -- The key's epoch, seeding a key that has no state with r's seed; nil if r brings none.
+  function B.open(r)
+    local epoch = B.epoch()
+    if epoch or r.seed == '' then return epoch end
+    redis.call('HSET', bud, 'spent', r.seed, 'held', 0, 'epoch', r.new_epoch)
+    return r.new_epoch
+  end
+
+  -- Reservations past their expiry give their holds back.
+  function B.prune()
+    local ids = redis.call('ZRANGEBYSCORE', fly, '-inf', int(now))
+    for i = 1, #ids, 1000 do
+      local chunk = {unpack(ids, i, math.min(i + 999, #ids))}
+      local n = 0
+      for _, v in ipairs(redis.call('HMGET', res, unpack(chunk))) do n = n + (tonumber(v) or 0) end
+      redis.call('HINCRBY', bud, 'held', int(-n))
+      redis.call('HDEL', res, unpack(chunk))
+      redis.call('ZREM', fly, unpack(chunk))
+    end
+  end
+
+  function B.amounts()
+    return tonumber(redis.call('HGET', bud, 'spent')), tonumber(redis.call('HGET', bud, 'held'))
+  end
+
+  -- A key that has used it all is refused even a free call.
+  function B.fits(r, spent, held) return spent + held + r.worst <= r.budget and spent < r.budget end
+
+  function B.hold(r)
+    redis.call('HSET', res, r.rid, int(r.worst))
+    redis.call('ZADD', fly, int(now + r.ttl_us), r.rid)
+    redis.call('HINCRBY', bud, 'held', int(r.worst))
+  end
+
+  function B.touch(state_ttl_ms) for _, key in ipairs(keys) do redis.call('PEXPIRE', key, state_ttl_ms) end end
+
+  -- 1, or 0 for a state lost since the reservation, and seeded again from the ledger (or to be).
+  function B.settle(rid, used, their_epoch, state_ttl_ms)
+    if B.epoch() ~= their_epoch then return 0 end
+    B.prune()
+    local held = redis.call('HGET', res, rid)
+    if held then  -- else it expired, and gave its hold back already; the cost is owed all the same
+      redis.call('HINCRBY', bud, 'held', int(-tonumber(held)))
+      redis.call('HDEL', res, rid)
+      redis.call('ZREM', fly, rid)
+    end
+    redis.call('HINCRBY', bud, 'spent', int(used))
+    B.touch(state_ttl_ms)
+    return 1
+  end
+
+  return B
 end
+"""
 
-local function amounts()
-  return tonumber(redis.call('HGET', bud, 'spent')), tonumber(redis.call('HGET', bud, 'held'))
-end
-
-local function touch(state_ttl_ms) for _, key in ipairs(KEYS) do redis.call('PEXPIRE', key, state_ttl_ms) end end
-
-local epoch = redis.call('HGET', bud, 'epoch')
+# ARGV: op, then for reserve its reservation_args; for settle settle_args.
+LUA_SCRIPT = LUA_PRELUDE + LUA_BUDGETS + """
+local op = ARGV[1]
+local budgets = budgets_store(KEYS)
 
 if op == 'state' then
-  if not epoch then return {} end
-  prune()
-  local spent, held = amounts()
+  if not budgets.epoch() then return {} end
+  budgets.prune()
+  local spent, held = budgets.amounts()
   return {spent, held}
 end
 
-if op == 'settle' then
-  local rid, used, their_epoch, state_ttl_ms = ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
-  if epoch ~= their_epoch then return 0 end  -- lost since, and seeded again from the ledger (or to be)
-  prune()
-  local held = redis.call('HGET', res, rid)
-  if held then  -- else it expired, and gave its hold back already; the cost is owed all the same
-    redis.call('HINCRBY', bud, 'held', int(-tonumber(held)))
-    redis.call('HDEL', res, rid)
-    redis.call('ZREM', fly, rid)
-  end
-  redis.call('HINCRBY', bud, 'spent', int(used))
-  touch(state_ttl_ms)
-  return 1
-end
+if op == 'settle' then return budgets.settle(ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]) end
 
--- reserve
-local budget, worst, rid, ttl_us, state_ttl_ms = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5]),
-  ARGV[6]
-if not epoch then
-  if ARGV[7] == '' then return {-1} end  -- unseeded: the gateway reads the ledger and asks again
-  epoch = ARGV[8]
-  redis.call('HSET', bud, 'spent', ARGV[7], 'held', 0, 'epoch', epoch)
-end
-prune()
-local spent, held = amounts()
+local r = budgets.reservation(2)
+local epoch = budgets.open(r)
+if not epoch then return {-1} end  -- unseeded: the gateway reads the ledger and asks again
+budgets.prune()
+local spent, held = budgets.amounts()
 local allowed = 0
-if spent + held + worst <= budget and spent < budget then
-  redis.call('HSET', res, rid, int(worst))
-  redis.call('ZADD', fly, int(now + ttl_us), rid)
-  redis.call('HINCRBY', bud, 'held', int(worst))
+if budgets.fits(r, spent, held) then
+  budgets.hold(r)
   allowed = 1
 end
-touch(state_ttl_ms)
+budgets.touch(r.state_ttl_ms)
 return {allowed, spent, held, epoch}
 """
+
+KEY_NAMES = ("bud", "res", "fly")
+# A reservation's seed and epoch, for a key the script answered unseeded; None the first time.
+Seed = tuple[int, str] | None
 
 
 class RedisBudgets:
@@ -114,37 +150,64 @@ class RedisBudgets:
         self._ttl_us = round(reservation_ttl_s * 1e6)
         self._state_ttl_ms = round(state_ttl_s * 1000)
         self._prefix = prefix
+        self.url = url
         self.where = redacted(url)
         self._redis = connect(url, timeout_s)
         self._script = self._redis.register_script(LUA_SCRIPT)
 
-    def _keys(self, key_id: str) -> list[str]:
+    def keys(self, key_id: str) -> list[str]:
         base = f"{self._prefix}:{{{key_id}}}"
-        return [f"{base}:{name}" for name in ("bud", "res", "fly")]
+        return [f"{base}:{name}" for name in KEY_NAMES]
 
     async def _run(self, key_id: str, args: list):
-        return await run_script(self._script, self._keys(key_id), args, self.where)
+        return await run_script(self._script, self.keys(key_id), args, self.where)
+
+    def reservation_args(self, budget_nanos: int, worst_nanos: int, reservation_id: str, seed: Seed
+                         ) -> list[str | int]:
+        return [budget_nanos, worst_nanos, reservation_id, self._ttl_us, self._state_ttl_ms,
+                *(seed if seed is not None else ("", ""))]
+
+    def settle_args(self, reservation: BudgetReservation, used_nanos: int) -> list[str | int]:
+        if used_nanos < 0:
+            raise ValueError(f"used_nanos must be >= 0, got {used_nanos}")
+        return [reservation.reservation_id, used_nanos, reservation.epoch, self._state_ttl_ms]
+
+    async def seeded(self, key_id: str, ask: Callable[[Seed], Awaitable[list]]) -> list:
+        """ask(None)'s reply; for a key the script answers unseeded ([-1]), ask(seed)'s, with the
+        ledger's spend and a new epoch (SeedUnavailable when the ledger cannot say)."""
+        reply = await ask(None)
+        if reply[0] == -1:
+            reply = await ask((await self._seeds.read(key_id), uuid.uuid4().hex))
+        return reply
+
+    @staticmethod
+    def decision(key_id: str, worst_nanos: int, reservation_id: str, reply: list) -> BudgetDecision:
+        """A reservation's BudgetDecision from the script's reply (allowed, spent, held, epoch)."""
+        allowed, spent, held, epoch = reply
+        reservation = BudgetReservation(key_id, reservation_id, worst_nanos, epoch.decode()) if allowed else None
+        return BudgetDecision(reservation, spent, held)
 
     async def reserve(self, key_id: str, budget_nanos: int, worst_nanos: int) -> BudgetDecision:
         check_amounts(budget_nanos, worst_nanos)
-        args = ["reserve", budget_nanos, worst_nanos, uuid.uuid4().hex, self._ttl_us, self._state_ttl_ms, "", ""]
-        reply = await self._run(key_id, args)
-        if reply[0] == -1:
-            args[6:] = [await self._seeds.read(key_id), uuid.uuid4().hex]
-            reply = await self._run(key_id, args)
-        allowed, spent, held, epoch = reply
-        reservation = BudgetReservation(key_id, args[3], worst_nanos, epoch.decode()) if allowed else None
-        return BudgetDecision(reservation, spent, held)
+        reservation_id = uuid.uuid4().hex
+        reply = await self.seeded(key_id, lambda seed: self._run(key_id, [
+            "reserve", *self.reservation_args(budget_nanos, worst_nanos, reservation_id, seed)]))
+        return self.decision(key_id, worst_nanos, reservation_id, reply)
 
     async def settle(self, reservation: BudgetReservation, used_nanos: int) -> None:
-        if used_nanos < 0:
-            raise ValueError(f"used_nanos must be >= 0, got {used_nanos}")
-        await self._run(reservation.key_id, ["settle", reservation.reservation_id, used_nanos, reservation.epoch,
-                                             self._state_ttl_ms])
+        await self._run(reservation.key_id, ["settle", *self.settle_args(reservation, used_nanos)])
 
     async def state(self, key_id: str) -> BudgetState | None:
         reply = await self._run(key_id, ["state"])
         return BudgetState(*reply) if reply else None
+
+    def joint_with(self, limiter: Limiter) -> JointStore | None:
+        """One script for both where the limiter is a RedisLimiter on this same Redis."""
+        if not (isinstance(limiter, RedisLimiter) and limiter.url == self.url):
+            return None
+        from tokenway.gateway.joint_redis import RedisJoint  # it builds on this module
+
+        return RedisJoint(limiter, self)
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -2,7 +2,8 @@
 
     socket ─► GatewayMiddleware ─► authenticate (key → Principal) ─► route: parse, tokenize
           ─► admit: model allowed? the budget reserves the call's worst-case cost (budgets.py),
-             then the limits reserve prompt + max_tokens of every choice (limits.py) ─► engine
+             then the limits reserve prompt + max_tokens of every choice (limits.py), both in
+             one step where the two stores share a Redis (joint_redis.py) ─► engine
           ─► finish: price the usage; both reservations settle to what was used and billed
           ─► the ledger row is committed before the response's last byte leaves
 
@@ -39,6 +40,7 @@ from tokenway.protocol.errors import AuthenticationError, InvalidRequestError, R
 from tokenway.server.call import Call, CallOutcome
 
 logger = logging.getLogger(__name__)
+BOTH_STORES = ("budgets", "limits")  # the StoreGuard names a joint store's operations go by
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +56,17 @@ class Admission:
     @property
     def rate_headers(self) -> dict[str, str]:
         return self.decision.headers if self.decision is not None else {}
+
+
+@dataclass(frozen=True, slots=True)
+class _BudgetAsk:
+    """What a budgeted call asks of its key's budget, and what its refusal is told from."""
+
+    price: ModelPrice
+    budget_nanos: int
+    worst_nanos: int  # the prompt and every choice's max_tokens at the model's price, uncached
+    num_prompt_tokens: int
+    n: int
 
 
 @dataclass(slots=True)
@@ -81,6 +94,9 @@ class Gatekeeper:
         self.defaults = defaults
         self.host = host
         self.budgets = budgets if budgets is not None else InProcessBudgets(ledger.spend_usd)
+        # The two stores as one where they share a Redis: a budgeted call's admission is then one
+        # round trip, not two, and a refused call holds nothing even for a moment.
+        self.joint = self.budgets.joint_with(limiter)
         self.guard = StoreGuard(limits_on_error)
 
     # -- who -------------------------------------------------------------------------
@@ -137,54 +153,86 @@ class Gatekeeper:
         """The budget, then the limits: the call's worst-case cost and its prompt + max_tokens of
         every choice (num_completion_tokens: max_tokens * n) are reserved, or it is refused
         with a 429 and nothing stays reserved."""
-        budget = None
-        if principal.budget_usd is not None:
-            budget = await self._reserve_budget(principal, model, num_prompt_tokens, num_completion_tokens, n)
+        key_id, spec = principal.key_id, self.limit_spec(principal)
         reserve_tokens = num_prompt_tokens + num_completion_tokens
+        if principal.budget_usd is None:
+            return Admission(await self._reserve_limits(key_id, spec, reserve_tokens), reserve_tokens)
+        # Which prompt tokens the cache holds is known only once the call has run: uncached here.
+        price = self.prices.price(model)
+        ask = _BudgetAsk(price, nanos_down(principal.budget_usd),
+                         nanos_up(cost_usd(price, num_prompt_tokens, 0, num_completion_tokens)), num_prompt_tokens, n)
+        if self.joint is not None:
+            try:
+                return await self._reserve_both(key_id, spec, reserve_tokens, ask)
+            except LimitsUnavailable:
+                pass  # in turn below, where each store's breaker and the policy decide, as for separate stores
+        budget = await self._reserve_budget(key_id, ask)
         try:
-            decision = await self._reserve_limits(principal, reserve_tokens)
+            decision = await self._reserve_limits(key_id, spec, reserve_tokens)
         except BaseException:
             if budget is not None:
                 self.guard.spawn(self._settle_stores(None, 0, budget, 0))
             raise
         return Admission(decision, reserve_tokens, budget)
 
-    async def _reserve_limits(self, principal: Principal, reserve_tokens: int) -> Decision | None:
-        spec = self.limit_spec(principal)
+    async def _reserve_both(self, key_id: str, spec: LimitSpec, reserve_tokens: int, ask: _BudgetAsk) -> Admission:
+        """Both reservations in one step of the joint store; LimitsUnavailable if it cannot answer."""
         try:
-            decision = await self.guard.call("limits", lambda: self.limiter.admit(principal.key_id, spec,
-                                                                                  reserve_tokens))
+            both = await self.guard.call(BOTH_STORES, lambda: self.joint.admit(key_id, spec, reserve_tokens,
+                                                                               ask.budget_nanos, ask.worst_nanos))
+        except SeedUnavailable:  # the budget goes by the policy, as in _reserve_budget; the limits by their store
+            decision = await self._budget_by_policy(key_id, ask)
+            if decision is not None:
+                raise self._budget_refusal(decision, ask) from None
+            return Admission(await self._reserve_limits(key_id, spec, reserve_tokens), reserve_tokens)
+        if both.limits is None:
+            raise self._budget_refusal(both.budget, ask)
+        return Admission(self._limits_verdict(both.limits, reserve_tokens), reserve_tokens, both.budget.reservation)
+
+    async def _reserve_limits(self, key_id: str, spec: LimitSpec, reserve_tokens: int) -> Decision | None:
+        try:
+            decision = await self.guard.call("limits", lambda: self.limiter.admit(key_id, spec, reserve_tokens))
         except LimitsUnavailable:
             if not spec.is_unlimited:  # a key with no limits has nothing to enforce: no policy to apply
                 self.guard.by_policy()
             return None
+        return self._limits_verdict(decision, reserve_tokens)
+
+    def _limits_verdict(self, decision: Decision, reserve_tokens: int) -> Decision:
         if not decision.allowed:
             raise RateLimitError(self._refusal(decision, reserve_tokens), retry_after=decision.retry_after_s,
                                  code=f"rate_limit_exceeded_{decision.limit_kind}", limit_kind=decision.limit_kind)
         return decision
 
-    async def _reserve_budget(self, principal: Principal, model: str, num_prompt_tokens: int,
-                              num_completion_tokens: int, n: int) -> BudgetReservation | None:
-        # Which prompt tokens the cache holds is known only once the call has run: uncached here.
-        price = self.prices.price(model)
-        worst = nanos_up(cost_usd(price, num_prompt_tokens, 0, num_completion_tokens))
-        budget = nanos_down(principal.budget_usd)
+    async def _reserve_budget(self, key_id: str, ask: _BudgetAsk) -> BudgetReservation | None:
         try:
-            decision = await self.guard.call("budgets", lambda: self.budgets.reserve(principal.key_id, budget, worst))
+            decision = await self.guard.call("budgets", lambda: self.budgets.reserve(key_id, ask.budget_nanos,
+                                                                                     ask.worst_nanos))
         except (LimitsUnavailable, SeedUnavailable):
-            self.guard.by_policy()
-            try:  # open: the ledger's total still refuses a key that has used it all
-                decision = BudgetDecision(None, nanos_up(await self.ledger.spend_usd(principal.key_id)), 0)
-            except Exception:  # noqa: BLE001 - the ledger is down too: open admits
-                return None
-            if decision.spent_nanos < budget:
+            decision = await self._budget_by_policy(key_id, ask)
+            if decision is None:
                 return None
         if decision.reservation is not None:
             return decision.reservation
-        left = budget - decision.spent_nanos  # calls in flight hold some of it: a retry may pass
-        raise RateLimitError(budget_refusal(price, decision, budget, worst, num_prompt_tokens, n),
-                             retry_after=CONCURRENCY_RETRY_S if worst <= left and left > 0 else None,
-                             code="insufficient_quota", limit_kind="budget")
+        raise self._budget_refusal(decision, ask)
+
+    async def _budget_by_policy(self, key_id: str, ask: _BudgetAsk) -> BudgetDecision | None:
+        """A budget its store could not decide: 503 under closed; under open, a refusal if the
+        ledger's total says the key has used it all, else None (admitted without a reservation)."""
+        self.guard.by_policy()
+        try:
+            spent = nanos_up(await self.ledger.spend_usd(key_id))
+        except Exception:  # noqa: BLE001 - the ledger is down too: open admits
+            return None
+        return BudgetDecision(None, spent, 0) if spent >= ask.budget_nanos else None
+
+    @staticmethod
+    def _budget_refusal(decision: BudgetDecision, ask: _BudgetAsk) -> RateLimitError:
+        left = ask.budget_nanos - decision.spent_nanos  # calls in flight hold some of it: a retry may pass
+        return RateLimitError(budget_refusal(ask.price, decision, ask.budget_nanos, ask.worst_nanos,
+                                             ask.num_prompt_tokens, ask.n),
+                              retry_after=CONCURRENCY_RETRY_S if ask.worst_nanos <= left and left > 0 else None,
+                              code="insufficient_quota", limit_kind="budget")
 
     async def rate_headers(self, principal: Principal) -> dict[str, str]:
         """The x-ratelimit-* headers of a response the limiter did not admit ({} while its store is down)."""
@@ -222,6 +270,10 @@ class Gatekeeper:
                              budget: BudgetReservation | None, used_nanos: int) -> None:
         # Kept and replayed if a store is down: a reconcile or settle of a reservation its store
         # no longer holds is harmless (budgets_redis.py: the epoch).
+        if self.joint is not None and budget is not None and reservation is not None:
+            await self.guard.settle(BOTH_STORES, lambda: self.joint.settle(budget, used_nanos, reservation,
+                                                                           used_tokens))
+            return
         if budget is not None:
             await self.guard.settle("budgets", lambda: self.budgets.settle(budget, used_nanos))
         if reservation is not None:

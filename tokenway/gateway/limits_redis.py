@@ -17,6 +17,9 @@ Every admit sets all seven to expire together after the longest horizon that mat
 (the window, the reservation TTL, the day when the key has a TPD), so an idle key leaves
 nothing behind and the sums never outlive what they sum.
 
+The script is Lua functions over one key's state (LUA_LIMITS) and a few lines that call them,
+so that joint_redis.py runs the same functions beside the budget's in one script.
+
 A Redis that is down, slow or refusing writes raises LimitsUnavailable within about
 timeout_s (connect, command and pool waits are all bounded, and a dropped connection is
 retried once, on a new one, so a restarted Redis answers at once).
@@ -47,142 +50,169 @@ from tokenway.gateway.limits import (
     too_large,
 )
 
-# The same rules as InProcessLimiter, in the same integer microseconds. Numbers go back to
-# Redis through int(): Lua would print a large one as "1.7e+15", which HINCRBY rejects.
-LUA_SCRIPT = """
-local win, tok, day, dayz, fly, res, sum = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
-local op, window, bucket_us = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local NUM_DAY_BUCKETS = tonumber(ARGV[4])
+# What every script here opens with: Redis's TIME, read once (so the stores of a joint script
+# agree on the time), and int(). Numbers go back to Redis through int(): Lua would print a
+# large one as "1.7e+15", which HINCRBY rejects.
+LUA_PRELUDE = """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
-local current = math.floor(now / bucket_us)
-
 local function int(x) return string.format('%d', x) end
+"""
 
--- Remove the members of zset scored <= max_score, their fields of hash, and (when sum_field)
--- their values from that sum.
-local function drop(zset, hash, sum_field, max_score)
-  local ids = redis.call('ZRANGEBYSCORE', zset, '-inf', int(max_score))
-  for i = 1, #ids, 1000 do
-    local chunk = {unpack(ids, i, math.min(i + 999, #ids))}
-    if sum_field then
-      local n = 0
-      for _, v in ipairs(redis.call('HMGET', hash, unpack(chunk))) do n = n + (tonumber(v) or 0) end
-      redis.call('HINCRBY', sum, sum_field, int(-n))
+# The same rules as InProcessLimiter, in the same integer microseconds, as Lua functions over
+# one key's seven keys (KEY_NAMES' order), so that another script (joint_redis.py) can run
+# them beside its own. Limits are -1 when unlimited.
+LUA_LIMITS = """
+local function limits_store(keys, window, bucket_us, NUM_DAY_BUCKETS)
+  local win, tok, day, dayz, fly, res, sum = unpack(keys)
+  local current = math.floor(now / bucket_us)
+  local L = {}
+
+  -- Remove the members of zset scored <= max_score, their fields of hash, and (when sum_field)
+  -- their values from that sum.
+  local function drop(zset, hash, sum_field, max_score)
+    local ids = redis.call('ZRANGEBYSCORE', zset, '-inf', int(max_score))
+    for i = 1, #ids, 1000 do
+      local chunk = {unpack(ids, i, math.min(i + 999, #ids))}
+      if sum_field then
+        local n = 0
+        for _, v in ipairs(redis.call('HMGET', hash, unpack(chunk))) do n = n + (tonumber(v) or 0) end
+        redis.call('HINCRBY', sum, sum_field, int(-n))
+      end
+      redis.call('HDEL', hash, unpack(chunk))
+      redis.call('ZREM', zset, unpack(chunk))
     end
-    redis.call('HDEL', hash, unpack(chunk))
-    redis.call('ZREM', zset, unpack(chunk))
   end
-end
 
-local function prune()
-  drop(win, tok, 'tok', now - window)
-  drop(dayz, day, 'day', current - NUM_DAY_BUCKETS)
-  drop(fly, res, nil, now)
-end
+  function L.prune()
+    drop(win, tok, 'tok', now - window)
+    drop(dayz, day, 'day', current - NUM_DAY_BUCKETS)
+    drop(fly, res, nil, now)
+  end
 
-local function get_sum(field) return tonumber(redis.call('HGET', sum, field) or '0') end
+  local function get_sum(field) return tonumber(redis.call('HGET', sum, field) or '0') end
 
--- Walk zset oldest first, adding hash values, until num_to_free is reached: that member's score.
--- Pages grow 1, 10, 100, 1000: the answer is usually on the first.
-local function score_freeing(zset, hash, num_to_free)
-  local num_freed, start, size = 0, 0, 1
-  while true do
-    local page = redis.call('ZRANGE', zset, start, start + size - 1, 'WITHSCORES')
-    if #page == 0 then return nil end
-    local ids = {}
-    for i = 1, #page, 2 do ids[#ids + 1] = page[i] end
-    local values = redis.call('HMGET', hash, unpack(ids))
-    for i = 1, #ids do
-      num_freed = num_freed + (tonumber(values[i]) or 0)
-      if num_freed >= num_to_free then return tonumber(page[2 * i]) end
+  -- Walk zset oldest first, adding hash values, until num_to_free is reached: that member's score.
+  -- Pages grow 1, 10, 100, 1000: the answer is usually on the first.
+  local function score_freeing(zset, hash, num_to_free)
+    local num_freed, start, size = 0, 0, 1
+    while true do
+      local page = redis.call('ZRANGE', zset, start, start + size - 1, 'WITHSCORES')
+      if #page == 0 then return nil end
+      local ids = {}
+      for i = 1, #page, 2 do ids[#ids + 1] = page[i] end
+      local values = redis.call('HMGET', hash, unpack(ids))
+      for i = 1, #ids do
+        num_freed = num_freed + (tonumber(values[i]) or 0)
+        if num_freed >= num_to_free then return tonumber(page[2 * i]) end
+      end
+      start, size = start + size, math.min(size * 10, 1000)
     end
-    start, size = start + size, math.min(size * 10, 1000)
   end
-end
 
-local function window_state()
-  local num_requests = redis.call('ZCARD', win)
-  local requests_reset, tokens_reset = 0, 0
-  if num_requests > 0 then
-    requests_reset = tonumber(redis.call('ZRANGE', win, -1, -1, 'WITHSCORES')[2]) + window - now
-  end
-  local num_tokens = get_sum('tok')
-  local start, size = 0, 1
-  while num_tokens > 0 and tokens_reset == 0 do  -- the newest request holding tokens
-    local page = redis.call('ZREVRANGE', win, start, start + size - 1, 'WITHSCORES')
-    if #page == 0 then break end
-    local ids = {}
-    for i = 1, #page, 2 do ids[#ids + 1] = page[i] end
-    local values = redis.call('HMGET', tok, unpack(ids))
-    for i = 1, #ids do
-      if (tonumber(values[i]) or 0) > 0 then tokens_reset = tonumber(page[2 * i]) + window - now break end
+  function L.window_state()
+    local num_requests = redis.call('ZCARD', win)
+    local requests_reset, tokens_reset = 0, 0
+    if num_requests > 0 then
+      requests_reset = tonumber(redis.call('ZRANGE', win, -1, -1, 'WITHSCORES')[2]) + window - now
     end
-    start, size = start + size, math.min(size * 10, 1000)
+    local num_tokens = get_sum('tok')
+    local start, size = 0, 1
+    while num_tokens > 0 and tokens_reset == 0 do  -- the newest request holding tokens
+      local page = redis.call('ZREVRANGE', win, start, start + size - 1, 'WITHSCORES')
+      if #page == 0 then break end
+      local ids = {}
+      for i = 1, #page, 2 do ids[#ids + 1] = page[i] end
+      local values = redis.call('HMGET', tok, unpack(ids))
+      for i = 1, #ids do
+        if (tonumber(values[i]) or 0) > 0 then tokens_reset = tonumber(page[2 * i]) + window - now break end
+      end
+      start, size = start + size, math.min(size * 10, 1000)
+    end
+    return {num_requests, requests_reset, num_tokens, tokens_reset}
   end
-  return {num_requests, requests_reset, num_tokens, tokens_reset}
-end
 
-prune()
-
-if op == 'peek' then return window_state() end
-
-if op == 'reconcile' then
-  local rid, used = ARGV[5], tonumber(ARGV[6])
-  local held = redis.call('HGET', res, rid)
-  if not held then return 0 end  -- reconciled already, or expired
-  local sep = string.find(held, ':')
-  local bucket, reserved = string.sub(held, 1, sep - 1), tonumber(string.sub(held, sep + 1))
-  local delta = used - reserved
-  if redis.call('HEXISTS', tok, rid) == 1 then  -- still in the window
-    redis.call('HINCRBY', tok, rid, int(delta))
-    redis.call('HINCRBY', sum, 'tok', int(delta))
+  -- An admission's arguments (RedisLimiter.admission_args), from ARGV[i] on.
+  function L.admission(i)
+    return {ttl = tonumber(ARGV[i]), rpm = tonumber(ARGV[i + 1]), tpm = tonumber(ARGV[i + 2]),
+            tpd = tonumber(ARGV[i + 3]), max_concurrent = tonumber(ARGV[i + 4]), reserve = tonumber(ARGV[i + 5]),
+            rid = ARGV[i + 6], horizon_ms = ARGV[i + 7], concurrency_wait = tonumber(ARGV[i + 8])}
   end
-  if redis.call('ZSCORE', dayz, bucket) then  -- its bucket is still live
-    redis.call('HINCRBY', day, bucket, int(delta))
-    redis.call('HINCRBY', sum, 'day', int(delta))
+
+  -- The failing limit that takes longest to pass (1 requests, 2 tokens, 3 day, 4 slots) and
+  -- that wait; 0, 0 when all pass.
+  function L.check(a)
+    local kind, wait = 0, 0
+    local function fail(k, w) if w > wait then kind, wait = k, w end end
+    local num_requests = redis.call('ZCARD', win)
+    if a.rpm >= 0 and num_requests >= a.rpm then
+      fail(1, tonumber(redis.call('ZRANGE', win, num_requests - a.rpm, num_requests - a.rpm, 'WITHSCORES')[2])
+        + window - now)
+    end
+    local num_tokens = get_sum('tok')
+    if a.tpm >= 0 and num_tokens + a.reserve > a.tpm then
+      fail(2, score_freeing(win, tok, num_tokens + a.reserve - a.tpm) + window - now)
+    end
+    local num_day_tokens = get_sum('day')
+    if a.tpd >= 0 and num_day_tokens + a.reserve > a.tpd then
+      fail(3, (score_freeing(dayz, day, num_day_tokens + a.reserve - a.tpd) + NUM_DAY_BUCKETS) * bucket_us - now)
+    end
+    if a.max_concurrent >= 0 and redis.call('ZCARD', fly) >= a.max_concurrent then fail(4, a.concurrency_wait) end
+    return kind, wait
   end
-  redis.call('HDEL', res, rid)
-  redis.call('ZREM', fly, rid)
-  return 1
-end
 
--- admit: limits are -1 when unlimited
-local ttl, rpm, tpm, tpd, max_concurrent = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]),
-  tonumber(ARGV[8]), tonumber(ARGV[9])
-local reserve, rid, horizon_ms, concurrency_wait = tonumber(ARGV[10]), ARGV[11], ARGV[12], tonumber(ARGV[13])
-local kind, wait = 0, 0  -- the failing limit that takes longest to pass (1 requests, 2 tokens, 3 day, 4 slots)
-local function fail(k, w) if w > wait then kind, wait = k, w end end
+  function L.record(a)
+    redis.call('ZADD', win, int(now), a.rid)
+    redis.call('HSET', tok, a.rid, int(a.reserve))
+    redis.call('HINCRBY', sum, 'tok', int(a.reserve))
+    redis.call('HINCRBY', day, int(current), int(a.reserve))
+    redis.call('ZADD', dayz, int(current), int(current))
+    redis.call('HINCRBY', sum, 'day', int(a.reserve))
+    redis.call('ZADD', fly, int(now + a.ttl), a.rid)
+    redis.call('HSET', res, a.rid, int(current) .. ':' .. int(a.reserve))
+    for _, key in ipairs(keys) do redis.call('PEXPIRE', key, a.horizon_ms) end
+  end
 
-local num_requests = redis.call('ZCARD', win)
-if rpm >= 0 and num_requests >= rpm then
-  fail(1, tonumber(redis.call('ZRANGE', win, num_requests - rpm, num_requests - rpm, 'WITHSCORES')[2]) + window - now)
-end
-local num_tokens = get_sum('tok')
-if tpm >= 0 and num_tokens + reserve > tpm then
-  fail(2, score_freeing(win, tok, num_tokens + reserve - tpm) + window - now)
-end
-local num_day_tokens = get_sum('day')
-if tpd >= 0 and num_day_tokens + reserve > tpd then
-  fail(3, (score_freeing(dayz, day, num_day_tokens + reserve - tpd) + NUM_DAY_BUCKETS) * bucket_us - now)
-end
-if max_concurrent >= 0 and redis.call('ZCARD', fly) >= max_concurrent then fail(4, concurrency_wait) end
+  -- 1, or 0 for a reservation reconciled already, or expired.
+  function L.reconcile(rid, used)
+    local held = redis.call('HGET', res, rid)
+    if not held then return 0 end
+    local sep = string.find(held, ':')
+    local bucket, reserved = string.sub(held, 1, sep - 1), tonumber(string.sub(held, sep + 1))
+    local delta = used - reserved
+    if redis.call('HEXISTS', tok, rid) == 1 then  -- still in the window
+      redis.call('HINCRBY', tok, rid, int(delta))
+      redis.call('HINCRBY', sum, 'tok', int(delta))
+    end
+    if redis.call('ZSCORE', dayz, bucket) then  -- its bucket is still live
+      redis.call('HINCRBY', day, bucket, int(delta))
+      redis.call('HINCRBY', sum, 'day', int(delta))
+    end
+    redis.call('HDEL', res, rid)
+    redis.call('ZREM', fly, rid)
+    return 1
+  end
 
-if kind == 0 then
-  redis.call('ZADD', win, int(now), rid)
-  redis.call('HSET', tok, rid, int(reserve))
-  redis.call('HINCRBY', sum, 'tok', int(reserve))
-  redis.call('HINCRBY', day, int(current), int(reserve))
-  redis.call('ZADD', dayz, int(current), int(current))
-  redis.call('HINCRBY', sum, 'day', int(reserve))
-  redis.call('ZADD', fly, int(now + ttl), rid)
-  redis.call('HSET', res, rid, int(current) .. ':' .. int(reserve))
-  for _, key in ipairs(KEYS) do redis.call('PEXPIRE', key, horizon_ms) end
+  return L
 end
-local state = window_state()
+"""
+
+# ARGV: op, the window lengths (window_args), then for admit its admission_args; for
+# reconcile the reservation's id and the tokens used.
+LUA_SCRIPT = LUA_PRELUDE + LUA_LIMITS + """
+local op = ARGV[1]
+local limits = limits_store(KEYS, tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]))
+limits.prune()
+if op == 'peek' then return limits.window_state() end
+if op == 'reconcile' then return limits.reconcile(ARGV[5], tonumber(ARGV[6])) end
+local admission = limits.admission(5)
+local kind, wait = limits.check(admission)
+if kind == 0 then limits.record(admission) end
+local state = limits.window_state()
 return {kind, wait, now, state[1], state[2], state[3], state[4]}
 """
 
+KEY_NAMES = ("win", "tok", "day", "dayz", "fly", "res", "sum")
 KIND_NAMES = {1: "requests", 2: "tokens", 3: "tokens_per_day", 4: "concurrency"}
 
 
@@ -230,27 +260,26 @@ class RedisLimiter:
         self.windows = Windows.from_seconds(window_s, day_s, reservation_ttl_s)
         self._day_us = self.windows.bucket_us * NUM_DAY_BUCKETS
         self._prefix = prefix
+        self.url = url  # which Redis: a budget store on the same one joins this limiter's scripts
         self.where = redacted(url)
-        self._redis = connect(url, timeout_s)
-        self._script = self._redis.register_script(LUA_SCRIPT)  # EVALSHA, loading it once if missing
+        self.redis = connect(url, timeout_s)
+        self._script = self.redis.register_script(LUA_SCRIPT)  # EVALSHA, loading it once if missing
 
     async def _run(self, key_id: str, args: list) -> list:
-        return await run_script(self._script, self._keys(key_id), args, self.where)
+        return await run_script(self._script, self.keys(key_id), args, self.where)
 
-    def _keys(self, key_id: str) -> list[str]:
+    def keys(self, key_id: str) -> list[str]:
         base = f"{self._prefix}:{{{key_id}}}"
-        return [f"{base}:{name}" for name in ("win", "tok", "day", "dayz", "fly", "res", "sum")]
+        return [f"{base}:{name}" for name in KEY_NAMES]
 
-    def _args(self, op: str) -> list[str | int]:
-        return [op, self.windows.window_us, self.windows.bucket_us, NUM_DAY_BUCKETS]
+    def window_args(self) -> list[int]:
+        return [self.windows.window_us, self.windows.bucket_us, NUM_DAY_BUCKETS]
 
-    async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int) -> Decision:
-        refusal = too_large(spec, reserve_tokens)
-        reservation_id = uuid.uuid4().hex
+    def admission_args(self, spec: LimitSpec, reserve_tokens: int, reservation_id: str) -> list[str | int]:
         horizon_us = max(
             self.windows.window_us, self.windows.reservation_ttl_us, self._day_us if spec.tpd is not None else 0
         )
-        args = self._args("admit") + [
+        return [
             self.windows.reservation_ttl_us,
             _limit_arg(spec.rpm),
             _limit_arg(spec.tpm),
@@ -261,24 +290,36 @@ class RedisLimiter:
             horizon_us // 1000 + 1000,  # ms, and a second to spare
             round(CONCURRENCY_RETRY_S * 1e6),
         ]
+
+    @staticmethod
+    def decision(key_id: str, spec: LimitSpec, reserve_tokens: int, reservation_id: str, reply: list,
+                 refusal: Refusal | None = None) -> Decision:
+        """An admission's Decision from the script's reply (kind, wait_us, now_us, window state);
+        `refusal`: the caller's own, for a request larger than a limit."""
+        kind, wait_us, now_us, *state = reply
+        if refusal is None and kind != 0:
+            refusal = Refusal(KIND_NAMES[kind], wait_us)
+        reservation = Reservation(key_id, reservation_id, reserve_tokens, now_us / 1e6) if refusal is None else None
+        return make_decision(spec, WindowState(*state), reservation, refusal)
+
+    async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int) -> Decision:
+        refusal = too_large(spec, reserve_tokens)
         if refusal is not None:  # nothing to record: only the headers' state is needed
-            state = WindowState(*await self._run(key_id, self._args("peek")))
+            state = WindowState(*await self._run(key_id, ["peek", *self.window_args()]))
             return make_decision(spec, state, None, refusal)
-        kind, wait_us, now_us, *state = await self._run(key_id, args)
-        if kind != 0:
-            return make_decision(spec, WindowState(*state), None, Refusal(KIND_NAMES[kind], wait_us))
-        reservation = Reservation(key_id, reservation_id, reserve_tokens, now_us / 1e6)
-        return make_decision(spec, WindowState(*state), reservation, None)
+        reservation_id = uuid.uuid4().hex
+        args = ["admit", *self.window_args(), *self.admission_args(spec, reserve_tokens, reservation_id)]
+        return self.decision(key_id, spec, reserve_tokens, reservation_id, await self._run(key_id, args))
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
         if used_tokens < 0:
             raise ValueError(f"used_tokens must be >= 0, got {used_tokens}")
-        args = self._args("reconcile") + [reservation.reservation_id, used_tokens]
+        args = ["reconcile", *self.window_args(), reservation.reservation_id, used_tokens]
         await self._run(reservation.key_id, args)
 
     async def headers(self, key_id: str, spec: LimitSpec) -> dict[str, str]:
-        state = await self._run(key_id, self._args("peek"))
+        state = await self._run(key_id, ["peek", *self.window_args()])
         return rate_headers(spec, WindowState(*state))
 
     async def close(self) -> None:
-        await self._redis.aclose()
+        await self.redis.aclose()

@@ -5,7 +5,8 @@
                                 that has used it all is still refused), and say so in the log
     limits_on_error = "closed"  refuse them: 503 limits_unavailable with Retry-After
 
-StoreGuard runs every call into the stores. A store that fails (LimitsUnavailable) is tried
+StoreGuard runs every call into the stores, each named "limits" or "budgets" (or both, for an
+operation on both at once: joint_redis.py). A store that fails (LimitsUnavailable) is tried
 again by one call a probe interval, and the calls in between go by the policy at once, so a
 dead or black-holed Redis costs calls nothing but a probe now and then. One warning when an
 outage starts (at most one a minute, however often the store flaps) and one line when it
@@ -31,6 +32,12 @@ T = TypeVar("T")
 
 LIMITS_ON_ERROR = ("open", "closed")
 LOG_INTERVAL_S = 60.0
+# A store's name, or the names of the stores that one operation reads and writes.
+Stores = str | tuple[str, ...]
+
+
+def store_names(stores: Stores) -> tuple[str, ...]:
+    return (stores,) if isinstance(stores, str) else stores
 
 
 class StoreGuard:
@@ -47,8 +54,8 @@ class StoreGuard:
         self._outage_logged = False
         self._last_logged = -LOG_INTERVAL_S
         self.num_calls_by_policy = 0  # in this outage: admitted without the stores (open) or refused (closed)
-        # Settlements that failed, to replay: (the store's name, the operation).
-        self._unsettled: deque[tuple[str, Callable[[], Awaitable[None]]]] = deque(maxlen=max_unsettled)
+        # Settlements that failed, to replay: (the stores' names, the operation).
+        self._unsettled: deque[tuple[Stores, Callable[[], Awaitable[None]]]] = deque(maxlen=max_unsettled)
         self._replaying = False  # one replay at a time
         self._tasks: set[asyncio.Task] = set()
 
@@ -56,21 +63,25 @@ class StoreGuard:
     def is_down(self) -> bool:
         return bool(self._store_to_next_probe)
 
-    async def call(self, store: str, operation: Callable[[], Awaitable[T]]) -> T:
-        """operation() unless `store` is down and not due for a probe; LimitsUnavailable if it fails or is skipped."""
-        next_probe = self._store_to_next_probe.get(store)
-        if next_probe is not None:
+    async def call(self, stores: Stores, operation: Callable[[], Awaitable[T]]) -> T:
+        """operation() unless one of `stores` is down and not due for a probe; LimitsUnavailable if it
+        fails (then all of them are down) or is skipped."""
+        names = store_names(stores)
+        down = [name for name in names if name in self._store_to_next_probe]
+        if down:
             now = time.monotonic()
-            if now < next_probe:
-                raise LimitsUnavailable(f"{store} store down")
-            self._store_to_next_probe[store] = now + self.probe_interval_s  # this call probes; the others wait
+            if any(now < self._store_to_next_probe[name] for name in down):
+                raise LimitsUnavailable(f"{' and '.join(down)} store down")
+            for name in down:
+                self._store_to_next_probe[name] = now + self.probe_interval_s  # this call probes; the others wait
         try:
             result = await operation()
         except LimitsUnavailable as exc:
-            self._failed(store, exc)
+            for name in names:
+                self._failed(name, exc)
             raise
-        if next_probe is not None:
-            self._recovered(store)
+        for name in down:
+            self._recovered(name)
         return result
 
     def by_policy(self) -> None:
@@ -87,12 +98,12 @@ class StoreGuard:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def settle(self, store: str, operation: Callable[[], Awaitable[None]]) -> None:
-        """A settlement: done now, or kept for replay if the store cannot take it."""
+    async def settle(self, stores: Stores, operation: Callable[[], Awaitable[None]]) -> None:
+        """A settlement: done now, or kept for replay if the stores cannot take it."""
         try:
-            await self.call(store, operation)
+            await self.call(stores, operation)
         except LimitsUnavailable:
-            self._unsettled.append((store, operation))
+            self._unsettled.append((stores, operation))
 
     async def close(self) -> None:
         if self._tasks:
@@ -134,12 +145,12 @@ class StoreGuard:
             for _ in range(len(self._unsettled)):
                 if not self._unsettled:
                     return
-                store, operation = self._unsettled.popleft()
+                stores, operation = self._unsettled.popleft()
                 try:
-                    if store in self._store_to_next_probe:
-                        raise LimitsUnavailable(f"{store} store down")
-                    await self.call(store, operation)
+                    if any(name in self._store_to_next_probe for name in store_names(stores)):
+                        raise LimitsUnavailable(f"{stores} store down")
+                    await self.call(stores, operation)
                 except LimitsUnavailable:
-                    self._unsettled.append((store, operation))
+                    self._unsettled.append((stores, operation))
         finally:
             self._replaying = False
