@@ -307,11 +307,8 @@ class Generation:
         """The call's outcome, made once from the counts as they stand, and its log line."""
         reasons = [r for r in self.finish_reasons if r]
         reported = self.reported
-        num_prompt_tokens = reported.prompt_tokens if reported is not None else self.num_prompt_tokens
-        if status >= 400 and status != 499 and reported is None and not any(self.completion_tokens):
-            num_prompt_tokens = 0  # refused before the replica ran it (full, unavailable): nothing to bill
-        outcome = CallOutcome(
-            status, prompt_tokens=num_prompt_tokens,
+        outcome = CallOutcome(  # Call.end bills nothing of a call its replica never started
+            status, prompt_tokens=reported.prompt_tokens if reported is not None else self.num_prompt_tokens,
             cached_tokens=self.num_cached_tokens, completion_tokens=self.num_completion_tokens,
             max_choice_tokens=max(self.completion_tokens), finish_reason=reasons[0] if reasons else None,
             error=error, cache_reason=self.cache_reason,
