@@ -9,15 +9,11 @@ import asyncio
 import httpx
 import pytest
 
-from tokenway.billing.ledger import Ledger
-from tokenway.billing.pricing import PriceTable
 from tokenway.engine.client import AsyncEngine
-from tokenway.gateway.auth import KeyStore
-from tokenway.gateway.gatekeeper import Defaults, Gatekeeper
-from tokenway.gateway.limits import InProcessLimiter
 from tokenway.observability.observer import Observer
 from tokenway.server.app import create_app
-from tokenway.server.serving import ServerConfig, ServerState
+
+from .conftest import gateway_state
 
 MODEL = "smollm2-135m-instruct"
 SECOND = "second"  # another name for the same local model: a pool a key may be scoped to
@@ -27,11 +23,7 @@ ADMIN_KEY = "admin-secret-0123456789"
 @pytest.fixture()
 def app(llm, tmp_path):
     engine = AsyncEngine(core=llm.engine)
-    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
-    gatekeeper = Gatekeeper(KeyStore(tmp_path / "keys.db"), InProcessLimiter(), ledger, PriceTable.from_config({}),
-                            Defaults(), host="127.0.0.1")
-    state = ServerState(engine=engine, config=ServerConfig(served_model_names=(MODEL, SECOND), admin_key=ADMIN_KEY),
-                        model_names=(MODEL, SECOND), gatekeeper=gatekeeper)
+    state = gateway_state(engine, tmp_path, (MODEL, SECOND), admin_key=ADMIN_KEY)
     state.observer = Observer(state.engine_stats)
     yield create_app(state)
     engine.shutdown()
