@@ -3,15 +3,17 @@
     python bench/gateway_bench.py            # 10 s per run, 2 repeats (~12 min)
     python bench/gateway_bench.py --quick    # 3 s per run (~5 min)
     python bench/gateway_bench.py --quick --configs memory,budget --baseline /path/to/other/checkout
+    python bench/gateway_bench.py --configs redis,redis_budget --rates 10,100 --baseline /path/to/other/checkout
 
 Fresh `tokenway serve` processes, alive side by side: off (--no-gateway), on with in-process
 limits (memory), on with Redis limits (redis, a private redis-server), and the same two with a
 budget on the key and a price on the model (budget, redis_budget: every call also reserves its
 worst-case cost and settles it). The on servers have one API key with limits (and a budget) far
 above the load, so every request is authenticated, admitted by reservation, reconciled and
-written to the SQLite ledger (group commit), and none is refused. --baseline adds budget@base:
-the budget configuration served from another checkout (the code before a change), run in
-alternation with the others, so before and after meet the same machine at the same moments.
+written to the SQLite ledger (group commit), and none is refused. --baseline adds, for each
+configuration run but off, the same served from another checkout (the code before a change:
+memory@base, redis_budget@base...), run in alternation with the others, so before and after
+meet the same machine at the same moments.
 
 Each run sends POST /v1/completions with one prompt token and max_tokens=1 on a fixed schedule
 (open loop: a slow response never delays the next send) at one rate for a fixed time. Latency
@@ -55,7 +57,8 @@ MODEL = "smollm2-135m-instruct"
 BODY = {"model": MODEL, "prompt": [1234], "max_tokens": 1, "temperature": 0}
 CONFIGS = ("off", "memory", "budget", "redis", "redis_budget")
 # What a budget configuration's extra cost is measured against: the same without the budget.
-BUDGET_TO_PLAIN = {"budget": "memory", "redis_budget": "redis", "budget@base": "memory"}
+BUDGET_TO_PLAIN = {"budget": "memory", "redis_budget": "redis"}
+BASE = "@base"  # the suffix of a configuration served from --baseline's checkout
 # Prices for the budget configurations (USD per million tokens), so the reservations are not zero.
 PRICES_TOML = f'[prices."{MODEL}"]\ninput = 0.15\ncached_input = 0.075\noutput = 0.6\n'
 BLOWN_P99_S = 1.0  # a rate where every configuration's p99 passes this (or errors >= 1%) is the last
@@ -303,7 +306,7 @@ async def run(urls: dict[str, tuple[str, dict[str, str]]], rates: list[int], dur
 
 def print_rate(rate: int, config_to_stats: dict[str, RunStats]) -> None:
     for config, s in config_to_stats.items():
-        print(f"{rate:>5} {config:<12} {s.p50:8.2f} {s.p99:8.2f} {s.error_pct:6.2f} | {s.gw_p50:6.3f} {s.gw_p99:6.3f} "
+        print(f"{rate:>5} {config:<17} {s.p50:8.2f} {s.p99:8.2f} {s.error_pct:6.2f} | {s.gw_p50:6.3f} {s.gw_p99:6.3f} "
               f"{s.admit_p50:6.3f} {s.admit_p99:6.3f} {s.srv_p50:7.2f} {s.out_p50:6.2f} | {s.lag_p99:6.2f}  "
               + ", ".join(f"{error} x{count}" for error, count in s.error_to_count.most_common()), flush=True)
 
@@ -333,17 +336,18 @@ def print_summary(rate_to_stats: dict[int, dict[str, RunStats]]) -> None:
         for config, s in by_config.items():
             if config == "off" or off is None:
                 continue
-            print(f"{rate:>5}  {config:<12} client {s.p50 - off.p50:+7.2f}/{s.p99 - off.p99:+7.2f}  gw+admit "
+            print(f"{rate:>5}  {config:<17} client {s.p50 - off.p50:+7.2f}/{s.p99 - off.p99:+7.2f}  gw+admit "
                   f"{gateway_ms(s, 50) - gateway_ms(off, 50):+7.3f}/{gateway_ms(s, 99) - gateway_ms(off, 99):+7.3f}"
                   f"{overloaded}")
-    budgets = [(config, plain) for config, plain in BUDGET_TO_PLAIN.items() if config in configs and plain in configs]
+    budgets = [(config + suffix, plain + suffix) for config, plain in BUDGET_TO_PLAIN.items()
+               for suffix in ("", BASE) if config + suffix in configs and plain + suffix in configs]
     if budgets:
         print("\nwhat the budget adds, ms: admit (the `limits` stage: budget + limits) p50/p99 and client p50, against "
               "the same configuration without a budget; goal: admit p50 <= +0.1 ms")
         for rate, by_config in rate_to_stats.items():
             for config, plain in budgets:
                 s, base = by_config[config], by_config[plain]
-                print(f"{rate:>5}  {config:<12} - {plain:<7} admit {s.admit_p50 - base.admit_p50:+7.3f}/"
+                print(f"{rate:>5}  {config:<17} - {plain:<12} admit {s.admit_p50 - base.admit_p50:+7.3f}/"
                       f"{s.admit_p99 - base.admit_p99:+7.3f}  client p50 {s.p50 - base.p50:+7.2f}")
     print(f"\nhighest rate held (< 1% errors at it and every lower rate; tried up to {max(rate_to_stats)} req/s):")
     for config in configs:
@@ -372,7 +376,9 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated, of {', '.join(CONFIGS)} (default all)")
     parser.add_argument("--baseline", type=Path,
-                        help="another checkout of tokenway: also run the budget configuration from its code")
+                        help="another checkout of tokenway: also run each configuration chosen but off from its code")
+    parser.add_argument("--duration-s", type=float, help="seconds per run (default 10; 3 with --quick)")
+    parser.add_argument("--repeats", type=int, help="runs per configuration and rate (default 2)")
     parser.add_argument("--rates", help="comma-separated requests per second (default: rising until overload)")
     args = parser.parse_args()
     configs = args.configs.split(",")
@@ -382,6 +388,7 @@ def main() -> None:
     if args.rates:
         rates = [int(rate) for rate in args.rates.split(",")]
     duration_s, num_repeats, warmup_s = (3, 2, 2) if args.quick else (10, 2, 4)
+    duration_s, num_repeats = args.duration_s or duration_s, args.repeats or num_repeats
 
     processes: list[subprocess.Popen] = []
     servers: dict[str, tuple[subprocess.Popen, str, dict[str, str]]] = {}
@@ -392,17 +399,18 @@ def main() -> None:
             for config in configs:
                 servers[config] = start_server(config, Path(workdir), redis_url)
                 processes.append(servers[config][0])
-            if args.baseline is not None:
-                servers["budget@base"] = start_server("budget", Path(workdir), redis_url, args.baseline.resolve(),
-                                                      label="budget@base")
-                processes.append(servers["budget@base"][0])
+            for config in configs if args.baseline is not None else ():
+                if config != "off":
+                    servers[config + BASE] = start_server(config, Path(workdir), redis_url, args.baseline.resolve(),
+                                                          label=config + BASE)
+                    processes.append(servers[config + BASE][0])
             for config, (process, base_url, _) in servers.items():
                 wait_ready(process, base_url, Path(workdir) / f"{config}.log")
             print(f"gateway overhead, open loop, {duration_s} s per run, median of {num_repeats} repeats, "
                   f"configurations interleaved; limits {redis_url} for redis")
             print(f"NOTE: {os.cpu_count()} cores shared by the client, {len(servers)} servers and whatever else runs "
                   f"on this machine: figures are noisy; compare configurations within a rate")
-            print(f"{'rate':>5} {'config':<12} {'p50':>8} {'p99':>8} {'err%':>6} | {'gw50':>6} {'gw99':>6} "
+            print(f"{'rate':>5} {'config':<17} {'p50':>8} {'p99':>8} {'err%':>6} | {'gw50':>6} {'gw99':>6} "
                   f"{'adm50':>6} {'adm99':>6} {'srv50':>7} {'out50':>6} | {'lag99':>6}   (ms)")
             urls = {config: (url, headers) for config, (_, url, headers) in servers.items()}
             print_summary(asyncio.run(run(urls, rates, duration_s, num_repeats, warmup_s, TIMEOUT_S)))

@@ -138,7 +138,7 @@ return {allowed, spent, held, epoch}
 
 KEY_NAMES = ("bud", "res", "fly")
 # A reservation's seed and epoch, for a key the script answered unseeded; None the first time.
-Seed = tuple[int, str] | None
+SeedArgs = tuple[int, str] | None
 
 
 class RedisBudgets:
@@ -162,7 +162,7 @@ class RedisBudgets:
     async def _run(self, key_id: str, args: list):
         return await run_script(self._script, self.keys(key_id), args, self.where)
 
-    def reservation_args(self, budget_nanos: int, worst_nanos: int, reservation_id: str, seed: Seed
+    def reservation_args(self, budget_nanos: int, worst_nanos: int, reservation_id: str, seed: SeedArgs
                          ) -> list[str | int]:
         return [budget_nanos, worst_nanos, reservation_id, self._ttl_us, self._state_ttl_ms,
                 *(seed if seed is not None else ("", ""))]
@@ -172,7 +172,7 @@ class RedisBudgets:
             raise ValueError(f"used_nanos must be >= 0, got {used_nanos}")
         return [reservation.reservation_id, used_nanos, reservation.epoch, self._state_ttl_ms]
 
-    async def seeded(self, key_id: str, ask: Callable[[Seed], Awaitable[list]]) -> list:
+    async def seeded(self, key_id: str, ask: Callable[[SeedArgs], Awaitable[list]]) -> list:
         """ask(None)'s reply; for a key the script answers unseeded ([-1]), ask(seed)'s, with the
         ledger's spend and a new epoch (SeedUnavailable when the ledger cannot say)."""
         reply = await ask(None)
@@ -180,19 +180,13 @@ class RedisBudgets:
             reply = await ask((await self._seeds.read(key_id), uuid.uuid4().hex))
         return reply
 
-    @staticmethod
-    def decision(key_id: str, worst_nanos: int, reservation_id: str, reply: list) -> BudgetDecision:
-        """A reservation's BudgetDecision from the script's reply (allowed, spent, held, epoch)."""
-        allowed, spent, held, epoch = reply
-        reservation = BudgetReservation(key_id, reservation_id, worst_nanos, epoch.decode()) if allowed else None
-        return BudgetDecision(reservation, spent, held)
-
     async def reserve(self, key_id: str, budget_nanos: int, worst_nanos: int) -> BudgetDecision:
         check_amounts(budget_nanos, worst_nanos)
         reservation_id = uuid.uuid4().hex
-        reply = await self.seeded(key_id, lambda seed: self._run(key_id, [
+        allowed, spent, held, epoch = await self.seeded(key_id, lambda seed: self._run(key_id, [
             "reserve", *self.reservation_args(budget_nanos, worst_nanos, reservation_id, seed)]))
-        return self.decision(key_id, worst_nanos, reservation_id, reply)
+        reservation = BudgetReservation(key_id, reservation_id, worst_nanos, epoch.decode()) if allowed else None
+        return BudgetDecision(reservation, spent, held)
 
     async def settle(self, reservation: BudgetReservation, used_nanos: int) -> None:
         await self._run(reservation.key_id, ["settle", *self.settle_args(reservation, used_nanos)])

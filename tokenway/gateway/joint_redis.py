@@ -79,17 +79,17 @@ class RedisJoint:
                     worst_nanos: int) -> JointDecision:
         check_amounts(budget_nanos, worst_nanos)
         refusal = too_large(spec, reserve_tokens)
-        budget_id, limits_id = uuid.uuid4().hex, uuid.uuid4().hex
+        reservation_id = uuid.uuid4().hex  # the call's in both stores, each its own namespace
         head = ["admit", *self._limiter.window_args()]
-        tail = [*self._limiter.admission_args(spec, reserve_tokens, limits_id), int(refusal is not None)]
+        tail = [*self._limiter.admission_args(spec, reserve_tokens, reservation_id), int(refusal is not None)]
         reply = await self._budgets.seeded(key_id, lambda seed: self._run(key_id, [
-            *head, *self._budgets.reservation_args(budget_nanos, worst_nanos, budget_id, seed), *tail]))
+            *head, *self._budgets.reservation_args(budget_nanos, worst_nanos, reservation_id, seed), *tail]))
         fits, spent, held, epoch, *limits_reply = reply
         if not fits:
             return JointDecision(BudgetDecision(None, spent, held), None)
-        decision = self._limiter.decision(key_id, spec, reserve_tokens, limits_id, limits_reply, refusal)
-        budget = RedisBudgets.decision(key_id, worst_nanos, budget_id, [int(decision.allowed), spent, held, epoch])
-        return JointDecision(budget, decision)
+        decision = self._limiter.decision(key_id, spec, reserve_tokens, reservation_id, limits_reply, refusal)
+        budget = BudgetReservation(key_id, reservation_id, worst_nanos, epoch.decode()) if decision.allowed else None
+        return JointDecision(BudgetDecision(budget, spent, held), decision)
 
     async def settle(self, budget: BudgetReservation, used_nanos: int, reservation: Reservation,
                      used_tokens: int) -> None:

@@ -147,8 +147,8 @@ class StoreGuard:
                     return
                 stores, operation = self._unsettled.popleft()
                 try:
-                    if any(name in self._store_to_next_probe for name in store_names(stores)):
-                        raise LimitsUnavailable(f"{stores} store down")
+                    if down := [name for name in store_names(stores) if name in self._store_to_next_probe]:
+                        raise LimitsUnavailable(f"{' and '.join(down)} store down")
                     await self.call(stores, operation)
                 except LimitsUnavailable:
                     self._unsettled.append((stores, operation))
