@@ -207,3 +207,23 @@ def test_closed_refuses_every_call_it_cannot_check_with_503(tmp_path):
             await gate.close()
 
     asyncio.run(body())
+
+
+def test_a_budget_whose_spend_nobody_can_read_is_never_admitted_on_no_figure(tmp_path):
+    async def body():
+        gate = make_gatekeeper(tmp_path, "open")  # Redis down, and the ledger cannot say either
+
+        async def unreadable(key_id: str) -> float:
+            raise OSError("the ledger's database is unreachable")
+
+        gate.ledger.spend_usd = unreadable
+        try:
+            with pytest.raises(ServiceUnavailableError) as info:
+                await gate.admit(Principal(key_id="k_00000005", name="budgeted", budget_usd=1.0), MODEL, 10, 10)
+            assert info.value.code == "budget_unavailable" and info.value.headers["retry-after"] == "1"
+            # A key without a budget has no money at stake: open admits it.
+            await gate.admit(Principal(key_id="k_00000006", name="plain", rpm=10), MODEL, 10, 10)
+        finally:
+            await gate.close()
+
+    asyncio.run(body())

@@ -36,7 +36,7 @@ from tokenway.gateway.budgets import (
 from tokenway.gateway.limits import CONCURRENCY_RETRY_S, Decision, Limiter, LimitSpec, LimitsUnavailable, Reservation
 from tokenway.gateway.outage import StoreGuard
 from tokenway.observability.traces import Trace
-from tokenway.protocol.errors import AuthenticationError, InvalidRequestError, RateLimitError
+from tokenway.protocol.errors import AuthenticationError, InvalidRequestError, RateLimitError, ServiceUnavailableError
 from tokenway.server.call import Call, CallOutcome
 
 logger = logging.getLogger(__name__)
@@ -218,12 +218,16 @@ class Gatekeeper:
 
     async def _budget_by_policy(self, key_id: str, ask: _BudgetAsk) -> BudgetDecision | None:
         """A budget its store could not decide: 503 under closed; under open, a refusal if the
-        ledger's total says the key has used it all, else None (admitted without a reservation)."""
+        ledger's total says the key has used it all, else None (admitted without a reservation).
+        A budget is money: where the ledger cannot say what the key has spent either, the call
+        is a 503 under either policy, never admitted on no figure at all."""
         self.guard.by_policy()
         try:
             spent = nanos_up(await self.ledger.spend_usd(key_id))
-        except Exception:  # noqa: BLE001 - the ledger is down too: open admits
-            return None
+        except Exception as exc:  # noqa: BLE001 - whatever the ledger's failure, nothing is known
+            raise ServiceUnavailableError(
+                "This API key's budget cannot be checked now (its spend cannot be read); retry shortly.",
+                retry_after=getattr(exc, "retry_after_s", None) or 1, code="budget_unavailable") from None
         return BudgetDecision(None, spent, 0) if spent >= ask.budget_nanos else None
 
     @staticmethod
