@@ -332,24 +332,18 @@ def create_app(state: ServerState) -> FastAPI:
             return model_card(state.resolve_model(model_id, principal, kind="embeddings"))
         return model_card(state.resolve_model(model_id, principal))
 
-    def tokenizing_frontend(request: Request, model: str | None):
-        """The model /tokenize and /detokenize use (None: the first served), as the key may use it."""
-        name = state.resolve_model(model if model is not None else state.model_names[0],
-                                   call_of(request).start.principal)
-        return state.tokenizing_frontend(name)
-
     @app.post("/tokenize", openapi_extra=_schema_extra(openai_schema.TokenizeRequest))
     @app.post("/v1/tokenize", include_in_schema=False)  # under the SDKs' base URL: client.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         body = await parse_body(request, openai_schema.TokenizeRequest, state.body_parser)
-        frontend = tokenizing_frontend(request, body.model)
+        frontend = state.tokenizing_frontend(body.model, call_of(request).start.principal)
         tokens = await state.prepare(request, openai_api.tokenize, frontend, body, state.tool_parser(frontend))
         return {"tokens": tokens, "count": len(tokens), "max_model_len": frontend.max_model_len}
 
     @app.post("/detokenize", openapi_extra=_schema_extra(openai_schema.DetokenizeRequest))
     async def detokenize(request: Request) -> dict:
         body = await parse_body(request, openai_schema.DetokenizeRequest, state.body_parser)
-        frontend = tokenizing_frontend(request, body.model)
+        frontend = state.tokenizing_frontend(body.model, call_of(request).start.principal)
         vocab_size = frontend.vocab_size
         if any(not 0 <= t < vocab_size for t in body.tokens):
             raise InvalidRequestError(f"tokens: token ids must be in [0, {vocab_size})", param="tokens")

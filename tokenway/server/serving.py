@@ -117,12 +117,14 @@ class ServerState:
         model tokenway has no tokenizer for."""
         return self.frontends.get(name if name is not None else self.model_names[0])
 
-    def tokenizing_frontend(self, name: str | None) -> ModelFrontend:
+    def tokenizing_frontend(self, name: str | None, principal: Principal) -> ModelFrontend:
         """The frontend of a model /tokenize and /detokenize are asked about (None: the first
-        served model's); 400 for one tokenway has no tokenizer for."""
+        served model's), resolved as a call's model is (404, 403 for one the key may not use);
+        400 for one tokenway has no tokenizer for."""
+        name = self.resolve_model(name if name is not None else self.model_names[0], principal)
         frontend = self.frontend(name)
         if frontend is None:
-            raise InvalidRequestError(f"model: tokenway has no tokenizer for '{name or self.model_names[0]}' "
+            raise InvalidRequestError(f"model: tokenway has no tokenizer for '{name}' "
                                       "(its replicas template and count its prompts)", param="model",
                                       code="model_not_supported")
         return frontend
