@@ -22,6 +22,7 @@ from pathlib import Path
 # Light imports only: the body parser's worker process (spawned) imports this module again.
 from tokenway.config import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL, EngineConfig, parse_bytes
 from tokenway.routing.registry import REGISTRY_KEYS
+from tokenway.server import connections
 
 # flag dest -> (type, default); the config file uses the same names (dashes or underscores).
 SERVE_OPTIONS = {
@@ -173,20 +174,7 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--max-pending-requests", type=int, help="in flight before 503 + Retry-After")
     serve.add_argument("--max-body-bytes")
     serve.add_argument("--graceful-shutdown-seconds", type=float)
-    serve.add_argument("--header-timeout-seconds", type=float,
-                       help="accept (TLS handshake included) to the end of a request's head, and a later "
-                            "request's first byte to the end of its head; slower: closed (default 10)")
-    serve.add_argument("--body-timeout-seconds", type=float,
-                       help="the end of a request's head to the end of its whole body, not counting time the "
-                            "server itself stops reading; slower: closed (default 60)")
-    serve.add_argument("--keep-alive-timeout-seconds", type=float,
-                       help="idle time allowed between a response and the next request (default 20)")
-    serve.add_argument("--max-connections", type=int,
-                       help="open at once; at the cap the connection waiting longest for a request head is "
-                            "closed (default: 90%% of RLIMIT_NOFILE, raised to its hard limit at start)")
-    serve.add_argument("--max-connections-per-client", type=int,
-                       help="open at once from one client address, as --max-connections (default: a quarter of "
-                            "it; behind a proxy every client is the proxy's address: raise it)")
+    connections.add_arguments(serve)
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--db", help="SQLite file for API keys and the usage ledger (default: the keys CLI's)")
     serve.add_argument("--ledger-url", help="sqlite:///path or postgresql://... for the usage ledger")
@@ -217,7 +205,6 @@ def run_serve(options: dict) -> int:
     from tokenway.engine.process import ProcessEngine
     from tokenway.frontend.tool_parsers import FORMATS
     from tokenway.server.app import create_app
-    from tokenway.server.connections import ConnectionPolicy
     from tokenway.server.serving import ServerConfig, ServerState
     from tokenway.server.uvicorn_server import Server, run_event_loop
 
@@ -255,7 +242,7 @@ def run_serve(options: dict) -> int:
                                  model_safety={e.name: e.safety for e in registry.models if e.safety is not None}
                                  if registry is not None else {})
     check_tls(options)
-    connection_policy = ConnectionPolicy.from_options(options)  # a bad value is one line now, not after loading
+    connection_policy = connections.ConnectionPolicy.from_options(options)  # a bad value is one line now, not after loading
     for policy in (server_config.safety, *server_config.model_safety.values()):
         if policy.guard_model is not None and policy.guard_model not in names and policy.guard_model not in aliases:
             raise ValueError(f"safety guard_model: {policy.guard_model!r} is not a served chat model "

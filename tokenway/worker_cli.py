@@ -20,6 +20,7 @@ from pathlib import Path
 
 # Light imports only, as cli.py's: `tokenway keys` must not wait for torch.
 from tokenway.config import DEFAULT_MODEL, EngineConfig
+from tokenway.server import connections
 
 SECRET_ENV = "TOKENWAY_WORKER_SECRET"
 MIN_SECRET_CHARS = 16
@@ -46,15 +47,7 @@ def add_worker_parser(sub) -> None:
                         help="added to the engine process's niceness, so the HTTP side wakes first")
     worker.add_argument("--max-pending-requests", type=int, default=256, help="in flight before 503 + Retry-After")
     worker.add_argument("--graceful-shutdown-seconds", type=float, default=30.0)
-    # The same read timeouts and connection caps as `tokenway serve` (server/connections.py).
-    worker.add_argument("--header-timeout-seconds", type=float,
-                        help="accept to the end of a request's head (default 10)")
-    worker.add_argument("--body-timeout-seconds", type=float,
-                        help="the end of a head to the end of its body (default 60)")
-    worker.add_argument("--keep-alive-timeout-seconds", type=float, help="idle between requests (default 20)")
-    worker.add_argument("--max-connections", type=int, help="open at once (default: 90%% of RLIMIT_NOFILE)")
-    worker.add_argument("--max-connections-per-client", type=int,
-                        help="open at once from one address (default: a quarter of --max-connections)")
+    connections.add_arguments(worker)  # the same read timeouts and connection caps as `tokenway serve`
     worker.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -97,7 +90,6 @@ def run_worker(args: argparse.Namespace) -> int:
     from tokenway.engine.process import ProcessEngine
     from tokenway.models.loader import resolve_model
     from tokenway.routing.wire import PREFIX
-    from tokenway.server.connections import ConnectionPolicy
     from tokenway.server.uvicorn_server import Server, run_event_loop
     from tokenway.server.worker_api import create_worker_app
 
@@ -108,7 +100,7 @@ def run_worker(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=args.enable_prefix_caching,
     )
-    policy = ConnectionPolicy.from_options(vars(args))  # checked before the model loads
+    policy = connections.ConnectionPolicy.from_options(vars(args))  # checked before the model loads
     if args.max_pending_requests < 1:
         raise ValueError(f"max_pending_requests: must be >= 1, got {args.max_pending_requests}")
     name = args.served_model_name or (Path(args.model).stem if args.model != DEFAULT_MODEL else DEFAULT_MODEL)

@@ -89,6 +89,25 @@ class ConnectionPolicy:
                                    max_opening_connections=min(self.max_opening_connections, max_connections))
 
 
+def add_arguments(parser) -> None:
+    """The policy's flags, for every command that runs a server (`tokenway serve`, `worker`);
+    None when not given, so that the config file and ConnectionPolicy's defaults apply."""
+    parser.add_argument("--header-timeout-seconds", type=float,
+                        help="accept (TLS handshake included) to the end of a request's head, and a later "
+                             "request's first byte to the end of its head; slower: closed (default 10)")
+    parser.add_argument("--body-timeout-seconds", type=float,
+                        help="the end of a request's head to the end of its whole body, not counting time the "
+                             "server itself stops reading; slower: closed (default 60)")
+    parser.add_argument("--keep-alive-timeout-seconds", type=float,
+                        help="idle time allowed between a response and the next request (default 20)")
+    parser.add_argument("--max-connections", type=int,
+                        help="open at once; at the cap the connection waiting longest for a request head is "
+                             "closed (default: 90%% of RLIMIT_NOFILE, raised to its hard limit at start)")
+    parser.add_argument("--max-connections-per-client", type=int,
+                        help="open at once from one client address, as --max-connections (default: a quarter of "
+                             "it; behind a proxy every client is the proxy's address: raise it)")
+
+
 def raise_fd_limit() -> int:
     """Raises the soft RLIMIT_NOFILE to the hard one (the soft default, often 1024, is a
     historical select() limit, not a resource bound); returns the limit now in force."""
