@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tokenway.gateway.limits import Decision, Limiter, LimitSpec, Reservation
+from tokenway.gateway.limits import Decision, Limiter, LimitSpec, Reservation, limits_backend
 
 NANOS_PER_USD = 10**9
 # Lua's numbers are doubles: integers are exact up to 2**53 nanos (about $9 million); a budget
@@ -253,10 +253,8 @@ class InProcessBudgets:
 
 def make_budgets(url: str | None, seed: SpendSeed) -> BudgetStore:
     """The budget store beside the limits: in process for "memory", else the same Redis."""
-    if url is None or url == "memory":
+    if limits_backend(url) == "memory":
         return InProcessBudgets(seed)
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        from tokenway.gateway.budgets_redis import RedisBudgets  # redis is only needed for this backend
+    from tokenway.gateway.budgets_redis import RedisBudgets  # redis is only needed for this backend
 
-        return RedisBudgets(url, seed)
-    raise ValueError(f"limits backend must be 'memory' or a redis:// URL, got {url!r}")
+    return RedisBudgets(url, seed)

@@ -322,12 +322,19 @@ class InProcessLimiter:
         return WindowState(len(state.window), requests_reset_us, state.num_window_tokens, tokens_reset_us)
 
 
-def make_limiter(url: str | None) -> Limiter:
-    """None or "memory": the in-process limiter; "redis://...", "rediss://...", "unix://...": Redis."""
+def limits_backend(url: str | None) -> str:
+    """Which store --limits-url names, for the limits and the budgets alike: "memory" (None or
+    "memory", in process) or "redis" ("redis://...", "rediss://...", "unix://...")."""
     if url is None or url == "memory":
-        return InProcessLimiter()
+        return "memory"
     if url.startswith(("redis://", "rediss://", "unix://")):
-        from tokenway.gateway.limits_redis import RedisLimiter  # redis is only needed for this backend
-
-        return RedisLimiter(url)
+        return "redis"
     raise ValueError(f"limits backend must be 'memory' or a redis:// URL, got {url!r}")
+
+
+def make_limiter(url: str | None) -> Limiter:
+    if limits_backend(url) == "memory":
+        return InProcessLimiter()
+    from tokenway.gateway.limits_redis import RedisLimiter  # redis is only needed for this backend
+
+    return RedisLimiter(url)
