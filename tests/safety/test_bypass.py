@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from tokenway.protocol.anthropic import MessagesRequest, to_chat_messages
 from tokenway.protocol.openai_requests import ChatCompletionRequest
-from tokenway.safety.channels import ChatInput, PromptText, prompt_texts
+from tokenway.safety.channels import ChatInput, PromptText
 from tokenway.safety.detectors import detect
 from tokenway.safety.normalize import normalize
 from tokenway.safety.screen import InputScreening, SafetyPolicy, screen_input
@@ -180,7 +180,7 @@ def test_what_cannot_be_redacted_in_place_is_refused_under_redact(chat):
 
 
 def test_prompts_and_inputs_are_screened_each_alone():
-    texts = prompt_texts(["4111 1111", "1111 1111", f"card {CARD}"], "input")
+    texts = [PromptText(text, "input") for text in ("4111 1111", "1111 1111", f"card {CARD}")]
     screening = screened(texts, "redact")
     assert screening.redacted == ("4111 1111", "1111 1111", "card [REDACTED:credit_card]")
     assert screening.param == "input"

@@ -6,7 +6,7 @@ again with the screen's redactions in place.
         .texts()             -> PromptText ...   every text in it, in prompt order
         .redacted(new_texts) -> ChatInput        the same with each text replaced by its new one
     screen_chat(screen, chat) -> ChatInput       both, around the server's screen (ServerState.screen)
-    prompt_texts(items, param)                   completion prompts, embeddings inputs: each alone
+    screen_prompts(screen, items, decode, param) completion prompts, embeddings inputs: each alone
 
 A chat call carries: every message's content (system, user, assistant, tool results), name and
 tool_call_id; each earlier tool call's id, name and arguments; each tool's definition (name,
@@ -115,10 +115,24 @@ def screen_chat(screen: Screen, chat: ChatInput) -> ChatInput:
     return chat if redacted is None else chat.redacted(redacted)
 
 
-def prompt_texts(items: Sequence[str], param: str) -> list[PromptText]:
-    """Texts that are prompts of their own (a completion's prompts, embeddings inputs): each is
-    screened alone, none flows into the next."""
-    return [PromptText(item, param) for item in items]
+def screen_prompts(screen: Screen, items: Sequence[str | Sequence[int]], decode: Callable[[Sequence[int]], str],
+                   param: str) -> list[str | None] | None:
+    """Prompts of their own (a completion's prompts, embeddings inputs), each screened alone,
+    none flowing into the next; an item of token ids is read as decode() gives its text, only
+    when a policy reads at all. None when nothing changes, else each item's redacted text, None
+    where that item is unchanged."""
+    texts = [item if isinstance(item, str) else "" for item in items]
+
+    def read() -> Iterator[PromptText]:
+        for i, item in enumerate(items):
+            if not isinstance(item, str):
+                texts[i] = decode(item)
+            yield PromptText(texts[i], param)
+
+    redacted = screen(read())
+    if redacted is None:
+        return None
+    return [None if new == text else new for new, text in zip(redacted, texts)]
 
 
 def _walk_message(message: dict, visit: Visit) -> dict:

@@ -12,17 +12,19 @@ forward pass is timed as the prefill stage.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tokenway.embeddings import EmbeddingEngine
 from tokenway.protocol.embeddings import EmbeddingRequest, embedding_response
 from tokenway.protocol.errors import NotFoundError, TokenwayError
 from tokenway.routing.job import EmbeddingsJob
-from tokenway.embeddings import EmbeddingEngine
 from tokenway.routing.router import ReplicaChoice
-from tokenway.safety.channels import prompt_texts
+from tokenway.safety.channels import screen_prompts
 from tokenway.server.call import Call, CallOutcome, RouteChoice
 from tokenway.server.http import ClientDisconnected, parse_body, unless_disconnected
 from tokenway.server.serving import ServerState, log_request, new_id
@@ -75,19 +77,15 @@ def screen_inputs(state: ServerState, call: Call, embedder: EmbeddingEngine, val
     (an input given as token ids, its redacted text's ids)."""
     items = [value] if isinstance(value, str) or type(value[0]) is int else value
     model = embedder.model
-    texts = [item if isinstance(item, str) else "" for item in items]
 
-    def decoded() -> Any:
-        for i, item in enumerate(items):
-            if not isinstance(item, str):
-                texts[i] = model.tokenizer.decode([t for t in item if t < model.vocab_size])
-        yield from prompt_texts(texts, "input")
+    def decode(token_ids: Sequence[int]) -> str:
+        return model.tokenizer.decode([t for t in token_ids if t < model.vocab_size])
 
-    redacted = state.screen(call, decoded(), "input")
+    redacted = screen_prompts(partial(state.screen, call, param="input"), items, decode, "input")
     if redacted is None:
         return value
-    new_items = [item if new == text else new if isinstance(item, str) else model.tokenize([new])[0]
-                 for item, text, new in zip(items, texts, redacted)]
+    new_items = [item if text is None else text if isinstance(item, str) else model.tokenize([text])[0]
+                 for item, text in zip(items, redacted)]
     return new_items if items is value else new_items[0]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from functools import partial
 from typing import Any, AsyncIterator, Callable
 
@@ -11,7 +12,7 @@ from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.model import ModelFrontend
 from tokenway.protocol.errors import ContextLengthExceededError, InvalidRequestError, openai_error_body
 from tokenway.routing.job import GenerationJob, ToolCallDelta, estimate_tokens
-from tokenway.safety.channels import ChatInput, prompt_texts, screen_chat
+from tokenway.safety.channels import ChatInput, screen_chat, screen_prompts
 from tokenway.server import sse
 from tokenway.server.call import Call
 from tokenway.server.generation import Generation, framed_stream
@@ -245,25 +246,21 @@ def screen_prompt(state: ServerState, body, call: Call) -> None:
     Token ids for a model tokenway has no tokenizer for cannot be read: refused under a block
     or redact policy, passed unread under flag."""
     frontend = state.frontend(call.model)
+
+    def decode(token_ids: Sequence[int]) -> str:
+        if frontend is not None:
+            return frontend.tokenizer.decode(t for t in token_ids if t < frontend.vocab_size)
+        if state.safety_policy(call.model, call.start.principal).input in ("block", "redact"):
+            raise InvalidRequestError(
+                "prompt: this server's content policy reads every prompt, and token ids for this model "
+                "cannot be read (tokenway has no tokenizer for it); send the prompt as text", param="prompt",
+                code="content_policy_unreadable")
+        return ""
+
     prompts = body.prompts
-    texts = [prompt if isinstance(prompt, str) else "" for prompt in prompts]
-
-    def decoded() -> Any:
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                continue
-            if frontend is not None:
-                texts[i] = frontend.tokenizer.decode(t for t in prompt if t < frontend.vocab_size)
-            elif state.safety_policy(call.model, call.start.principal).input in ("block", "redact"):
-                raise InvalidRequestError(
-                    "prompt: this server's content policy reads every prompt, and token ids for this model "
-                    "cannot be read (tokenway has no tokenizer for it); send the prompt as text", param="prompt",
-                    code="content_policy_unreadable")
-        yield from prompt_texts(texts, "prompt")
-
-    redacted = state.screen(call, decoded(), "prompt")
+    redacted = screen_prompts(partial(state.screen, call, param="prompt"), prompts, decode, "prompt")
     if redacted is not None:
-        new = [prompt if new == text else new for prompt, text, new in zip(prompts, texts, redacted)]
+        new = [prompt if text is None else text for prompt, text in zip(prompts, redacted)]
         body.prompt = new if prompts is body.prompt else new[0]  # prompts wraps a single prompt in a list
 
 
