@@ -17,7 +17,7 @@ from tokenway.engine.scheduler import SchedulerOutput  # noqa: E402
 from tokenway.models import quant  # noqa: E402
 from tokenway.models.config import ModelConfig  # noqa: E402
 from tokenway.models.decode_stack import DecodeStack  # noqa: E402
-from tokenway.models.llama import LlamaForCausalLM  # noqa: E402
+from tokenway.models.decoder import DecoderForCausalLM  # noqa: E402
 from tokenway.models.loader import QuantizedTensor  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="the quant kernel has no vector path on this CPU")
@@ -28,7 +28,7 @@ QTYPES = {"q_proj": "Q4_1", "k_proj": "Q4_1", "v_proj": "Q4_1", "o_proj": "Q8_0"
           "up_proj": "Q8_0", "down_proj": "Q4_1"}
 
 
-def tiny_quantized(dtype: torch.dtype, activations: str) -> LlamaForCausalLM:
+def tiny_quantized(dtype: torch.dtype, activations: str) -> DecoderForCausalLM:
     """A tiny Qwen2 (q/k/v biases, non-zero) whose layers' matmuls run on GGUF blocks."""
     torch.manual_seed(0)
     cfg = transformers.Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -46,7 +46,7 @@ def tiny_quantized(dtype: torch.dtype, activations: str) -> LlamaForCausalLM:
             qtype = QTYPES[kind]
             data = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType[qtype])
             blocks[name] = QuantizedTensor(qtype, torch.from_numpy(data), tuple(weight.shape))
-    model = LlamaForCausalLM(ModelConfig.from_dict(cfg.to_dict()), dtype)
+    model = DecoderForCausalLM(ModelConfig.from_dict(cfg.to_dict()), dtype)
     used = model.use_quantized(blocks, activations)
     model.load_weights((name, p) for name, p in state.items() if name not in used)
     if not model.use_fused_kernels():

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenway import native
-from tokenway.models.llama import rotate_half
+from tokenway.models.decoder import rotate_half
 
 ops = native.load("fused")
 pytestmark = pytest.mark.skipif(ops is None, reason="the native kernels do not build here")

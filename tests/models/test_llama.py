@@ -13,9 +13,12 @@ from tokenway.engine.request import Request, SamplingParams  # noqa: E402
 from tokenway.engine.runner import ModelRunner  # noqa: E402
 from tokenway.engine.scheduler import SchedulerOutput  # noqa: E402
 from tokenway.models.config import ModelConfig  # noqa: E402
-from tokenway.models.llama import LlamaForCausalLM  # noqa: E402
+from tokenway.models.decoder import DecoderForCausalLM  # noqa: E402
 
 BLOCK_SIZE = 4
+WINDOW = 6  # keys a sliding layer sees: less than two blocks, so windows start mid-block
+FAMILIES = ["llama", "llama3-rope", "linear-rope", "yarn-rope", "qwen2", "qwen2-window", "mistral", "mistral-window",
+            "qwen3", "gemma3", "phi3", "phi3-window"]
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 
@@ -35,16 +38,37 @@ def tiny(kind: str):
         cfg = transformers.Qwen2Config(**COMMON, tie_word_embeddings=True)
     elif kind == "mistral":
         cfg = transformers.MistralConfig(**COMMON, sliding_window=None)
+    elif kind == "mistral-window":  # every layer slides: 40 tokens cross a 6-key window many times
+        cfg = transformers.MistralConfig(**COMMON, sliding_window=WINDOW)
+    elif kind == "yarn-rope":
+        cfg = transformers.LlamaConfig(**COMMON, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32})
+    elif kind == "qwen2-window":  # layers from max_window_layers on slide
+        cfg = transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+    elif kind == "qwen3":
+        cfg = transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True)
+    elif kind == "gemma3":  # local layers with a 6-key window at base 10k, a global one at 1M with linear scaling
+        cfg = transformers.Gemma3TextConfig(
+            **{**COMMON, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"], final_logit_softcapping=3.0,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}})
+    elif kind == "phi3":
+        cfg = transformers.Phi3Config(**COMMON, pad_token_id=0)
+    elif kind == "phi3-window":
+        cfg = transformers.Phi3Config(**COMMON, pad_token_id=0, sliding_window=WINDOW)
     else:
         raise AssertionError(kind)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    # Make biases non-zero so a forgotten bias shows.
+    # Make biases non-zero and norms uneven so a forgotten bias or norm shows.
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
+            elif "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
     config = ModelConfig.from_dict(cfg.to_dict())
-    ours = LlamaForCausalLM(config, torch.float32)
+    ours = DecoderForCausalLM(config, torch.float32)
     ours.load_weights(hf.state_dict().items())
     return hf, ours
 
@@ -63,7 +87,7 @@ def run_step(runner: ModelRunner, requests, chunks, tables) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native-kernels", "torch-operators"])
-@pytest.mark.parametrize("kind", ["llama", "llama3-rope", "linear-rope", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", FAMILIES)
 def test_prefill_chunks_and_decode_match_transformers(kind, native):
     """native: the C++ decode attention and fused layer kernels; else torch operators only."""
     hf, ours = tiny(kind)
@@ -91,8 +115,9 @@ def test_prefill_chunks_and_decode_match_transformers(kind, native):
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native-kernels", "torch-operators"])
-def test_mixed_batch_matches_each_alone(native):
-    hf, ours = tiny("llama")
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "mistral-window"])
+def test_mixed_batch_matches_each_alone(native, kind):
+    hf, ours = tiny(kind)
     if native and not ours.use_fused_kernels():
         pytest.skip("the native kernels do not build here")
     torch.manual_seed(2)
@@ -120,8 +145,8 @@ def test_missing_and_misshapen_weights_are_named():
     state = dict(hf.state_dict())
     del state["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(ValueError, match="layers.1.mlp.gate_up_weight"):
-        LlamaForCausalLM(ours.config).load_weights(state.items())
+        DecoderForCausalLM(ours.config).load_weights(state.items())
     state = dict(hf.state_dict())
     state["model.norm.weight"] = torch.ones(3)
     with pytest.raises(ValueError, match="model.norm.weight"):
-        LlamaForCausalLM(ours.config).load_weights(state.items())
+        DecoderForCausalLM(ours.config).load_weights(state.items())

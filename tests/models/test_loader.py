@@ -86,8 +86,8 @@ def test_config_matches_transformers(converted_dir, reference_model):
         "bos_token_id",
     ):
         assert getattr(ours, name) == getattr(ref, name), name
-    assert ours.rope_theta == ref.rope_parameters["rope_theta"] == 100000.0
-    assert ours.rope_scaling is None
+    assert ours.rope.theta == ref.rope_parameters["rope_theta"] == 100000.0
+    assert ours.rope.rope_type == "default" and ours.local_rope is None
     assert ours.eos_token_ids == (ref.eos_token_id,) == (2,)
     generation = json.loads((converted_dir / "generation_config.json").read_text())
     assert generation == {"bos_token_id": 1, "eos_token_id": 2}
@@ -237,16 +237,18 @@ def test_tiny_gguf_round_trips_to_the_hf_weights(tmp_path):
     config = ModelConfig.from_dir(model_dir)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 4)
     assert config.tie_word_embeddings is False
-    assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert (config.rope.rope_type, config.rope.params) == ("linear", {"factor": 2.0})
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"arch": "gpt2"}, r"unsupported GGUF architecture 'gpt2'; expected one of \['llama', 'qwen2'\]"),
-        ({"tokenizer_model": "llama"}, r"unsupported tokenizer.ggml.model 'llama'"),
+        ({"arch": "gpt2"}, r"unsupported GGUF architecture 'gpt2'; expected one of "
+                           r"\['gemma3', 'llama', 'phi3', 'qwen2', 'qwen3'\]"),
+        ({"tokenizer_model": "bert"}, r"unsupported tokenizer.ggml.model 'bert'"),
         ({"pre": "deepseek-llm"}, r"unsupported tokenizer.ggml.pre 'deepseek-llm'"),
-        ({"rope_scaling_type": gguf.RopeScalingType.YARN, "rope_scaling_factor": 4.0}, r"rope_scaling type 'yarn'"),
+        ({"rope_scaling_type": gguf.RopeScalingType.LONGROPE, "rope_scaling_factor": 4.0},
+         r"unsupported rope scaling type 'longrope'"),
     ],
 )
 def test_unsupported_gguf_is_rejected_naming_the_file(tmp_path, kwargs, message):

@@ -8,6 +8,9 @@
 //   prefix_leaders (B,) int32, optional         rows sharing a cached prefix (cascade attention): each
 //   prefix_lens    (B,) int32, optional         row's first prefix_lens[r] positions (whole blocks) are
 //                                               the same blocks as row prefix_leaders[r]'s (0: none)
+//   window         int                          > 0: each row attends to its last `window` positions only
+//                                               (a sliding-window layer); a row past its window reads
+//                                               no shared prefix
 //   -> out         (B, heads, D)                q's dtype
 //
 // The work is cut into segments: runs of context positions, each read through one block table and
@@ -426,16 +429,18 @@ constexpr int kMinChunk = 64;
 constexpr int64_t kMaxScores = 1 << 16;
 
 template <typename T>
-void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, const int32_t* prefix_lens) {
+void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, const int32_t* prefix_lens, int window) {
   const int group = p.group, head_dim = p.head_dim;
   auto cost = [](int64_t positions, int64_t queries) { return positions * (queries + kPositionCost); };
   // Rows sharing a prefix, by leader.
   std::vector<std::vector<int>> members(batch);
-  std::vector<int> shared(batch, 0);
+  std::vector<int> shared(batch, 0), first(batch, 0);  // first: the row's first position in its window
   int64_t total = 0;
   for (int row = 0; row < batch; ++row) {
-    if (prefix_lens != nullptr && prefix_lens[row] > 0) shared[row] = prefix_lens[row], members[leaders[row]].push_back(row);
-    total += cost(p.context_lens[row] - shared[row], group);
+    if (window > 0) first[row] = std::max(0, p.context_lens[row] - window);
+    if (prefix_lens != nullptr && prefix_lens[row] > 0 && first[row] == 0)
+      shared[row] = prefix_lens[row], members[leaders[row]].push_back(row);
+    total += cost(p.context_lens[row] - std::max(shared[row], first[row]), group);
   }
   for (int row = 0; row < batch; ++row)
     if (!members[row].empty()) total += cost(shared[row], int64_t(members[row].size()) * group);
@@ -466,8 +471,9 @@ void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, co
   for (int row = 0; row < batch; ++row)
     if (!members[row].empty()) add(row, 0, shared[row], members[row].data(), int(members[row].size()));
   for (int row = 0; row < batch; ++row) {
-    if (p.context_lens[row] == shared[row]) continue;
-    add(row, shared[row], p.context_lens[row], &row, 1);
+    const int begin = std::max(shared[row], first[row]);
+    if (p.context_lens[row] == begin) continue;
+    add(row, begin, p.context_lens[row], &row, 1);
     if (parts[row].size() == 1) segments[parts[row][0].first].partial = -1, partials -= int64_t(group) * p.kv_heads;
   }
   // A direct segment was the last added, so dropping its slots leaves the others' in place.
@@ -549,7 +555,7 @@ void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, co
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
                                   double scale, const std::optional<at::Tensor>& prefix_leaders,
-                                  const std::optional<at::Tensor>& prefix_lens) {
+                                  const std::optional<at::Tensor>& prefix_lens, int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "q (B, heads, head_dim), k_cache and v_cache (num_slots, kv_heads, head_dim)");
@@ -576,6 +582,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                   "block_tables[", row, ", ", b, "] out of range");
   }
   TORCH_CHECK(scale > 0, "scale must be positive");
+  TORCH_CHECK(window >= 0 && window <= std::numeric_limits<int>::max(), "window must be >= 0 (0: none)");
   TORCH_CHECK(prefix_leaders.has_value() == prefix_lens.has_value(), "prefix_leaders and prefix_lens go together");
   const int32_t* leaders = nullptr;
   const int32_t* shared = nullptr;
@@ -607,9 +614,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                       heads, kv_heads, heads / kv_heads, head_dim, int(block_size)};
   };
   if (q.scalar_type() == at::kFloat)
-    run(problem(static_cast<float*>(nullptr)), batch, float(scale), leaders, shared);
+    run(problem(static_cast<float*>(nullptr)), batch, float(scale), leaders, shared, int(window));
   else
-    run(problem(static_cast<uint16_t*>(nullptr)), batch, float(scale), leaders, shared);
+    run(problem(static_cast<uint16_t*>(nullptr)), batch, float(scale), leaders, shared, int(window));
   return out;
 }
 
@@ -618,6 +625,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 TORCH_LIBRARY(tokenway_attention, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, int block_size, float scale, Tensor? prefix_leaders=None, "
-        "Tensor? prefix_lens=None) -> Tensor",
+        "Tensor? prefix_lens=None, int window=0) -> Tensor",
         &paged_decode_attention);
 }

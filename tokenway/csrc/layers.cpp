@@ -111,7 +111,7 @@ struct Ops {
           d.findSchemaOrThrow("tokenway_attention::paged_decode_attention", "")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, int64_t, double, const std::optional<at::Tensor>&,
-                                const std::optional<at::Tensor>&)>(),
+                                const std::optional<at::Tensor>&, int64_t)>(),
       };
     }();
     return ops;
@@ -140,7 +140,8 @@ at::Tensor decode(const c10::intrusive_ptr<Stack>& s, const at::Tensor& x, const
     const at::Tensor q = ops.rope_and_cache.call(linear(h, layer.qkv), s->cos_table, s->sin_table, positions,
                                                  layer.k_cache, layer.v_cache, slot_mapping, s->heads, s->kv_heads);
     const at::Tensor attended = ops.attention.call(q, layer.k_cache, layer.v_cache, block_tables, context_lens,
-                                                   s->block_size, s->scale, prefix_leaders, prefix_lens);
+                                                   s->block_size, s->scale, prefix_leaders, prefix_lens,
+                                                   /*window=*/0);
     h = linear(attended.reshape({tokens, q_size}), layer.o);
     ops.add_rms_norm_.call(h, residual, layer.post_norm, s->eps);
     h = linear(ops.silu_and_mul.call(linear(h, layer.gate_up)), layer.down);

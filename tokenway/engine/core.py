@@ -27,7 +27,7 @@ from tokenway.frontend.tokenizer import Tokenizer
 from tokenway.kv_cache.manager import KVCacheManager
 from tokenway.models.config import ModelConfig
 from tokenway.models.linear import select_kernels
-from tokenway.models.llama import LlamaForCausalLM
+from tokenway.models.decoder import DecoderForCausalLM
 from tokenway.models.loader import iter_weights, quantized_weights, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -138,7 +138,8 @@ class EngineCore:
         if self.device.type == "cpu" and os.environ.get("OMP_NUM_THREADS") is None:
             torch.set_num_threads(max(1, os.cpu_count() or 1))
 
-        model = LlamaForCausalLM(self.model_config, self.dtype)
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
+        model = DecoderForCausalLM(self.model_config, self.dtype, max_positions=self.max_model_len)
         quantized: set[str] = set()
         if config.quantization == "auto" and self.device.type == "cpu":
             from tokenway.models import quant
@@ -154,7 +155,6 @@ class EngineCore:
         backends = select_kernels(model.linear_kernels(), config.linear_kernels)
         packed = sum(backend == "onednn" for backend in backends.values())
 
-        self.max_model_len = resolve_max_model_len(config, self.model_config)
         block_bytes = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
         num_blocks = config.kv_cache_memory // block_bytes
         if num_blocks * config.block_size < self.max_model_len:

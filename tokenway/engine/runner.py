@@ -12,7 +12,7 @@ import torch
 from tokenway.engine.scheduler import SchedulerOutput
 from tokenway.models.attention import AttentionMetadata, BlockRun, PrefillChunk, SharedPrefix, native_decode_kernel
 from tokenway.models.config import ModelConfig
-from tokenway.models.llama import LlamaForCausalLM
+from tokenway.models.decoder import DecoderForCausalLM
 
 # Decode rows sharing fewer cached blocks than this read them on their own: the split costs
 # more than the copies it saves.
@@ -26,7 +26,7 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device,
+    def __init__(self, model: DecoderForCausalLM, num_blocks: int, block_size: int, device: torch.device,
                  cascade_attention: bool = True, native_attention: bool = True, native_layers: bool = True) -> None:
         config = model.config
         self.model = model
@@ -35,6 +35,7 @@ class ModelRunner:
         self.decode_kernel = native_decode_kernel(model.dtype, config.head_dim, device) if native_attention else None
         self.block_size = block_size
         self.device = device
+        self.sliding_window = config.sliding_window if config.layer_types else None
         num_slots = num_blocks * block_size
         shape = (num_slots, config.num_key_value_heads, config.head_dim)
         # Per layer: (num_blocks * block_size, kv_heads, head_dim); slot = block_id * block_size + offset.
@@ -66,7 +67,7 @@ class ModelRunner:
         slot_mapping: list[int] = []
         last_token_index = [0] * len(out.requests)
         decode_context_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
+        chunks: list[tuple[int, int, int, list[int]]] = []  # prompt chunks: (token_start, start, end, block ids)
         for row in decode_rows + prefill_rows:
             request = out.requests[row]
             num_new = out.num_scheduled_tokens[row]
@@ -80,23 +81,14 @@ class ModelRunner:
             last_token_index[row] = token_start + num_new - 1
             if num_new == 1:
                 decode_context_lens.append(end)
-            elif start == 0:
-                prefills.append(PrefillChunk(token_start, num_new, end, None, None))
             else:
-                # A later chunk (or the tail after a prefix-cache hit) attends to the whole context.
-                context = BlockRun.of(block_ids[: (end + bs - 1) // bs], self.device)
-                query_pos = torch.arange(start, end, device=self.device).unsqueeze(1)
-                key_pos = torch.arange(end, device=self.device).unsqueeze(0)
-                prefills.append(PrefillChunk(token_start, num_new, end, context, key_pos <= query_pos))
+                chunks.append((token_start, start, end, block_ids))
 
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, device=self.device),
-            block_size=bs,
-            num_decode_tokens=len(decode_rows),
-            prefills=prefills,
-        )
-        if decode_rows:
-            self._decode_layout(meta, [out.block_tables[row] for row in decode_rows], decode_context_lens)
+        slots = torch.tensor(slot_mapping, device=self.device)
+        decode_tables = [out.block_tables[row] for row in decode_rows]
+        meta = self._metadata(slots, decode_tables, decode_context_lens, chunks, window=None)
+        if self.sliding_window is not None:  # the layers that slide read their own layout
+            meta.sliding = self._metadata(slots, decode_tables, decode_context_lens, chunks, self.sliding_window)
 
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),
@@ -114,6 +106,36 @@ class ModelRunner:
         if sample_index != list(range(hidden.shape[0])):  # else a decode-only step: every row samples, in order
             hidden = hidden.index_select(0, torch.tensor(sample_index, device=self.device))
         return self.model.compute_logits(hidden).cpu()
+
+    def _metadata(self, slots: torch.Tensor, decode_tables: list[list[int]], decode_context_lens: list[int],
+                  chunks: list[tuple[int, int, int, list[int]]], window: int | None) -> AttentionMetadata:
+        """The attention layout of one step, for layers that see the whole context (window None)
+        or the last `window` keys of it."""
+        meta = AttentionMetadata(slot_mapping=slots, block_size=self.block_size, num_decode_tokens=len(decode_tables),
+                                 prefills=[self._prefill_chunk(*chunk, window) for chunk in chunks], window=window)
+        if decode_tables:
+            self._decode_layout(meta, decode_tables, decode_context_lens)
+        return meta
+
+    def _prefill_chunk(self, token_start: int, start: int, end: int, block_ids: list[int],
+                       window: int | None) -> PrefillChunk:
+        num_new = end - start
+        if start == 0 and (window is None or num_new <= window):
+            return PrefillChunk(token_start, num_new, end, None, None)  # the chunk is its whole context: causal
+        # A later chunk (or the tail after a prefix-cache hit) attends to its cached context too; under a
+        # window, only to the blocks that hold keys some query of the chunk can see.
+        bs = self.block_size
+        first_block = 0 if window is None else max(0, start - window + 1) // bs
+        key_start = first_block * bs
+        query_pos = torch.arange(start, end, device=self.device).unsqueeze(1)
+        key_pos = torch.arange(key_start, end, device=self.device).unsqueeze(0)
+        mask = key_pos <= query_pos
+        if window is not None:
+            mask &= key_pos > query_pos - window
+        if start == 0:  # a whole prompt longer than the window: its own fresh keys, masked
+            return PrefillChunk(token_start, num_new, end, None, mask)
+        context = BlockRun.of(block_ids[first_block: (end + bs - 1) // bs], self.device)
+        return PrefillChunk(token_start, num_new, end - key_start, context, mask)
 
     def _shared_prefixes(self, tables: list[list[int]], context_lens: list[int]) -> list[tuple[list[int], int]]:
         """Decode rows whose contexts start with the same cached blocks (a system prompt the prefix
@@ -143,8 +165,10 @@ class ModelRunner:
         it is, plus which rows lead a shared prefix; the torch path reads a shared prefix once for
         its group, then each row's own blocks, padded into one table."""
         bs = self.block_size
-        shared = self._shared_prefixes(tables, context_lens)
+        window = meta.window
         if self.decode_kernel is not None:
+            # The kernel skips keys outside the window itself (and keeps rows past it out of a shared prefix).
+            shared = self._shared_prefixes(tables, context_lens)
             max_blocks = max(len(table) for table in tables)
             meta.decode_kernel = self.decode_kernel
             meta.decode_block_tables = torch.tensor([table + [0] * (max_blocks - len(table)) for table in tables],
@@ -158,16 +182,22 @@ class ModelRunner:
                 meta.decode_prefix_leaders = torch.tensor(leaders, dtype=torch.int32)
                 meta.decode_prefix_lens = torch.tensor(lengths, dtype=torch.int32)
             return
-        num_shared = [0] * len(tables)  # per row: leading blocks read through a shared prefix
-        for rows, length in shared:
-            meta.shared_prefixes.append(SharedPrefix(torch.tensor(rows, device=self.device),
-                                                     BlockRun.of(tables[rows[0]][:length], self.device)))
-            for row in rows:
-                num_shared[row] = length
+        # Per row: leading blocks not read as its own (through a shared prefix, or before its window).
+        num_skipped = [0] * len(tables)
+        if window is None:
+            for rows, length in self._shared_prefixes(tables, context_lens):
+                meta.shared_prefixes.append(SharedPrefix(torch.tensor(rows, device=self.device),
+                                                         BlockRun.of(tables[rows[0]][:length], self.device)))
+                for row in rows:
+                    num_skipped[row] = length
+        else:
+            num_skipped = [max(0, context_len - window) // bs for context_len in context_lens]
         own_tables = [table[skip: (context_len + bs - 1) // bs]
-                      for table, skip, context_len in zip(tables, num_shared, context_lens)]
-        own_lens = [context_len - skip * bs for context_len, skip in zip(context_lens, num_shared)]
-        if len(own_tables) == 1:
+                      for table, skip, context_len in zip(tables, num_skipped, context_lens)]
+        own_lens = [context_len - skip * bs for context_len, skip in zip(context_lens, num_skipped)]
+        # The first key each row sees in its own blocks: past the window's start, or 0.
+        first_keys = [0 if window is None else max(0, length - window) for length in own_lens]
+        if len(own_tables) == 1 and first_keys[0] == 0:
             run = BlockRun.of(own_tables[0], self.device)
             if run.first_block is not None:
                 meta.decode_context, meta.decode_context_len = run, own_lens[0]
@@ -178,4 +208,6 @@ class ModelRunner:
                                                device=self.device)
         key_pos = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0)
         valid = key_pos < torch.tensor(own_lens, device=self.device).unsqueeze(1)
+        if window is not None:
+            valid &= key_pos >= torch.tensor(first_keys, device=self.device).unsqueeze(1)
         meta.decode_mask = valid.view(len(tables), 1, 1, max_blocks * bs)

@@ -69,9 +69,9 @@ class PrefillChunk:
 
     token_start: int  # first index in the flat batch
     num_tokens: int  # query tokens in this chunk
-    context_len: int  # keys to attend to: computed tokens + this chunk
+    context_len: int  # keys read from the context's first block on (all computed tokens + this chunk, unless windowed)
     context: BlockRun | None  # the blocks holding the context; None when the chunk is the whole context
-    attn_mask: torch.Tensor | None  # (num_tokens, ctx_len) bool, True = may attend; None = plain causal
+    attn_mask: torch.Tensor | None  # (num_tokens, context_len) bool, True = may attend; None = plain causal
 
 
 @dataclass(slots=True)
@@ -102,6 +102,10 @@ class AttentionMetadata:
     decode_context_len: int = 0
     shared_prefixes: list[SharedPrefix] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Keys a query sees, its own included (sliding-window layers); None: the whole context.
+    window: int | None = None
+    # The same step laid out for the model's sliding-window layers (None: it has none).
+    sliding: AttentionMetadata | None = None
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -135,7 +139,8 @@ def decode_attention(
     """(Bd, heads, head_dim) in q's dtype."""
     if meta.decode_kernel is not None:
         return meta.decode_kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                  meta.block_size, scale, meta.decode_prefix_leaders, meta.decode_prefix_lens)
+                                  meta.block_size, scale, meta.decode_prefix_leaders, meta.decode_prefix_lens,
+                                  meta.window or 0)
     num_decodes, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = num_heads // kv_heads

@@ -1,25 +1,25 @@
-"""The shape of a Llama-family decoder, read from a HuggingFace config.json."""
+"""The shape of a decoder, read from a HuggingFace config.json (GGUF metadata is first turned
+into one: models/gguf.py). What differs by family is declared in models/arch/."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-# HF architecture name -> whether q/k/v projections carry a bias by default.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": False,
-    "MistralForCausalLM": False,
-    "Qwen2ForCausalLM": True,
-}
-MODEL_TYPE_TO_ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from tokenway.models import arch as architectures
+from tokenway.models.arch import FULL, SLIDING, Architecture
+from tokenway.models.rope import Rope
+
+# config.json activation names -> the decoder's (arch.base.ACTIVATIONS)
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ModelConfig:
-    architecture: str
+    architecture: str  # a key of models.arch.ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -29,12 +29,17 @@ class ModelConfig:
     head_dim: int
     max_position_embeddings: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None = None
+    rope: Rope  # the rotation of full-attention layers
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Per layer, FULL or SLIDING (HF's "layer_types"); empty: every layer full.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None  # keys a sliding layer attends to, its own token included
+    local_rope: Rope | None = None  # the rotation of sliding layers; None: `rope`
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -44,63 +49,76 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model has {self.num_hidden_layers}")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_attention layers need a sliding_window")
+
+    @cached_property
+    def arch(self) -> Architecture:
+        return architectures.by_name(self.architecture)
 
     @property
-    def rope_type(self) -> str:
-        if not self.rope_scaling:
-            return "default"
-        return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+    def scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING
+
+    def window(self, layer: int) -> int | None:
+        """Keys layer `layer` attends to (its own token included), or None: the whole context."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    def rope_of(self, layer: int) -> Rope:
+        return self.local_rope if self.local_rope is not None and self.is_sliding(layer) else self.rope
 
     @classmethod
-    def from_dict(cls, hf: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-        architectures = hf.get("architectures") or []
-        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
-        if architecture is None and not architectures:
-            architecture = MODEL_TYPE_TO_ARCHITECTURE.get(hf.get("model_type", ""))
-        if architecture is None:
-            raise ValueError(
-                f"{source}: unsupported architecture {architectures or hf.get('model_type')!r}; "
-                f"expected one of {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
+    def from_dict(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        arch = architectures.from_hf(hf.get("architectures") or [], hf.get("model_type"), source)
         try:
             num_heads = int(hf["num_attention_heads"])
             hidden_size = int(hf["hidden_size"])
-            rope_scaling = hf.get("rope_scaling") or None
-            # transformers >= 5 folds rope_theta into rope_parameters.
-            rope_parameters = hf.get("rope_parameters") or {}
-            rope_theta = float(hf.get("rope_theta", rope_parameters.get("rope_theta", 10000.0)))
-            if rope_scaling is None and rope_parameters.get("rope_type", "default") != "default":
-                rope_scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+            num_layers = int(hf["num_hidden_layers"])
             eos = hf.get("eos_token_id")
-            config = cls(
-                architecture=architecture,
+            fields: dict[str, Any] = dict(
+                architecture=arch.name,
                 vocab_size=int(hf["vocab_size"]),
                 hidden_size=hidden_size,
                 intermediate_size=int(hf["intermediate_size"]),
-                num_hidden_layers=int(hf["num_hidden_layers"]),
+                num_hidden_layers=num_layers,
                 num_attention_heads=num_heads,
                 num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
                 head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
                 max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                rope_theta=rope_theta,
-                rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                attention_bias=bool(hf.get("attention_bias", SUPPORTED_ARCHITECTURES[architecture])),
+                attention_bias=bool(hf.get("attention_bias", arch.attention_bias)),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
             )
+            _check_activation(hf, arch, source)
+            rope_parameters = hf.get("rope_parameters") or {}
+            if FULL not in rope_parameters:  # one rotation for every layer (the family may say otherwise)
+                _check_rotary(hf, rope_parameters, source)
+                # transformers >= 5 folds rope_theta into rope_parameters.
+                theta = hf.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
+                scaling = hf.get("rope_scaling") or (rope_parameters if rope_parameters.get("rope_type", "default")
+                                                     != "default" else None)
+                if scaling is not None and hf.get("original_max_position_embeddings"):
+                    scaling = {"original_max_position_embeddings": hf["original_max_position_embeddings"], **scaling}
+                fields["rope"] = Rope.from_hf(theta, scaling, source)
+            fields.update(arch.hf_fields(hf, num_layers))
+            config = cls(**fields)
         except KeyError as exc:
             raise ValueError(f"{source}: missing required field {exc.args[0]!r}") from None
-        if config.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"{source}: unsupported rope_scaling type {config.rope_type!r}; "
-                f"expected one of {SUPPORTED_ROPE_TYPES}"
-            )
+        except TypeError as exc:  # a field of the wrong JSON type
+            raise ValueError(f"{source}: {exc}") from None
+        if config.final_logit_softcapping is None and hf.get("attn_logit_softcapping"):
+            raise ValueError(f"{source}: attention logit soft-capping (attn_logit_softcapping) is not supported")
         return config
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ValueError(f"{path}: not found; a HuggingFace model directory needs config.json")
@@ -109,3 +127,15 @@ class ModelConfig:
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: not valid JSON ({exc})") from None
         return cls.from_dict(hf, source=str(path))
+
+
+def _check_activation(hf: dict[str, Any], arch: Architecture, source: str) -> None:
+    name = hf.get("hidden_activation") or hf.get("hidden_act")
+    if name is not None and _ACTIVATIONS.get(name) != arch.activation:
+        raise ValueError(f"{source}: activation {name!r} is not supported for {arch.name} (it runs {arch.activation})")
+
+
+def _check_rotary(hf: dict[str, Any], rope_parameters: dict[str, Any], source: str) -> None:
+    fraction = rope_parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if fraction is not None and float(fraction) != 1.0:
+        raise ValueError(f"{source}: partial rotary embeddings (partial_rotary_factor {fraction}) are not supported")

@@ -21,13 +21,13 @@ from tokenway import native
 from tokenway.models.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from tokenway.models.llama import LlamaForCausalLM
+    from tokenway.models.decoder import DecoderForCausalLM
 
 
 class DecodeStack:
     __slots__ = ("kv_caches", "kernels", "_stack", "_decode")
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, model: DecoderForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, ops) -> None:
         config = model.config
         self.kv_caches = kv_caches
@@ -49,7 +49,7 @@ class DecodeStack:
         self._decode = ops.decode
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def build(cls, model: DecoderForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
               block_size: int) -> DecodeStack | None:
         """The stack for these caches, or None when a layer cannot run in it (a float weight,
         mixed products, the fused kernels off) or the native kernels are not built."""

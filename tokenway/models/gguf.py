@@ -21,48 +21,25 @@ from typing import Any
 import gguf
 import numpy as np
 import safetensors.numpy
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
-from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
 
+from tokenway.models import arch as architectures
+from tokenway.models.arch import Architecture
 from tokenway.models.config import ModelConfig
+from tokenway.models.gguf_tokenizer import tokenizer_from_gguf
 
 # Bump whenever the output for the same GGUF changes: it is part of the cache key.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 # Beside the float32 model.safetensors: the GGUF's quantized weights as stored.
 QUANTIZED_FILE = "gguf-blocks.safetensors"
-
-GGUF_ARCH_TO_HF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 _GLOBAL_TENSOR_TO_HF = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_TENSOR_TO_HF = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-# llama.cpp's split regexes (llama-vocab.cpp), as HF tokenizer.json files spell them.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-SUPPORTED_PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama-bpe", "llama3", "qwen2")
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
+# Tensors whose content becomes config (rope_freqs: Llama 3.1's per-frequency RoPE divisors).
+_CONFIG_TENSORS = ("rope_freqs.weight",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +48,7 @@ class _TensorPlan:
     hf_name: str
     hf_shape: tuple[int, ...]
     unpermute_num_heads: int | None  # set for llama's q/k, whose rows llama.cpp reordered
+    offset: float = 0.0  # subtracted from the values: llama.cpp stores Gemma's norm scales as 1 + w
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -83,7 +61,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     hf_config = _hf_config(meta, reader)
     # Reject what the model code cannot run now, not after the slow tensor pass.
     ModelConfig.from_dict(hf_config, source=str(gguf_path))
-    tokenizer, tokenizer_config = _tokenizer(meta)
+    tokenizer_fields = {key: meta.get(key) for key in reader.fields if key.startswith("tokenizer.")}
+    tokenizer, tokenizer_config = tokenizer_from_gguf(tokenizer_fields, str(gguf_path),
+                                                      int(meta.require("{arch}.context_length")))
     plans = _tensor_plans(reader, hf_config, meta)
 
     out_dir.mkdir(parents=True)
@@ -102,10 +82,7 @@ class _Metadata:
         self.path = path
         field = self._fields.get("general.architecture")
         self.arch = "" if field is None else field.contents()
-        if self.arch not in GGUF_ARCH_TO_HF:
-            raise ValueError(
-                f"{path}: unsupported GGUF architecture {self.arch!r}; expected one of {sorted(GGUF_ARCH_TO_HF)}"
-            )
+        self.family: Architecture = architectures.from_gguf(self.arch, str(path))
 
     def get(self, key: str, default: Any = None) -> Any:
         field = self._fields.get(key.format(arch=self.arch))
@@ -119,13 +96,12 @@ class _Metadata:
 
 
 def _hf_config(meta: _Metadata, reader: gguf.GGUFReader) -> dict[str, Any]:
-    tensor_names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
-        # Llama 3.1-style per-frequency RoPE factors: HF needs the llama3 parameters they came from.
-        raise ValueError(f"{meta.path}: per-frequency RoPE factors (rope_freqs.weight) are not supported")
-    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    tensors = {t.name: t for t in reader.tensors}
+    embed = tensors.get("token_embd.weight")
     if embed is None:
         raise ValueError(f"{meta.path}: missing tensor 'token_embd.weight'")
+    if "rope_factors_long.weight" in tensors:
+        raise ValueError(f"{meta.path}: LongRoPE (rope_factors_long.weight, Phi-3 128k) is not supported")
     hidden_size = int(meta.require("{arch}.embedding_length"))
     num_heads = int(meta.require("{arch}.attention.head_count"))
     head_dim = int(meta.get("{arch}.attention.key_length", hidden_size // num_heads))
@@ -133,9 +109,10 @@ def _hf_config(meta: _Metadata, reader: gguf.GGUFReader) -> dict[str, Any]:
     if rotary_dim != head_dim:
         raise ValueError(f"{meta.path}: partial rotary embeddings ({rotary_dim} of {head_dim} dims) are not supported")
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    family = meta.family
     config: dict[str, Any] = {
-        "architectures": [GGUF_ARCH_TO_HF[meta.arch]],
-        "model_type": meta.arch,
+        "architectures": [family.name],
+        "model_type": family.model_types[0],
         "vocab_size": int(embed.shape[1]),  # GGUF dims are reversed: (hidden, vocab)
         "hidden_size": hidden_size,
         "intermediate_size": int(meta.require("{arch}.feed_forward_length")),
@@ -146,19 +123,27 @@ def _hf_config(meta: _Metadata, reader: gguf.GGUFReader) -> dict[str, Any]:
         "max_position_embeddings": int(meta.require("{arch}.context_length")),
         "rms_norm_eps": float(meta.require("{arch}.attention.layer_norm_rms_epsilon")),
         "rope_theta": float(meta.get("{arch}.rope.freq_base", 10000.0)),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         "bos_token_id": None if bos is None else int(bos),
         "eos_token_id": None if eos is None else int(eos),
         "torch_dtype": "float32",
     }
-    rope_scaling = _rope_scaling(meta)
+    rope_scaling = _rope_scaling(meta, tensors.get("rope_freqs.weight"), head_dim)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
+    config.update(family.gguf_fields(meta))
     return config
 
 
-def _rope_scaling(meta: _Metadata) -> dict[str, Any] | None:
+def _rope_scaling(meta: _Metadata, freqs: gguf.ReaderTensor | None, head_dim: int) -> dict[str, Any] | None:
+    if freqs is not None:
+        # llama.cpp's converter turns Llama 3.1's llama3 scaling into one divisor per frequency; the
+        # parameters it came from are not kept, so the divisors themselves are the scaling.
+        factors = np.asarray(freqs.data, dtype=np.float32).reshape(-1)
+        if factors.size != head_dim // 2:
+            raise ValueError(f"{meta.path}: rope_freqs.weight has {factors.size} factors, expected {head_dim // 2}")
+        return {"rope_type": "freq_factors", "factors": factors.tolist()}
     kind = meta.get("{arch}.rope.scaling.type")
     factor = meta.get("{arch}.rope.scaling.factor")
     if kind is None and meta.get("{arch}.rope.scale_linear") is not None:  # pre-2024 files
@@ -169,27 +154,35 @@ def _rope_scaling(meta: _Metadata) -> dict[str, Any] | None:
     original = meta.get("{arch}.rope.scaling.original_context_length")
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)
+    for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        value = meta.get("{arch}.rope.scaling." + key)
+        if value is not None:
+            scaling[name] = float(value)
     return scaling
 
 
 def _tensor_plans(reader: gguf.GGUFReader, hf_config: dict[str, Any], meta: _Metadata) -> list[_TensorPlan]:
     plans = []
+    family = meta.family
     for tensor in reader.tensors:
-        hf_name = _hf_tensor_name(tensor.name)
+        if tensor.name in _CONFIG_TENSORS:
+            continue
+        hf_name = _hf_tensor_name(tensor.name, family)
         if hf_name is None:
             raise ValueError(f"{meta.path}: unexpected tensor {tensor.name!r} for architecture {meta.arch!r}")
         hf_shape = tuple(int(d) for d in reversed(tensor.shape))
         num_heads = None
         # llama.cpp reorders llama's q/k rows (and biases) so its RoPE can rotate adjacent pairs;
-        # its qwen2 converter leaves them alone.
-        if meta.arch == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
+        # its other converters leave them alone.
+        if family.gguf_permutes_qk and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             is_q = hf_name.split(".")[-2] == "q_proj"
             num_heads = hf_config["num_attention_heads" if is_q else "num_key_value_heads"]
             if hf_shape[0] % (2 * num_heads):
                 raise ValueError(
                     f"{meta.path}: {tensor.name} has {hf_shape[0]} rows, not a multiple of 2 * {num_heads} heads"
                 )
-        plans.append(_TensorPlan(tensor, hf_name, hf_shape, num_heads))
+        offset = family.norm_offset if hf_name.endswith("norm.weight") else 0.0
+        plans.append(_TensorPlan(tensor, hf_name, hf_shape, num_heads, offset))
     return plans
 
 
@@ -211,13 +204,13 @@ def _write_quantized(path: Path, plans: list[_TensorPlan]) -> None:
     safetensors.numpy.save_file(tensors, str(path), metadata=metadata)
 
 
-def _hf_tensor_name(name: str) -> str | None:
+def _hf_tensor_name(name: str, family: Architecture) -> str | None:
     if name in _GLOBAL_TENSOR_TO_HF:
         return _GLOBAL_TENSOR_TO_HF[name]
     parts = name.split(".")  # blk.{i}.{kind}.{weight|bias}
-    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in _LAYER_TENSOR_TO_HF:
+    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in family.gguf_tensors:
         return None
-    return f"model.layers.{parts[1]}.{_LAYER_TENSOR_TO_HF[parts[2]]}.{parts[3]}"
+    return f"model.layers.{parts[1]}.{family.gguf_tensors[parts[2]]}.{parts[3]}"
 
 
 def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -246,82 +239,10 @@ def _write_safetensors(path: Path, plans: list[_TensorPlan], desc: str) -> None:
             w = gguf.quants.dequantize(plan.source.data, plan.source.tensor_type).reshape(plan.hf_shape)
             if plan.unpermute_num_heads is not None:
                 w = _unpermute(w, plan.unpermute_num_heads)
+            if plan.offset:
+                w = w - np.float32(plan.offset)
             np.ascontiguousarray(w, dtype="<f4").tofile(f)
             bar.update(w.size * 4)
-
-
-def _tokenizer(meta: _Metadata) -> tuple[HFTokenizer, dict[str, Any]]:
-    kind = meta.require("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"{meta.path}: unsupported tokenizer.ggml.model {kind!r}; expected 'gpt2' (byte-level BPE)")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in SUPPORTED_PRE_TOKENIZERS:
-        raise ValueError(
-            f"{meta.path}: unsupported tokenizer.ggml.pre {pre!r}; expected one of {list(SUPPORTED_PRE_TOKENIZERS)}"
-        )
-    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
-    token_types: list[int] = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
-    # Normal tokens are spelled in the byte-level alphabet; control and user-defined ones as plain
-    # text. Keeping the plain spelling in the vocab makes each added token map to its GGUF id.
-    vocab = {token: token_id for token_id, token in reversed(list(enumerate(tokens)))}
-    tokenizer = HFTokenizer(models.BPE(vocab, merges, ignore_merges=pre in ("llama-bpe", "llama3")))
-    if pre in ("default", "gpt2"):
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    elif pre == "smollm":  # as SmolLM's own tokenizer.json: every digit is its own word
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    else:
-        split = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    if pre == "qwen2":
-        tokenizer.normalizer = normalizers.NFC()  # Qwen2's own tokenizer.json normalizes; llama.cpp does not
-    tokenizer.decoder = decoders.ByteLevel()
-    added = [
-        AddedToken(token, special=token_type == _TOKEN_TYPE_CONTROL, normalized=False)
-        for token, token_type in zip(tokens, token_types)
-        if token_type in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
-    ]
-    tokenizer.add_special_tokens([t for t in added if t.special])
-    tokenizer.add_tokens([t for t in added if not t.special])
-
-    def token(key: str) -> str | None:
-        token_id = meta.get(f"tokenizer.ggml.{key}")
-        return None if token_id is None or not 0 <= token_id < len(tokens) else tokens[token_id]
-
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-    config = {
-        "bos_token": token("bos_token_id"),
-        "eos_token": token("eos_token_id"),
-        "unk_token": token("unknown_token_id"),
-        "pad_token": token("padding_token_id"),
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "chat_template": meta.get("tokenizer.chat_template"),
-        "model_max_length": int(meta.require("{arch}.context_length")),
-        "clean_up_tokenization_spaces": False,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }
-    # BOS/EOS insertion lives in tokenizer.json too, so it encodes like llama.cpp on its own.
-    bos = [config["bos_token"]] if add_bos and config["bos_token"] else []
-    eos = [config["eos_token"]] if add_eos and config["eos_token"] else []
-    if bos or eos:
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=bos + ["$A"] + eos,
-            pair=bos + ["$A"] + eos + bos + ["$B"] + eos,
-            special_tokens=[(t, vocab[t]) for t in set(bos + eos)],
-        )
-    return tokenizer, {k: v for k, v in config.items() if v is not None}
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

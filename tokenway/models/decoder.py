@@ -1,9 +1,11 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+"""The decoder every supported family runs (models/arch/ says where each departs from Llama's),
+over a paged KV cache.
 
 One forward runs a flat batch of T tokens from many requests: chunks of prompts and
 single decode tokens alike. The runner orders it as [decode tokens | prefill tokens]:
 the Bd decode requests (one query token each) come first so their attention is one
 padded, batched call; each prefill chunk then attends on its own (models/attention.py).
+Sliding-window layers read the metadata the runner laid out for their window (meta.sliding).
 
 Activations and the residual stream stay float32; linear weights and the KV cache use
 `dtype` (bfloat16 where the CPU has bf16 dot-product instructions; see engine config).
@@ -29,29 +31,7 @@ from tokenway.models.loader import QuantizedTensor
 if TYPE_CHECKING:
     from tokenway.models.quant import QuantKernel
 
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """(head_dim/2,) float32 inverse frequencies, with the config's rope scaling applied."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling or {}
-    if config.rope_type == "linear":
-        inv_freq = inv_freq / float(scaling["factor"])
-    elif config.rope_type == "llama3":
-        # Llama 3.1: leave high frequencies, divide low ones by factor, blend in between.
-        factor = float(scaling["factor"])
-        low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
-        high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
-        old_context_len = float(scaling["original_max_position_embeddings"])
-        low_freq_wavelen = old_context_len / low_freq_factor
-        high_freq_wavelen = old_context_len / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-        inv_freq = torch.where(is_medium, smoothed, scaled)
-    return inv_freq
+GLOBAL, LOCAL = "global", "local"  # which RoPE tables a layer reads (ModelConfig.rope, .local_rope)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -61,11 +41,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class RopeInputs:
-    """What the fused RoPE reads: the model's (max_positions, head_dim) tables and each token's position."""
+    """What RoPE reads: (max_positions, head_dim) tables and each token's position."""
 
     cos_table: torch.Tensor
     sin_table: torch.Tensor
     positions: torch.Tensor  # (T,) int64
+
+    def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, 1, head_dim) cos and sin of each token's position, for the torch path."""
+        return self.cos_table[self.positions].unsqueeze(1), self.sin_table[self.positions].unsqueeze(1)
 
 
 class RMSNorm(nn.Module):
@@ -79,15 +63,17 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.scale
+        self.sliding = config.is_sliding(layer)  # attends through meta.sliding, its window's layout
+        self.rope = LOCAL if self.sliding and config.local_rope is not None else GLOBAL
         # q, k and v projections fused: one matmul instead of three. (q+2kv, hidden)
         self.qkv_weight = nn.Parameter(
             torch.empty(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype), requires_grad=False
@@ -100,17 +86,30 @@ class LlamaAttention(nn.Module):
         self.o_weight = nn.Parameter(torch.empty(config.hidden_size, self.q_size, dtype=dtype), requires_grad=False)
         self.qkv = LinearKernel(self.qkv_weight, self.qkv_bias)
         self.o = LinearKernel(self.o_weight)
+        # QK-norm (Qwen3, Gemma 3): each head of q and k RMS-normed before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.arch.qk_norm else None
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, q+2kv) float32 q, k, v of x, QK-normed where the family norms them."""
+        qkv = self.qkv(x)
+        if self.q_norm is not None:
+            num_tokens, q, kv = qkv.shape[0], self.q_size, self.kv_size
+            heads = (num_tokens, -1, self.head_dim)
+            qkv[:, :q] = self.q_norm(qkv[:, :q].reshape(heads)).view(num_tokens, q)
+            qkv[:, q:q + kv] = self.k_norm(qkv[:, q:q + kv].reshape(heads)).view(num_tokens, kv)
+        return qkv
 
     def forward(
         self,
         x: torch.Tensor,  # (T, hidden)
-        cos: torch.Tensor,  # (T, 1, head_dim)
-        sin: torch.Tensor,
+        rope: RopeInputs,
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x (num_slots, kv_heads, head_dim)
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv(x)
+        qkv = self.project(x)
+        cos, sin = rope.gathered()
         # RoPE on q and k in one go: (T, heads + kv_heads, head_dim), in float32 as HF does.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = qk * cos + rotate_half(qk) * sin
@@ -130,7 +129,7 @@ class LlamaAttention(nn.Module):
                       meta: AttentionMetadata, ops) -> torch.Tensor:
         """forward with RoPE, the cache writes and the casts in one native call (csrc/fused.cpp)."""
         k_cache, v_cache = kv_cache
-        q = ops.rope_and_cache(self.qkv(x), rope.cos_table, rope.sin_table, rope.positions, k_cache, v_cache,
+        q = ops.rope_and_cache(self.project(x), rope.cos_table, rope.sin_table, rope.positions, k_cache, v_cache,
                                meta.slot_mapping, self.num_heads, self.num_kv_heads)
         k = v = None
         if meta.prefills:  # prompt chunks read their new keys and values back from where they were just written
@@ -141,6 +140,8 @@ class LlamaAttention(nn.Module):
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Decode rows through the paged decode attention, prompt chunks (with their new keys and
         values k, v) through prefill attention, then o. q, k, v: (T, heads, head_dim) in the cache's dtype."""
+        if self.sliding:
+            meta = meta.sliding
         num_tokens = q.shape[0]
         if not meta.prefills:
             return self.o(decode_attention(q, k_cache, v_cache, meta, self.scale).reshape(num_tokens, self.q_size))
@@ -155,10 +156,11 @@ class LlamaAttention(nn.Module):
         return self.o(out.view(num_tokens, self.q_size))
 
 
-class LlamaMLP(nn.Module):
+class MLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.activation = config.arch.activation
         # gate and up fused: (2 * intermediate, hidden)
         self.gate_up_weight = nn.Parameter(
             torch.empty(2 * config.intermediate_size, config.hidden_size, dtype=dtype), requires_grad=False
@@ -170,23 +172,36 @@ class LlamaMLP(nn.Module):
         self.down = LinearKernel(self.down_weight)
 
     def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
-        if ops is not None:
+        if ops is not None and self.activation == "silu":
             return self.down(ops.silu_and_mul(self.gate_up(x)))
         gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
+        if self.activation == "gelu_tanh":
+            return self.down(F.gelu(gate, approximate="tanh") * up)
         return self.down(F.silu(gate) * up)
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, dtype)
+class DecoderLayer(nn.Module):
+    """input_layernorm -> attention -> [attn_out_norm] -> residual add -> post_attention_layernorm
+    -> MLP -> [mlp_out_norm] -> residual add. post_attention_layernorm is the MLP's input norm
+    (Llama's name for it; Gemma calls it pre_feedforward_layernorm); the bracketed output norms
+    are the sandwich families' (Gemma's post_attention_layernorm and post_feedforward_layernorm)."""
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.self_attn = Attention(config, layer, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.mlp = MLP(config, dtype)
+        sandwich = config.arch.sandwich_norms
+        self.attn_out_norm = RMSNorm(config.hidden_size, eps) if sandwich else None
+        self.mlp_out_norm = RMSNorm(config.hidden_size, eps) if sandwich else None
+
+    def forward(self, x, rope: RopeInputs, kv_cache, meta):
+        h = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        x = x + (h if self.attn_out_norm is None else self.attn_out_norm(h))
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h if self.mlp_out_norm is None else self.mlp_out_norm(h))
 
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs,
                       kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, ops):
@@ -197,30 +212,51 @@ class LlamaDecoderLayer(nn.Module):
         else:
             ops.add_rms_norm_(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
         x = self.self_attn.forward_fused(x, rope, kv_cache, meta, ops)
+        if self.attn_out_norm is not None:
+            x = ops.rms_norm(x, self.attn_out_norm.weight, self.attn_out_norm.eps)
         ops.add_rms_norm_(x, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        return self.mlp(x, ops), residual
+        x = self.mlp(x, ops)
+        if self.mlp_out_norm is not None:
+            x = ops.rms_norm(x, self.mlp_out_norm.weight, self.mlp_out_norm.eps)
+        return x, residual
 
 
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, max_positions: int | None = None) -> None:
+        """max_positions: the longest context served (the RoPE tables' length); the config's
+        max_position_embeddings when None."""
         super().__init__()
         self.config = config
         self.dtype = dtype
+        arch = config.arch
         # The embedding is a lookup, not a matmul: keep it float32 for the residual stream.
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        # Gemma multiplies embeddings by sqrt(hidden_size), rounded to the embedding's dtype.
+        self.embed_scale = torch.tensor(math.sqrt(config.hidden_size)) if arch.scale_embeddings else None
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
         self.head = LinearKernel(self.lm_head)
         self._quantized_params: set[str] = set()  # weights whose matmul runs on quantized blocks
         self.fused = None  # csrc/fused.cpp's operators once use_fused_kernels() found them
         self.decode_stack: DecodeStack | None = None  # decode-only steps in one native call (use_decode_stack)
-        # (max_positions, head_dim) cos/sin tables, computed as HF does (fp32 outer product).
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
-        freqs = torch.outer(positions, rope_inv_freq(config))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("rope_cos", emb.cos(), persistent=False)
-        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+        # (positions, head_dim) cos/sin tables, computed as HF does (fp32 outer product).
+        num_positions = min(config.max_position_embeddings, max_positions or config.max_position_embeddings)
+        cos, sin = config.rope.tables(config.head_dim, config.max_position_embeddings, num_positions)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if config.local_rope is not None:
+            cos, sin = config.local_rope.tables(config.head_dim, config.max_position_embeddings, num_positions)
+            self.register_buffer("local_rope_cos", cos, persistent=False)
+            self.register_buffer("local_rope_sin", sin, persistent=False)
+
+    @property
+    def plain_layers(self) -> bool:
+        """Every layer is Llama's (what the native decode stack runs): one RoPE, no window, no
+        QK-norm or sandwich norms, silu, unscaled embeddings."""
+        arch = self.config.arch
+        return (not arch.qk_norm and not arch.sandwich_norms and arch.activation == "silu"
+                and not self.config.layer_types and self.config.local_rope is None)
 
     def forward(
         self,
@@ -230,25 +266,32 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed_tokens.index_select(0, input_ids)  # (T, hidden)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale.to(x.dtype)
         if self.decode_stack is not None and self.decode_stack.takes(x.shape[0], kv_caches, meta):
             return self.decode_stack(x, positions, meta)
+        ropes = {GLOBAL: RopeInputs(self.rope_cos, self.rope_sin, positions)}
+        if self.config.local_rope is not None:
+            ropes[LOCAL] = RopeInputs(self.local_rope_cos, self.local_rope_sin, positions)
         if self.fused is not None:
-            rope = RopeInputs(self.rope_cos, self.rope_sin, positions)
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches):
-                x, residual = layer.forward_fused(x, residual, rope, kv_cache, meta, self.fused)
+                x, residual = layer.forward_fused(x, residual, ropes[layer.self_attn.rope], kv_cache, meta, self.fused)
             return x + residual
-        cos = self.rope_cos[positions].unsqueeze(1)  # (T, 1, head_dim)
-        sin = self.rope_sin[positions].unsqueeze(1)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
+            x = layer(x, ropes[layer.self_attn.rope], kv_cache, meta)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32; the final norm runs only on the N rows that sample."""
         if self.fused is not None:
-            return self.head(self.fused.rms_norm(hidden, self.norm.weight, self.norm.eps))
-        return self.head(self.norm(hidden))
+            logits = self.head(self.fused.rms_norm(hidden, self.norm.weight, self.norm.eps))
+        else:
+            logits = self.head(self.norm(hidden))
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def use_fused_kernels(self) -> bool:
         """Run RoPE + cache writes, residual add + norm and silu * up as native fused operators
@@ -260,7 +303,7 @@ class LlamaForCausalLM(nn.Module):
     def use_decode_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> bool:
         """Run decode-only steps on these caches as one native call (models/decode_stack.py) when
         every layer can; after use_fused_kernels and use_quantized, with the caches the runner keeps."""
-        self.decode_stack = DecodeStack.build(self, kv_caches, block_size)
+        self.decode_stack = DecodeStack.build(self, kv_caches, block_size) if self.plain_layers else None
         return self.decode_stack is not None
 
     def _matmuls(self) -> list[tuple[str, nn.Module, str]]:
@@ -297,14 +340,17 @@ class LlamaForCausalLM(nn.Module):
 
         config = self.config
         used: set[str] = set()
-        parts = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
-                 "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+        # Each fused matmul's checkpoint parts: separate projections, or one already fused (Phi-3).
+        parts = {"qkv": [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.qkv_proj",)],
+                 "o": [("self_attn.o_proj",)], "gate_up": [("mlp.gate_proj", "mlp.up_proj"), ("mlp.gate_up_proj",)],
+                 "down": [("mlp.down_proj",)]}
         for param_name, module, attr in self._matmuls():
             if attr == "head":
                 names = ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
             else:
                 index = param_name.split(".")[1]
-                names = [f"model.layers.{index}.{part}.weight" for part in parts[attr]]
+                candidates = [[f"model.layers.{index}.{part}.weight" for part in option] for option in parts[attr]]
+                names = next((option for option in candidates if option[0] in tensors), candidates[0])
             found = [tensors.get(name) for name in names]
             if (any(t is None for t in found) or len({t.qtype for t in found}) != 1
                     or not supports(found[0].qtype, found[0].shape[1])):
@@ -318,6 +364,8 @@ class LlamaForCausalLM(nn.Module):
             if attr != "head":  # the tied embedding is still read as floats for the lookup
                 used.update(names)
         return used
+
+    _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be filled."""
@@ -334,13 +382,24 @@ class LlamaForCausalLM(nn.Module):
             "self_attn.q_proj.bias": ("self_attn.qkv_bias", 0, q_size),
             "self_attn.k_proj.bias": ("self_attn.qkv_bias", q_size, kv_size),
             "self_attn.v_proj.bias": ("self_attn.qkv_bias", q_size + kv_size, kv_size),
+            "self_attn.qkv_proj.weight": ("self_attn.qkv_weight", 0, q_size + 2 * kv_size),
             "mlp.gate_proj.weight": ("mlp.gate_up_weight", 0, inter),
             "mlp.up_proj.weight": ("mlp.gate_up_weight", inter, inter),
+            "mlp.gate_up_proj.weight": ("mlp.gate_up_weight", 0, 2 * inter),
             "self_attn.o_proj.weight": ("self_attn.o_weight", 0, hidden),
             "mlp.down_proj.weight": ("mlp.down_weight", 0, hidden),
             "input_layernorm.weight": ("input_layernorm.weight", 0, hidden),
             "post_attention_layernorm.weight": ("post_attention_layernorm.weight", 0, hidden),
+            "self_attn.q_norm.weight": ("self_attn.q_norm.weight", 0, config.head_dim),
+            "self_attn.k_norm.weight": ("self_attn.k_norm.weight", 0, config.head_dim),
         }
+        if config.arch.sandwich_norms:  # Gemma's names: see DecoderLayer
+            fused.update({
+                "post_attention_layernorm.weight": ("attn_out_norm.weight", 0, hidden),
+                "pre_feedforward_layernorm.weight": ("post_attention_layernorm.weight", 0, hidden),
+                "post_feedforward_layernorm.weight": ("mlp_out_norm.weight", 0, hidden),
+            })
+        norm_offset = config.arch.norm_offset
         params = dict(self.named_parameters())
         # target -> {row offset: rows}; a tied lm_head may arrive twice, which is fine.
         filled: dict[str, dict[int, int]] = {}
@@ -354,7 +413,7 @@ class LlamaForCausalLM(nn.Module):
                 targets = [("norm.weight", 0, hidden)]
             elif name.startswith("model.layers."):
                 _, _, index, suffix = name.split(".", 3)
-                if suffix not in fused:
+                if suffix not in fused or (suffix in self._QK_NORMS and not config.arch.qk_norm):
                     if "rotary_emb" in suffix:
                         continue
                     raise ValueError(f"unexpected weight {name!r} in checkpoint")
@@ -362,6 +421,8 @@ class LlamaForCausalLM(nn.Module):
                 targets = [(f"layers.{index}.{target}", offset, rows)]
             else:
                 continue  # e.g. rotary inv_freq buffers some checkpoints carry
+            if norm_offset and name.endswith("norm.weight"):
+                tensor = tensor.float() + norm_offset  # as the family's RMSNorm computes (1 + w), in float32
             for target, offset, rows in targets:
                 if target in self._quantized_params:
                     continue
