@@ -27,6 +27,8 @@ from tokenway.server import connections
 # flag dest -> (type, default); the config file uses the same names (dashes or underscores).
 SERVE_OPTIONS = {
     "model": (str, DEFAULT_MODEL),
+    "revision": (str, None),  # a Hub id's branch, tag or commit
+    "gguf_file": (str, None),  # a Hub id's GGUF, as --model org/name:file.gguf
     "served_model_name": (list, None),
     "host": (str, "127.0.0.1"),
     "port": (int, 8000),
@@ -121,10 +123,26 @@ def serve_options(args: argparse.Namespace) -> dict:
     return options
 
 
+def add_hub_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that go with a HuggingFace Hub id in --model (models/hub.py), as vLLM's."""
+    parser.add_argument("--revision", help="the Hub id's branch, tag or commit (default: main)")
+    parser.add_argument("--gguf-file", help="the Hub id's GGUF file to serve (same as --model org/name:file.gguf)")
+
+
+def default_model_name(model: str) -> str:
+    """What clients call --model when --served-model-name is not given: a Hub id itself (as vLLM),
+    a file's stem, the alias."""
+    from tokenway.models.hub import is_hub_id
+
+    return model if model == DEFAULT_MODEL or is_hub_id(model) else Path(model).stem
+
+
 def add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="run the OpenAI/Anthropic-compatible HTTP server")
     serve.add_argument("--config", help="a TOML file with the same keys as these flags")
-    serve.add_argument("--model", help=f"alias, .gguf file or HuggingFace directory (default {DEFAULT_MODEL})")
+    serve.add_argument("--model", help=f"alias, .gguf file, HuggingFace directory or Hub id: org/name, "
+                       f"org/name:file.gguf (default {DEFAULT_MODEL})")
+    add_hub_arguments(serve)
     serve.add_argument("--served-model-name", nargs="+", help="name(s) clients use for the model")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
@@ -210,15 +228,15 @@ def run_serve(options: dict) -> int:
 
     logging.basicConfig(level=options["log_level"].upper(), format="%(message)s", stream=sys.stderr)
     engine_config = EngineConfig(
-        model=options["model"], max_model_len=options["max_model_len"],
+        model=options["model"], revision=options["revision"], gguf_file=options["gguf_file"],
+        max_model_len=options["max_model_len"],
         kv_cache_memory=options["kv_cache_memory"], dtype=options["dtype"],
         linear_kernels=options["linear_kernels"],
         quantization=options["quantization"], quant_activations=options["quant_activations"],
         max_num_batched_tokens=options["max_num_batched_tokens"], max_num_seqs=options["max_num_seqs"],
         enable_prefix_caching=options["enable_prefix_caching"],
     )
-    names = tuple(options["served_model_name"] or (Path(options["model"]).stem if options["model"] != DEFAULT_MODEL
-                                                     else DEFAULT_MODEL,))
+    names = tuple(options["served_model_name"] or (default_model_name(options["model"]),))
     registry, aliases = None, {}
     if options["registry"].get("models"):  # pools of replicas from the config file (routing/build.py)
         from tokenway.routing.registry import Registry
@@ -448,7 +466,7 @@ def run_usage(args: argparse.Namespace) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     from tokenway import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, revision=args.revision, gguf_file=args.gguf_file)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     if args.chat:
         output = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
@@ -466,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     generate = sub.add_parser("generate", help="generate once, offline")
     generate.add_argument("prompt")
     generate.add_argument("--model", default=DEFAULT_MODEL)
+    add_hub_arguments(generate)
     generate.add_argument("--chat", action="store_true", help="apply the chat template")
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0)

@@ -32,6 +32,10 @@ def parse_bytes(value: int | str, field_name: str = "size") -> int:
 @dataclass(slots=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
+    # For a HuggingFace Hub id (org/name): the branch, tag or commit (vLLM's --revision), and the
+    # repo's GGUF to serve (same as --model org/name:file.gguf).
+    revision: str | None = None
+    gguf_file: str | None = None
     # Longest prompt + output, in tokens; None: the model's own context length.
     max_model_len: int | None = None
     # Memory for the KV cache, in bytes (or a string like "2GiB"); becomes a block count.

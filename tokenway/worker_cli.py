@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 # Light imports only, as cli.py's: `tokenway keys` must not wait for torch.
+from tokenway.cli import add_hub_arguments, default_model_name
 from tokenway.config import DEFAULT_MODEL, EngineConfig
 from tokenway.server import connections
 
@@ -29,7 +30,9 @@ MIN_SECRET_CHARS = 16
 def add_worker_parser(sub) -> None:
     worker = sub.add_parser("worker", help="serve one engine to tokenway gateways on other hosts")
     worker.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"alias, .gguf file or HuggingFace directory (default {DEFAULT_MODEL})")
+                        help=f"alias, .gguf file, HuggingFace directory or Hub id: org/name, org/name:file.gguf "
+                             f"(default {DEFAULT_MODEL})")
+    add_hub_arguments(worker)
     worker.add_argument("--served-model-name", help="the name the worker reports for its model")
     worker.add_argument("--host", default="127.0.0.1")
     worker.add_argument("--port", type=int, default=8100)
@@ -95,7 +98,8 @@ def run_worker(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(message)s", stream=sys.stderr)
     config = EngineConfig(
-        model=args.model, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+        model=args.model, revision=args.revision, gguf_file=args.gguf_file, max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
         linear_kernels=args.linear_kernels, quantization=args.quantization, quant_activations=args.quant_activations,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=args.enable_prefix_caching,
@@ -103,8 +107,9 @@ def run_worker(args: argparse.Namespace) -> int:
     policy = connections.ConnectionPolicy.from_options(vars(args))  # checked before the model loads
     if args.max_pending_requests < 1:
         raise ValueError(f"max_pending_requests: must be >= 1, got {args.max_pending_requests}")
-    name = args.served_model_name or (Path(args.model).stem if args.model != DEFAULT_MODEL else DEFAULT_MODEL)
-    model_dir = resolve_model(config.model, config.cache_dir)  # converted once; the engine finds it done
+    name = args.served_model_name or default_model_name(args.model)
+    # Fetched and converted once, here; the engine finds it done.
+    model_dir = resolve_model(config.model, config.cache_dir, revision=config.revision, gguf_file=config.gguf_file)
     engine = ProcessEngine(config, args.engine_niceness)
     try:
         app = create_worker_app(engine, name, secret, model_dir=model_dir, block_size=config.block_size,

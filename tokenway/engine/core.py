@@ -130,7 +130,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         started = time.monotonic()
-        model_dir = resolve_model(config.model, config.cache_dir)
+        model_dir = resolve_model(config.model, config.cache_dir, revision=config.revision, gguf_file=config.gguf_file)
         self.model_dir = model_dir
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)

@@ -49,7 +49,8 @@ class ProcessEngine(EngineClient):
         robust gain either way (bench/engine_process_bench.py), so serve's default is 0."""
         config = config or EngineConfig()
         # Resolve (convert a GGUF, once) here, so the engine process only loads.
-        frontend = ModelFrontend.from_dir(resolve_model(config.model, config.cache_dir), config.max_model_len)
+        model_dir = resolve_model(config.model, config.cache_dir, revision=config.revision, gguf_file=config.gguf_file)
+        frontend = ModelFrontend.from_dir(model_dir, config.max_model_len)
         self.tokenizer, self._prompts = frontend.tokenizer, frontend.prompts
         self.vocab_size, self.max_model_len = frontend.vocab_size, frontend.max_model_len
         self._config = config

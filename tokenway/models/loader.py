@@ -23,6 +23,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from tokenway.config import DEFAULT_MODEL
+from tokenway.models import hub
 from tokenway.models.config import ModelConfig
 from tokenway.models.gguf import CONVERTER_VERSION, QUANTIZED_FILE, convert_gguf
 
@@ -34,8 +35,17 @@ _EXPECTED = (
 _GGUF_MAGIC = b"GGUF"
 
 
-def resolve_model(model: str, cache_dir: str | Path | None = None) -> Path:
-    """Return a HuggingFace-format model directory for `model`."""
+def resolve_model(model: str, cache_dir: str | Path | None = None, *, revision: str | None = None,
+                  gguf_file: str | None = None) -> Path:
+    """Return a HuggingFace-format model directory for `model`. A HuggingFace Hub id is first
+    fetched into the Hub's cache (hub.py), at `revision`, or its GGUF `gguf_file`."""
+    if hub.is_hub_id(model):
+        model = str(hub.resolve(model, revision=revision, gguf_file=gguf_file))
+        if (num_parts := hub.split_gguf_parts(Path(model))) > 1:
+            raise ValueError(f"{model}: a GGUF split into {num_parts} parts, which tokenway cannot read yet; merge "
+                             f"them with llama.cpp's `llama-gguf-split --merge {model} merged.gguf` and pass that file")
+    elif revision is not None or gguf_file is not None:
+        raise ValueError(f"{model}: revision and gguf_file apply to a HuggingFace Hub id (org/name) only")
     path = _default_gguf() if model.strip().lower() == DEFAULT_MODEL else Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
