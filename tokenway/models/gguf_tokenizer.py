@@ -50,6 +50,10 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], source: str, model_max_length
     Returns the tokenizer and the content of its tokenizer_config.json. `source` names the file
     in errors."""
     kind = _require(fields, "tokenizer.ggml.model", source)
+    if kind not in SUPPORTED_TOKENIZER_MODELS:
+        raise ValueError(
+            f"{source}: unsupported tokenizer.ggml.model {kind!r}; expected one of {list(SUPPORTED_TOKENIZER_MODELS)}"
+        )
     tokens: list[str] = _require(fields, "tokenizer.ggml.tokens", source)
     token_types: list[int] = fields.get("tokenizer.ggml.token_type") or [_TOKEN_TYPE_NORMAL] * len(tokens)
     if len(token_types) != len(tokens):
@@ -60,7 +64,7 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], source: str, model_max_length
         tokenizer = _byte_level_bpe(fields, source, vocab)
         _add_tokens(tokenizer, tokens, token_types, special_types=(_TOKEN_TYPE_CONTROL,))
         add_bos_default = False
-    elif kind == "llama":
+    else:
         token_types = [
             _TOKEN_TYPE_CONTROL if token in _CONTROL_LOOKING else token_type
             for token, token_type in zip(tokens, token_types)
@@ -69,10 +73,6 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], source: str, model_max_length
         _add_tokens(tokenizer, tokens, token_types, special_types=(_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_UNKNOWN),
                     rstrip=_phi3_rstrip(fields, tokens, token_types))
         add_bos_default = True  # llama.cpp's default for SPM vocabs: older files have no flag
-    else:
-        raise ValueError(
-            f"{source}: unsupported tokenizer.ggml.model {kind!r}; expected one of {list(SUPPORTED_TOKENIZER_MODELS)}"
-        )
 
     def token(key: str) -> str | None:
         token_id = fields.get(f"tokenizer.ggml.{key}")
