@@ -14,67 +14,44 @@ from tokenway.models import quant  # noqa: E402
 
 needs_kernel = pytest.mark.skipif(not quant.available(), reason="the quant kernel has no vector path on this CPU")
 
+# Every build this CPU runs: its own (None), AVX2 without AVX512 (as most of the fleet), and the
+# scalar fallback; each loads beside the others under its own library name (native.load).
+ISAS = [None, "avx2", "scalar"]
+TOKENS = [1, 3, 8, 17, 64]
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def ops_or_skip(isa):
+    if quant._ops(isa) is None:
+        pytest.skip(f"no {isa or 'native'} build of the quant kernel on this machine")
+
+
+def valid_blocks(rows: int, cols: int, qtype: str, seed: int = 0) -> np.ndarray:
+    """GGUF block rows: gguf-py's quantization of a random weight where it has one, else random
+    bytes (every code, scale and high bit pattern) with fp16 scales d, dmin in [1e-3, 1e-2].
+    Row 0 starts with an all-zero block."""
+    rng = np.random.default_rng(seed)
+    kind = gguf.GGMLQuantizationType[qtype]
+    if qtype not in K_QUANTS:
+        weight = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+        weight[0, :32] = 0.0
+        return gguf.quants.quantize(weight, kind)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
+    blocks = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 1e-2, (rows, cols // block_size, 2)).astype(np.float16).view(np.uint8)
+    if qtype == "Q6_K":
+        blocks[..., 208:210] = scales[..., :2]
+    else:
+        blocks[..., 0:4] = scales
+    blocks[0, 0] = 0
+    return blocks.reshape(rows, -1)
+
 
 def quantized(rows: int, cols: int, qtype: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(GGUF block rows, the float weight they dequantize to)."""
-    rng = np.random.default_rng(seed)
-    weight = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
-    weight[0, :32] = 0.0  # an all-zero block
-    kind = gguf.GGMLQuantizationType[qtype]
-    blocks = gguf.quants.quantize(weight, kind)
-    return torch.from_numpy(blocks), torch.from_numpy(gguf.quants.dequantize(blocks, kind).reshape(rows, cols))
-
-
-@pytest.mark.parametrize("qtype", quant.QTYPES)
-def test_relaid_blocks_dequantize_to_what_gguf_reads(qtype):
-    blocks, weight = quantized(24, 192, qtype)
-    kernel = quant.QuantKernel(blocks, qtype, 192) if quant._ops() is not None else None
-    if kernel is None:
-        pytest.skip("the native quant kernel does not build here")
-    torch.testing.assert_close(kernel.dequantize(), weight, atol=1e-6, rtol=1e-6)
-    assert kernel.out_features == 24
-    assert kernel.nbytes < weight.numel() * 2  # less than bfloat16
-
-
-@needs_kernel
-@pytest.mark.parametrize("qtype", quant.QTYPES)
-@pytest.mark.parametrize("tokens", [1, 3, 8, 9, 17, quant.GEMM_ROWS + 3])
-@pytest.mark.parametrize("in_features", [32, 96, 576, 1536])
-def test_kernel_is_the_float_product_with_the_dequantized_weight(qtype, tokens, in_features):
-    """Token counts around the 8-token register tile and past GEMM_ROWS (dequantized for the
-    call), one block, an odd number of blocks, rows in several chunks: float32 products up to
-    summation order."""
-    blocks, weight = quantized(200, in_features, qtype, seed=tokens)
-    kernel = quant.QuantKernel(blocks, qtype, in_features)
-    torch.manual_seed(tokens)
-    x = torch.randn(tokens, in_features)
-    got = kernel(x)
-    assert got.dtype == torch.float32 and got.shape == (tokens, 200)
-    torch.testing.assert_close(got.double(), x.double() @ weight.double().T, atol=1e-4, rtol=1e-4)
-
-
-@needs_kernel
-@pytest.mark.parametrize("qtype", quant.QTYPES)
-@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 11, quant.GEMM_ROWS + 20])
-@pytest.mark.parametrize("in_features", [32, 96, 576])
-def test_a_bfloat16_model_gets_bfloat16_activations_on_the_exact_weights(qtype, tokens, in_features):
-    """With bfloat16 products (AVX512-BF16) the activations are rounded to bfloat16 as a bfloat16
-    model's are, the weights are the exact d * q + m, and the sums are float32: so the result is
-    the float64 product of those two up to float32 summation (of sums the kernel biases by 128 or
-    2304 times the block's activation sum: 1e-4 of the largest output here, where rounding the
-    weights to bfloat16 costs 1e-2). 37 rows: a partial group of 16."""
-    blocks, weight = quantized(37, in_features, qtype, seed=tokens)
-    kernel = quant.QuantKernel(blocks, qtype, in_features, dtype=torch.bfloat16)
-    torch.manual_seed(tokens)
-    x = torch.randn(tokens, in_features)
-    x[0, :5] = torch.tensor([0.0, -0.0, 1e-39, 3e4, -2.5])  # zeros, a subnormal, a large value
-    got = kernel(x)
-    if tokens > quant.GEMM_ROWS or kernel.products != "bfloat16":
-        # oneDNN's GEMM on the bfloat16-rounded weight; without AVX512-BF16, float32 products.
-        expected, tolerance = x.bfloat16().double() @ weight.bfloat16().double().T, 2e-2
-    else:
-        expected, tolerance = x.bfloat16().double() @ weight.double().T, 1e-4
-    torch.testing.assert_close(got.double(), expected, atol=tolerance * expected.abs().max().item(), rtol=tolerance)
+    """(GGUF block rows, the float weight gguf-py dequantizes them to)."""
+    blocks = valid_blocks(rows, cols, qtype, seed)
+    weight = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype]).reshape(rows, cols)
+    return torch.from_numpy(blocks), torch.from_numpy(weight)
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -85,34 +62,78 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
     return (rounded * scale).reshape(x.shape)
 
 
-needs_int8 = pytest.mark.skipif(not quant.available() or quant.products_for(torch.float32, "int8") != "int8",
-                                reason="no AVX512-VNNI")
+PRODUCTS = {"float32": (torch.float32, "dtype"), "bfloat16": (torch.bfloat16, "dtype"), "int8": (torch.bfloat16, "int8")}
 
 
-@needs_int8
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", quant.QTYPES)
-@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 11, quant.GEMM_ROWS + 20])
-@pytest.mark.parametrize("in_features", [32, 96, 576])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_products_are_exact_on_the_int8_rounded_activations(qtype, tokens, in_features, dtype):
-    """int8 products (AVX512-VNNI): each block of 32 activations is rounded to int8 with one
-    scale, and the result is the float64 product of those and the exact weights up to float32
-    summation, offsets included (Q4_1's m and Q8_0's 128 meet the same rounded activations).
-    Past GEMM_ROWS they stay on the blocks. Zero blocks, a large value, 37 rows (a partial group)."""
-    blocks, weight = quantized(37, in_features, qtype, seed=tokens)
-    kernel = quant.QuantKernel(blocks, qtype, in_features, dtype=torch.bfloat16, activations="int8")
-    assert kernel.products == "int8"
-    torch.manual_seed(tokens)
-    x = torch.randn(tokens, in_features).to(dtype)
-    x[0, :5] = torch.tensor([0.0, -0.0, 1e-39, 3e4, -2.5])
-    if in_features >= 64:
-        x[-1, 32:64] = 0.0  # a block of zeros: scale 0
-    got = kernel(x)
-    expected = int8_rounded(x.float()) @ weight.double().T
-    torch.testing.assert_close(got.double(), expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-4)
-    # and within int8's rounding of the float product: about 1/254 of each block's largest |x|
-    exact = x.double() @ weight.double().T
-    assert (got.double() - exact).norm() / exact.norm() < 0.02
+def test_relaid_blocks_dequantize_to_what_gguf_reads(qtype, isa):
+    """Exactly: the relayout keeps every code and scale, and the decoder does gguf-py's float32
+    operations. 37 rows: a partial group of 16."""
+    ops_or_skip(isa)
+    blocks, weight = quantized(37, 512, qtype)
+    kernel = quant.QuantKernel(blocks, qtype, 512, isa=isa)
+    assert torch.equal(kernel.dequantize(), weight)
+    assert kernel.out_features == 37
+    # the relaid bytes are the stored ones but for the K-quants' 6-bit scales kept as bytes
+    stored = blocks.numel() / 37 / 512
+    assert stored <= kernel.nbytes / (48 * 512) <= stored + 1 / 8
+
+
+@pytest.mark.parametrize("qtype", quant.QTYPES)
+def test_embedding_rows_are_gguf_rows(qtype):
+    ops_or_skip(None)
+    blocks, weight = quantized(37, 256, qtype, seed=3)
+    kernel = quant.QuantKernel(blocks, qtype, 256)
+    ids = torch.tensor([36, 0, 5, 5, 16, 17])
+    assert torch.equal(kernel.embedding(ids), weight[ids])
+    assert kernel.embedding(torch.zeros(0, dtype=torch.long)).shape == (0, 256)
+    for bad in (torch.tensor([37]), torch.tensor([-1]), torch.tensor([[1]]), torch.tensor([1.0])):
+        with pytest.raises(ValueError, match="ids"):
+            kernel.embedding(bad)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("products", PRODUCTS)
+@pytest.mark.parametrize("qtype", quant.QTYPES)
+def test_block_products_are_the_product_with_gguf_weights(qtype, products, isa):
+    """At 1, 3, 8, 17 and 64 tokens (token tiles of 8 or 4 and their remainders), 37 rows, two
+    K-quant super-blocks: the float64 product of the exact weights and the activations as the
+    products see them (float32; bfloat16-rounded; int8 per block of 32), up to float32 summation:
+    1e-5 of the largest output (the bfloat16 path's sums carry 128 x the block's activation sum,
+    so 1e-4 there). Zeros, a subnormal, a large value, a block of zeros in the activations."""
+    ops_or_skip(isa)
+    dtype, activations = PRODUCTS[products]
+    if quant.products_for(dtype, activations, isa) != products:
+        pytest.skip(f"no {products} products in this build")
+    blocks, weight = quantized(37, 512, qtype, seed=len(products))
+    kernel = quant.QuantKernel(blocks, qtype, 512, dtype=dtype, activations=activations, isa=isa)
+    assert kernel.products == products
+    for tokens in TOKENS:
+        torch.manual_seed(tokens)
+        x = torch.randn(tokens, 512)
+        x[0, :5] = torch.tensor([0.0, -0.0, 1e-39, 3e4, -2.5])
+        x[-1, 64:96] = 0.0
+        seen = {"float32": x.double(), "bfloat16": x.bfloat16().double(), "int8": int8_rounded(x)}[products]
+        expected = seen @ weight.double().T
+        got = kernel._ops.quant_linear(x, kernel.weight, 37, kernel.qtype_id, products, None)  # on the blocks at any T
+        tolerance = 1e-4 if products == "bfloat16" else 1e-5
+        torch.testing.assert_close(got.double(), expected, atol=tolerance * expected.abs().max().item(), rtol=1e-4)
+        if products == "int8":  # and within int8's rounding of the float product
+            exact = x.double() @ weight.double().T
+            assert (got.double() - exact).norm() / exact.norm() < 0.02
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
+def test_long_chunks_multiply_the_dequantized_weight(qtype):
+    """Past GEMM_ROWS tokens float32 products run torch's GEMM on the dequantized weight."""
+    blocks, weight = quantized(40, 256, qtype)
+    kernel = quant.QuantKernel(blocks, qtype, 256)
+    assert not kernel.reads_blocks(quant.GEMM_ROWS + 1)
+    x = torch.randn(quant.GEMM_ROWS + 5, 256)
+    expected = x.double() @ weight.double().T
+    torch.testing.assert_close(kernel(x).double(), expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-4)
 
 
 def test_activation_choices():
@@ -123,27 +144,53 @@ def test_activation_choices():
         quant.products_for(torch.bfloat16, "int4")
 
 
+def test_each_build_says_what_it_computes():
+    """AVX2 builds have int8 and float32 products (no bfloat16 instruction), the scalar one
+    float32 only and no vector path: the engine reads blocks where `available()`."""
+    if quant._ops("avx2") is not None:
+        assert quant.available("avx2") and quant._ops("avx2").isa() in ("avx2", "avx2-vnni")
+        assert quant.products_for(torch.bfloat16, "int8", "avx2") == "int8"
+        assert quant.products_for(torch.bfloat16, "dtype", "avx2") == "float32"
+    if quant._ops("scalar") is not None:
+        assert not quant.available("scalar") and quant._ops("scalar").isa() == "scalar"
+        assert quant.products_for(torch.bfloat16, "int8", "scalar") == "float32"
+
+
 @needs_kernel
-def test_bias_bfloat16_input_and_strided_rows():
-    blocks, weight = quantized(64, 128, "Q4_1")
+@pytest.mark.parametrize("products", ["float32", "int8"])
+def test_bias_bfloat16_input_strided_rows_and_an_output_slice(products):
+    blocks, weight = quantized(64, 256, "Q4_K")
     bias = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-    kernel = quant.QuantKernel(blocks, "Q4_1", 128, bias=bias)
-    x = torch.randn(5, 256)[:, ::2]  # not contiguous
+    dtype, activations = PRODUCTS[products]
+    kernel = quant.QuantKernel(blocks, "Q4_K", 256, bias=bias, dtype=dtype, activations=activations)
+    x = torch.randn(5, 512)[:, ::2]  # not contiguous
     without = kernel(x)
     bias.data = torch.randn(64)  # loading fills the bias after the kernel is built
     torch.testing.assert_close(kernel(x), without + bias)
     torch.testing.assert_close(kernel(x.bfloat16()), kernel(x.bfloat16().float()))
-    assert kernel(torch.zeros(0, 128)).shape == (0, 64)
-    torch.testing.assert_close(kernel(torch.zeros(2, 128)), bias.data.expand(2, 64))
+    assert kernel(torch.zeros(0, 256)).shape == (0, 64)
+    torch.testing.assert_close(kernel(torch.zeros(2, 256)), bias.data.expand(2, 64))
+    # q/k/v of different types write into one (T, 3 x 64) output's column slices
+    other = quant.QuantKernel(quantized(64, 256, "Q6_K")[0], "Q6_K", 256, dtype=dtype, activations=activations)
+    fused = torch.full((5, 200), 7.0)
+    assert kernel(x, out=fused[:, 10:74]).data_ptr() == fused[:, 10:74].data_ptr()
+    other(x, out=fused[:, 74:138])
+    torch.testing.assert_close(fused[:, 10:74], kernel(x))
+    torch.testing.assert_close(fused[:, 74:138], other(x))
+    assert (fused[:, :10] == 7).all() and (fused[:, 138:] == 7).all()
 
 
 def test_unsupported_shapes_are_refused():
     assert not quant.supports("Q4_1", 48)  # not whole blocks
-    assert not quant.supports("Q4_K", 256)
+    assert not quant.supports("Q4_K", 128)  # not whole super-blocks
+    assert not quant.supports("Q2_K", 256)
+    assert quant.supports("Q6_K", 512)
     if quant._ops() is None:
         pytest.skip("the native quant kernel does not build here")
-    with pytest.raises(ValueError, match="Q4_K"):
-        quant.QuantKernel(torch.zeros(4, 144, dtype=torch.uint8), "Q4_K", 256)
+    with pytest.raises(ValueError, match="Q2_K"):
+        quant.QuantKernel(torch.zeros(4, 84, dtype=torch.uint8), "Q2_K", 256)
+    with pytest.raises(ValueError, match="Q4_K blocks"):
+        quant.QuantKernel(torch.zeros(4, 100, dtype=torch.uint8), "Q4_K", 256)
     blocks, _ = quantized(8, 128, "Q8_0")
     kernel = quant.QuantKernel(blocks, "Q8_0", 128)
     with pytest.raises(RuntimeError, match="bytes expected for 8 rows of 64 in_features"):
@@ -178,6 +225,10 @@ def test_the_default_gguf_serves_on_its_blocks(quantized_llm, llm):
         q_first, f_first = q.outputs[0].logprobs[0], f.outputs[0].logprobs[0]
         assert [t for t, _ in q_first.top] == [t for t, _ in f_first.top]
         np.testing.assert_allclose([lp for _, lp in q_first.top], [lp for _, lp in f_first.top], atol=1e-3)
+
+
+needs_int8 = pytest.mark.skipif(not quant.available() or quant.products_for(torch.float32, "int8") != "int8",
+                                reason="no int8 products")
 
 
 @needs_int8

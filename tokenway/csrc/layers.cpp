@@ -11,8 +11,9 @@
 //   Stack(tensors, ints, eps, scale, products)   built once per model and KV cache:
 //     tensors: cos_table, sin_table, then per layer
 //              input_norm, post_norm, k_cache, v_cache, and for each of qkv, o, gate_up, down
-//              codes, d, m, bias (an empty tensor: no bias)
-//     ints:    heads, kv_heads, head_dim, block_size, then per layer and matmul (n, bits)
+//              weight (quant.cpp's tiles), bias (an empty tensor: no bias)
+//     ints:    heads, kv_heads, head_dim, block_size, then per layer and matmul (n, qtype: its
+//              GGML type id), so each matmul may be of its own block type
 //   decode(stack, x, positions, slot_mapping, block_tables, context_lens, prefix_leaders?, prefix_lens?)
 //     x (T, hidden) float32 embeddings of T decode tokens -> (T, hidden) float32 hidden states
 //     before the final norm (x + residual of the last layer), as LlamaForCausalLM.forward.
@@ -30,14 +31,14 @@
 namespace {
 
 constexpr int kMatmuls = 4;      // qkv, o, gate_up, down
-constexpr int kPerMatmul = 4;    // codes, d, m, bias
+constexpr int kPerMatmul = 2;    // weight, bias
 constexpr int kPerLayer = 4 + kMatmuls * kPerMatmul;
 constexpr int kHeader = 4;       // heads, kv_heads, head_dim, block_size
 
 struct Matmul {
-  at::Tensor codes, d, m;
+  at::Tensor weight;
   std::optional<at::Tensor> bias;
-  int64_t n = 0, bits = 0;
+  int64_t n = 0, qtype = 0;
 };
 
 struct Layer {
@@ -58,7 +59,7 @@ struct Stack : torch::CustomClassHolder {
                 "tensors: cos_table, sin_table, then ", kPerLayer, " per layer");
     const size_t num_layers = (tensors.size() - 2) / kPerLayer;
     TORCH_CHECK(num_layers > 0 && ints.size() == kHeader + num_layers * kMatmuls * 2,
-                "ints: heads, kv_heads, head_dim, block_size, then (n, bits) per layer and matmul");
+                "ints: heads, kv_heads, head_dim, block_size, then (n, qtype) per layer and matmul");
     cos_table = tensors[0], sin_table = tensors[1];
     heads = ints[0], kv_heads = ints[1], head_dim = ints[2], block_size = ints[3];
     TORCH_CHECK(heads > 0 && kv_heads > 0 && head_dim > 0 && block_size > 0, "positive shapes");
@@ -69,8 +70,8 @@ struct Stack : torch::CustomClassHolder {
       Matmul* matmuls[kMatmuls] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
       for (int i = 0; i < kMatmuls; ++i) {
         const at::Tensor* w = t + 4 + i * kPerMatmul;
-        *matmuls[i] = Matmul{w[0], w[1], w[2], w[3].numel() ? std::optional<at::Tensor>(w[3]) : std::nullopt,
-                             shape[2 * i], shape[2 * i + 1]};
+        *matmuls[i] = Matmul{w[0], w[1].numel() ? std::optional<at::Tensor>(w[1]) : std::nullopt, shape[2 * i],
+                             shape[2 * i + 1]};
       }
       layers.push_back(std::move(layer));
     }
@@ -79,8 +80,8 @@ struct Stack : torch::CustomClassHolder {
 
 // The operators, found once: their libraries are loaded (native.load) before a Stack is built.
 struct Ops {
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      int64_t, int64_t, c10::string_view, const std::optional<at::Tensor>&)>
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, c10::string_view,
+                                      const std::optional<at::Tensor>&)>
       quant_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       at::Tensor, at::Tensor, const at::Tensor&, int64_t, int64_t)>
@@ -90,7 +91,7 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, int64_t, double, const std::optional<at::Tensor>&,
-                                      const std::optional<at::Tensor>&)>
+                                      const std::optional<at::Tensor>&, int64_t)>
       attention;
 
   static const Ops& get() {
@@ -98,8 +99,8 @@ struct Ops {
       auto& d = c10::Dispatcher::singleton();
       return Ops{
           d.findSchemaOrThrow("tokenway_quant::quant_linear", "")
-              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                                int64_t, c10::string_view, const std::optional<at::Tensor>&)>(),
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, c10::string_view,
+                                const std::optional<at::Tensor>&)>(),
           d.findSchemaOrThrow("tokenway_fused::rope_and_cache", "")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 at::Tensor, at::Tensor, const at::Tensor&, int64_t, int64_t)>(),
@@ -126,7 +127,7 @@ at::Tensor decode(const c10::intrusive_ptr<Stack>& s, const at::Tensor& x, const
   const int64_t tokens = x.size(0), q_size = s->heads * s->head_dim;
   const c10::string_view products(s->products);
   auto linear = [&](const at::Tensor& input, const Matmul& w) {
-    return ops.quant_linear.call(input, w.codes, w.d, w.m, w.n, w.bits, products, w.bias);
+    return ops.quant_linear.call(input, w.weight, w.n, w.qtype, products, w.bias);
   };
   // The residual add of each layer is fused into the next layer's input norm (llama.py forward_fused).
   at::Tensor residual = x;

@@ -8,7 +8,7 @@ loop's (LlamaForCausalLM.forward with the fused kernels) bit for bit.
 
 It serves steps where every token is a decode (prompt chunks take the Python loop, whose
 prefill attention is torch's) and every layer's matmuls read GGUF blocks (models/quant.py)
-with one kind of products.
+with one kind of products (each matmul of any block type the kernel reads).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ class DecodeStack:
             tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, k_cache, v_cache]
             for kernel in (attn.qkv, attn.o, mlp.gate_up, mlp.down):
                 bias = kernel.bias_or_none
-                tensors += [kernel.codes, kernel.d, kernel.m, empty if bias is None else bias]
-                ints += [kernel.out_features, kernel.bits]
+                tensors += [kernel.weight, empty if bias is None else bias]
+                ints += [kernel.out_features, kernel.qtype_id]
                 self.kernels.append(kernel)
         scale = model.layers[0].self_attn.scale
         self._stack = torch.classes.tokenway_layers.Stack(tensors, ints, config.rms_norm_eps, scale,
