@@ -30,9 +30,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import gguf  # noqa: E402
+import gguf
 
-from tokenway.models import quant  # noqa: E402
+from tokenway.models import quant
 
 SHAPES = [(2048, 2048), (8192, 2048)]
 MEMORY_BYTES = 256 << 20  # past any L3: weights cycled through this many bytes stream from memory
@@ -119,10 +119,10 @@ def main() -> None:
                 for tokens in token_counts:
                     x = torch.randn(tokens, cols)
                     # the blocks at any T (past GEMM_ROWS float32 products would multiply the dequantized weight)
-                    on_blocks = [lambda x, k=k: k._ops.quant_linear(x, k.weight, rows, k.qtype_id, k.products, None)
+                    on_blocks = [lambda x, k=k: k._ops.quant_linear(x, k.weight, k.out_features, k.qtype_id, k.products, None)
                                  for k in (int8, fp32)]
                     t_int8, t_fp32 = (best_time(fn, x, args.repeats) for fn in on_blocks)
-                    t_bf16 = best_time(lambda x: F.linear(x.bfloat16(), weight), x, max(5, args.repeats // 5))
+                    t_bf16 = best_time(lambda x, w=weight: F.linear(x.bfloat16(), w), x, max(5, args.repeats // 5))
                     gbs = [int8.nbytes / t / 1e9 for t in (t_int8, t_fp32)]
                     print(f"{name:9s} {qtype:5s} {rows:5d}x{cols:<4d} {int8.nbytes / 2**20:6.2f} {tokens:4d} "
                           f"{t_int8 * 1e3:8.3f} {gbs[0]:6.1f} {read / t_int8:6.0%} "

@@ -1,39 +1,66 @@
 """A decode-only step's layers in one native call (models/decode_stack.py, csrc/layers.cpp):
 it serves exactly the steps it should, and its logits are the Python layer loop's bit for bit,
-with biases, mixed block types, a prefix shared by several rows (cascade attention) and
+with biases, every block type the kernel reads, a prefix shared by several rows (cascade attention) and
 both kinds of products."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from tokenway.engine.request import Request, SamplingParams  # noqa: E402
-from tokenway.engine.runner import ModelRunner  # noqa: E402
-from tokenway.engine.scheduler import SchedulerOutput  # noqa: E402
-from tokenway.models import quant  # noqa: E402
-from tokenway.models.config import ModelConfig  # noqa: E402
-from tokenway.models.decode_stack import DecodeStack  # noqa: E402
-from tokenway.models.decoder import DecoderForCausalLM  # noqa: E402
-from tokenway.models.loader import QuantizedTensor  # noqa: E402
+from tokenway.engine.request import Request, SamplingParams
+from tokenway.engine.runner import ModelRunner
+from tokenway.engine.scheduler import SchedulerOutput
+from tokenway.models import quant
+from tokenway.models.config import ModelConfig
+from tokenway.models.decode_stack import DecodeStack
+from tokenway.models.decoder import DecoderForCausalLM
+from tokenway.models.loader import QuantizedTensor
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="the quant kernel has no vector path on this CPU")
 
 BLOCK_SIZE = 4
-# Q4_1 attention, Q8_0 MLP: a stack holds blocks of both kinds.
-QTYPES = {"q_proj": "Q4_1", "k_proj": "Q4_1", "v_proj": "Q4_1", "o_proj": "Q8_0", "gate_proj": "Q8_0",
-          "up_proj": "Q8_0", "down_proj": "Q4_1"}
+# Per layer, the block type of each matmul: a stack holds every type the kernel reads, K-quants
+# beside the 32-weight ones, as a Q4_K_M file's layers do.
+QTYPES = [
+    {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q4_K", "o_proj": "Q5_0", "gate_proj": "Q6_K", "up_proj": "Q6_K",
+     "down_proj": "Q5_K"},
+    {"q_proj": "Q4_1", "k_proj": "Q4_1", "v_proj": "Q4_1", "o_proj": "Q8_0", "gate_proj": "Q8_0", "up_proj": "Q8_0",
+     "down_proj": "Q4_1"},
+    {"q_proj": "Q6_K", "k_proj": "Q6_K", "v_proj": "Q6_K", "o_proj": "Q4_0", "gate_proj": "Q5_1", "up_proj": "Q5_1",
+     "down_proj": "Q4_K"},
+]
+HIDDEN, INTERMEDIATE = 256, 512  # whole K-quant super-blocks
+
+
+def blocks_for(weight: torch.Tensor, qtype: str, rng: np.random.Generator) -> np.ndarray:
+    """gguf-py's quantization of the weight where it has one; K-quants: random valid blocks
+    whose weights are of a trained layer's size (d, dmin ~ 1e-4; Q6_K's scales within 32)."""
+    if qtype not in ("Q4_K", "Q5_K", "Q6_K"):
+        return gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType[qtype])
+    rows, cols = weight.shape
+    _, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    blocks = rng.integers(0, 256, (rows, cols // 256, type_size), dtype=np.uint8)
+    scales = rng.uniform(6.2e-5, 1.2e-4, (rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
+    if qtype == "Q6_K":
+        blocks[..., 192:208] = rng.integers(-32, 32, (rows, cols // 256, 16)).astype(np.int8).view(np.uint8)
+        blocks[..., 208:210] = scales[..., :2]
+    else:
+        blocks[..., 0:4] = scales
+    return blocks.reshape(rows, -1)
 
 
 def tiny_quantized(dtype: torch.dtype, activations: str) -> DecoderForCausalLM:
     """A tiny Qwen2 (q/k/v biases, non-zero) whose layers' matmuls run on GGUF blocks."""
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   tie_word_embeddings=True)
+    rng = np.random.default_rng(0)
+    cfg = transformers.Qwen2Config(vocab_size=96, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=128, tie_word_embeddings=True)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     state = {name: p.detach().clone() for name, p in hf.state_dict().items()}
     for name, p in state.items():
@@ -42,9 +69,9 @@ def tiny_quantized(dtype: torch.dtype, activations: str) -> DecoderForCausalLM:
     blocks = {}
     for name, weight in state.items():
         kind = name.split(".")[-2]
-        if kind in QTYPES and name.endswith("weight"):
-            qtype = QTYPES[kind]
-            data = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType[qtype])
+        if name.startswith("model.layers.") and kind in QTYPES[0] and name.endswith("weight"):
+            qtype = QTYPES[int(name.split(".")[2])][kind]
+            data = blocks_for(weight, qtype, rng)
             blocks[name] = QuantizedTensor(qtype, torch.from_numpy(data), tuple(weight.shape))
     model = DecoderForCausalLM(ModelConfig.from_dict(cfg.to_dict()), dtype)
     used = model.use_quantized(blocks, activations)
@@ -82,6 +109,8 @@ def test_decode_steps_equal_the_python_loop(dtype, activations, monkeypatch):
     if runner.decode_kernel is None:
         pytest.skip("the native attention kernel does not build here")
     assert runner.native_layers and isinstance(model.decode_stack, DecodeStack)
+    assert [kernel.qtype for kernel in model.decode_stack.kernels] == [
+        layer[part] for layer in QTYPES for part in ("q_proj", "o_proj", "gate_proj", "down_proj")]
     groups = []
     shared_prefixes = runner._shared_prefixes
     monkeypatch.setattr(runner, "_shared_prefixes", lambda *args: groups.append(shared_prefixes(*args)) or groups[-1])
@@ -125,10 +154,10 @@ def test_decode_steps_equal_the_python_loop(dtype, activations, monkeypatch):
 
 def test_no_stack_where_a_layer_cannot_run_in_it():
     model = tiny_quantized(torch.float32, "dtype")
-    runner_caches = [(torch.zeros(8, 2, 16), torch.zeros(8, 2, 16)) for _ in model.layers]
+    runner_caches = [(torch.zeros(8, 2, 64), torch.zeros(8, 2, 64)) for _ in model.layers]
     assert model.use_decode_stack(runner_caches, BLOCK_SIZE)  # every layer on blocks: built
     # A float weight in one layer: no stack, every step runs the Python loop.
     from tokenway.models.linear import LinearKernel
 
-    model.layers[1].mlp.down = LinearKernel(torch.nn.Parameter(torch.zeros(64, 128), requires_grad=False))
+    model.layers[1].mlp.down = LinearKernel(torch.nn.Parameter(torch.zeros(HIDDEN, INTERMEDIATE), requires_grad=False))
     assert not model.use_decode_stack(runner_caches, BLOCK_SIZE) and model.decode_stack is None

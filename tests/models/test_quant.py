@@ -10,7 +10,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from tokenway.models import quant  # noqa: E402
+from tokenway.models import quant
 
 needs_kernel = pytest.mark.skipif(not quant.available(), reason="the quant kernel has no vector path on this CPU")
 
@@ -159,7 +159,7 @@ def test_each_build_says_what_it_computes():
 @needs_kernel
 @pytest.mark.parametrize("products", ["float32", "int8"])
 def test_bias_bfloat16_input_strided_rows_and_an_output_slice(products):
-    blocks, weight = quantized(64, 256, "Q4_K")
+    blocks, _ = quantized(64, 256, "Q4_K")
     bias = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     dtype, activations = PRODUCTS[products]
     kernel = quant.QuantKernel(blocks, "Q4_K", 256, bias=bias, dtype=dtype, activations=activations)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 class DecodeStack:
-    __slots__ = ("kv_caches", "kernels", "_stack", "_decode")
+    __slots__ = ("_decode", "_stack", "kernels", "kv_caches")
 
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, ops) -> None:

@@ -180,8 +180,17 @@ class QuantKernel:
     The same call as models/linear.LinearKernel, which it replaces for a quantized weight.
     isa: run a build for another instruction set (native.ISA_FLAGS; tests and benchmarks)."""
 
-    __slots__ = ("qtype", "qtype_id", "in_features", "out_features", "weight", "bias", "products", "gemm_dtype",
-                 "_ops")
+    __slots__ = (
+        "_ops",
+        "bias",
+        "gemm_dtype",
+        "in_features",
+        "out_features",
+        "products",
+        "qtype",
+        "qtype_id",
+        "weight",
+    )
 
     def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int, bias: torch.Tensor | None = None,
                  dtype: torch.dtype = torch.float32, activations: str = "dtype", isa: str | None = None) -> None:
