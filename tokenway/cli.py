@@ -41,6 +41,11 @@ SERVE_OPTIONS = {
     "max_num_batched_tokens": (int, 512),
     "max_num_seqs": (int, 128),
     "enable_prefix_caching": (bool, True),
+    # speculative decoding (engine/spec_decode.py), as vLLM's speculative_config
+    "speculative_method": (str, None),  # "ngram" (None: off)
+    "num_speculative_tokens": (int, 0),
+    "prompt_lookup_max": (int, 4),
+    "prompt_lookup_min": (int, 2),
     "tool_parser": (str, None),  # the local model's tool-call format; default: the one its chat template has
     # True: special-token strings inside messages are read as the control tokens (default: as text)
     "special_tokens_in_messages": (bool, False),
@@ -180,6 +185,12 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--max-num-batched-tokens", type=int)
     serve.add_argument("--max-num-seqs", type=int)
     serve.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False)
+    serve.add_argument("--speculative-method", choices=["ngram"],
+                       help="speculative decoding: ngram drafts tokens from the request's own context (prompt "
+                            "lookup) and verifies them in one forward; outputs that copy their prompt gain most")
+    serve.add_argument("--num-speculative-tokens", type=int, help="tokens drafted per step (e.g. 4)")
+    serve.add_argument("--prompt-lookup-max", type=int, help="longest n-gram looked up for drafts (default 4)")
+    serve.add_argument("--prompt-lookup-min", type=int, help="shortest n-gram looked up for drafts (default 2)")
     serve.add_argument("--engine-process", dest="engine_process", action="store_const", const=True,
                        help="step the engine in its own child process, restarted if it dies (the default)")
     serve.add_argument("--engine-thread", dest="engine_process", action="store_const", const=False,
@@ -235,6 +246,8 @@ def run_serve(options: dict) -> int:
         quantization=options["quantization"], quant_activations=options["quant_activations"],
         max_num_batched_tokens=options["max_num_batched_tokens"], max_num_seqs=options["max_num_seqs"],
         enable_prefix_caching=options["enable_prefix_caching"],
+        speculative_method=options["speculative_method"], num_speculative_tokens=options["num_speculative_tokens"],
+        prompt_lookup_max=options["prompt_lookup_max"], prompt_lookup_min=options["prompt_lookup_min"],
     )
     names = tuple(options["served_model_name"] or (default_model_name(options["model"]),))
     registry, aliases = None, {}

@@ -45,6 +45,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 128
     enable_prefix_caching: bool = True
+    # Speculative decoding (engine/spec_decode.py), as vLLM's speculative_config: "ngram" drafts
+    # up to num_speculative_tokens tokens per step from the request's own context, after the
+    # longest n-gram (prompt_lookup_max down to prompt_lookup_min tokens) ending it that occurred
+    # earlier; None: off.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
     # "auto": bfloat16 where the CPU has bf16 dot products (AVX512-BF16 / AMX), else float32.
     dtype: str = "auto"
     # CPU matmul layout per weight: "auto" measures MKL against oneDNN's packed layout at load
@@ -72,6 +80,20 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.speculative_method not in (None, "ngram"):
+            raise ValueError(f"speculative_method: must be ngram (or None: off), got {self.speculative_method!r}")
+        if self.speculative_method is not None:
+            if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+                raise ValueError(f"num_speculative_tokens: must be an integer >= 1 with speculative_method "
+                                 f"{self.speculative_method!r}, got {self.num_speculative_tokens!r}")
+            if not isinstance(self.prompt_lookup_min, int) or self.prompt_lookup_min < 1:
+                raise ValueError(f"prompt_lookup_min: must be an integer >= 1, got {self.prompt_lookup_min!r}")
+            if not isinstance(self.prompt_lookup_max, int) or self.prompt_lookup_max < self.prompt_lookup_min:
+                raise ValueError(f"prompt_lookup_max: must be an integer >= prompt_lookup_min "
+                                 f"({self.prompt_lookup_min}), got {self.prompt_lookup_max!r}")
+        elif self.num_speculative_tokens:
+            raise ValueError(f"num_speculative_tokens: {self.num_speculative_tokens} needs a speculative_method "
+                             f"(ngram)")
         if self.linear_kernels not in ("auto", "default", "onednn"):
             raise ValueError(f"linear_kernels: must be auto, default or onednn, got {self.linear_kernels!r}")
         if self.quantization not in ("auto", "none"):

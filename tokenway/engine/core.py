@@ -4,6 +4,10 @@ in a thread for asyncio callers and tokenway.LLM drives it directly.
     scheduler_output = scheduler.schedule()
     logits = runner.execute(scheduler_output)
     outputs = scheduler.update_from_output(scheduler_output, *sampler(logits, ..., grammar_bitmask))
+
+Under speculative decoding (engine/spec_decode.py) the same three calls verify drafts: a
+request's logits, sampled tokens and logprobs come one per draft more, and the sampler says
+how many drafts each request keeps.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from tokenway.engine.request import Request, RequestStatus, SamplingParams
 from tokenway.engine.runner import ModelRunner, kv_bytes_per_block
 from tokenway.engine.sampler import Sampler, SamplingMetadata
 from tokenway.engine.scheduler import EngineOutput, Scheduler
+from tokenway.engine.spec_decode import NgramProposer
 from tokenway.engine.structured_output import StructuredOutputManager, StructuredOutputSpec
 from tokenway.frontend.tokenizer import Tokenizer
 from tokenway.kv_cache.manager import KVCacheManager
@@ -168,8 +173,12 @@ class EngineCore:
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, namespace=str(model_dir)
         )
+        proposer = None
+        if config.speculative_method == "ngram":
+            proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
         self.scheduler = Scheduler(
-            self.kv_manager, self.max_model_len, config.max_num_batched_tokens, config.max_num_seqs, self.eos_token_ids
+            self.kv_manager, self.max_model_len, config.max_num_batched_tokens, config.max_num_seqs, self.eos_token_ids,
+            proposer,
         )
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device)
         self.sampler = Sampler()
@@ -207,11 +216,16 @@ class EngineCore:
     def snapshot(self) -> dict:
         """What runs, what waits, how full the KV cache is: the engine's published counts."""
         kv = self.kv_manager
+        spec = self.scheduler.spec_decoding_stats
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "kv_blocks_total": kv.num_blocks, "kv_blocks_free": kv.num_free_blocks,
                 "prefix_cache_hit_rate": kv.prefix_cache_hit_rate, "prefix_cache_queried_tokens": kv.num_queried_tokens,
                 "prefix_cache_hit_tokens": kv.num_hit_tokens, "num_preemptions": self.scheduler.num_preemptions,
-                "num_steps": self.stats.num_steps}
+                "num_steps": self.stats.num_steps, "spec_decode_num_drafts": spec.num_drafts,
+                "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
+                "spec_decode_acceptance_rate": spec.acceptance_rate,
+                "spec_decode_mean_accepted_length": spec.mean_accepted_length}
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished_requests > 0
@@ -223,10 +237,14 @@ class EngineCore:
         if not scheduler_output.requests:
             return []
         sampling_requests = scheduler_output.sampling_requests
+        spec_token_ids = scheduler_output.sampling_spec_token_ids if scheduler_output.num_spec_tokens else None
         logits = self.runner.execute(scheduler_output)
-        metadata = SamplingMetadata.from_requests(sampling_requests, self.model_config.vocab_size)
+        metadata = SamplingMetadata.from_requests(sampling_requests, self.model_config.vocab_size, spec_token_ids)
         grammar_bitmask = self.structured_output.grammar_bitmask([request.grammar for request in sampling_requests])
         sampled = self.sampler(logits, metadata, grammar_bitmask)
+        outputs = self.scheduler.update_from_output(
+            scheduler_output, sampled.sampled_token_ids, sampled.logprobs, sampled.num_accepted_tokens
+        )
         self.stats.num_steps += 1
-        self.stats.num_generated_tokens += len(sampling_requests)
-        return self.scheduler.update_from_output(scheduler_output, sampled.sampled_token_ids, sampled.logprobs)
+        self.stats.num_generated_tokens += sum(len(output.new_token_ids) for output in outputs)
+        return outputs

@@ -53,9 +53,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run one step; returns (num_sampling_requests, vocab) float32 logits, in the
-        order of out.requests restricted to those whose last scheduled token is their last
-        known token (a prompt chunk that does not reach the end samples nothing)."""
+        """Run one step; returns (num_sampling_rows, vocab) float32 logits, in the order of
+        out.requests restricted to those whose last scheduled token is their last known token
+        or draft (a prompt chunk that does not reach the end samples nothing): one row per
+        such request, and one more per draft it verifies (its k + 1 positions, in order)."""
         bs = self.block_size
         decode_rows: list[int] = []
         prefill_rows: list[int] = []
@@ -76,6 +77,7 @@ class ModelRunner:
             block_ids = out.block_tables[row]
             token_start = len(input_ids)
             input_ids.extend(request.all_token_ids[start:end])
+            input_ids.extend(out.spec_token_ids[row])  # a verify chunk: causal over its drafts like a prompt's
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(block_ids, start, end))
             last_token_index[row] = token_start + num_new - 1
@@ -97,9 +99,10 @@ class ModelRunner:
             meta,
         )
         sample_index = [
-            last_token_index[row]
-            for row, request in enumerate(out.requests)
-            if request.num_computed_tokens + out.num_scheduled_tokens[row] == request.num_tokens
+            index
+            for row, (request, drafts) in enumerate(zip(out.requests, out.spec_token_ids))
+            if request.num_computed_tokens + out.num_scheduled_tokens[row] == request.num_tokens + len(drafts)
+            for index in range(last_token_index[row] - len(drafts), last_token_index[row] + 1)
         ]
         if not sample_index:
             return torch.empty(0, self.model.config.vocab_size)

@@ -10,12 +10,21 @@ Stages, in vLLM's order (each skipped when no row uses it):
      race's winner, sorting only the rows whose winner fell outside the nucleus (the result
      is the same as filtering before the race).
 
+Speculative decoding (engine/spec_decode.py) gives a request with k drafts k + 1 rows (see
+SamplingMetadata). Stages 1-2 run per row as usual; then each row gets the token the request
+emits at that position: greedy, the argmax (a draft is accepted when it equals it, so the
+output is exactly greedy decoding's); random, rejection sampling against the draft as a point
+mass q: drafts[j] is kept with probability min(1, p(x) / q(x)) = p(drafts[j]), else the token
+is drawn from normalize(max(0, p - q)), i.e. p without the draft; the last row draws from p.
+The output is distributed as the target's (Leviathan et al. 2023). The request keeps its
+drafts up to the first row whose token differs from its draft, and that row's token.
+
 The caller's logits are never modified.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,20 +38,25 @@ from tokenway.engine.structured_output import GrammarBitmask, allowed_tokens
 class SamplerOutput:
     sampled_token_ids: list[int]  # one per row
     logprobs: list[TokenLogprob | None]  # per row; None where the request did not ask for logprobs
+    # Per request, how many of its drafts were accepted (rows start..start + n are its new
+    # tokens); None when no request had drafts (then row i is request i's one new token).
+    num_accepted_tokens: list[int] | None = None
 
 
 class Sampler:
     def __call__(
         self, logits: torch.Tensor, metadata: SamplingMetadata, grammar_bitmask: GrammarBitmask | None = None
     ) -> SamplerOutput:
-        """logits: (num_rows, vocab_size), float32 or bf16, one row per request, in from_requests order.
-        grammar_bitmask: the allowed tokens of the rows under a structured-output grammar."""
+        """logits: (num_rows, vocab_size), float32 or bf16, in from_requests order (one row per
+        request, plus one per draft). grammar_bitmask: the allowed tokens of the requests under a
+        structured-output grammar (by request; such a request has no drafts, so one row)."""
         md = metadata
         assert logits.shape == (md.num_rows, md.vocab_size), f"logits {tuple(logits.shape)} do not match metadata"
         needs_processing = md.needs_processing or grammar_bitmask is not None
         if md.all_greedy and not needs_processing and md.logprob_row_ids is None:
             # The common path. No float32 cast: it is exact, so the argmax would not change.
-            return SamplerOutput(argmax_rows(logits).tolist(), [None] * md.num_rows)
+            token_ids = argmax_rows(logits).tolist()
+            return SamplerOutput(token_ids, [None] * md.num_rows, _count_accepted(token_ids, md))
 
         model_logits = logits
         logits = logits.to(torch.float32).contiguous()  # (num_rows, vocab); a no-op when already so
@@ -56,13 +70,16 @@ class Sampler:
         if md.needs_processing:
             logits = process_logits(logits, md)
         if grammar_bitmask is not None:
+            if md.request_row_starts is not None:
+                grammar_bitmask = replace(grammar_bitmask, row_ids=md.request_row_starts[grammar_bitmask.row_ids])
             apply_grammar_bitmask(logits, grammar_bitmask)
 
         token_ids = _sample(logits, md)  # (num_rows,) int64
         logprobs: list[TokenLogprob | None] = [None] * md.num_rows
         if raw_logprobs is not None:
             _fill_logprobs(logprobs, raw_logprobs, token_ids, md)
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        sampled_token_ids = token_ids.tolist()
+        return SamplerOutput(sampled_token_ids, logprobs, _count_accepted(sampled_token_ids, md))
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -116,32 +133,36 @@ def apply_grammar_bitmask(logits: torch.Tensor, grammar_bitmask: GrammarBitmask)
         logits[row_ids] = logits[row_ids].masked_fill_(forbidden, float("-inf"))
 
 
+def _count_accepted(token_ids: list[int], md: SamplingMetadata) -> list[int] | None:
+    """Per request with rows from md.spec_token_ids: its leading drafts that equal the tokens of
+    their rows (greedy: the argmax; random: rejection sampling only keeps a draft as its token)."""
+    if md.spec_token_ids is None:
+        return None
+    assert md.request_row_starts is not None
+    num_accepted = []
+    for start, drafts in zip(md.request_row_starts.tolist(), md.spec_token_ids):
+        n = 0
+        while n < len(drafts) and token_ids[start + n] == drafts[n]:
+            n += 1
+        num_accepted.append(n)
+    return num_accepted
+
+
 def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """logits: (num_rows, vocab) processed. Returns (num_rows,) int64 token ids."""
     if md.all_greedy:
         return argmax_rows(logits)
+    sample_random = _sample_random if md.row_draft_token_ids is None else _verify_random
     if md.random_row_ids is None:
-        return _sample_random(logits, md)
+        return sample_random(logits, md)
     token_ids = argmax_rows(logits)
-    token_ids[md.random_row_ids] = _sample_random(logits[md.random_row_ids], md)
+    token_ids[md.random_row_ids] = sample_random(logits[md.random_row_ids], md)
     return token_ids
 
 
 def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """logits: (num_random, vocab). Never modified: every step below that could is out of place."""
-    if md.temperatures is not None:
-        logits = logits / md.temperatures
-    if md.top_ks is not None:
-        # The k-th largest logit is each row's floor (ties with it stay). topk(max k) is far
-        # cheaper than a full sort.
-        kth_largest = logits.topk(md.max_top_k, dim=-1).values  # (num_random, max_top_k)
-        floor = kth_largest.gather(1, (md.top_ks.clamp(min=1) - 1).unsqueeze(1))  # (num_random, 1)
-        floor.masked_fill_(md.top_ks.unsqueeze(1) == 0, float("-inf"))
-        logits = logits.masked_fill(logits < floor, float("-inf"))
-    probs = logits.softmax(dim=-1)  # (num_random, vocab); renormalised over the top-k
-    if md.min_ps is not None:
-        floor = md.min_ps * probs.amax(dim=-1, keepdim=True)  # (num_random, 1)
-        probs.masked_fill_(probs < floor, 0.0)
+    probs = _probs(logits, md)
 
     # Exponential race: argmax(probs / q) with q ~ Exp(1) is a draw from probs (unnormalised
     # is fine). q = -log(u), u ~ U[0, 1), because uniform_ is ~7x faster than exponential_ on
@@ -156,6 +177,62 @@ def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.top_ps is not None:
         _restrict_to_nucleus(token_ids, keys, probs, md.top_ps)
     return token_ids
+
+
+def _verify_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Rejection sampling of the random rows (num_random, vocab) against their drafts (see the
+    module docstring); rows without a draft draw from p. Returns (num_random,) int64."""
+    assert md.row_draft_token_ids is not None
+    probs = _probs(logits, md)  # (num_random, vocab), unnormalised
+    if md.top_ps is not None:
+        _mask_outside_nucleus(probs, md.top_ps)
+    probs.div_(probs.sum(dim=-1, keepdim=True))
+    drafts = md.row_draft_token_ids if md.random_row_ids is None else md.row_draft_token_ids[md.random_row_ids]
+    draft_rows = (drafts >= 0).nonzero().squeeze(1)  # (num_drafted,)
+    draft_ids = drafts[draft_rows].unsqueeze(1)  # (num_drafted, 1)
+    keys = torch.empty_like(probs)  # (num_random, vocab)
+    uniforms = torch.empty(len(drafts))  # (num_random,)
+    for row, generator in enumerate(md.generators):
+        keys[row].uniform_(generator=generator)
+        uniforms[row : row + 1].uniform_(generator=generator)
+    accepted = torch.zeros(len(drafts), dtype=torch.bool)
+    accepted[draft_rows] = uniforms[draft_rows] < probs[draft_rows].gather(1, draft_ids).squeeze(1)
+    # On rejection, the residual max(0, p - q) is p without the draft (the race needs no normalising).
+    probs[draft_rows] = probs[draft_rows].scatter_(1, draft_ids, 0.0)
+    token_ids = argmax_rows(keys.log_().div_(probs))  # (num_random,)
+    return torch.where(accepted, drafts, token_ids)
+
+
+def _mask_outside_nucleus(probs: torch.Tensor, top_ps: torch.Tensor) -> None:
+    """Zeroes, in place, the tokens outside each row's nucleus (the smallest set of most likely
+    tokens with mass >= top_p, ties at its edge kept): the set _restrict_to_nucleus races over."""
+    rows = (top_ps < 1.0).nonzero().squeeze(1)
+    if len(rows) == 0:
+        return
+    sorted_probs = probs[rows].sort(dim=-1, descending=True).values  # (num_rows, vocab)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    num_kept = (mass_before < top_ps[rows].unsqueeze(1)).count_nonzero(dim=-1).clamp_(min=1)
+    floor = sorted_probs.gather(1, (num_kept - 1).unsqueeze(1))  # (num_rows, 1)
+    probs[rows] = probs[rows].masked_fill_(probs[rows] < floor, 0.0)
+
+
+def _probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """(num_random, vocab) logits -> probabilities after temperature, top_k and min_p; unnormalised
+    where min_p zeroed tokens. A new tensor: logits are never modified."""
+    if md.temperatures is not None:
+        logits = logits / md.temperatures
+    if md.top_ks is not None:
+        # The k-th largest logit is each row's floor (ties with it stay). topk(max k) is far
+        # cheaper than a full sort.
+        kth_largest = logits.topk(md.max_top_k, dim=-1).values  # (num_random, max_top_k)
+        floor = kth_largest.gather(1, (md.top_ks.clamp(min=1) - 1).unsqueeze(1))  # (num_random, 1)
+        floor.masked_fill_(md.top_ks.unsqueeze(1) == 0, float("-inf"))
+        logits = logits.masked_fill(logits < floor, float("-inf"))
+    probs = logits.softmax(dim=-1)  # (num_random, vocab); renormalised over the top-k
+    if md.min_ps is not None:
+        floor = md.min_ps * probs.amax(dim=-1, keepdim=True)  # (num_random, 1)
+        probs.masked_fill_(probs < floor, 0.0)
+    return probs
 
 
 def _restrict_to_nucleus(

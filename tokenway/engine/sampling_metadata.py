@@ -6,6 +6,11 @@ Row i is requests[i] and logits[i]. Every field that no row uses is None (or emp
 Sampler skips that stage entirely: an all-greedy batch with no penalties, bias or logprobs
 costs one argmax. Per-token positions are flat indices `row * vocab_size + token_id` into
 logits.view(-1), which avoids padding ragged token lists.
+
+Under speculative decoding (engine/spec_decode.py) a request with k drafts has k + 1 rows, one
+per verified position: row j is the request as it would be had it emitted drafts[:j] (its
+penalties count them, min_tokens sees them), and verifies drafts[j] (the last row verifies
+nothing: it draws the token after the drafts).
 """
 
 from __future__ import annotations
@@ -50,6 +55,11 @@ class SamplingMetadata:
     top_ps: torch.Tensor | None  # (num_random,) float32; 1.0 where disabled
     min_ps: torch.Tensor | None  # (num_random, 1) float32; 0.0 where disabled
 
+    # Speculative decoding: None when no request has drafts (then row i is request i).
+    spec_token_ids: Sequence[Sequence[int]] | None = None  # per request: its drafts
+    request_row_starts: torch.Tensor | None = None  # (num_requests,) int64 each request's first row
+    row_draft_token_ids: torch.Tensor | None = None  # (num_rows,) int64 the draft a row verifies; -1: none
+
     @property
     def all_greedy(self) -> bool:
         return not self.generators
@@ -65,9 +75,12 @@ class SamplingMetadata:
         )
 
     @classmethod
-    def from_requests(cls, requests: Sequence[Request], vocab_size: int) -> SamplingMetadata:
-        """Raises ValueError if a logit_bias token id is outside [0, vocab_size)."""
-        num_rows = len(requests)
+    def from_requests(
+        cls, requests: Sequence[Request], vocab_size: int, spec_token_ids: Sequence[Sequence[int]] | None = None
+    ) -> SamplingMetadata:
+        """spec_token_ids: each request's drafts (None: no request has any), which give it one row
+        per draft more. Raises ValueError if a logit_bias token id is outside [0, vocab_size)."""
+        num_rows = len(requests) + (sum(map(len, spec_token_ids)) if spec_token_ids is not None else 0)
         num_logprobs: list[int | None] = [None] * num_rows
         logprob_row_ids: list[int] = []
         bias_index: list[int] = []
@@ -89,9 +102,16 @@ class SamplingMetadata:
         top_ps: list[float] = []
         min_ps: list[float] = []
 
-        for row, request in enumerate(requests):
+        request_row_starts: list[int] = []
+        row_draft_token_ids: list[int] = []
+        for row, (request, drafts, num_drafted) in enumerate(_rows(requests, spec_token_ids)):
             params = request.sampling_params
             base = row * vocab_size
+            if spec_token_ids is not None:
+                if num_drafted == 0:
+                    request_row_starts.append(row)
+                row_draft_token_ids.append(drafts[num_drafted] if num_drafted < len(drafts) else -1)
+            num_output_tokens = request.num_output_tokens + num_drafted
             if params.logprobs is not None:
                 num_logprobs[row] = params.logprobs
                 logprob_row_ids.append(row)
@@ -104,7 +124,7 @@ class SamplingMetadata:
                         )
                     bias_index.append(base + token_id)
                     bias_values.append(bias)
-            if request.num_output_tokens < params.min_tokens:
+            if num_output_tokens < params.min_tokens:
                 # ignore_eos lifts the ban on EOS only; stop_token_ids still stop the request.
                 banned = params.stop_token_ids
                 if request.eos_token_id is not None and not params.ignore_eos:
@@ -120,8 +140,9 @@ class SamplingMetadata:
                 prompt_token_ids.extend(request.prompt_token_ids)
             if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
                 output_rows.append(row)
-                output_lens.append(request.num_output_tokens)
+                output_lens.append(num_output_tokens)
                 output_token_ids.extend(request.output_token_ids)
+                output_token_ids.extend(drafts[:num_drafted])
             if params.temperature >= _MIN_TEMPERATURE:
                 assert request.generator is not None, "Request makes a generator for every non-greedy request"
                 random_row_ids.append(row)
@@ -158,7 +179,21 @@ class SamplingMetadata:
             max_top_k=max(top_ks, default=0),
             top_ps=torch.tensor(top_ps, dtype=torch.float32) if any(p < 1.0 for p in top_ps) else None,
             min_ps=_column(min_ps) if any(min_ps) else None,
+            spec_token_ids=spec_token_ids,
+            request_row_starts=_int64(request_row_starts) if spec_token_ids is not None else None,
+            row_draft_token_ids=_int64(row_draft_token_ids) if spec_token_ids is not None else None,
         )
+
+
+def _rows(requests: Sequence[Request], spec_token_ids: Sequence[Sequence[int]] | None):
+    """(request, its drafts, how many of them the row's request has emitted) per row."""
+    if spec_token_ids is None:
+        for request in requests:
+            yield request, (), 0
+        return
+    for request, drafts in zip(requests, spec_token_ids, strict=True):
+        for num_drafted in range(len(drafts) + 1):
+            yield request, drafts, num_drafted
 
 
 def _int64(values: list[int]) -> torch.Tensor:

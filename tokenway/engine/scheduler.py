@@ -8,6 +8,11 @@ free block, the newest running request is preempted: its blocks are freed and it
 later by recomputing its tokens (mostly from the prefix cache). A structured-output grammar
 advances only in update_from_output, on each newly sampled token, so recomputing the tokens a
 request already has never touches it.
+
+With a proposer (engine/spec_decode.py), a decode request also takes the drafts proposed for
+it this step: 1 + k tokens against the budget and the KV cache (the drafts are the first thing
+given up when blocks run out). update_from_output then counts as computed only the tokens the
+verification kept; the KV slots of rejected drafts are simply overwritten later.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tokenway.engine.request import Request, RequestStatus, TokenLogprob
+from tokenway.engine.spec_decode import NgramProposer, SpecDecodingStats
 from tokenway.kv_cache.manager import KVCacheManager
 
 
@@ -27,19 +33,40 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)  # per request, same order
     block_tables: list[list[int]] = field(default_factory=list)  # per request, same order
+    # Per request, same order: the drafts scheduled after its last known token (counted in
+    # num_scheduled_tokens); () for most.
+    spec_token_ids: list[tuple[int, ...]] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.spec_token_ids:  # built with its requests (not by the Scheduler): no drafts
+            self.spec_token_ids = [()] * len(self.requests)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens)
 
     @property
+    def num_spec_tokens(self) -> int:
+        return sum(map(len, self.spec_token_ids))
+
+    @property
     def sampling_requests(self) -> list[Request]:
-        """Requests whose scheduled tokens reach their last known token: they get a new one."""
+        """Requests whose scheduled tokens reach their last known token (and their drafts): they
+        get new tokens."""
         return [
             request
-            for request, num_new in zip(self.requests, self.num_scheduled_tokens)
-            if request.num_computed_tokens + num_new == request.num_tokens
+            for request, num_new, drafts in zip(self.requests, self.num_scheduled_tokens, self.spec_token_ids)
+            if request.num_computed_tokens + num_new == request.num_tokens + len(drafts)
+        ]
+
+    @property
+    def sampling_spec_token_ids(self) -> list[tuple[int, ...]]:
+        """The drafts of each of sampling_requests, same order."""
+        return [
+            drafts
+            for request, num_new, drafts in zip(self.requests, self.num_scheduled_tokens, self.spec_token_ids)
+            if request.num_computed_tokens + num_new == request.num_tokens + len(drafts)
         ]
 
 
@@ -71,8 +98,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         eos_token_ids: frozenset[int] = frozenset(),
+        proposer: NgramProposer | None = None,
     ) -> None:
         self.kv_manager = kv_manager
+        self.proposer = proposer
+        self.spec_decoding_stats = SpecDecodingStats()
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -118,7 +148,13 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, "a running request always has a token to compute"
+            drafts = self._propose(request, budget - 1) if num_new == 1 and budget > 1 else ()
+            num_new += len(drafts)
             while kv.allocate_slots(request, num_new) is None:
+                if drafts:  # out of blocks: give up the drafts before anyone's blocks
+                    num_new -= len(drafts)
+                    drafts = ()
+                    continue
                 # Out of blocks: preempt the newest running request (possibly this one).
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -126,7 +162,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                self._add_to_output(out, request, num_new)
+                self._add_to_output(out, request, num_new, drafts)
                 budget -= num_new
                 index += 1
                 continue
@@ -151,10 +187,26 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _add_to_output(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _add_to_output(self, out: SchedulerOutput, request: Request, num_new: int,
+                       drafts: tuple[int, ...] = ()) -> None:
         out.requests.append(request)
         out.num_scheduled_tokens.append(num_new)
         out.block_tables.append(self.kv_manager.get_block_ids(request.request_id))
+        out.spec_token_ids.append(drafts)
+
+    def _propose(self, request: Request, max_num_drafts: int) -> tuple[int, ...]:
+        """Drafts for a decode request: none under a grammar (it would have to check each draft
+        before the model sees it), and never more than the output may still grow by after the
+        step's own token (max_tokens, the context window), so a verify step never runs past them."""
+        if self.proposer is None or request.grammar is not None:
+            return ()
+        params = request.sampling_params
+        max_num_drafts = min(max_num_drafts, self.max_model_len - request.num_tokens - 1)
+        if params.max_tokens is not None:
+            max_num_drafts = min(max_num_drafts, params.max_tokens - request.num_output_tokens - 1)
+        if max_num_drafts <= 0:
+            return ()
+        return self.proposer.propose(request.all_token_ids, max_num_drafts)
 
     def _preempt(self, request: Request) -> None:
         self.kv_manager.free(request)
@@ -169,29 +221,47 @@ class Scheduler:
         out: SchedulerOutput,
         sampled_token_ids: list[int],
         logprobs: list[TokenLogprob | None],
+        num_accepted_tokens: list[int] | None = None,
     ) -> list[EngineOutput]:
-        """Advance the counters, append sampled tokens (one per sampling request, in order),
-        check stop conditions and free finished requests."""
+        """Advance the counters, append sampled tokens, check stop conditions and free finished
+        requests. sampled_token_ids and logprobs have a row per sampling request (in order) and
+        one more per draft of it; num_accepted_tokens says, per sampling request, how many of
+        its drafts were accepted (None when none had drafts): its new tokens are the accepted
+        drafts and the token after them, cut after the first that stops it."""
         outputs: list[EngineOutput] = []
+        row = 0
         sample_index = 0
-        for request, num_new in zip(out.requests, out.num_scheduled_tokens):
-            request.num_computed_tokens += num_new
+        for request, num_new, drafts in zip(out.requests, out.num_scheduled_tokens, out.spec_token_ids):
+            request.num_computed_tokens += num_new - len(drafts)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prompt chunk: nothing sampled yet
-            token_id = sampled_token_ids[sample_index]
-            token_logprob = logprobs[sample_index]
+            num_accepted = 0
+            if drafts:
+                assert num_accepted_tokens is not None
+                num_accepted = num_accepted_tokens[sample_index]
+                self.spec_decoding_stats.observe(len(drafts), num_accepted)
+                # This step wrote the accepted drafts' KV, exactly as decoding them would have.
+                request.num_computed_tokens += num_accepted
+            new_token_ids = sampled_token_ids[row : row + 1 + num_accepted]
+            new_logprobs = logprobs[row : row + 1 + num_accepted]
+            row += 1 + len(drafts)
             sample_index += 1
-            request.append_output_token_ids(token_id)
-            if request.grammar is not None:
-                request.grammar.accept_token(token_id)
-            status = self._check_stop(request, token_id)
-            new_logprobs = [token_logprob] if token_logprob is not None else None
+            status = None
+            for position, token_id in enumerate(new_token_ids):
+                request.append_output_token_ids(token_id)
+                if request.grammar is not None:
+                    request.grammar.accept_token(token_id)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    del new_token_ids[position + 1 :], new_logprobs[position + 1 :]
+                    break
+            kept_logprobs = new_logprobs if new_logprobs[0] is not None else None
             if status is None:
-                outputs.append(self._output(request, [token_id], new_logprobs))
+                outputs.append(self._output(request, new_token_ids, kept_logprobs))
             else:
                 self.running.remove(request)
-                outputs.append(self._finish(request, status, [token_id], new_logprobs))
-        assert sample_index == len(sampled_token_ids)
+                outputs.append(self._finish(request, status, new_token_ids, kept_logprobs))
+        assert row == len(sampled_token_ids)
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:

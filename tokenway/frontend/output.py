@@ -3,7 +3,9 @@
 One RequestState per request, fed each step's EngineOutput. The detokenizer is the
 tokenizers library's DecodeStream, which never yields half a UTF-8 character. Stop
 strings are matched on the decoded text; text that could still be the start of a stop
-string is held back, so a stop string is never emitted, even across tokens.
+string is held back, so a stop string is never emitted, even across tokens. A step may bring
+several tokens (speculative decoding): they are matched one by one, and those after the one
+that completes a stop string are dropped, as if never generated.
 """
 
 from __future__ import annotations
@@ -105,11 +107,12 @@ class RequestState:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
-        out.delta_token_ids = list(engine_output.new_token_ids)
-        out.token_ids.extend(engine_output.new_token_ids)
-        if out.logprobs is not None and engine_output.new_logprobs:
-            out.logprobs.extend(engine_output.new_logprobs)
-        for token_id in engine_output.new_token_ids:
+        stops = self.params.stop
+        # Search only where a new match can start: the unreleased tail plus overlap.
+        search_from = max(0, self.num_released - max(len(s) for s in stops) + 1) if stops else 0
+        new_token_ids = engine_output.new_token_ids
+        match = None
+        for index, token_id in enumerate(new_token_ids):
             # A stop token is no text (kept with skip_special_tokens false, EOS would be).
             if (token_id in self.params.stop_token_ids or token_id in self.tokenizer.eos_token_ids) \
                     and not self.params.include_stop_str_in_output:
@@ -117,17 +120,20 @@ class RequestState:
             piece = self.stream.step(self.tokenizer.hf, token_id)
             if piece:
                 self.decoded += piece
+                if stops:
+                    match = min(((position, stop) for stop in stops
+                                 if (position := self.decoded.find(stop, search_from)) >= 0), default=None)
+                    if match is not None:
+                        new_token_ids = new_token_ids[: index + 1]
+                        break
+        out.delta_token_ids = list(new_token_ids)
+        out.token_ids.extend(new_token_ids)
+        if out.logprobs is not None and engine_output.new_logprobs:
+            out.logprobs.extend(engine_output.new_logprobs[: len(new_token_ids)])
 
-        stops = self.params.stop
         releasable = len(self.decoded)
         finish_reason, stop_reason = engine_output.finish_reason, engine_output.stop_reason
         if stops:
-            # Search only where a new match can start: the unreleased tail plus overlap.
-            search_from = max(0, self.num_released - max(len(s) for s in stops) + 1)
-            match = min(
-                ((position, stop) for stop in stops if (position := self.decoded.find(stop, search_from)) >= 0),
-                default=None,
-            )
             if match is not None:
                 position, stop = match
                 releasable = position + (len(stop) if self.params.include_stop_str_in_output else 0)

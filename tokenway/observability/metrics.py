@@ -185,6 +185,18 @@ class EngineCollector(Collector):
                                   value=stats["prefix_cache_hit_tokens"])
         yield CounterMetricFamily("tokenway_preemptions", "Requests preempted to free KV blocks.",
                                   value=stats["num_preemptions"])
+        if "spec_decode_num_drafts" in stats:  # an engine that speculates (or could); vLLM's names
+            yield CounterMetricFamily("tokenway_spec_decode_num_drafts",
+                                      "Verify steps of a request with drafted tokens (speculative decoding).",
+                                      value=stats["spec_decode_num_drafts"])
+            yield CounterMetricFamily("tokenway_spec_decode_num_draft_tokens", "Tokens drafted for verification.",
+                                      value=stats["spec_decode_num_draft_tokens"])
+            yield CounterMetricFamily("tokenway_spec_decode_num_accepted_tokens",
+                                      "Drafted tokens the verification accepted.",
+                                      value=stats["spec_decode_num_accepted_tokens"])
+            yield GaugeMetricFamily("tokenway_spec_decode_acceptance_ratio",
+                                    "Accepted / drafted tokens since start (0 before any draft).",
+                                    value=stats["spec_decode_acceptance_rate"])
 
     def describe(self) -> Iterator:
         return iter(())
