@@ -19,7 +19,7 @@ from tokenway.models import quant
 from tokenway.models.config import ModelConfig
 from tokenway.models.decode_stack import DecodeStack
 from tokenway.models.decoder import DecoderForCausalLM
-from tokenway.models.loader import QuantizedTensor
+from tokenway.models.weights import QuantizedTensor
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="the quant kernel has no vector path on this CPU")
 

@@ -20,7 +20,8 @@ import torch
 
 from tests.models.fake_hub import FakeHub, FakeRepo, write_cache
 from tokenway.models import hub
-from tokenway.models.loader import iter_weights, resolve_model
+from tokenway.models.loader import resolve_model
+from tokenway.models.weights import iter_weights
 
 ENGINE_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                 "tokenizer_config.json"}

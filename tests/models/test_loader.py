@@ -13,8 +13,9 @@ import torch
 
 import tokenway.models.loader as loader
 from tokenway.models.config import ModelConfig
-from tokenway.models.gguf import CONVERTER_VERSION
-from tokenway.models.loader import DEFAULT_MODEL, iter_weights, quantized_weights, resolve_model
+from tokenway.models.gguf import CONVERTER_VERSION, TENSOR_TABLE
+from tokenway.models.loader import DEFAULT_MODEL, resolve_model
+from tokenway.models.weights import iter_weights, quantized_weights
 
 
 @pytest.fixture(scope="session")
@@ -32,36 +33,34 @@ def reference_model(hf_reference):
     return hf_reference
 
 
-def test_default_model_is_converted_into_the_cache(converted_dir, cache_dir):
+def test_default_model_is_described_in_the_cache_without_a_copy_of_its_weights(converted_dir, cache_dir, gguf_path):
     assert converted_dir.parent == cache_dir / "gguf"
     assert converted_dir.name.endswith(f"-v{CONVERTER_VERSION}")
-    names = {p.name for p in converted_dir.iterdir()}
-    assert names == {
-        "config.json",
-        "generation_config.json",
-        "gguf-blocks.safetensors",
-        "model.safetensors",
-        "tokenizer.json",
-        "tokenizer_config.json",
-    }
+    names = {p.name for p in converted_dir.iterdir() if not p.name.startswith("relaid-")}  # the kernels' own cache
+    assert names == {"config.json", "generation_config.json", TENSOR_TABLE, "tokenizer.json", "tokenizer_config.json"}
+    described = sum(p.stat().st_size for p in converted_dir.iterdir() if not p.name.startswith("relaid-"))
+    assert described < gguf_path.stat().st_size / 10  # JSON, not weights
     assert not [p for p in cache_dir.joinpath("gguf").iterdir() if p.name.startswith(".")]  # no temporaries left
 
 
-def test_kept_gguf_blocks_dequantize_to_the_converted_weights(converted_dir):
-    """The quantized blocks kept for direct use are the converted float weights, row for row
-    (q/k un-permuted as whole block rows)."""
-    from safetensors import safe_open
-
+def test_mapped_blocks_dequantize_to_the_float_weights(converted_dir, gguf_path):
+    """The quantized blocks, mapped from the GGUF, are the float weights iter_weights decodes, row for
+    row (q/k un-permuted as whole block rows), and those of the GGUF itself (not copies)."""
     kept = quantized_weights(converted_dir)
     assert {t.qtype for t in kept.values()} == {"Q4_1", "Q8_0"}
     assert len(kept) == 30 * 7 + 1  # q, k, v, o, gate, up, down per layer + the embedding
-    with safe_open(converted_dir / "model.safetensors", framework="pt") as floats:
-        for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
-                     "model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight"):
-            tensor = kept[name]
-            qtype = gguf.GGMLQuantizationType[tensor.qtype]
-            dequantized = gguf.quants.dequantize(tensor.blocks.numpy(), qtype).reshape(tensor.shape)
-            assert torch.equal(torch.from_numpy(dequantized), floats.get_tensor(name)), name
+    names = ("model.layers.0.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
+             "model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight")
+    floats = dict(iter_weights(converted_dir, skip=set(kept) - set(names)))
+    for name in names:
+        tensor = kept[name]
+        qtype = gguf.GGMLQuantizationType[tensor.qtype]
+        dequantized = gguf.quants.dequantize(tensor.blocks.numpy(), qtype).reshape(tensor.shape)
+        assert torch.equal(torch.from_numpy(dequantized), floats[name]), name
+    reader = gguf.GGUFReader(gguf_path)
+    down = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    assert np.array_equal(kept["model.layers.0.mlp.down_proj.weight"].blocks.numpy().reshape(-1),
+                          np.asarray(down.data).reshape(-1).view(np.uint8))
 
 
 def test_alias_is_case_insensitive(converted_dir, cache_dir):
@@ -107,7 +106,7 @@ def test_tensors_match_transformers(converted_dir, reference_model):
 
 
 def test_second_resolve_uses_the_cache(converted_dir, cache_dir, gguf_path, monkeypatch):
-    weights = converted_dir / "model.safetensors"
+    weights = converted_dir / TENSOR_TABLE
     mtime_ns = weights.stat().st_mtime_ns
 
     def fail(*args, **kwargs):

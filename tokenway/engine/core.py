@@ -33,7 +33,8 @@ from tokenway.kv_cache.manager import KVCacheManager
 from tokenway.models.config import ModelConfig
 from tokenway.models.linear import select_kernels
 from tokenway.models.decoder import DecoderForCausalLM
-from tokenway.models.loader import iter_weights, quantized_weights, resolve_model
+from tokenway.models.loader import resolve_model
+from tokenway.models.weights import KernelCache, iter_weights, quantized_weights
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +154,12 @@ class EngineCore:
                 activations = config.quant_activations
                 if activations == "auto":
                     activations = "dtype" if config.dtype == "float32" else "int8"
-                quantized = model.use_quantized(quantized_weights(model_dir), activations)
+                # A GGUF's blocks, relaid for the kernels once and kept beside its description.
+                kernel_cache = KernelCache(model_dir, quant.LAYOUT_VERSION)
+                relaid = kernel_cache.load()
+                quantized = model.use_quantized(quantized_weights(model_dir), activations, relaid)
+                if model.relaid_weights().keys() - relaid.keys():
+                    kernel_cache.save(model.relaid_weights())
         model.load_weights(iter_weights(model_dir, skip=quantized))
         self.model = model.to(self.device).eval()
         fused = model.use_fused_kernels()

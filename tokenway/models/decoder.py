@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 from tokenway import native
 from tokenway.models.attention import AttentionMetadata, decode_attention, prefill_attention
 from tokenway.models.config import ModelConfig
 from tokenway.models.decode_stack import DecodeStack
 from tokenway.models.linear import LinearKernel
-from tokenway.models.loader import QuantizedTensor
+from tokenway.models.weights import QuantizedTensor
 
 if TYPE_CHECKING:
     from tokenway.models.quant import QuantKernel
@@ -221,6 +222,26 @@ class DecoderLayer(nn.Module):
         return x, residual
 
 
+class ConcatKernel:
+    """y = x @ cat(W_1, ..., W_n).T for weights stored in different block types: each part's kernel
+    writes its columns of one output (no copy)."""
+
+    __slots__ = ("parts", "out_features", "in_features")
+
+    def __init__(self, parts: list[QuantKernel]) -> None:
+        self.parts = parts
+        self.out_features = sum(part.out_features for part in parts)
+        self.in_features = parts[0].in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.out_features, device=x.device)
+        start = 0
+        for part in self.parts:
+            part(x, out=out[:, start:start + part.out_features])
+            start += part.out_features
+        return out
+
+
 class DecoderForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, max_positions: int | None = None) -> None:
         """max_positions: the longest context served (the RoPE tables' length); the config's
@@ -231,6 +252,7 @@ class DecoderForCausalLM(nn.Module):
         arch = config.arch
         # The embedding is a lookup, not a matmul: keep it float32 for the residual stream.
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        self.embedding: QuantKernel | None = None  # lookups from the GGUF's blocks instead (use_quantized)
         # Gemma multiplies embeddings by sqrt(hidden_size), rounded to the embedding's dtype.
         self.embed_scale = torch.tensor(math.sqrt(config.hidden_size)) if arch.scale_embeddings else None
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
@@ -265,7 +287,10 @@ class DecoderForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.embed_tokens.index_select(0, input_ids)  # (T, hidden)
+        if self.embedding is not None:
+            x = self.embedding.embedding(input_ids)  # (T, hidden) float32, decoded from its blocks
+        else:
+            x = self.embed_tokens.index_select(0, input_ids)  # (T, hidden)
         if self.embed_scale is not None:
             x = x * self.embed_scale.to(x.dtype)
         if self.decode_stack is not None and self.decode_stack.takes(x.shape[0], kv_caches, meta):
@@ -323,28 +348,64 @@ class DecoderForCausalLM(nn.Module):
         return [kernel for kernel in kernels if isinstance(kernel, LinearKernel)]
 
     def quant_kernels(self) -> list[QuantKernel]:
-        """Every matmul on GGUF blocks (models/quant.py)."""
+        """Every matmul on GGUF blocks (models/quant.py), a ConcatKernel's parts each."""
         kernels = (getattr(module, attr) for _, module, attr in self._matmuls())
-        return [kernel for kernel in kernels if not isinstance(kernel, LinearKernel)]
+        out: list[QuantKernel] = []
+        for kernel in kernels:
+            if isinstance(kernel, ConcatKernel):
+                out += kernel.parts
+            elif not isinstance(kernel, LinearKernel):
+                out.append(kernel)
+        return out
 
     @property
     def num_quantized_matmuls(self) -> int:
-        return len(self._quantized_params)
+        return len(self._quantized_params - {"embed_tokens"})
 
-    def use_quantized(self, tensors: dict[str, QuantizedTensor], activations: str = "dtype") -> set[str]:
+    def use_quantized(self, tensors: dict[str, QuantizedTensor], activations: str = "dtype",
+                      relaid: dict[str, torch.Tensor] | None = None) -> set[str]:
         """Run the matmuls whose weights are stored in blocks models/quant.py reads on those
-        blocks: q/k/v and gate/up fuse when all their parts share one type. Their float
-        parameters are released. Returns the HF names used, which load_weights then skips.
-        activations: "int8" or "dtype" (quant.products_for)."""
+        blocks, and look token embeddings up from theirs: q/k/v and gate/up are one kernel where
+        their parts share a type, else one kernel a part writing into one output (a Q4_K_M file's
+        Q6_K v beside Q4_K q and k). Their float parameters are released. Returns the HF names
+        used, which load_weights then skips. activations: "int8" or "dtype" (quant.products_for).
+        relaid: kernels' weights relaid by an earlier start (relaid_weights()), by parameter name."""
         from tokenway.models.quant import QuantKernel, supports
 
+        relaid = relaid or {}
         config = self.config
         used: set[str] = set()
+
+        def kernel_for(name: str, parts: list[QuantizedTensor], bias: torch.Tensor | None):
+            qtypes = {t.qtype for t in parts}
+            if len(qtypes) == 1 and (len(parts) == 1 or all(t.shape[0] % QuantKernel.ROWS == 0 for t in parts)):
+                # One kernel: relaid parts whose rows fill whole lane groups concatenate as relaid whole.
+                weight = relaid.get(name)
+                if weight is None:
+                    weight = torch.cat([QuantKernel.relayout(t) for t in parts]) if len(parts) > 1 else None
+                return QuantKernel(parts[0].blocks if weight is None else None, parts[0].qtype, parts[0].shape[1],
+                                   bias=bias, dtype=self.dtype, activations=activations, relaid=weight,
+                                   out_features=sum(t.shape[0] for t in parts))
+            kernels, start = [], 0
+            for index, part in enumerate(parts):
+                rows = slice(start, start + part.shape[0])
+                kernels.append(kernel_for(f"{name}.{index}", [part], None if bias is None else bias[rows]))
+                start += part.shape[0]
+            return ConcatKernel(kernels)
+
         # Each fused matmul's checkpoint parts: separate projections, or one already fused (Phi-3).
         parts = {"qkv": [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.qkv_proj",)],
                  "o": [("self_attn.o_proj",)], "gate_up": [("mlp.gate_proj", "mlp.up_proj"), ("mlp.gate_up_proj",)],
                  "down": [("mlp.down_proj",)]}
-        for param_name, module, attr in self._matmuls():
+        embedding = tensors.get("model.embed_tokens.weight")
+        if embedding is not None and supports(embedding.qtype, embedding.shape[1]):
+            # Lookups decode their rows from the blocks: no float copy of the table (Gemma's is 670 MB).
+            self.embedding = kernel_for("embed_tokens", [embedding], None)
+            self.embed_tokens.data = torch.empty(0)
+            self._quantized_params.add("embed_tokens")
+            used.add("model.embed_tokens.weight")
+        matmuls = tqdm(self._matmuls(), desc="Preparing GGUF blocks", unit="matmul", disable=None if tensors else True)
+        for param_name, module, attr in matmuls:
             if attr == "head":
                 names = ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
             else:
@@ -352,18 +413,35 @@ class DecoderForCausalLM(nn.Module):
                 candidates = [[f"model.layers.{index}.{part}.weight" for part in option] for option in parts[attr]]
                 names = next((option for option in candidates if option[0] in tensors), candidates[0])
             found = [tensors.get(name) for name in names]
-            if (any(t is None for t in found) or len({t.qtype for t in found}) != 1
-                    or not supports(found[0].qtype, found[0].shape[1])):
+            if any(t is None or not supports(t.qtype, t.shape[1]) for t in found):
                 continue
             kernel = getattr(module, attr)
-            blocks = torch.cat([t.blocks for t in found]) if len(found) > 1 else found[0].blocks
-            setattr(module, attr, QuantKernel(blocks, found[0].qtype, found[0].shape[1], bias=kernel.bias,
-                                                dtype=self.dtype, activations=activations))
+            if attr == "head" and config.tie_word_embeddings and self.embedding is not None:
+                quantized = self.embedding  # one relaid table for the lookup and the head
+            else:
+                quantized = kernel_for(param_name, found, kernel.bias)
+            setattr(module, attr, quantized)
             kernel.weight.data = torch.empty(0, dtype=kernel.weight.dtype)
             self._quantized_params.add(param_name)
-            if attr != "head":  # the tied embedding is still read as floats for the lookup
+            if attr != "head" or not config.tie_word_embeddings:
                 used.update(names)
         return used
+
+    def relaid_weights(self) -> dict[str, torch.Tensor]:
+        """Every block kernel's relaid weight, by the name use_quantized(relaid=) takes it back under."""
+        out: dict[str, torch.Tensor] = {}
+        kernels = [("embed_tokens", self.embedding)] + [(name, getattr(module, attr))
+                                                        for name, module, attr in self._matmuls()]
+        seen: set[int] = set()  # a tied head is the embedding's kernel: kept once
+        for name, kernel in kernels:
+            if kernel is None or isinstance(kernel, LinearKernel) or id(kernel) in seen:
+                continue
+            seen.add(id(kernel))
+            if isinstance(kernel, ConcatKernel):
+                out.update((f"{name}.{index}", part.weight) for index, part in enumerate(kernel.parts))
+            else:
+                out[name] = kernel.weight
+        return out
 
     _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 

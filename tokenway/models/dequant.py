@@ -172,3 +172,6 @@ _DEQUANTIZE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
     "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
 }
+
+# The types dequantize reads (GGUF type names).
+QTYPES = tuple(_DEQUANTIZE)

