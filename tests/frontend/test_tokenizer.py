@@ -77,10 +77,17 @@ def test_digits_are_split_like_llama_cpp(tokenizer):
     assert tokens == ["x", "ĠĠ", "1", "2", "ĊĊ", "3"]
 
 
+def test_lone_surrogates_encode_as_the_replacement_character(tokenizer):
+    # JSON's "\ud800" decodes to a lone surrogate, which is not a character: read as U+FFFD, not a 500.
+    assert tokenizer.encode("a\ud800b") == tokenizer.encode("a\ufffdb")
+    assert tokenizer.encode_special_tokens_as_text("\udfff<|im_end|>") == \
+        tokenizer.encode_special_tokens_as_text("\ufffd<|im_end|>")
+
+
 def test_special_tokens(tokenizer):
     assert tokenizer.vocab_size == 49152
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
-    assert tokenizer.eos_token_ids == frozenset({2})
+    assert tokenizer.eos_token_ids == frozenset({2, 0})  # <|endoftext|> ends generation too, as in llama.cpp
     assert tokenizer.encode("<|im_start|>hi<|im_end|>") == [1, tokenizer.hf.token_to_id("hi"), 2]
     assert tokenizer.is_special(2)
     assert not tokenizer.is_special(tokenizer.hf.token_to_id("hi"))

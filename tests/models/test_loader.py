@@ -87,9 +87,10 @@ def test_config_matches_transformers(converted_dir, reference_model):
         assert getattr(ours, name) == getattr(ref, name), name
     assert ours.rope.theta == ref.rope_parameters["rope_theta"] == 100000.0
     assert ours.rope.rope_type == "default" and ours.local_rope is None
-    assert ours.eos_token_ids == (ref.eos_token_id,) == (2,)
+    # <|im_end|> (2, the GGUF's eos) and <|endoftext|> (0), which llama.cpp ends generation on too.
+    assert ours.eos_token_ids == (ref.eos_token_id, 0) == (2, 0)
     generation = json.loads((converted_dir / "generation_config.json").read_text())
-    assert generation == {"bos_token_id": 1, "eos_token_id": 2}
+    assert generation == {"bos_token_id": 1, "eos_token_id": [2, 0]}
 
 
 def test_tensors_match_transformers(converted_dir, reference_model):

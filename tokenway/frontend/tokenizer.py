@@ -116,6 +116,7 @@ class Tokenizer:
         """Token ids of `text`. With max_num_tokens, a text that certainly needs more tokens
         (each token covers at most max_token_chars characters) raises PromptTooLong at once,
         without the seconds tokenizing megabytes would take."""
+        text = _without_surrogates(text)
         if max_num_tokens is not None and self.max_token_chars is not None:
             num_tokens_at_least = -(-len(text) // self.max_token_chars)
             if num_tokens_at_least > max_num_tokens:
@@ -135,6 +136,7 @@ class Tokenizer:
 
     def encode_special_tokens_as_text(self, text: str) -> list[int]:
         """Token ids of `text` with special-token strings in it encoded as the text they are."""
+        text = _without_surrogates(text)
         if self._as_text_hf is None:
             hf = tokenizers.Tokenizer.from_str(self.hf.to_str())
             hf.encode_special_tokens = True  # set once, before the copy is shared: never toggled
@@ -268,3 +270,14 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _without_surrogates(text: str) -> str:
+    """text with lone surrogates (a JSON "\\ud800" escape decodes to one; they are not characters
+    and the tokenizer refuses them) replaced by U+FFFD, as a UTF-8 decoder would."""
+    if text.isascii() or _SURROGATE.search(text) is None:
+        return text
+    return _SURROGATE.sub("\ufffd", text)

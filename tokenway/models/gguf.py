@@ -29,7 +29,7 @@ from tokenway.models.config import ModelConfig
 from tokenway.models.gguf_tokenizer import tokenizer_from_gguf
 
 # Bump whenever the output for the same GGUF changes: it is part of the cache key.
-CONVERTER_VERSION = 4
+CONVERTER_VERSION = 5
 # Where each tensor of the GGUF lies and how to read it (TensorEntry), beside config.json.
 TENSOR_TABLE = "gguf-tensors.json"
 
@@ -133,7 +133,7 @@ def _hf_config(meta: _Metadata, reader: gguf.GGUFReader) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         "bos_token_id": None if bos is None else int(bos),
-        "eos_token_id": None if eos is None else int(eos),
+        "eos_token_id": _end_of_generation(meta, eos),
         "torch_dtype": "float32",
     }
     rope_scaling = _rope_scaling(meta, tensors.get("rope_freqs.weight"), head_dim)
@@ -141,6 +141,22 @@ def _hf_config(meta: _Metadata, reader: gguf.GGUFReader) -> dict[str, Any]:
         config["rope_scaling"] = rope_scaling
     config.update(family.gguf_fields(meta))
     return config
+
+
+# Tokens llama.cpp ends generation on wherever a vocabulary has them (llama-vocab.cpp's EOG list),
+# beside the eos/eot/eom ids the metadata names: a chat model's end of turn (Gemma's
+# <end_of_turn>, ChatML's <|im_end|>) is often not its eos.
+_EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+                        "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>"})
+
+
+def _end_of_generation(meta: _Metadata, eos: Any) -> int | list[int] | None:
+    ids = [int(i) for i in (eos, meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id"))
+           if i is not None]
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    ids += [i for i, text in enumerate(tokens) if text in _EOG_TEXTS]
+    ids = list(dict.fromkeys(ids))  # in order, once each
+    return None if not ids else ids[0] if len(ids) == 1 else ids
 
 
 def _rope_scaling(meta: _Metadata, freqs: gguf.ReaderTensor | None, head_dim: int) -> dict[str, Any] | None:
