@@ -61,12 +61,15 @@ class ModelRunner:
         decode_rows: list[int] = []
         prefill_rows: list[int] = []
         for row, num_new in enumerate(out.num_scheduled_tokens):
-            (decode_rows if num_new == 1 else prefill_rows).append(row)
+            # A decode with drafts (a verify chunk) decodes each of its tokens as a row of its own
+            # whose context ends at that token: causal over the drafts, on the decode kernels.
+            (decode_rows if num_new == 1 + len(out.spec_token_ids[row]) else prefill_rows).append(row)
 
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
         last_token_index = [0] * len(out.requests)
+        decode_tables: list[list[int]] = []  # per decode token
         decode_context_lens: list[int] = []
         chunks: list[tuple[int, int, int, list[int]]] = []  # prompt chunks: (token_start, start, end, block ids)
         for row in decode_rows + prefill_rows:
@@ -77,17 +80,17 @@ class ModelRunner:
             block_ids = out.block_tables[row]
             token_start = len(input_ids)
             input_ids.extend(request.all_token_ids[start:end])
-            input_ids.extend(out.spec_token_ids[row])  # a verify chunk: causal over its drafts like a prompt's
+            input_ids.extend(out.spec_token_ids[row])  # a verify chunk's drafts follow its last known token
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(block_ids, start, end))
             last_token_index[row] = token_start + num_new - 1
-            if num_new == 1:
-                decode_context_lens.append(end)
+            if num_new == 1 + len(out.spec_token_ids[row]):
+                decode_tables.extend([block_ids] * num_new)
+                decode_context_lens.extend(range(start + 1, end + 1))
             else:
                 chunks.append((token_start, start, end, block_ids))
 
         slots = torch.tensor(slot_mapping, device=self.device)
-        decode_tables = [out.block_tables[row] for row in decode_rows]
         meta = self._metadata(slots, decode_tables, decode_context_lens, chunks, window=None)
         if self.sliding_window is not None:  # the layers that slide read their own layout
             meta.sliding = self._metadata(slots, decode_tables, decode_context_lens, chunks, self.sliding_window)
