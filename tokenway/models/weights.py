@@ -4,7 +4,7 @@ A HuggingFace directory's *.safetensors are read through safetensors (memory-map
 directory (loader.resolve_model, gguf.py) holds no weights, only gguf.TENSOR_TABLE: each tensor is
 mapped from the GGUF itself when the model loads, one mapping a tensor, so a tensor's pages are let
 go once the model has what it keeps of it. Quantized weights reach the model as their blocks
-(`quantized_weights`), float ones as float32 (`iter_weights`).
+(`quantized_weights`), float ones in their dtype (`iter_weights`).
 
 The block kernels re-lay a GGUF's blocks out once (models/quant.py). That costs a few seconds a GB in
 numpy, so a GGUF's directory also keeps the relaid kernels in one file (`KernelCache`), mapped on the
@@ -102,8 +102,8 @@ def quantized_weights(model_dir: Path) -> dict[str, QuantizedTensor]:
 
 
 def iter_weights(model_dir: Path, skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF tensor name, tensor) for every tensor of the model but those in `skip`: a
-    HuggingFace directory's in their file dtype, a GGUF's as float32 (its blocks decoded)."""
+    """Yield (HF tensor name, tensor) for every tensor of the model but those in `skip`, in the
+    file's dtype (a GGUF's blocks decoded to float32)."""
     table = gguf_table(model_dir)
     if table is not None:
         yield from _gguf_floats(*table, skip)
@@ -129,12 +129,13 @@ def _gguf_floats(gguf_path: Path, entries: list[TensorEntry], skip: Container[st
     with tqdm(total=sum(e.nbytes for e in wanted), unit="B", unit_scale=True, desc=f"Loading {gguf_path.name}",
               disable=None) as bar:
         for entry in wanted:
-            if entry.type in FLOAT_TYPES:
-                raw = _mapped(gguf_path, entry).view({"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[entry.type])
-                tensor = torch.from_numpy(raw.reshape(entry.shape))
-                tensor = (tensor.view(torch.bfloat16) if entry.type == "BF16" else tensor).float()
+            if entry.type in FLOAT_TYPES:  # mapped, in the file's dtype: the model converts as it copies
+                raw = _mapped(gguf_path, entry).view({"F32": np.float32, "F16": np.float16, "BF16": np.int16}[entry.type])
                 if entry.unpermute_heads is not None:
-                    tensor = torch.from_numpy(unpermute(tensor.numpy(), entry.unpermute_heads))
+                    raw = np.ascontiguousarray(unpermute(raw.reshape(entry.shape), entry.unpermute_heads))
+                tensor = torch.from_numpy(raw.reshape(entry.shape))
+                if entry.type == "BF16":
+                    tensor = tensor.view(torch.bfloat16)
             else:
                 rows = entry.shape[0] if len(entry.shape) == 2 else 1
                 blocks = QuantizedTensor(entry.type, _blocks(gguf_path, entry) if len(entry.shape) == 2
@@ -142,7 +143,7 @@ def _gguf_floats(gguf_path: Path, entries: list[TensorEntry], skip: Container[st
                                          (rows, entry.shape[-1]))
                 tensor = blocks.dequantize().reshape(entry.shape)
             if entry.value_offset:
-                tensor = tensor - entry.value_offset
+                tensor = tensor.float() - entry.value_offset
             yield entry.name, tensor
             bar.update(entry.nbytes)
 
