@@ -155,7 +155,7 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--kv-cache-memory", help="KV cache budget, e.g. 2GiB")
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--quantization", choices=["auto", "none"],
-                       help="auto: compute on a GGUF's Q4_1/Q8_0 blocks directly (CPU); none: dequantize at load "
+                       help="auto: compute on a GGUF's quantized blocks directly (CPU: Q4_0-Q8_0, Q4_K-Q6_K); none: dequantize at load "
                             "(default auto)")
     serve.add_argument("--quant-activations", choices=["auto", "int8", "dtype"],
                        help="what activations meet the GGUF blocks in: int8 (AVX512-VNNI, as llama.cpp) or the "

@@ -59,7 +59,7 @@ class EngineConfig:
     # (models/linear.py); "default" keeps torch's own; "onednn" packs every float32 weight.
     linear_kernels: str = "auto"
     # Weights a GGUF keeps quantized: "auto" computes on its blocks directly where tokenway has
-    # a kernel for their type (models/quant.py: Q4_1, Q8_0) and it builds on this machine;
+    # a kernel for their type (models/quant.py QTYPES) and it builds on this machine;
     # "none" dequantizes them into `dtype` at load.
     quantization: str = "auto"
     # What the activations meet those blocks in: "auto" is "int8" unless dtype is "float32";

@@ -10,7 +10,7 @@ rest of tokenway reads HF directories, so loader.py describes a GGUF once and ca
          type, where its bytes lie in the GGUF, and how to read them in HF order
 
 No weight is copied: the loader maps each tensor's bytes from the GGUF when the model loads
-(loader.gguf_tensors), so the cache holds a few megabytes of JSON, not a float copy of the model.
+(models/weights.py), so the cache holds a few megabytes of JSON, not a float copy of the model.
 """
 
 from __future__ import annotations
