@@ -147,7 +147,10 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         model = DecoderForCausalLM(self.model_config, self.dtype, max_positions=self.max_model_len)
         quantized: set[str] = set()
-        if config.quantization == "auto" and self.device.type == "cpu":
+        if config.quantization == "auto" and self.device.type != "cpu":
+            # The blocks on the device, dequantized per matmul by torch operators (models/quant_torch.py).
+            quantized = model.use_quantized(quantized_weights(model_dir), torch_device=self.device)
+        elif config.quantization == "auto":
             from tokenway.models import quant
 
             if quant.available():

@@ -363,21 +363,34 @@ class DecoderForCausalLM(nn.Module):
         return len(self._quantized_params - {"embed_tokens"})
 
     def use_quantized(self, tensors: dict[str, QuantizedTensor], activations: str = "dtype",
-                      relaid: dict[str, torch.Tensor] | None = None) -> set[str]:
+                      relaid: dict[str, torch.Tensor] | None = None,
+                      torch_device: torch.device | None = None) -> set[str]:
         """Run the matmuls whose weights are stored in blocks models/quant.py reads on those
         blocks, and look token embeddings up from theirs: q/k/v and gate/up are one kernel where
         their parts share a type, else one kernel a part writing into one output (a Q4_K_M file's
         Q6_K v beside Q4_K q and k). Their float parameters are released. Returns the HF names
         used, which load_weights then skips. activations: "int8" or "dtype" (quant.products_for).
-        relaid: kernels' weights relaid by an earlier start (relaid_weights()), by parameter name."""
-        from tokenway.models.quant import QuantKernel, supports
+        relaid: kernels' weights relaid by an earlier start (relaid_weights()), by parameter name.
+        torch_device: run the blocks through torch operators on this device instead (quant_torch.py:
+        a GPU, where the native kernels do not run)."""
+        from tokenway.models import dequant
+        from tokenway.models.quant import QuantKernel
+        from tokenway.models.quant import supports as native_supports
+        from tokenway.models.quant_torch import TorchQuantKernel
 
         relaid = relaid or {}
         config = self.config
         used: set[str] = set()
+        on_torch = torch_device is not None
+
+        def supports(qtype: str, in_features: int) -> bool:
+            return qtype in dequant.QTYPES if on_torch else native_supports(qtype, in_features)
 
         def kernel_for(name: str, parts: list[QuantizedTensor], bias: torch.Tensor | None):
             qtypes = {t.qtype for t in parts}
+            if on_torch and len(qtypes) == 1:  # rows of blocks concatenate as they are
+                blocks = torch.cat([t.blocks for t in parts]) if len(parts) > 1 else parts[0].blocks
+                return TorchQuantKernel(blocks, parts[0].qtype, parts[0].shape[1], bias, self.dtype, torch_device)
             if len(qtypes) == 1 and (len(parts) == 1 or all(t.shape[0] % QuantKernel.ROWS == 0 for t in parts)):
                 # One kernel: relaid parts whose rows fill whole lane groups concatenate as relaid whole.
                 weight = relaid.get(name)
