@@ -420,3 +420,33 @@ def test_a_miss_on_an_evicted_block_says_evicted():
     req_c = make_request("c", list(range(16)) + list(range(5000, 5040)))
     assert manager.get_computed_blocks(req_c)[1] == 16
     assert manager.get_cache_miss_reason("c") == "not_cached"
+
+
+def test_sliding_window_gives_back_blocks_behind_the_window_and_keeps_them_cached():
+    manager = KVCacheManager(num_blocks=10, block_size=4, sliding_window=6)
+    assert manager.num_free_blocks == 9  # the null block stands in for given-back ones
+    request = make_request("a", range(20))
+    prefill(manager, request)  # 5 blocks, positions 0..19
+    assert manager.num_free_blocks == 4
+    first_blocks = list(manager.get_block_ids("a"))[:3]
+    request.append_output_token_ids(99)
+    # The next query is at position 20: it and later ones see keys 15.. on, so blocks 0-2 (0..11) go.
+    assert len(manager.allocate_slots(request, 1)) == 1  # position 20 opens block 5
+    table = manager.get_block_ids("a")
+    assert table[:3] == [manager.null_block] * 3 and len(table) == 6  # still indexed by position
+    assert manager.num_free_blocks == 4 - 1 + 3
+    # Given back, not forgotten: the same prompt hits them in the prefix cache.
+    again = make_request("b", range(20))
+    hits, _ = manager.get_computed_blocks(again)
+    assert hits[:3] == first_blocks
+    manager.free(request)
+    assert manager.num_free_blocks == 9 and manager.reset_prefix_cache()
+
+
+def test_without_a_window_no_block_is_given_back():
+    manager = KVCacheManager(num_blocks=10, block_size=4)
+    request = make_request("a", range(20))
+    prefill(manager, request)
+    request.append_output_token_ids(99)
+    manager.allocate_slots(request, 1)
+    assert manager.null_block is None and len(set(manager.get_block_ids("a"))) == 6

@@ -124,9 +124,10 @@ def transformers_greedy(model_dir: Path, prompt_ids: list[list[int]], max_tokens
     return out
 
 
-def serve_and_compare(model: str, expected: list[list[int]], cache_dir: Path, max_tokens: int) -> None:
-    llm = LLM(model, dtype="float32", block_size=4, kv_cache_memory=64 * 2**20, max_model_len=128, linear_kernels="default",
-              cache_dir=str(cache_dir), show_progress=False)
+def serve_and_compare(model: str, expected: list[list[int]], cache_dir: Path, max_tokens: int,
+                      kv_cache_memory: int = 64 * 2**20, expect_hits: bool = True) -> LLM:
+    llm = LLM(model, dtype="float32", block_size=4, kv_cache_memory=kv_cache_memory, max_model_len=128,
+              linear_kernels="default", cache_dir=str(cache_dir), show_progress=False)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     batch = [{"prompt_token_ids": ids} for ids in prompts()]
     for attempt in ("cold", "prefix-cache hits"):
@@ -134,7 +135,8 @@ def serve_and_compare(model: str, expected: list[list[int]], cache_dir: Path, ma
         got = [list(output.outputs[0].token_ids) for output in outputs]
         for index, (ours, theirs) in enumerate(zip(got, expected)):
             assert ours == theirs, f"{attempt}: prompt {index} ({len(batch[index]['prompt_token_ids'])} tokens)"
-    assert llm.engine.kv_manager.num_hit_tokens > 0
+    assert llm.engine.kv_manager.num_hit_tokens > 0 or not expect_hits
+    return llm
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -160,3 +162,20 @@ def test_family_from_safetensors_and_gguf_generates_as_transformers(kind, tmp_pa
         hf_config.save_pretrained(model_dir)
         expected = transformers_greedy(model_dir, prompts(), max_tokens)
     serve_and_compare(str(gguf_path), expected, tmp_path / "cache", max_tokens)
+
+
+def test_blocks_behind_every_layers_window_go_back_to_the_pool(tmp_path, tokenizer_dir):
+    """Mistral with a 12-key window on every layer: each request holds a few blocks, not its whole
+    context, so 8 requests (285 tokens, 75 blocks of 4) run at once in a cache of 44 blocks."""
+    from tokenway.engine.runner import kv_bytes_per_block
+    from tokenway.models.config import ModelConfig
+
+    max_tokens = 16
+    model_dir = build("mistral", tmp_path / "mistral", tokenizer_dir)
+    expected = transformers_greedy(model_dir, prompts(), max_tokens)
+    block_bytes = kv_bytes_per_block(ModelConfig.from_dir(model_dir), 4, torch.float32)
+    # (a cache this small evicts the first run's blocks before the second: no hits expected)
+    llm = serve_and_compare(str(model_dir), expected, tmp_path / "cache", max_tokens, kv_cache_memory=44 * block_bytes,
+                            expect_hits=False)
+    assert llm.engine.kv_manager.null_block is not None
+    assert llm.engine.scheduler.num_preemptions == 0

@@ -179,8 +179,14 @@ class EngineCore:
                 f"or lower max_model_len"
             )
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
+        # Where every layer slides, blocks behind the window go back to the pool as requests run.
+        uniform_window = (self.model_config.sliding_window
+                          if self.model_config.layer_types and all(map(self.model_config.is_sliding,
+                                                                       range(self.model_config.num_hidden_layers)))
+                          else None)
         self.kv_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, namespace=str(model_dir)
+            num_blocks, config.block_size, config.enable_prefix_caching, namespace=str(model_dir),
+            sliding_window=uniform_window,
         )
         proposer = None
         if config.speculative_method == "ngram":

@@ -36,6 +36,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sliding_window = config.sliding_window if config.layer_types else None
+        self.full_layers = not all(map(config.is_sliding, range(config.num_hidden_layers)))
         num_slots = num_blocks * block_size
         shape = (num_slots, config.num_key_value_heads, config.head_dim)
         # Per layer: (num_blocks * block_size, kv_heads, head_dim); slot = block_id * block_size + offset.
@@ -91,9 +92,13 @@ class ModelRunner:
                 chunks.append((token_start, start, end, block_ids))
 
         slots = torch.tensor(slot_mapping, device=self.device)
-        meta = self._metadata(slots, decode_tables, decode_context_lens, chunks, window=None)
-        if self.sliding_window is not None:  # the layers that slide read their own layout
-            meta.sliding = self._metadata(slots, decode_tables, decode_context_lens, chunks, self.sliding_window)
+        if self.full_layers:
+            meta = self._metadata(slots, decode_tables, decode_context_lens, chunks, window=None)
+            if self.sliding_window is not None:  # the layers that slide read their own layout
+                meta.sliding = self._metadata(slots, decode_tables, decode_context_lens, chunks, self.sliding_window)
+        else:  # every layer slides (and blocks behind the window may be given back: never read them)
+            meta = self._metadata(slots, decode_tables, decode_context_lens, chunks, self.sliding_window)
+            meta.sliding = meta
 
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),

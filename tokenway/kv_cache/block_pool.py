@@ -125,9 +125,10 @@ class BlockPool:
         self._block_hashes[block_id] = block_hash
         self._evicted_hashes.pop(block_hash, None)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash. Only allowed when no block is in use; returns success."""
-        if self.num_free_blocks != self.num_blocks:
+    def reset_prefix_cache(self, num_held: int = 0) -> bool:
+        """Forget every cached hash. Only allowed when no block is in use but `num_held` uncached
+        ones (a manager's null block); returns success."""
+        if self.num_free_blocks != self.num_blocks - num_held:
             return False
         self._hash_to_block_id.clear()
         self._block_hashes = [None] * self.num_blocks

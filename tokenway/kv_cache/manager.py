@@ -38,13 +38,21 @@ class KVCacheManager:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         namespace: str = "",
+        sliding_window: int | None = None,
     ) -> None:
+        """sliding_window: every layer of the model attends to this many keys at most (Mistral
+        v0.1, Phi-3 4k): a request's blocks that fall out of it go back to the pool as it runs."""
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.namespace = namespace  # the model: hashes from different namespaces never match
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.sliding_window = sliding_window
+        # Stands in a block table for blocks given back (a valid id no query reads); held forever.
+        self.null_block = self.block_pool.get_new_blocks(1)[0] if sliding_window else None
+        # Leading entries of each block table given back (now null_block).
+        self._request_id_to_num_released: dict[str, int] = {}
         self._request_id_to_block_ids: dict[str, list[int]] = {}
         # Leading blocks of each request already offered to the cache, so each step only
         # looks at the blocks that became full since the last one.
@@ -132,6 +140,8 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         request_id = request.request_id
         block_ids = self._request_id_to_block_ids.get(request_id, [])
+        if self.sliding_window and block_ids:
+            self._release_out_of_window(request_id, block_ids, request.num_computed_tokens)
         # Cache hits only ever start a block table, and only the first time it is filled.
         assert not new_computed_block_ids or (not block_ids and request.num_computed_tokens == 0)
         num_computed_tokens = request.num_computed_tokens + len(new_computed_block_ids) * self.block_size
@@ -158,6 +168,19 @@ class KVCacheManager:
             self._cache_full_blocks(request, block_ids, min(num_tokens, request.num_tokens))
         return new_block_ids
 
+    def _release_out_of_window(self, request_id: str, block_ids: list[int], num_computed_tokens: int) -> None:
+        """Give back the leading blocks no query of this request will read again: the next query is
+        at position num_computed_tokens, and it and every later one see keys from
+        num_computed_tokens - window + 1 on. A given-back block stays in the prefix cache (free,
+        evictable), as a finished request's do."""
+        first_kept = max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+        released = self._request_id_to_num_released.get(request_id, 0)
+        if first_kept <= released:
+            return
+        self.block_pool.free_blocks(block_ids[released:first_kept])
+        block_ids[released:first_kept] = [self.null_block] * (first_kept - released)
+        self._request_id_to_num_released[request_id] = first_kept
+
     def _cache_full_blocks(self, request: Request, block_ids: list[int], num_known_tokens: int) -> None:
         update_block_hashes(request, self.block_size, self.namespace)
         num_cached_blocks = self._request_id_to_num_cached_blocks.get(request.request_id, 0)
@@ -173,9 +196,10 @@ class KVCacheManager:
         self._request_id_to_num_cached_blocks.pop(request_id, None)
         self._request_id_to_cache_miss_reason.pop(request_id, None)
         self._request_id_to_pending_query.pop(request_id, None)
+        released = self._request_id_to_num_released.pop(request_id, 0)
         if block_ids is not None:
-            self.block_pool.free_blocks(reversed(block_ids))
+            self.block_pool.free_blocks(reversed(block_ids[released:]))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Only succeeds when no block is in use."""
-        return self.block_pool.reset_prefix_cache()
+        return self.block_pool.reset_prefix_cache(num_held=0 if self.null_block is None else 1)
