@@ -53,7 +53,8 @@ def main() -> None:
             os.symlink(native, Path(scratch.name) / "native")
     size = Path(args.model).stat().st_size if Path(args.model).is_file() else None
     print(f"model {args.model}" + (f" ({size / 2**30:.2f} GiB)" if size else ""))
-    print(f"{'run':>4} {'start s':>8} {'peak RSS GiB':>13} {'RSS GiB':>8} {'KV GiB':>7} {'file+KV+1 GiB':>14}  matmuls on blocks")
+    print(f"{'run':>4} {'start s':>8} {'peak RSS GiB':>13} {'RSS GiB':>8} {'KV GiB':>7} {'file+KV+1 GiB':>14}"
+          "  matmuls on blocks")
     for run in range(1, args.runs + 1):
         started = time.monotonic()
         out = subprocess.run([sys.executable, "-c", CHILD, args.model, args.kv_cache_memory], env=env,

@@ -44,8 +44,9 @@ def family_config(kind: str):
         return transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True)
     if kind == "gemma3":
         # Five local layers and a global one: the pattern llama.cpp assumes where the GGUF names none.
-        return transformers.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 6}, head_dim=32, query_pre_attn_scalar=32,
-                                             sliding_window=WINDOW, layer_types=[SLIDING] * 5 + [FULL])
+        return transformers.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 6}, head_dim=32,
+                                             query_pre_attn_scalar=32, sliding_window=WINDOW,
+                                             layer_types=[SLIDING] * 5 + [FULL])
     if kind == "phi3":
         return transformers.Phi3Config(**COMMON, pad_token_id=0, sliding_window=WINDOW)
     raise AssertionError(kind)

@@ -32,12 +32,12 @@ def test_matmul_equals_gguf_dequantize_then_matmul(qtype):
 
 def test_engine_model_on_torch_kernels_generates_as_on_native_ones(default_model_dir):
     """The default GGUF's Q4_1/Q8_0 blocks through torch operators: the float32 model's greedy tokens."""
+    from tokenway.engine.request import Request, SamplingParams
     from tokenway.engine.runner import ModelRunner
+    from tokenway.engine.scheduler import SchedulerOutput
     from tokenway.models.config import ModelConfig
     from tokenway.models.decoder import DecoderForCausalLM
     from tokenway.models.weights import iter_weights, quantized_weights
-    from tokenway.engine.request import Request, SamplingParams
-    from tokenway.engine.scheduler import SchedulerOutput
 
     config = ModelConfig.from_dir(default_model_dir)
     models = []
@@ -47,7 +47,7 @@ def test_engine_model_on_torch_kernels_generates_as_on_native_ones(default_model
             if torch_device is not None else set()
         model.load_weights(iter_weights(default_model_dir, skip=used))
         models.append(model.eval())
-    torch_model, float_model = models
+    torch_model = models[0]
     assert torch_model.num_quantized_matmuls == 30 * 4 + 1 and torch_model.embedding is not None
     tokens = [1, 504, 3458, 282, 4649, 314, 253]
     logits = []

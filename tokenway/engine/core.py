@@ -31,8 +31,8 @@ from tokenway.engine.structured_output import StructuredOutputManager, Structure
 from tokenway.frontend.tokenizer import Tokenizer
 from tokenway.kv_cache.manager import KVCacheManager
 from tokenway.models.config import ModelConfig
-from tokenway.models.linear import select_kernels
 from tokenway.models.decoder import DecoderForCausalLM
+from tokenway.models.linear import select_kernels
 from tokenway.models.loader import resolve_model
 from tokenway.models.weights import KernelCache, iter_weights, quantized_weights
 

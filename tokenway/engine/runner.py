@@ -58,7 +58,6 @@ class ModelRunner:
         out.requests restricted to those whose last scheduled token is their last known token
         or draft (a prompt chunk that does not reach the end samples nothing): one row per
         such request, and one more per draft it verifies (its k + 1 positions, in order)."""
-        bs = self.block_size
         decode_rows: list[int] = []
         prefill_rows: list[int] = []
         for row, num_new in enumerate(out.num_scheduled_tokens):
