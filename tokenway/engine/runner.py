@@ -158,7 +158,10 @@ class ModelRunner:
             by_first_block.setdefault(table[0], []).append(row)
         groups = []
         for rows in by_first_block.values():
-            if len(rows) < 2:
+            # The rows of one verify chunk (one table object) share everything yet never form a
+            # group alone: reading the prefix apart rounds differently from the request's plain
+            # decode row, and greedy speculation must give exactly plain decoding's tokens.
+            if len({id(tables[row]) for row in rows}) < 2:
                 continue
             first = tables[rows[0]]
             # Full blocks before each row's newest token only: every row keeps a block of its own.

@@ -17,6 +17,12 @@ quotes) are drafted well by looking up the latest tokens earlier in the context,
 Drafts live only in the step's SchedulerOutput, never in Request.all_token_ids: the KV cache
 manager caches a block only once it is full of known tokens, so no block is ever cached
 holding a rejected draft.
+
+Not drafted for: requests under a structured-output grammar (each draft would have to pass the
+grammar before the model sees it), and the last token a request may still emit (max_tokens,
+the context window). Every other sampling parameter holds per verified position: penalties
+and min_tokens count the drafts before it, logprobs come from its raw logits, and a stop
+token or stop string inside an accepted run ends the output there.
 """
 
 from __future__ import annotations
