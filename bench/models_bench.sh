@@ -25,6 +25,8 @@ PEERS_DIR=${PEERS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenway-peers}
 BIN=${BIN:-$PEERS_DIR/bin}
 TW_SRC=${TW_SRC:-$ROOT}
 TW_PY=${TW_PY:-$ROOT/.venv/bin/python}
+# The console script, not `python -m`: that would put the working directory ahead of TW_SRC on sys.path.
+TW_SERVE=${TW_SERVE:-$(dirname "$TW_PY")/tokenway serve}
 OV_PY=${OV_PY:-$PEERS_DIR/openvino-venv/bin/python}
 SHAPES=${SHAPES:-"llama-3.2-1b smollm2-1.7b"}
 QUANTS=${QUANTS:-"Q4_K_M Q4_0"}
@@ -32,7 +34,7 @@ THREADS=${THREADS:-2}
 GEMMA3_GGUF=${GEMMA3_GGUF:-$ROOT/tests/.gemma3/gemma-3-270m-q4_k_m.gguf}
 # The KV cache llama-server gets from peers.sh (16 slots x 2048 tokens) is about 1 GiB for a 1B model.
 TW_ARGS=${TW_ARGS:-"--max-model-len 4096 --kv-cache-memory 1GiB"}
-TIME_LIMIT=${TIME_LIMIT:-60}
+TIME_LIMIT=${TIME_LIMIT:-100}
 OPENVINO=${OPENVINO:-1}
 OUT=${OUT:-$PEERS_DIR/results/models-$(date +%Y%m%d-%H%M%S)}
 TW_PORT=18090
@@ -84,7 +86,7 @@ start_time() {  # $1 name, $2.. command: spawn it in its own group, time it to /
   wait "$pid" 2>/dev/null || true
 }
 
-# Samples, every 0.2 s, whichever process group listens on each port, and keeps per port the
+# Samples, every 0.5 s, whichever process group listens on each port, and keeps per port the
 # largest sum of its processes' VmHWM: peak resident memory of the server with its workers.
 RSS_WATCHER='
 import json, os, sys, time
@@ -126,13 +128,13 @@ while True:
     with open(out + ".tmp", "w") as f:
         json.dump(peak, f)
     os.replace(out + ".tmp", out)
-    time.sleep(0.2)
+    time.sleep(0.5)
 '
 
 { echo "date: $(date -Is)"; echo "host: $(nproc) cpu,$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)";
   echo "tokenway: $(git -C "$TW_SRC" rev-parse --short HEAD) ($TW_SRC) serve $TW_ARGS";
   echo "llama.cpp: $("$BIN/llama-server" --version 2>&1 | grep -m1 version)"; } | tee "$OUT/env.txt"
-"$TW_PY" - "$THREADS" "$TW_SRC/bench" >"$OUT/plain_read_gbs" <<'EOF'
+(cd "$TW_SRC" && "$TW_PY" - "$THREADS" "$TW_SRC/bench") >"$OUT/plain_read_gbs" <<'EOF'
 import sys
 import torch
 sys.path.insert(0, sys.argv[2])
@@ -164,14 +166,14 @@ print(max(r, key=lambda x: x['avg_ts']).get('repack', False))" "$dir/llama_bench
   start_time llama-server-$name http://127.0.0.1:18080 "$BIN/llama-server" -m "$f" -t "$THREADS" -tb "$THREADS" -np 16 \
     -c 32768 --host 127.0.0.1 --port 18080 $llama_args
   mv "$OUT/llama-server-$name.start_s" "$dir/llama-server.start_s"
-  start_time tokenway-$name "http://127.0.0.1:$TW_PORT" "$TW_PY" -m tokenway.cli serve --model "$f" --port "$TW_PORT" $TW_ARGS
+  start_time tokenway-$name "http://127.0.0.1:$TW_PORT" $TW_SERVE --model "$f" --port "$TW_PORT" $TW_ARGS
   mv "$OUT/tokenway-$name.start_s" "$dir/self.start_s"
   # (b) serving, with (d) peak RSS sampled alongside.
   "$TW_PY" -c "$RSS_WATCHER" "$dir/rss_kib.json" 18080 "$TW_PORT" &
   watcher=$!
   OUT=$dir GGUF=$f PEERS="llama-server self" LLAMA_ARGS="$llama_args" IGNORE_EOS=on CONCURRENCY="1 16" \
     DATASETS=short KERNEL_BENCH=0 TIME_LIMIT=$TIME_LIMIT THREADS=$THREADS \
-    SELF_CMD="$TW_PY -m tokenway.cli serve --model $f --port $TW_PORT $TW_ARGS" SELF_URL=http://127.0.0.1:$TW_PORT \
+    SELF_CMD="$TW_SERVE --model $f --port $TW_PORT $TW_ARGS" SELF_URL=http://127.0.0.1:$TW_PORT \
     bash "$SHARED/peers.sh" >"$dir/peers.log" 2>&1 || echo "peers.sh failed: see $dir/peers.log"
   kill "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null || true
   grep -h '^\[' "$dir/summary.txt" 2>/dev/null || true
