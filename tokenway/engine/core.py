@@ -206,7 +206,9 @@ class EngineCore:
                 f"in {time.monotonic() - started:.1f}s; KV cache {num_blocks} blocks x {config.block_size} tokens "
                 f"({num_blocks * block_bytes / 2**30:.2f} GiB), max_model_len {self.max_model_len}; "
                 f"{model.num_quantized_matmuls} matmuls on GGUF blocks; fused layer kernels {'on' if fused else 'off'}; "
-                f"oneDNN-packed matmuls for {packed} of {len(backends)} float weight shapes",
+                f"oneDNN-packed matmuls for {packed} of {len(backends)} float weight shapes"
+                + ("; no chat template in the model: chats are templated as ChatML"
+                   if self.tokenizer.chat_template_is_fallback else ""),
                 file=sys.stderr,
             )
 

@@ -71,6 +71,12 @@ class Tokenizer:
         self._prepend_bos = (
             bool(tokenizer_config.get("add_bos_token", False)) and self.bos_token_id is not None and not adds_special
         )
+        # A model without a chat template (a base model) is templated as ChatML, as llama.cpp
+        # does: chat clients work, and `chat_template_is_fallback` lets the log say so.
+        self.chat_template_is_fallback = chat_template is None
+        if chat_template is None:
+            adds_bos = self.bos_token_id is not None and (self._prepend_bos or adds_special)
+            chat_template = _CHATML_WITH_BOS if adds_bos else CHATML
         self.chat_template = chat_template
         self._template: jinja2.Template | None = None
         self._template_supports_tools = False
@@ -172,8 +178,6 @@ class Tokenizer:
         tools: list[dict] | None = None,
         **kwargs: Any,
     ) -> str:
-        if self._template is None:
-            raise ValueError(f"{self._source}: the model has no chat template; send a plain-text prompt instead")
         variables = {
             **self._special_tokens,
             "messages": messages,
@@ -271,6 +275,21 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
 
+
+# llama.cpp's default chat template: ChatML. Content that is a list of parts joins its text parts.
+CHATML = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- elif message['content'] -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+# Templates carry the BOS themselves (chat prompts are encoded without special tokens): a model
+# whose tokenizer adds one (Gemma, Llama 2) gets it first.
+_CHATML_WITH_BOS = "{{- bos_token -}}" + CHATML
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
