@@ -101,8 +101,11 @@ def bench_model(model: str, args: argparse.Namespace) -> list[tuple]:
                 for k, llm in k_to_llm.items():
                     tok_s, outputs, counts = run(llm, prompts, params, concurrency)
                     key = (workload, concurrency, k)
+                    # Outputs from the first round, where every engine's prefix cache is in the same
+                    # state (a cache hit changes the prefill's rounding, and so maybe a near-tie).
+                    first = best[key][1] if key in best else outputs
                     if key not in best or tok_s > best[key][0]:
-                        best[key] = (tok_s, outputs, counts)
+                        best[key] = (tok_s, first, counts)
     rows = []
     for (workload, concurrency, k), (tok_s, outputs, counts) in best.items():
         baseline = best[(workload, concurrency, 0)][1]
@@ -139,13 +142,12 @@ def main() -> None:
     models = args.model or [DEFAULT_MODEL] + ([str(GEMMA)] if GEMMA.exists() else [])
     print(f"torch threads {torch.get_num_threads()}; greedy; max_tokens {args.max_tokens}; "
           f"prompt_lookup_max 4, prompt_lookup_min 2; best of {args.rounds} rounds")
-    rows = []
-    for model in models:
-        rows += bench_model(model, args)
     print(HEADER)
-    base = {(r[0], r[1], r[2]): r[5] for r in rows if r[3] == 0}
-    for row in rows:
-        print(format_row(row, None if row[3] == 0 else row[5] / base[(row[0], row[1], row[2])]))
+    for model in models:
+        rows = bench_model(model, args)
+        base = {(r[1], r[2]): r[5] for r in rows if r[3] == 0}
+        for row in rows:
+            print(format_row(row, None if row[3] == 0 else row[5] / base[(row[1], row[2])]), flush=True)
 
 
 if __name__ == "__main__":
