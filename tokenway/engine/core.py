@@ -161,8 +161,9 @@ class EngineCore:
                 kernel_cache = KernelCache(model_dir, quant.LAYOUT_VERSION)
                 relaid = kernel_cache.load()
                 quantized = model.use_quantized(quantized_weights(model_dir), activations, relaid)
-                if model.relaid_weights().keys() - relaid.keys():
-                    kernel_cache.save(model.relaid_weights())
+                kernels = model.relaid_weights()
+                if kernels.keys() - relaid.keys():
+                    kernel_cache.save(kernels)
         model.load_weights(iter_weights(model_dir, skip=quantized))
         self.model = model.to(self.device).eval()
         fused = model.use_fused_kernels()
@@ -180,13 +181,9 @@ class EngineCore:
             )
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
         # Where every layer slides, blocks behind the window go back to the pool as requests run.
-        uniform_window = (self.model_config.sliding_window
-                          if self.model_config.layer_types and all(map(self.model_config.is_sliding,
-                                                                       range(self.model_config.num_hidden_layers)))
-                          else None)
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, namespace=str(model_dir),
-            sliding_window=uniform_window,
+            sliding_window=self.model_config.uniform_window,
         )
         proposer = None
         if config.speculative_method == "ngram":

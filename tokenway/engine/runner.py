@@ -36,7 +36,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sliding_window = config.sliding_window if config.layer_types else None
-        self.full_layers = not all(map(config.is_sliding, range(config.num_hidden_layers)))
+        self.full_layers = config.uniform_window is None
         num_slots = num_blocks * block_size
         shape = (num_slots, config.num_key_value_heads, config.head_dim)
         # Per layer: (num_blocks * block_size, kv_heads, head_dim); slot = block_id * block_size + offset.

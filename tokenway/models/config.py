@@ -69,6 +69,12 @@ class ModelConfig:
         """Keys layer `layer` attends to (its own token included), or None: the whole context."""
         return self.sliding_window if self.is_sliding(layer) else None
 
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer slides (Mistral v0.1, Phi-3 4k), else None."""
+        sliding = self.layer_types and all(kind == SLIDING for kind in self.layer_types)
+        return self.sliding_window if sliding else None
+
     def rope_of(self, layer: int) -> Rope:
         return self.local_rope if self.local_rope is not None and self.is_sliding(layer) else self.rope
 
