@@ -50,7 +50,8 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model has {self.num_hidden_layers}")
+            raise ValueError(f"layer_types names {len(self.layer_types)} layers, "
+                             f"the model has {self.num_hidden_layers}")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a sliding_window")
 
