@@ -1,9 +1,13 @@
-"""tokenway serve | generate | keys | usage | trace.
+"""tokenway serve | worker | generate | chat | keys | usage | trace.
 
     tokenway serve                                   # the default model on 127.0.0.1:8000
     tokenway serve --model ./my-model.gguf --port 9000 --kv-cache-memory 4GiB
     tokenway serve --config tokenway.toml            # same keys as the flags, e.g. port = 9000
+    tokenway worker --host 0.0.0.0 --port 8100       # one engine, served to gateways on other hosts
     tokenway generate "The capital of France is" --max-tokens 16
+    tokenway chat --url http://127.0.0.1:8000        # an interactive chat with any OpenAI-compatible server
+    tokenway keys create --name alice --rpm 60       # API keys: create | list | rotate | revoke
+    tokenway usage --key-id k_...                    # the ledger by key, day and model
     tokenway trace chatcmpl-...                      # where one request's time went
     tokenway trace --summary                         # ... and over the last requests
 """

@@ -1,7 +1,7 @@
 """The engine for asyncio callers (the HTTP server): EngineClient, and AsyncEngine, which steps
-an EngineCore in a thread of this process (what `tokenway serve` runs by default).
-engine/process.py's ProcessEngine steps it in a child process behind the same interface
-(`tokenway serve --engine-process`).
+an EngineCore in a thread of this process (`tokenway serve --engine-thread`).
+engine/process.py's ProcessEngine steps it in a child process behind the same interface: what
+`tokenway serve` and `tokenway worker` run by default.
 
 Commands (add, abort) cross to the engine through a queue; each step's outputs are folded into
 RequestOutputs (detokenizing, stop strings: fold_outputs) and cross back with one

@@ -2,6 +2,7 @@
 
     TokenwayError                      (status, type, code, param, message; .headers)
     ├── InvalidRequestError            400 invalid_request_error   param names the field: "messages[2].role"
+    │   ├── ContentPolicyViolationError 400 invalid_request_error  code content_policy_violation (safety: block)
     │   └── ContextLengthExceededError 400 invalid_request_error   code context_length_exceeded
     ├── AuthenticationError            401 authentication_error    code invalid_api_key
     ├── PermissionDeniedError          403 permission_error
