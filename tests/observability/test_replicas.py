@@ -1,4 +1,4 @@
-"""Replicas made visible (issue 11 item 8): tokenway_replica_* read from the server's stats at
+"""Replicas made visible to operators: tokenway_replica_* read from the server's stats at
 scrape time, tokenway_routed_* labelled by the replica a call's Trace names, and the dashboard's
 snapshot carrying both, with a local engine and without one (a pure gateway)."""
 
