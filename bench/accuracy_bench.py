@@ -73,7 +73,8 @@ def main() -> None:
     del reference
 
     print(f"{args.model}: {len(PROMPTS)} prompts x {args.tokens} greedy tokens; reference float32, float weights")
-    print(f"{'choice':50s} {'identical':>9s} {'first divergence':>17s} {'next-token agreement':>21s} {'mean |dlogprob|':>16s}")
+    print(f"{'choice':50s} {'identical':>9s} {'first divergence':>17s} {'next-token agreement':>21s} "
+          f"{'mean |dlogprob|':>16s}")
     choices = (("bfloat16", "none", "dtype"), ("float32", "auto", "dtype"), ("bfloat16", "auto", "dtype"),
                ("bfloat16", "auto", "int8"))
     for dtype, quantization, activations in choices:

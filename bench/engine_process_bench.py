@@ -153,9 +153,10 @@ def main() -> None:
         for mode in args.modes:
             result = run_mode(MODE_FLAGS[mode], args)
             results[mode].append(result)
-            print(f"round {round_number + 1} [{mode}] {result['tok_s']:.1f} tok/s, TPOT p50 {result['tpot_ms']:.1f} ms, "
-                  f"{result['steps']} steps, /health p50 {result['health_p50']:.1f} ms "
-                  f"p99 {result['health_p99']:.1f} ms (n={result['n']})", flush=True)
+            print(f"round {round_number + 1} [{mode}] {result['tok_s']:.1f} tok/s, "
+                  f"TPOT p50 {result['tpot_ms']:.1f} ms, {result['steps']} steps, "
+                  f"/health p50 {result['health_p50']:.1f} ms p99 {result['health_p99']:.1f} ms (n={result['n']})",
+                  flush=True)
     for mode, runs in results.items():
         tok_s = sorted(r["tok_s"] for r in runs)
         p99 = sorted(r["health_p99"] for r in runs)

@@ -273,7 +273,8 @@ async def wait_idle(client: httpx.AsyncClient, max_wait_s: float = 60) -> None:
 async def bench(clients: dict[str, httpx.AsyncClient], rates: list[int], duration_s: float, num_repeats: int,
                 warmup_s: float, timeout_s: float) -> dict[int, dict[str, RunStats]]:
     for config, client in clients.items():  # connections, code paths, the key cache, the ledger file
-        refused = (await client.post("/v1/completions", json=BODY, headers={"Authorization": ""}, timeout=10)).status_code
+        response = await client.post("/v1/completions", json=BODY, headers={"Authorization": ""}, timeout=10)
+        refused = response.status_code
         if config != "off" and refused != 401:
             raise SystemExit(f"{config}: a request without a key got {refused}, not 401: is auth on?")
         await open_loop(client, 100, warmup_s, timeout_s)

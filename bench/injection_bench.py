@@ -20,8 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tokenway.client.injection import scan  # noqa: E402  (after the sys.path line)
 from train_injection_probe import embed  # noqa: E402
+
+from tokenway.client.injection import scan  # noqa: E402  (after the sys.path line)
 
 SETS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "injection"
 

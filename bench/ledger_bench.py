@@ -25,14 +25,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tokenway.billing.ledger import Ledger, UsageRecord
+from tokenway.billing.ledger import Ledger, UsageRecord  # noqa: E402  (after the sys.path line)
 
 
 def make_record(request_id: str) -> UsageRecord:
     now = time.time()
     return UsageRecord(request_id, f"key-{hash(request_id) % 50}", "smollm2-135m-instruct", 812, 512, 128, 0.000123,
-                       "stop", None, 200, {"auth": 0.04, "validation": 0.37, "tokenize": 0.22, "queue": 0.05, "prefill": 31.0,
-                                           "decode": 402.5, "postprocess": 0.12}, now - 0.43, now)
+                       "stop", None, 200,
+                       {"auth": 0.04, "validation": 0.37, "tokenize": 0.22, "queue": 0.05, "prefill": 31.0,
+                        "decode": 402.5, "postprocess": 0.12}, now - 0.43, now)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tokenway.gateway.limits import InProcessLimiter, Limiter, LimitSpec
+from tokenway.gateway.limits import InProcessLimiter, Limiter, LimitSpec  # noqa: E402  (after the sys.path line)
 
 SPEC = LimitSpec(rpm=10**6, tpm=10**9, tpd=10**10, max_concurrent=10**4)
 NUM_KEYS = 100

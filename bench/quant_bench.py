@@ -97,9 +97,9 @@ def main() -> None:
     token_counts = [int(n) for n in args.tokens.split(",")]
     isas = [None if isa == "native" else isa for isa in args.isas.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    gguf_sizes = {q: gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[q]] for q in qtypes}  # (block, bytes)
     print("bytes a weight, relaid (GGUF): " + ", ".join(
-        f"{q} {quant.bytes_per_weight(q):.3f} ({gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[q]][1] / gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[q]][0]:.3f})"
-        for q in qtypes))
+        f"{q} {quant.bytes_per_weight(q):.3f} ({gguf_sizes[q][1] / gguf_sizes[q][0]:.3f})" for q in qtypes))
     big = 1 << 30
     print(f"plain read of 1 GiB (memory): {big / plain_read_seconds(big, 5) / 1e9:.1f} GB/s")
     print(f"{'isa':9s} {'type':5s} {'shape':>10s} {'MiB':>6s} {'T':>4s} {'int8 ms':>8s} {'GB/s':>6s} {'of read':>7s} "
@@ -119,14 +119,16 @@ def main() -> None:
                 for tokens in token_counts:
                     x = torch.randn(tokens, cols)
                     # the blocks at any T (past GEMM_ROWS float32 products would multiply the dequantized weight)
-                    on_blocks = [lambda x, k=k: k._ops.quant_linear(x, k.weight, k.out_features, k.qtype_id, k.products, None)
-                                 for k in (int8, fp32)]
+                    on_blocks = [
+                        lambda x, k=k: k._ops.quant_linear(x, k.weight, k.out_features, k.qtype_id, k.products, None)
+                        for k in (int8, fp32)]
                     t_int8, t_fp32 = (best_time(fn, x, args.repeats) for fn in on_blocks)
                     t_bf16 = best_time(lambda x, w=weight: F.linear(x.bfloat16(), w), x, max(5, args.repeats // 5))
                     gbs = [int8.nbytes / t / 1e9 for t in (t_int8, t_fp32)]
                     print(f"{name:9s} {qtype:5s} {rows:5d}x{cols:<4d} {int8.nbytes / 2**20:6.2f} {tokens:4d} "
                           f"{t_int8 * 1e3:8.3f} {gbs[0]:6.1f} {read / t_int8:6.0%} "
-                          f"{t_fp32 * 1e3:8.3f} {gbs[1]:6.1f} {read / t_fp32:6.0%} {read * 1e3:8.3f} {t_bf16 * 1e3:12.3f}")
+                          f"{t_fp32 * 1e3:8.3f} {gbs[1]:6.1f} {read / t_fp32:6.0%} "
+                          f"{read * 1e3:8.3f} {t_bf16 * 1e3:12.3f}")
                 memory = [from_memory(kernel, args.repeats) for kernel in (int8, fp32)]
                 print(f"{name:9s} {qtype:5s} {rows:5d}x{cols:<4d} {'from memory':>11s} {memory[0][0] * 1e3:8.3f} "
                       f"{int8.nbytes / memory[0][0] / 1e9:6.1f} {memory[0][1] / memory[0][0]:6.0%} "

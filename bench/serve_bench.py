@@ -125,7 +125,8 @@ def report(name: str, results: list[Result], elapsed: float) -> float:
     tokens_per_s = sum(r.output_tokens for r in results) / elapsed
     print(f"{name}: {len(results) / elapsed:.2f} req/s, {tokens_per_s:.1f} output tok/s")
     for label, values in (("TTFT", ttft), ("TPOT", tpot), ("ITL", itl), ("E2E", e2e)):
-        print(f"    {label:5s} p50 {ms(values, 50):8.1f} ms   p90 {ms(values, 90):8.1f} ms   p99 {ms(values, 99):8.1f} ms")
+        print(f"    {label:5s} p50 {ms(values, 50):8.1f} ms   p90 {ms(values, 90):8.1f} ms   "
+              f"p99 {ms(values, 99):8.1f} ms")
     return tokens_per_s
 
 

@@ -4,8 +4,9 @@
 
 16 chat requests decode at once, the same prompts with and without a JSON-schema
 constraint, greedy and sampled. Printed per configuration: the median time of an engine step
-in which all 16 requests decode (medians: the machine is shared), and of its two grammar stages (filling the 16 allowed-token
-bitmasks in llguidance, and the sampler, which applies them), plus the schema's compile time.
+in which all 16 requests decode (medians: the machine is shared), and of its two grammar stages
+(filling the 16 allowed-token bitmasks in llguidance, and the sampler, which applies them), plus
+the schema's compile time.
 """
 
 from __future__ import annotations

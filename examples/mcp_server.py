@@ -27,7 +27,7 @@ def convert_length(value: float, from_unit: str, to_unit: str) -> str:
 @server.tool()
 def utc_now() -> str:
     """The current date and time in UTC."""
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 if __name__ == "__main__":

@@ -159,8 +159,8 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--kv-cache-memory", help="KV cache budget, e.g. 2GiB")
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--quantization", choices=["auto", "none"],
-                       help="auto: compute on a GGUF's quantized blocks directly (CPU: Q4_0-Q8_0, Q4_K-Q6_K); none: dequantize at load "
-                            "(default auto)")
+                       help="auto: compute on a GGUF's quantized blocks directly (CPU: Q4_0-Q8_0, Q4_K-Q6_K); "
+                            "none: dequantize at load (default auto)")
     serve.add_argument("--quant-activations", choices=["auto", "int8", "dtype"],
                        help="what activations meet the GGUF blocks in: int8 (AVX512-VNNI, as llama.cpp) or the "
                             "model dtype; auto: int8 unless --dtype float32 (default auto)")
@@ -277,7 +277,8 @@ def run_serve(options: dict) -> int:
                                  model_safety={e.name: e.safety for e in registry.models if e.safety is not None}
                                  if registry is not None else {})
     check_tls(options)
-    connection_policy = connections.ConnectionPolicy.from_options(options)  # a bad value is one line now, not after loading
+    # A bad value is one line now, not after loading.
+    connection_policy = connections.ConnectionPolicy.from_options(options)
     for policy in (server_config.safety, *server_config.model_safety.values()):
         if policy.guard_model is not None and policy.guard_model not in names and policy.guard_model not in aliases:
             raise ValueError(f"safety guard_model: {policy.guard_model!r} is not a served chat model "

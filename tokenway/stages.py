@@ -18,8 +18,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-STAGES = ("auth", "validation", "routing", "safety", "tokenize", "guard", "limits", "queue", "prefill", "decode", "postprocess",
-          "billing")
+STAGES = ("auth", "validation", "routing", "safety", "tokenize", "guard", "limits", "queue", "prefill", "decode",
+          "postprocess", "billing")
 _STAGE_INDEX = {stage: i for i, stage in enumerate(STAGES)}
 # Stages a call may pass without running: each is marked when it ran (before any refusal it
 # makes), so time after the last mark is never theirs.

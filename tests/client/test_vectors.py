@@ -9,6 +9,7 @@ import pytest
 
 from tokenway.client.vectors import Item, PostgresVectorStore, SqliteVecStore
 
+
 def has_pgvector(url: str) -> bool:
     import psycopg
 

@@ -41,7 +41,7 @@ class Server:
         self.log_path = Path(os.environ.get("TOKENWAY_CACHE_DIR", "/tmp")) / f"server-{self.port}.log"
         env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log = open(self.log_path, "w")
+        self.log = open(self.log_path, "w")  # noqa: SIM115  (held for the server's life: stop() closes it)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tokenway.cli", "serve", "--port", str(self.port),
              # float32: greedy output is then the same whatever else is in the batch or the

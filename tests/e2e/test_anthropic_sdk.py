@@ -58,7 +58,8 @@ def test_errors_are_anthropic_shaped(client):
 
 def test_a_last_assistant_message_is_prefill_the_reply_goes_on_from(client):
     ask = [{"role": "user", "content": "List three colours, comma-separated."}]
-    whole = client.messages.create(model=MODEL, max_tokens=16, extra_body={"temperature": 0}, messages=ask).content[0].text
+    whole = client.messages.create(model=MODEL, max_tokens=16, extra_body={"temperature": 0},
+                                   messages=ask).content[0].text
     begun = " ".join(whole.split(" ")[:2])  # at a word's end: "The th" would re-tokenize unlike the reply
     rest = client.messages.create(model=MODEL, max_tokens=16, extra_body={"temperature": 0},
                                   messages=[*ask, {"role": "assistant", "content": begun}]).content[0].text

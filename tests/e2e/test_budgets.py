@@ -117,7 +117,8 @@ def test_a_max_tokens_that_can_never_fit_is_told_what_would(priced):
     assert exact.status_code == 200 and exact.json()["usage"]["total_tokens"] == 50
     spent = httpx.post(f"{priced.base_url}/v1/chat/completions", headers=headers, timeout=60, json=BODY)
     assert spent.status_code == 429
-    assert spent.json()["error"]["message"] == "This API key has used its budget: $0.05 of $0.05 spent, nothing remains."
+    assert spent.json()["error"]["message"] == (
+        "This API key has used its budget: $0.05 of $0.05 spent, nothing remains.")
 
 
 def test_refused_calls_are_rows_that_bill_nothing(priced):

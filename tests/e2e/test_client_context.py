@@ -24,10 +24,12 @@ def conversation() -> list[dict]:
     messages = [{"role": "system", "content": "You are a patient historian."}]
     for turn in range(20):
         topic = TOPICS[turn % len(TOPICS)]
-        messages.append({"role": "user", "content": f"Turn {turn}: tell me about {topic}. " + f"{topic} and history " * 12})
+        messages.append({"role": "user",
+                         "content": f"Turn {turn}: tell me about {topic}. " + f"{topic} and history " * 12})
         if turn == 7:  # a tool call and its result: one unit, never split
             messages.append({"role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_7", "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"q": topic})}}]})
+                {"id": "call_7", "type": "function",
+                 "function": {"name": "lookup", "arguments": json.dumps({"q": topic})}}]})
             messages.append({"role": "tool", "tool_call_id": "call_7", "content": "An old record about " + topic})
         messages.append({"role": "assistant", "content": f"About {topic}: " + "a long answer " * 10})
     messages.append({"role": "user", "content": "Now, in one sentence: which topic was first?"})

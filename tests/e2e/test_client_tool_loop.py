@@ -107,8 +107,9 @@ async def test_an_mcp_servers_tools_are_called_through_the_loop(chat, tmp_path):
 @pytest.fixture
 def mcp_http(tmp_path):
     port = free_port()
-    process = subprocess.Popen([sys.executable, str(MCP_SERVER), "--http", str(port)], stdout=subprocess.DEVNULL,
-                               stderr=open(tmp_path / "mcp.log", "w"))
+    with open(tmp_path / "mcp.log", "w") as log:  # the child holds its own copy of the file
+        process = subprocess.Popen([sys.executable, str(MCP_SERVER), "--http", str(port)], stdout=subprocess.DEVNULL,
+                                   stderr=log)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:

@@ -10,7 +10,6 @@ import time
 import httpx
 import openai
 import psycopg
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..billing.conftest import OwnPostgres

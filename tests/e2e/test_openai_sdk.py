@@ -68,8 +68,8 @@ def test_stop_string_is_never_emitted(client):
         kwargs = dict(model=MODEL, messages=ask("Count from 1 to 10, separated by commas."), max_tokens=40,
                       temperature=0, stop=["5"])
         if stream:
-            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)
-                           if c.choices)
+            chunks = client.chat.completions.create(**kwargs, stream=True)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         else:
             response = client.chat.completions.create(**kwargs)
             assert response.choices[0].finish_reason == "stop"

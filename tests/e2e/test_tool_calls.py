@@ -86,7 +86,8 @@ def test_after_the_tool_result_the_model_answers(oa, an):
     assert first.finish_reason == "tool_calls"
     call = first.message.tool_calls[0]
     messages += [first.message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 21, "sky": "sunny"})}]
+                 {"role": "tool", "tool_call_id": call.id,
+                  "content": json.dumps({"temperature_c": 21, "sky": "sunny"})}]
     second = oa.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=100,
                                         temperature=0).choices[0]
     assert second.finish_reason == "stop" and not second.message.tool_calls

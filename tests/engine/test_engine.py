@@ -107,8 +107,8 @@ def test_prefix_cache_hit_reports_cached_blocks_and_changes_nothing(llm, default
     warm = llm.generate([{"prompt_token_ids": second}], params)[0]
     assert warm.num_cached_tokens == 192  # the 12 full 16-token blocks of the 200-token prefix
 
-    no_cache = LLM(str(default_model_dir), dtype="float32", quantization="none", kv_cache_memory="64MiB", max_model_len=1024,
-                   enable_prefix_caching=False, show_progress=False)
+    no_cache = LLM(str(default_model_dir), dtype="float32", quantization="none", kv_cache_memory="64MiB",
+                   max_model_len=1024, enable_prefix_caching=False, show_progress=False)
     expected = no_cache.generate([{"prompt_token_ids": second}], params)[0]
     assert expected.num_cached_tokens == 0
     assert warm.outputs[0].token_ids == expected.outputs[0].token_ids
@@ -119,8 +119,8 @@ def test_preemption_under_a_tiny_kv_budget_gives_the_same_greedy_outputs(llm, de
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = generate_ids(llm, prompts, params)
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4  # layers x block x kv heads x head dim x fp32, K and V
-    tiny = LLM(str(default_model_dir), dtype="float32", quantization="none", kv_cache_memory=20 * block_bytes, max_model_len=256,
-               show_progress=False)
+    tiny = LLM(str(default_model_dir), dtype="float32", quantization="none", kv_cache_memory=20 * block_bytes,
+               max_model_len=256, show_progress=False)
     assert tiny.engine.kv_manager.num_blocks == 20  # room for ~4 of the 8 requests at once
     assert generate_ids(tiny, prompts, params) == expected
     assert tiny.engine.scheduler.num_preemptions > 0

@@ -114,7 +114,8 @@ def test_model_rows_past_the_tokenizer_vocabulary_are_never_allowed(llm):
 
 def test_sampler_masks_only_the_grammar_rows():
     vocab_size = 40
-    logits = torch.arange(3 * vocab_size, dtype=torch.float32).view(3, vocab_size)  # the last token is every row's argmax
+    # The last token is every row's argmax.
+    logits = torch.arange(3 * vocab_size, dtype=torch.float32).view(3, vocab_size)
     bitmask = torch.zeros((2, 2), dtype=torch.int32)
     bitmask[0, 0] = 1 << 3  # row 0 may only emit token 3
     bitmask[1, 1] = (1 << 1) | (1 << 4)  # row 2 may emit 33 or 36
@@ -134,7 +135,8 @@ def test_sampler_masks_only_the_grammar_rows():
 def test_greedy_and_sampled_outputs_satisfy_the_schema(llm):
     prompt = chat_ids(llm, PERSON_PROMPT)
     params = [SamplingParams(temperature=0, max_tokens=600, structured_output=PERSON)]
-    params += [SamplingParams(temperature=1.0, seed=seed, max_tokens=600, structured_output=PERSON) for seed in range(6)]
+    params += [SamplingParams(temperature=1.0, seed=seed, max_tokens=600, structured_output=PERSON)
+               for seed in range(6)]
     outputs = generate(llm, [prompt] * len(params), params)
     for output in outputs:
         assert output.finish_reason == "stop"
@@ -166,7 +168,8 @@ def test_regex_output_matches_in_full_and_ends_the_request_even_with_ignore_eos(
 
 def test_logprobs_come_from_the_unconstrained_distribution(llm):
     prompt = chat_ids(llm, "Write a haiku about the sea.")
-    digits = SamplingParams(temperature=0, max_tokens=1, logprobs=5, structured_output=StructuredOutputSpec.regex("[0-9]+"))
+    digits = SamplingParams(temperature=0, max_tokens=1, logprobs=5,
+                            structured_output=StructuredOutputSpec.regex("[0-9]+"))
     (free,) = generate(llm, [prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5))
     (constrained,) = generate(llm, [prompt], digits)
     chosen = constrained.logprobs[0]
@@ -234,8 +237,8 @@ def test_a_preempted_constrained_request_resumes_its_grammar(llm, default_model_
     params = SamplingParams(temperature=0, max_tokens=200, structured_output=PERSON)
     expected = [o.token_ids for o in generate(llm, prompts, params)]
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4  # layers x block x kv heads x head dim x fp32, K and V
-    tiny = LLM(str(default_model_dir), dtype="float32", quantization="none", kv_cache_memory=20 * block_bytes, max_model_len=256,
-               show_progress=False)
+    tiny = LLM(str(default_model_dir), dtype="float32", quantization="none", kv_cache_memory=20 * block_bytes,
+               max_model_len=256, show_progress=False)
     outputs = generate(tiny, prompts, params)
     assert tiny.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outputs] == expected

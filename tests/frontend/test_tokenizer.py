@@ -171,7 +171,8 @@ def test_template_errors_are_value_errors():
 def test_a_model_without_a_chat_template_is_templated_as_chatml_as_llama_cpp_does():
     tokenizer = _tiny()
     assert tokenizer.chat_template_is_fallback
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     assert tokenizer.apply_chat_template(messages) == (
         "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert not _tiny("{{ messages[0]['content'] }}").chat_template_is_fallback

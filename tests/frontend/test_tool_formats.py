@@ -165,7 +165,8 @@ def test_a_call_marked_by_a_special_token_is_read_from_the_decoded_stream(base, 
         parser = prompt.reply_format.parser()
         content = []
         for i, token_id in enumerate(token_ids):
-            out = state.process(EngineOutput("r", [token_id], finish_reason="stop" if i == len(token_ids) - 1 else None))
+            finish_reason = "stop" if i == len(token_ids) - 1 else None
+            out = state.process(EngineOutput("r", [token_id], finish_reason=finish_reason))
             content.append(parser.feed(out.outputs[0].delta_text).content)
         content.append(parser.finish().content)
         assert [(c.name, json.loads(c.arguments)) for c in parser.tool_calls()] == found

@@ -58,7 +58,8 @@ REPLIES = {
     "generic": [
         ('{"tool_calls": [' + call_json("get_weather", {"city": "Rome"}) + ", " + call_json("plan", NESTED) + "]}",
          "", [("get_weather", {"city": "Rome"}), ("plan", NESTED)]),
-        (json.dumps({"response": 'Bonjour, ça va ? "quoted" \\ \n ☕ 😀'}), 'Bonjour, ça va ? "quoted" \\ \n ☕ 😀', []),
+        (json.dumps({"response": 'Bonjour, ça va ? "quoted" \\ \n ☕ 😀'}),
+         'Bonjour, ça va ? "quoted" \\ \n ☕ 😀', []),
         (json.dumps({"response": "😀 ok"}, ensure_ascii=True), "😀 ok", []),  # \ud83d\ude00: a surrogate pair
     ],
     "hermes": [

@@ -296,7 +296,7 @@ def test_max_tokens_within_is_the_largest_that_fits():
         price = ModelPrice(input=rng.choice([0.0, 0.15, 2.5, 1000.0]), output=rng.choice([0.075, 0.6, 10.0, 2000.0]))
         num_prompt_tokens, n, left = rng.randrange(5000), rng.randrange(1, 4), rng.randrange(1, 10**9)
 
-        def cost(max_tokens: int) -> int:
+        def cost(max_tokens: int, price=price, num_prompt_tokens=num_prompt_tokens, n=n) -> int:
             return nanos_up(cost_usd(price, num_prompt_tokens, 0, max_tokens * n))
 
         best = max_tokens_within(price, num_prompt_tokens, n, left)

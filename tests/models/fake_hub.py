@@ -108,7 +108,8 @@ class _Handler(BaseHTTPRequestHandler):
             if kind == "revision":
                 body = {"id": repo_id, "sha": commit, "siblings": [{"rfilename": n} for n in repo.files]}
             else:
-                body = [{"type": "file", "path": n, "size": len(d), "oid": etag_of(n, d)} for n, d in repo.files.items()]
+                body = [{"type": "file", "path": n, "size": len(d), "oid": etag_of(n, d)}
+                        for n, d in repo.files.items()]
             self._send(200, json.dumps(body).encode(), send_body, {"Content-Type": "application/json"})
         elif match := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path):
             repo_id, revision, name = match.groups()

@@ -148,9 +148,11 @@ def test_native_kernel_refuses_a_table_outside_the_cache():
     cache = torch.zeros(4 * 16, 1, 64)
     q = torch.zeros(1, 1, 64)
     with pytest.raises(RuntimeError, match="block_tables"):
-        kernel(q, cache, cache, torch.tensor([[1, 9]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32), 16, 1.0)
+        kernel(q, cache, cache, torch.tensor([[1, 9]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32),
+               16, 1.0)
     with pytest.raises(RuntimeError, match="context_lens"):
-        kernel(q, cache, cache, torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([33], dtype=torch.int32), 16, 1.0)
+        kernel(q, cache, cache, torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([33], dtype=torch.int32),
+               16, 1.0)
 
 
 def layout(tables, context_lens, prefixes):
@@ -230,7 +232,8 @@ def test_cascade_and_native_in_the_engine_match_plain_attention_in_a_mixed_step(
     try:
         for request_id, prompt in zip(ids, prompts):
             core.add_request(request_id, prompt, params)
-        while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.requests.values()):
+        while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                       for r in scheduler.requests.values()):
             core.step()
         for _ in range(3):
             core.step()

@@ -5,12 +5,10 @@ both kinds of products."""
 
 from __future__ import annotations
 
+import gguf  # a dependency of tokenway itself (models/quant.py imports it)
 import numpy as np
 import pytest
 import torch
-
-gguf = pytest.importorskip("gguf")
-transformers = pytest.importorskip("transformers")
 
 from tokenway.engine.request import Request, SamplingParams
 from tokenway.engine.runner import ModelRunner
@@ -20,6 +18,8 @@ from tokenway.models.config import ModelConfig
 from tokenway.models.decode_stack import DecodeStack
 from tokenway.models.decoder import DecoderForCausalLM
 from tokenway.models.weights import QuantizedTensor
+
+transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="the quant kernel has no vector path on this CPU")
 
@@ -122,7 +122,8 @@ def test_decode_steps_equal_the_python_loop(dtype, activations, monkeypatch):
     prefix = torch.randint(0, 96, (9,)).tolist()  # two whole shared blocks and one token more
     own = [torch.randint(0, 96, (n,)).tolist() for n in (5, 3, 8)]
     requests = [Request(f"r{i}", prefix + tokens, SamplingParams(temperature=0)) for i, tokens in enumerate(own)]
-    tables = [[0, 1, 2, 3, 4, 5, 6], [0, 1, 10, 11, 12, 13], [0, 1, 20, 21, 22, 23, 24]]  # rows 1 and 2 hold row 0's prefix
+    # Rows 1 and 2 hold row 0's prefix.
+    tables = [[0, 1, 2, 3, 4, 5, 6], [0, 1, 10, 11, 12, 13], [0, 1, 20, 21, 22, 23, 24]]
     # Row 0's prompt fills the shared blocks; rows 1 and 2 start after them, as a prefix-cache hit would.
     step(runner, requests[:1], [len(requests[0].prompt_token_ids)], tables[:1], native=True)
     advance(requests[:1], [len(requests[0].prompt_token_ids)])

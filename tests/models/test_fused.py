@@ -24,7 +24,8 @@ def test_rope_and_cache_equals_the_torch_path(dtype):
     cos_table, sin_table = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
     positions = torch.tensor([0, 5, 6, 7, 50, 99, 3])
     slots = torch.tensor([3, 9, 10, 11, 30, 39, 0])
-    k_cache, v_cache = torch.zeros(slots_total, KV_HEADS, DIM, dtype=dtype), torch.zeros(slots_total, KV_HEADS, DIM, dtype=dtype)
+    k_cache = torch.zeros(slots_total, KV_HEADS, DIM, dtype=dtype)
+    v_cache = torch.zeros(slots_total, KV_HEADS, DIM, dtype=dtype)
     q = ops.rope_and_cache(qkv, cos_table, sin_table, positions, k_cache, v_cache, slots, HEADS, KV_HEADS)
 
     qk = qkv[:, : (HEADS + KV_HEADS) * DIM].view(tokens, HEADS + KV_HEADS, DIM)
@@ -45,9 +46,11 @@ def test_rope_and_cache_refuses_slots_and_positions_out_of_range():
     table = torch.zeros(10, DIM)
     cache = torch.zeros(4, KV_HEADS, DIM)
     with pytest.raises(RuntimeError, match="slot"):
-        ops.rope_and_cache(qkv, table, table, torch.tensor([1]), cache, cache.clone(), torch.tensor([4]), HEADS, KV_HEADS)
+        ops.rope_and_cache(qkv, table, table, torch.tensor([1]), cache, cache.clone(), torch.tensor([4]),
+                           HEADS, KV_HEADS)
     with pytest.raises(RuntimeError, match="position"):
-        ops.rope_and_cache(qkv, table, table, torch.tensor([10]), cache, cache.clone(), torch.tensor([0]), HEADS, KV_HEADS)
+        ops.rope_and_cache(qkv, table, table, torch.tensor([10]), cache, cache.clone(), torch.tensor([0]),
+                           HEADS, KV_HEADS)
 
 
 def test_add_rms_norm_and_silu_and_mul_equal_the_torch_operators():
@@ -59,7 +62,8 @@ def test_add_rms_norm_and_silu_and_mul_equal_the_torch_operators():
     torch.testing.assert_close(residual, expected_residual)
     torch.testing.assert_close(x, expected, atol=1e-5, rtol=1e-5)
     gate_up = torch.randn(3, 2 * 40) * 4
-    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :40]) * gate_up[:, 40:], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :40]) * gate_up[:, 40:],
+                               atol=1e-6, rtol=1e-5)
     x = torch.randn(4, 576) * 3
     torch.testing.assert_close(ops.rms_norm(x, weight.repeat(9), 1e-6), F.rms_norm(x, (576,), weight.repeat(9), 1e-6),
                                atol=1e-5, rtol=1e-5)

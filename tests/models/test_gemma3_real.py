@@ -90,7 +90,8 @@ def test_greedy_continuations_match_llama_cpp(gemma3_llm, reference):
         print(f"{name}: {prefix:2d}/{num_new} before divergence  {case['prompt'][:40]!r}")
     total = num_new * len(cases)
     shares = (first_equal / len(cases), agreed_prefix / total, equal / total)
-    print(f"{name}: first token {shares[0]:.1%}, before first divergence {shares[1]:.1%}, equal overall {shares[2]:.1%}")
+    print(f"{name}: first token {shares[0]:.1%}, before first divergence {shares[1]:.1%}, "
+          f"equal overall {shares[2]:.1%}")
     floors = FREE_RUNNING_FLOORS[name]
     assert shares[0] >= floors[0], f"{name}: first tokens agree on {shares[0]:.1%} of prompts"
     assert shares[1] >= floors[1], f"{name}: {shares[1]:.1%} of positions before the first divergence"
@@ -119,7 +120,8 @@ def test_teacher_forced_argmax_matches_llama_cpp(gemma3_llm, runner, reference):
         gap = log_probs.max(dim=-1).values - log_probs.gather(1, theirs.unsqueeze(1)).squeeze(1)
         gaps.extend(gap[ours != theirs].tolist())
     total = len(reference["cases"]) * reference["num_new_tokens"]
-    print(f"{name}: argmax equal at {agree}/{total} positions; where not, log-prob gaps {sorted(round(g, 3) for g in gaps)}")
+    print(f"{name}: argmax equal at {agree}/{total} positions; "
+          f"where not, log-prob gaps {sorted(round(g, 3) for g in gaps)}")
     assert agree / total >= TEACHER_FORCED_FLOOR, f"{name}: argmax equal at {agree}/{total} positions"
     assert max(gaps, default=0.0) <= MAX_NEAR_TIE_GAP, f"{name}: llama.cpp's token {max(gaps):.3f} nats below ours"
 

@@ -254,7 +254,8 @@ def test_hub_errors_are_one_sentence(tmp_path, tiny_model):
 def test_cli_prints_the_error_without_a_traceback(tmp_path):
     with FakeHub({}) as fake:
         proc = subprocess.run([sys.executable, "-m", "tokenway.cli", "generate", "hi", "--model", "org/nope"],
-                              env=_hub_env(tmp_path, fake.url), capture_output=True, text=True, timeout=120, check=False)
+                              env=_hub_env(tmp_path, fake.url), capture_output=True, text=True, timeout=120,
+                              check=False)
     assert proc.returncode == 2
     assert proc.stderr.startswith("tokenway: org/nope: no such local path, and no repository org/nope on ")
     assert "Traceback" not in proc.stderr

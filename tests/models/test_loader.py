@@ -228,7 +228,8 @@ def _write_tiny_gguf(path: Path, arch: str = "llama", tokenizer_model: str = "gp
 
 
 def test_tiny_gguf_round_trips_to_the_hf_weights(tmp_path):
-    hf = _write_tiny_gguf(tmp_path / "tiny.gguf", rope_scaling_type=gguf.RopeScalingType.LINEAR, rope_scaling_factor=2.0)
+    hf = _write_tiny_gguf(tmp_path / "tiny.gguf", rope_scaling_type=gguf.RopeScalingType.LINEAR,
+                          rope_scaling_factor=2.0)
     model_dir = resolve_model(str(tmp_path / "tiny.gguf"), cache_dir=tmp_path / "cache")
     ours = dict(iter_weights(model_dir))
     assert set(ours) == set(hf)

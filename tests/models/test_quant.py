@@ -4,11 +4,10 @@ serving the default GGUF on them answers as the float model does."""
 
 from __future__ import annotations
 
+import gguf  # a dependency of tokenway itself (models/quant.py imports it)
 import numpy as np
 import pytest
 import torch
-
-gguf = pytest.importorskip("gguf")
 
 from tokenway.models import quant
 
@@ -62,7 +61,8 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
     return (rounded * scale).reshape(x.shape)
 
 
-PRODUCTS = {"float32": (torch.float32, "dtype"), "bfloat16": (torch.bfloat16, "dtype"), "int8": (torch.bfloat16, "int8")}
+PRODUCTS = {"float32": (torch.float32, "dtype"), "bfloat16": (torch.bfloat16, "dtype"),
+            "int8": (torch.bfloat16, "int8")}
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -216,5 +216,6 @@ def test_invalid_messages_field(patch, param, message):
 
 def test_only_a_last_assistant_message_may_be_empty():
     # It is the prefill the reply goes on from.
-    request = MessagesRequest.model_validate({**BASE, "messages": [*BASE["messages"], {"role": "assistant", "content": []}]})
+    request = MessagesRequest.model_validate(
+        {**BASE, "messages": [*BASE["messages"], {"role": "assistant", "content": []}]})
     assert to_chat_messages(request)[-1] == {"role": "assistant", "content": ""}

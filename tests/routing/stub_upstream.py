@@ -88,8 +88,8 @@ class StubUpstream:
         self._socket = socket.socket()
         self._socket.bind(("127.0.0.1", 0))
         self.port = self._socket.getsockname()[1]
-        config = uvicorn.Config(self._app, http="h11", interface="asgi3", lifespan="off", log_level="critical", access_log=False,
-                                timeout_graceful_shutdown=1)
+        config = uvicorn.Config(self._app, http="h11", interface="asgi3", lifespan="off", log_level="critical",
+                                access_log=False, timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
 

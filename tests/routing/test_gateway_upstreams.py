@@ -171,8 +171,10 @@ def test_the_openai_sdk_reaches_an_anthropic_upstream_with_tools_and_the_ledger_
         anthropic_event("content_block_stop", index=0),
         anthropic_event("content_block_start", index=1,
                         content_block={"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}),
-        anthropic_event("content_block_delta", index=1, delta={"type": "input_json_delta", "partial_json": '{"city":'}),
-        anthropic_event("content_block_delta", index=1, delta={"type": "input_json_delta", "partial_json": ' "Paris"}'}),
+        anthropic_event("content_block_delta", index=1,
+                        delta={"type": "input_json_delta", "partial_json": '{"city":'}),
+        anthropic_event("content_block_delta", index=1,
+                        delta={"type": "input_json_delta", "partial_json": ' "Paris"}'}),
         anthropic_event("content_block_stop", index=1),
         anthropic_event("message_delta", delta={"stop_reason": "tool_use"}, usage={"output_tokens": 17}),
         anthropic_event("message_stop"),
@@ -211,7 +213,8 @@ def test_an_upstream_failing_opens_its_breaker_and_the_pool_falls_back(gateway):
                     chunks=(b'{"error": {"message": "boom"}}',)))
     an.script(Reply(chunks=(
         anthropic_event("message_start", message={"id": "m", "type": "message", "role": "assistant", "content": [],
-                                                  "model": "claude-up", "usage": {"input_tokens": 5, "output_tokens": 0}}),
+                                                  "model": "claude-up",
+                                                  "usage": {"input_tokens": 5, "output_tokens": 0}}),
         anthropic_event("content_block_start", index=0, content_block={"type": "text", "text": ""}),
         anthropic_event("content_block_delta", index=0, delta={"type": "text_delta", "text": "from the fallback"}),
         anthropic_event("content_block_stop", index=0),

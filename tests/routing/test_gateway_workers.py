@@ -91,7 +91,8 @@ def shared_prefix_hit_rate(gateway, model: str, topic: str) -> tuple[float, list
     """Four long system prompts, three questions each, interleaved (p0 q0, p1 q0, ... p0 q1, ...):
     the pool's prompt-cache hit rate as its replicas reported it, and each call's routing reason."""
     client = httpx.Client(base_url=gateway.base_url, timeout=120)
-    before = {name: (view["prompt_tokens"], view["cached_tokens"]) for name, view in replica_views(gateway, model).items()}
+    before = {name: (view["prompt_tokens"], view["cached_tokens"])
+              for name, view in replica_views(gateway, model).items()}
     reasons = []
     for question in range(3):
         for prefix in range(4):
@@ -99,7 +100,8 @@ def shared_prefix_hit_rate(gateway, model: str, topic: str) -> tuple[float, list
                 f"Rule {i}: answer questions about {topic} number {prefix} precisely." for i in range(25))
             response = client.post("/v1/chat/completions", json={
                 "model": model, "max_tokens": 1, "temperature": 0,
-                "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Question {question}?"}]})
+                "messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": f"Question {question}?"}]})
             assert response.status_code == 200, response.text
             trace = client.get(f"/v1/traces/{response.headers['x-request-id']}").json()
             reasons.append(trace["route"]["reason"])

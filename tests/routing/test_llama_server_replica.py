@@ -53,10 +53,10 @@ def gateway(tmp_path_factory):
     gguf = _default_gguf()  # the default model's own file, as tokenway serve loads it
     directory = tmp_path_factory.mktemp("llama")
     port = free_port()
-    log = open(directory / "llama-server.log", "w")
     # --no-repack: this build's AMX-repacked Q4_1 path crashes on CPUs with AMX (../shared/bench/README.md)
-    llama = subprocess.Popen([binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", "2048",
-                              "-t", "1", "--no-repack"], stdout=log, stderr=subprocess.STDOUT)
+    with open(directory / "llama-server.log", "w") as log:  # the child holds its own copy of the file
+        llama = subprocess.Popen([binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", "2048",
+                                  "-t", "1", "--no-repack"], stdout=log, stderr=subprocess.STDOUT)
     server = None
     try:
         deadline = time.monotonic() + 120
@@ -81,7 +81,6 @@ def gateway(tmp_path_factory):
             llama.wait(10)
         except subprocess.TimeoutExpired:
             llama.kill()
-        log.close()
 
 
 def test_llama_server_serves_chat_and_streams_and_its_usage_is_billed(gateway):

@@ -51,7 +51,8 @@ def upstream_for(stub: StubUpstream, **options) -> AnthropicUpstream:
 def message_start(input_tokens: int = 10, **usage) -> bytes:
     return anthropic_event("message_start", message={
         "id": "msg_1", "type": "message", "role": "assistant", "content": [], "model": "claude-x",
-        "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": input_tokens, "output_tokens": 1, **usage}})
+        "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": input_tokens, "output_tokens": 1, **usage}})
 
 
 def text_block(index: int, *pieces: str) -> tuple[bytes, ...]:
@@ -87,10 +88,13 @@ def test_an_openai_conversation_with_tools_becomes_the_exact_messages_body(stub,
     monkeypatch.setenv("CLAUDE_KEY", "sk-ant-secret")
     messages = (
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris"}, {"type": "text", "text": "and Rome?"}]},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris"},
+                                     {"type": "text", "text": "and Rome?"}]},
         {"role": "assistant", "content": "Checking.", "tool_calls": [
-            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-            {"id": "toolu_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+            {"id": "toolu_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "toolu_2", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "18C"},
         {"role": "tool", "tool_call_id": "toolu_2", "content": "24C"},
         {"role": "user", "content": "Thanks. Which is warmer?"},

@@ -87,7 +87,8 @@ def test_chat_body_carries_tools_tool_results_and_every_sampling_field(stub, mon
         {"role": "user", "content": "Weather in Paris and Rome?"},
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-            {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+            {"id": "call_2", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
         {"role": "tool", "tool_call_id": "call_2", "content": "24C"},
     )
@@ -182,7 +183,8 @@ def test_parallel_tool_calls_split_across_chunks_reassemble_exactly(stub):
 
 def test_n_choices_interleaved_keep_their_index(stub):
     stub.script(Reply(chunks=(openai_chunk(index=1, text="B"), openai_chunk(index=0, text="A"),
-                              openai_chunk(index=0, finish_reason="stop"), openai_chunk(index=1, finish_reason="length"),
+                              openai_chunk(index=0, finish_reason="stop"),
+                              openai_chunk(index=1, finish_reason="length"),
                               openai_usage(5, 2), DONE)))
     events = collect(upstream_for(stub), make_job(n=2))
     assert events == [ChoiceDelta(1, text="B"), ChoiceDelta(0, text="A"), ChoiceDelta(0, finish_reason="stop"),

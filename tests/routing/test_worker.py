@@ -53,9 +53,10 @@ class Worker:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = secret_file.parent / f"worker-{self.port}.log"
         env = {name: value for name, value in os.environ.items() if name != "TOKENWAY_WORKER_SECRET"}
-        self.log = open(self.log_path, "w")
+        self.log = open(self.log_path, "w")  # noqa: SIM115  (held for the worker's life: stop() closes it)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tokenway.cli", "worker", "--port", str(self.port), "--secret-file", str(secret_file),
+            [sys.executable, "-m", "tokenway.cli", "worker", "--port", str(self.port),
+             "--secret-file", str(secret_file),
              # The session `llm`'s engine settings: greedy tokens then match it exactly.
              "--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--dtype", "float32", "--quantization", "none",
              "--max-num-batched-tokens", "256"],
@@ -212,7 +213,8 @@ def test_stop_strings_and_structured_output_reach_the_engine(worker, llm):
     prompt_ids = llm.tokenizer.encode("The three primary colors are")
     free = joined(collect(worker.base_url, make_job(prompt_ids, SamplingParams(temperature=0.0, max_tokens=10))))[0]
     stop = free.split()[2]
-    events = collect(worker.base_url, make_job(prompt_ids, SamplingParams(temperature=0.0, max_tokens=10, stop=(stop,))))
+    events = collect(worker.base_url,
+                     make_job(prompt_ids, SamplingParams(temperature=0.0, max_tokens=10, stop=(stop,))))
     text, _, deltas = joined(events)
     assert text == free[:free.index(stop)]
     assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == ("stop", stop)

@@ -80,7 +80,8 @@ def test_interleaved_choices_keep_their_index_and_logprobs_become_token_logprobs
     entry = [5, -0.5, 1, [[5, -0.5], [6, float("-inf")]]]  # a token the grammar ruled out: -Infinity
     stub.script(Reply(chunks=(delta(index=1, text="B", token_ids=[6], logprobs=[entry]),
                               delta(index=0, text="A", token_ids=[5], finish_reason="length"),
-                              delta(index=1, finish_reason="stop", stop_reason="\n"), usage(3, 2, cached_tokens=16), DONE)))
+                              delta(index=1, finish_reason="stop", stop_reason="\n"),
+                              usage(3, 2, cached_tokens=16), DONE)))
     events = stub_collect(stub, make_job([1, 2, 3], SamplingParams(logprobs=1), n=2))
     assert events == [
         ChoiceDelta(1, text="B", token_ids=(6,), logprobs=(TokenLogprob(5, -0.5, 1, [(5, -0.5), (6, float("-inf"))]),)),

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.safety.test_detectors import load_lines
 from tokenway.protocol.anthropic import MessagesRequest, to_chat_messages
 from tokenway.protocol.openai_requests import ChatCompletionRequest
 from tokenway.safety.channels import ChatInput, PromptText
@@ -24,7 +25,6 @@ from tokenway.safety.detectors import detect
 from tokenway.safety.normalize import normalize
 from tokenway.safety.screen import InputScreening, SafetyPolicy, screen_input
 from tokenway.server.anthropic_api import openai_tools
-from tests.safety.test_detectors import load_lines
 
 CARD = "4111 1111 1111 1111"
 CARDS = ("4111111111111111", "5555555555554444", "378282246310005", "6011111111111117", "3530111333300000",

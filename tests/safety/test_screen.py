@@ -13,7 +13,8 @@ from tokenway.gateway.keystore import KeyStore
 from tokenway.routing.registry import Registry
 from tokenway.safety.screen import OutputScreen, SafetyPolicy, screen_input
 
-EMAIL, CARD, IBAN, PHONE = "ann.lee@example.com", "4111 1111 1111 1111", "DE89 3704 0044 0532 0130 00", "+1 415 555 0132"
+EMAIL, CARD = "ann.lee@example.com", "4111 1111 1111 1111"
+IBAN, PHONE = "DE89 3704 0044 0532 0130 00", "+1 415 555 0132"
 KEY = "sk-proj-Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4z"
 REPLY = (f"Sure. Write to {EMAIL} or call {PHONE}; pay with {CARD} or to {IBAN}. The key is {KEY} and the "
          f"order 4471-2290 ships in 2024.")

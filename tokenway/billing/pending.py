@@ -17,7 +17,7 @@ class Tally:
         self.num_rows = 0
 
     @classmethod
-    def of(cls, records: Iterable[UsageRecord]) -> "Tally":
+    def of(cls, records: Iterable[UsageRecord]) -> Tally:
         tally = cls()
         for rec in records:
             tally.add(rec)

@@ -62,7 +62,7 @@ class UsageRecord:
                      for name in COLUMNS)
 
     @classmethod
-    def from_row(cls, row: Sequence, decode_json: Callable[[Any], dict] = json.loads) -> "UsageRecord":
+    def from_row(cls, row: Sequence, decode_json: Callable[[Any], dict] = json.loads) -> UsageRecord:
         return cls(*(decode_json(value) if name in JSON_COLUMNS else value for name, value in zip(COLUMNS, row)))
 
 

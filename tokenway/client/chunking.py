@@ -188,7 +188,8 @@ class _SectionSplitter:
         if overlap_tokens == 0 or last < first:
             return after
         guess = self.index_at(end - overlap_tokens * self.chars_per_token, self.break_starts, first)
-        fits = least_true(lambda i: self.count(self.break_starts[i], end) <= overlap_tokens, min(guess, last), first, last)
+        fits = least_true(lambda i: self.count(self.break_starts[i], end) <= overlap_tokens,
+                          min(guess, last), first, last)
         if fits is None:
             return after
         halfway = self.break_starts[fits] + (end - self.break_starts[fits]) / 2

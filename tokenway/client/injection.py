@@ -41,10 +41,10 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
-import re
 import functools
 import json
 import math
+import re
 import unicodedata
 import urllib.parse
 from collections.abc import Sequence

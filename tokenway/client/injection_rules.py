@@ -44,8 +44,8 @@ _ORDERS = (r"(?:instructions?|rules?|prompts?|directions?|directives?|guidelines
 _MODEL = (r"(?:ai|a\.i\.|assistants?|chat\s?bots?|bots?|language\s+models?|llms?|gpt|chatgpt|claude|gemini|copilot"
           r"|agents?|models?|automated\s+(?:[\w-]+\s+)?(?:summar(?:y|ies|izers?|isers?)|tools?|systems?|readers?"
           r"|assistants?|agents?|screeners?))")
-MODEL_WORDS = ("ai assistant assistants chatbot chatbots bot bots llm llms gpt chatgpt claude gemini copilot agent agents "
-               "model models automated ~a.i. ~chat bot")
+MODEL_WORDS = ("ai assistant assistants chatbot chatbots bot bots llm llms gpt chatgpt claude gemini copilot "
+               "agent agents model models automated ~a.i. ~chat bot")
 _SECRET = (r"(?:system\s+prompt|instructions|conversation|chat(?:\s+history|\s+log)?|messages|context|history"
            r"|api[\s_-]?keys?|secrets?|passwords?|credentials?|tokens?|user(?:'s)?\s+data|personal\s+data|e-?mails?"
            r"|e-?mail\s+addresses|memory|memories|questions?|account\s+numbers?|card\s+(?:numbers?|details)"
@@ -64,8 +64,8 @@ _DO = (r"(?:ignore|disregard|forget|tell|say|call|send|run|append|reply|respond|
 RULES = (
     # -- instruction_override
     rule("ignore_earlier", "instruction_override", 1.0,
-         "ignore disregard forget skip bypass override overrule abandon discard neglect aside throw follow obey following "
-         "scrap ditch drop dump supersede attention wipe erase clear cancel void account heed",
+         "ignore disregard forget skip bypass override overrule abandon discard neglect aside throw follow obey "
+         "following scrap ditch drop dump supersede attention wipe erase clear cancel void account heed",
          rf"""
         \b(?:ignore|disregard|forget|skip|bypass|override|overrule|abandon|discard|neglect|set\s+aside|throw\s+out
            |scrap|ditch|drop|dump|supersede|put\s+aside|pay\s+no\s+attention\s+to|wipe|erase|clear|cancel|void
@@ -136,7 +136,8 @@ RULES = (
         <\|\s*(?:im_start|im_end|system|user|assistant|endoftext|eot_id|start_header_id|end_header_id|begin_of_text)
         |<(?:start|end)_of_turn>
         |\[/?inst\]|<</?sys>>|</s>\s*<s>|<\s*/?\s*system\s*>|\#\#\#\s*(?:system|instruction)s?\s*:?"""),
-    rule("fake_tag", "fake_turn", 0.75, "~<user ~</user ~<human ~<assistant ~</assistant ~<instruction ~<admin ~<operator "
+    rule("fake_tag", "fake_turn", 0.75,
+         "~<user ~</user ~<human ~<assistant ~</assistant ~<instruction ~<admin ~<operator "
          "~[user ~[human ~[assistant ~[system ~[/system ~[retrieved ~[/retrieved ~[operator ~[admin ~[developer", r"""
         <\s*/?\s*(?:user|human|assistant|instruction|instructions|admin|operator)(?:_message|_input|_turn)?\b[^>]{0,40}>
         |\[\s*/?\s*(?:user|human|assistant|system|retrieved|operator|admin|developer)\s*\]"""),
@@ -147,8 +148,8 @@ RULES = (
     rule("transcript", "fake_turn", 0.5, "human user", r"""
         (?ms)^\s*(?:human|user)\s*:\s*\S.*^\s*(?:assistant|ai)\s*:"""),
     rule("end_of_data", "fake_turn", 0.5,
-         "end eof complete completed document data context tool_output tool_result tooloutput toolresult search_results "
-         "searchresults search_result untrusted passage input", r"""
+         "end eof complete completed document data context tool_output tool_result tooloutput toolresult "
+         "search_results searchresults search_result untrusted passage input", r"""
         \bend(?:[\s_-]+of)?[\s_-]+(?:the\s+)?(?:[\w-]+[\s_-]+)?(?:document|data|context|input|tool[\s_-]+(?:output|result)
         |search[\s_-]+results?|file|email|message|page|untrusted|user[\s_-]+input|excerpt|passage|retrieved|content
         |quote|quoted\s+\w+)s?\b|\b(?:tool\s+(?:result|output|call)|task|search)\s+(?:complete|completed|finished|done)\b
@@ -303,7 +304,8 @@ RULES = (
 # Instructions in other languages: the override, role and leak rules, each a strong signal.
 FOREIGN = (
     # French
-    rule("fr", "instruction_override", 1.0, "ignore ignorer ignorez oublie oublier oubliez ne tu prompt nouvelles destiné destinée modèle", r"""
+    rule("fr", "instruction_override", 1.0,
+         "ignore ignorer ignorez oublie oublier oubliez ne tu prompt nouvelles destiné destinée modèle", r"""
         \b(?:ignore[rz]?|oublie[rz]?|ne\s+tiens\s+pas\s+compte\s+d)\s+(?:toutes\s+|tous\s+)?(?:les\s+|tes\s+|vos\s+|des\s+)?
         (?:instructions?|consignes|r[eè]gles|directives|ordres)(?:\s+(?:pr[ée]c[ée]dentes|ant[ée]rieures|initiales))?
         |\bne\s+tiens?\s+(?:plus|pas)\s+compte\s+d[e']\s*(?:tes|vos|les|ces)?\s*(?:instructions|consignes|r[eè]gles)
@@ -333,8 +335,8 @@ FOREIGN = (
         |\bты\s+теперь\b|системн\w+\s+(?:промпт|подсказк|инструкци)"""),
     # Chinese, Japanese, Korean (no word boundaries)
     rule("cjk", "instruction_override", 1.0,
-         "~忽 ~无视 ~無視 ~忘 ~不要理会 ~不理会 ~你现在是 ~你現在是 ~从现在开始你 ~從現在開始你 ~系统 ~系統 ~を無視 ~を忘れ "
-         "~システムプロンプト ~무시 ~잊 ~프롬프트", r"""
+         "~忽 ~无视 ~無視 ~忘 ~不要理会 ~不理会 ~你现在是 ~你現在是 ~从现在开始你 ~從現在開始你 "
+         "~系统 ~系統 ~を無視 ~を忘れ ~システムプロンプト ~무시 ~잊 ~프롬프트", r"""
         (?:忽略|忽视|无视|無視|忘记|忘記|忘掉|不要理会|不理会)[^。\n]{0,8}(?:指令|指示|说明|說明|规则|規則|提示|要求|命令)
         |(?:你现在是|你現在是|从现在开始你|從現在開始你)|系统提示|系統提示|系统指令
         |(?:以前|前|上記|これまで|先ほど)の(?:指示|命令|ルール|指令)を[^。\n]{0,6}(?:無視|忘れ)|システムプロンプト

@@ -8,8 +8,8 @@
     request = result.continue_request(request)            # ask the server to go on from the break
 
 Chunks of either SDK are taken (the Messages API's events: text and tool_use blocks, the stop
-reason and usage of message_delta). The first choice is accumulated (n > 1 streams are for sampling, not for resuming). A tool
-call is kept only when its arguments are a whole JSON object: a call that a break or
+reason and usage of message_delta). The first choice is accumulated (n > 1 streams are for
+sampling, not for resuming). A tool call is kept only when its arguments are a whole JSON object: a call that a break or
 max_tokens cut mid-arguments is dropped here, and counted in `num_cut_tool_calls` (the stream
 itself cannot take back what it sent). A JSON object's text
 that parses is complete, since no proper prefix of an object's text is an object.

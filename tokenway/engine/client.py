@@ -19,8 +19,8 @@ import logging
 import queue
 import threading
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from tokenway.config import EngineConfig
 from tokenway.engine.core import EngineCore, PromptChecker

@@ -194,7 +194,8 @@ class EngineCore:
         )
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device)
         self.sampler = Sampler()
-        self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                         self.eos_token_ids)
         self.prompts = PromptChecker(self.model_config.vocab_size, self.max_model_len, self.structured_output)
         self.stats = StepStats()
         if config.show_progress:
@@ -202,7 +203,8 @@ class EngineCore:
                 f"tokenway: loaded {config.model} ({self.model_config.architecture}, {self.dtype}, {self.device}) "
                 f"in {time.monotonic() - started:.1f}s; KV cache {num_blocks} blocks x {config.block_size} tokens "
                 f"({num_blocks * block_bytes / 2**30:.2f} GiB), max_model_len {self.max_model_len}; "
-                f"{model.num_quantized_matmuls} matmuls on GGUF blocks; fused layer kernels {'on' if fused else 'off'}; "
+                f"{model.num_quantized_matmuls} matmuls on GGUF blocks; "
+                f"fused layer kernels {'on' if fused else 'off'}; "
                 f"oneDNN-packed matmuls for {packed} of {len(backends)} float weight shapes"
                 + ("; no chat template in the model: chats are templated as ChatML"
                    if self.tokenizer.chat_template_is_fallback else ""),
@@ -219,7 +221,8 @@ class EngineCore:
         eos = self.tokenizer.eos_token_id
         spec = params.structured_output
         grammar = None if spec is None else self.structured_output.new_matcher(spec)
-        self.scheduler.add_request(Request(request_id, list(prompt_token_ids), params, eos_token_id=eos, grammar=grammar))
+        self.scheduler.add_request(Request(request_id, list(prompt_token_ids), params, eos_token_id=eos,
+                                           grammar=grammar))
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
         return self.scheduler.abort_requests(request_ids)

@@ -8,7 +8,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tokenway.config import EngineConfig
 from tokenway.engine.core import EngineCore
@@ -43,7 +44,8 @@ class LLM:
             elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
                 token_ids, text = [int(t) for t in prompt["prompt_token_ids"]], None
             else:
-                raise ValueError(f"prompt: expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+                raise ValueError("prompt: expected a string or {'prompt_token_ids': [...]}, "
+                                 f"got {type(prompt).__name__}")
             self.engine.validate_prompt(token_ids, params)
             encoded.append((text, token_ids, params))
         return self._run(encoded)
@@ -61,7 +63,8 @@ class LLM:
         prompts = [
             {
                 "prompt_token_ids": self.tokenizer.encode(
-                    self.tokenizer.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt, tools=tools),
+                    self.tokenizer.apply_chat_template(
+                        list(c), add_generation_prompt=add_generation_prompt, tools=tools),
                     add_special_tokens=False,
                 )
             }

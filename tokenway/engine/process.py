@@ -10,8 +10,9 @@ the prompt checks (engine/core.PromptChecker), so a bad prompt is still a 400 be
 runs. The engine process folds each step's tokens into RequestOutputs itself (detokenizing and
 stop strings, in the step's thread as the in-process engine does, so a stop string ends the
 request in that step) and sends what each step added (new text, token ids, logprobs) in one
-pickled message; the HTTP side rebuilds the RequestOutputs (_Remote). (Folding on the HTTP side instead, vLLM's split, puts that work beside the
-step's OpenMP threads on a small machine rather than after the step; it measured no faster.)
+pickled message; the HTTP side rebuilds the RequestOutputs (_Remote). (Folding on the HTTP
+side instead, vLLM's split, puts that work beside the step's OpenMP threads on a small
+machine rather than after the step; it measured no faster.)
 
 If the engine process dies, every request in flight ends with EngineDeadError, new ones are
 refused with it (the server answers 503 + Retry-After, /ready says not ready) and the process

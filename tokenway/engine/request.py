@@ -15,9 +15,9 @@ from __future__ import annotations
 import enum
 import random
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Mapping, Sequence
 
 import torch
 

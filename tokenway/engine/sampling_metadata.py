@@ -15,8 +15,8 @@ nothing: it draws the token after the drafts).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -29,8 +29,8 @@ import re
 import secrets
 import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from tokenway.routing.job import ToolCallDelta
 
@@ -553,9 +553,8 @@ class Llama3JsonParser(ToolCallParser):
                 self._new_call()
             elif ch not in _WHITESPACE and ch != ";":
                 self.held += ch
-                if not self.python_tag.startswith(self.held):
-                    self.held = ""
-                elif self.held == self.python_tag:
+                # Stray characters between calls are dropped, and so is a whole <|python_tag|>.
+                if not self.python_tag.startswith(self.held) or self.held == self.python_tag:
                     self.held = ""
 
     def _flush(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 from tokenway.engine.request import Request
 

@@ -12,7 +12,7 @@ Owned by KVCacheManager; nothing else touches it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class BlockPool:

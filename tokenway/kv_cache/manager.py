@@ -16,7 +16,7 @@ scheduler never frees a request between allocate_slots and running the step.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from tokenway.engine.request import Request
 from tokenway.kv_cache.block_hash import update_block_hashes

@@ -28,8 +28,8 @@ after a prefix-cache hit to its cached context too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

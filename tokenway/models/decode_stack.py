@@ -72,7 +72,8 @@ class DecodeStack:
         """A decode-only step on these caches through the native attention kernel, at a token
         count every matmul runs on its blocks (as the Python loop would)."""
         return (not meta.prefills and meta.decode_kernel is not None and kv_caches is self.kv_caches
-                and num_tokens == meta.num_decode_tokens and self.kernels[0].reads_blocks(num_tokens))  # one products: one answer
+                and num_tokens == meta.num_decode_tokens
+                and self.kernels[0].reads_blocks(num_tokens))  # one products: one answer
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """(T, hidden) float32 embeddings (used as the residual stream, so overwritten) -> (T, hidden)

@@ -14,8 +14,9 @@ Activations and the residual stream stay float32; linear weights and the KV cach
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -243,7 +244,8 @@ class ConcatKernel:
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, max_positions: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 max_positions: int | None = None) -> None:
         """max_positions: the longest context served (the RoPE tables' length); the config's
         max_position_embeddings when None."""
         super().__init__()
@@ -257,7 +259,8 @@ class DecoderForCausalLM(nn.Module):
         self.embed_scale = torch.tensor(math.sqrt(config.hidden_size)) if arch.scale_embeddings else None
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
+                                    requires_grad=False)
         self.head = LinearKernel(self.lm_head)
         self._quantized_params: set[str] = set()  # weights whose matmul runs on quantized blocks
         self.fused = None  # csrc/fused.cpp's operators once use_fused_kernels() found them

@@ -107,7 +107,8 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], source: str, model_max_length
 def _byte_level_bpe(fields: Mapping[str, Any], source: str, vocab: dict[str, int]) -> HFTokenizer:
     pre = fields.get("tokenizer.ggml.pre", "default")
     if pre not in SUPPORTED_PRE_TOKENIZERS:
-        raise ValueError(f"{source}: unsupported tokenizer.ggml.pre {pre!r}; expected one of {list(SUPPORTED_PRE_TOKENIZERS)}")
+        raise ValueError(f"{source}: unsupported tokenizer.ggml.pre {pre!r}; "
+                         f"expected one of {list(SUPPORTED_PRE_TOKENIZERS)}")
     merges = [tuple(m.split(" ", 1)) for m in _require(fields, "tokenizer.ggml.merges", source)]
     # Normal tokens are spelled in the byte-level alphabet; control and user-defined ones as plain
     # text. Keeping the plain spelling in the vocab makes each added token map to its GGUF id.

@@ -93,7 +93,8 @@ def _unpack(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, list[np.ndarray]]:
     # Q6_K: ql (128), qh (64), scales (16, int8), d; element 128h + 64s + i: ql[64h + i] >> 4s,
     # its high bits (qh[32h + i'] >> 2s') & 3 for element 128h + 32s' + i'.
     ql = raw[..., :128].reshape(rows, supers, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-    qh = raw[..., 128:192].reshape(rows, supers, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+    qh = (raw[..., 128:192].reshape(rows, supers, 2, 1, 32)
+          >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1))
     codes = (ql & 0x0F).reshape(rows, supers, 8, 32) | ((qh & 3) << 4).reshape(rows, supers, 8, 32)
     padding = np.zeros((rows, supers, 2), dtype=np.uint8)
     return codes, [raw[..., 208:210], padding, raw[..., 192:208]]
@@ -283,7 +284,7 @@ class QuantKernel:
         ids = torch.as_tensor(ids)
         if ids.dim() != 1 or ids.is_floating_point():
             raise ValueError(f"ids: a 1-D integer tensor, got {tuple(ids.shape)} {ids.dtype}")
-        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.out_features):
+        if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < self.out_features):
             raise ValueError(f"ids: out of range for {self.out_features} rows")
         return self._ops.embedding(self.weight, self.out_features, self.in_features, self.qtype_id, ids)
 

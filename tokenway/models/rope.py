@@ -106,7 +106,8 @@ class Rope:
         inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
         return inv_freq, float(attention_factor)
 
-    def tables(self, head_dim: int, max_position_embeddings: int, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, head_dim: int, max_position_embeddings: int,
+               num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(num_positions, head_dim) float32 cos and sin, as HF computes them (fp32 outer product)."""
         inv_freq, attention_factor = self.inv_freq(head_dim, max_position_embeddings)
         positions = torch.arange(num_positions, dtype=torch.int64).float()

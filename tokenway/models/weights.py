@@ -118,19 +118,21 @@ def iter_weights(model_dir: Path, skip: Container[str] = ()) -> Iterator[tuple[s
     with tqdm(total=num_tensors, unit="tensor", desc="Loading weights", disable=None) as bar:
         for file in files:
             with safe_open(file, framework="pt") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118  (safe_open has keys() but is not iterable)
                     if name not in skip:
                         yield name, f.get_tensor(name)
                     bar.update()
 
 
-def _gguf_floats(gguf_path: Path, entries: list[TensorEntry], skip: Container[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_floats(gguf_path: Path, entries: list[TensorEntry],
+                 skip: Container[str]) -> Iterator[tuple[str, torch.Tensor]]:
     wanted = [e for e in entries if e.name not in skip]
     with tqdm(total=sum(e.nbytes for e in wanted), unit="B", unit_scale=True, desc=f"Loading {gguf_path.name}",
               disable=None) as bar:
         for entry in wanted:
             if entry.type in FLOAT_TYPES:  # mapped, in the file's dtype: the model converts as it copies
-                raw = _mapped(gguf_path, entry).view({"F32": np.float32, "F16": np.float16, "BF16": np.int16}[entry.type])
+                file_dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}[entry.type]
+                raw = _mapped(gguf_path, entry).view(file_dtype)
                 if entry.unpermute_heads is not None:
                     raw = np.ascontiguousarray(unpermute(raw.reshape(entry.shape), entry.unpermute_heads))
                 tensor = torch.from_numpy(raw.reshape(entry.shape))

@@ -63,7 +63,7 @@ class Trace:
     safety: dict | None = None
 
     @classmethod
-    def of_call(cls, call, outcome, cost_usd: float = 0.0) -> "Trace":
+    def of_call(cls, call, outcome, cost_usd: float = 0.0) -> Trace:
         """The trace of one call (server/call.py's Call and its CallOutcome), as of now."""
         clock, job, replica = call.clock, call.job, call.replica
         stages_ms = clock.durations_ms()
@@ -92,7 +92,7 @@ class Trace:
         return {name: getattr(self, name) for name in self.LEDGER_FIELDS}
 
     @classmethod
-    def from_usage_record(cls, row) -> "Trace":
+    def from_usage_record(cls, row) -> Trace:
         """A trace rebuilt from a ledger row (billing/ledger.py UsageRecord)."""
         extras = {k: v for k, v in row.trace.items() if k in cls.LEDGER_FIELDS}
         extras.setdefault("endpoint", "")
@@ -108,7 +108,7 @@ class Trace:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Trace":
+    def from_dict(cls, data: dict) -> Trace:
         names = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in names})
 

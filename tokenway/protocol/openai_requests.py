@@ -144,7 +144,8 @@ class ChatCompletionRequest(SamplingRequest):
     @model_validator(mode="after")
     def _continues_an_assistant_message(self) -> ChatCompletionRequest:
         if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise fail("continue_final_message", "continue_final_message needs the last message to be the assistant's reply begun")
+            raise fail("continue_final_message",
+                       "continue_final_message needs the last message to be the assistant's reply begun")
         return self
 
     @field_validator("tools")

@@ -80,11 +80,13 @@ def to_anthropic_messages(messages: Sequence[dict[str, Any]]) -> tuple[str | Non
             continue
         if role == "tool":
             role, text = "user", "\n".join(block["text"] for block in _text_blocks(content, param))
-            blocks = [{"type": "tool_result", "tool_use_id": message.get("tool_call_id"), **({"content": text} if text else {})}]
+            blocks = [{"type": "tool_result", "tool_use_id": message.get("tool_call_id"),
+                       **({"content": text} if text else {})}]
         elif role == "user":
             blocks = _text_blocks(content, param)
         elif role == "assistant":
-            blocks = _text_blocks(content, param) + _tool_use_blocks(message.get("tool_calls") or (), f"messages[{i}].tool_calls")
+            blocks = _text_blocks(content, param) + _tool_use_blocks(message.get("tool_calls") or (),
+                                                                     f"messages[{i}].tool_calls")
         else:
             raise InvalidRequestError(f"Role {role!r} cannot be sent to this upstream.", param=f"messages[{i}].role")
         if turns and turns[-1]["role"] == role:
@@ -171,7 +173,8 @@ class _MessageReader:
             block = payload["content_block"]
             call_index = self.block_to_call[int(payload["index"])] = len(self.block_to_call)
             arguments = json.dumps(block["input"], ensure_ascii=False) if block.get("input") else ""
-            return self._delta(tool_call=ToolCallDelta(call_index, id=block["id"], name=block["name"], arguments=arguments))
+            return self._delta(tool_call=ToolCallDelta(call_index, id=block["id"], name=block["name"],
+                                                       arguments=arguments))
         if kind == "content_block_start" and payload["content_block"]["type"] == "text":
             return self._delta(text=payload["content_block"].get("text") or "")
         if kind == "content_block_delta" and payload["delta"]["type"] == "text_delta":
@@ -201,7 +204,8 @@ class _MessageReader:
 
 def sum_usages(usages: Sequence[Usage]) -> Usage:
     """One Usage for n calls; counted_by is the least exact of theirs."""
-    counted_by = next((kind for kind in ("estimate", "tokenizer") if any(u.counted_by == kind for u in usages)), "replica")
+    counted_by = next((kind for kind in ("estimate", "tokenizer") if any(u.counted_by == kind for u in usages)),
+                      "replica")
     return Usage(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
                  cached_tokens=sum(u.cached_tokens for u in usages), counted_by=counted_by)
 

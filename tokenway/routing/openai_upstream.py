@@ -54,7 +54,8 @@ def sampling_fields(params: SamplingParams, n: int, chat: bool, extensions: bool
         fields.update({"logprobs": True, "top_logprobs": params.logprobs} if chat else {"logprobs": params.logprobs})
     if extensions:
         defaults = {"top_k": (0, -1), "min_p": (0.0,), "repetition_penalty": (1.0,), "min_tokens": (0,)}
-        fields.update({name: getattr(params, name) for name, off in defaults.items() if getattr(params, name) not in off})
+        fields.update({name: getattr(params, name) for name, off in defaults.items()
+                       if getattr(params, name) not in off})
     return fields
 
 
@@ -83,7 +84,8 @@ def _completion_logprobs(logprobs: dict[str, Any]) -> tuple[dict[str, Any], ...]
     tops = logprobs.get("top_logprobs") or []
     return tuple(
         {"token": token, "logprob": logprob,
-         "top_logprobs": [{"token": t, "logprob": lp} for t, lp in (tops[i] if i < len(tops) and tops[i] else {}).items()]}
+         "top_logprobs": [{"token": t, "logprob": lp}
+                          for t, lp in (tops[i] if i < len(tops) and tops[i] else {}).items()]}
         for i, (token, logprob) in enumerate(zip(logprobs.get("tokens") or [], logprobs.get("token_logprobs") or []))
     )
 

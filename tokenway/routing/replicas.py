@@ -16,8 +16,9 @@ replica's health.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import AsyncIterator, Protocol
+from typing import Protocol
 
 from tokenway.engine.client import EngineClient, EngineDeadError
 from tokenway.engine.request import SamplingParams, choice_params

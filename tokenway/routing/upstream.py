@@ -8,8 +8,10 @@ with its timers, the mapping of upstream failures onto tokenway's error tree, he
 What the caller sees when the upstream fails:
 
     upstream answer                              tokenway error            why
-    400, 413, 422                                InvalidRequestError 400   the caller's request; upstream's message, param, code
-    401, 403, 404, any other 3xx/4xx             BadGatewayError 502       tokenway's config is wrong; upstream's message withheld
+    400, 413, 422                                InvalidRequestError 400   the caller's request; upstream's
+                                                                              message, param, code
+    401, 403, 404, any other 3xx/4xx             BadGatewayError 502       tokenway's config is wrong;
+                                                                              upstream's message withheld
     429                                          RateLimitError 429        retry-after / retry-after-ms passed on
     503, 529 (Anthropic's overloaded)            ServiceUnavailableError   retry-after passed on
     500, 502, 504, any other 5xx                 BadGatewayError 502

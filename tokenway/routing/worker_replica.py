@@ -111,7 +111,8 @@ class WorkerReplica(HTTPReplica):
     kind = "worker"
 
     def __init__(self, name: str, base_url: str, secret_env: str | None = None, *,
-                 timeouts: UpstreamTimeouts = UpstreamTimeouts(), limits: ConnectionLimits = ConnectionLimits()) -> None:
+                 timeouts: UpstreamTimeouts = UpstreamTimeouts(),
+                 limits: ConnectionLimits = ConnectionLimits()) -> None:
         secret = api_key_from_env(secret_env)
         headers = {"authorization": f"Bearer {secret}"} if secret else {}
         self.name = name

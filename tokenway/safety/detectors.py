@@ -45,8 +45,15 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from tokenway.safety.keys import find_api_keys
-from tokenway.safety.numbers import IBAN_COUNTRY_TO_LENGTH, NumberWindows, find_cards, find_ibans, iban_ok, \
-    luhn_ok, number_windows
+from tokenway.safety.numbers import (
+    IBAN_COUNTRY_TO_LENGTH,
+    NumberWindows,
+    find_cards,
+    find_ibans,
+    iban_ok,
+    luhn_ok,
+    number_windows,
+)
 
 __all__ = ["CATEGORIES", "IBAN_COUNTRY_TO_LENGTH", "Finding", "detect", "iban_ok", "luhn_ok", "redact"]
 

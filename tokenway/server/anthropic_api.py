@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import AsyncIterator
 from functools import partial
 from types import SimpleNamespace
-from typing import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response

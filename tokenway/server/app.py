@@ -367,7 +367,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> Response:
-        if state.ready and (state.engine is None or state.engine.is_alive) and all(state.router.is_servable(n) for n in state.model_names):
+        engine_alive = state.engine is None or state.engine.is_alive
+        if state.ready and engine_alive and all(state.router.is_servable(n) for n in state.model_names):
             body: dict[str, Any] = {"status": "ready", "models": list(state.model_names)}
             if state.gatekeeper is not None:
                 # A degraded ledger stays ready (200): its database is shared by every gateway, so

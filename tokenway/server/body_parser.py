@@ -29,7 +29,8 @@ import os
 import pickle
 import struct
 import sys
-from typing import Any, AsyncIterator, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 import pydantic
 
@@ -163,7 +164,7 @@ class BodyParser:
         for worker in workers:
             try:
                 await asyncio.wait_for(worker.process.wait(), 5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 worker.kill()
                 await worker.process.wait()
 

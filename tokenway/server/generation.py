@@ -15,9 +15,9 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 from starlette.responses import JSONResponse, Response
 
@@ -163,7 +163,8 @@ class Generation:
                         now, previous = time.monotonic(), last_token_times[index]
                         if event.engine_times is not None and event.engine_times[2] is not None:
                             now = event.engine_times[2]
-                        observer.on_tokens(self.model, num_new, None if previous is None else (now - previous) / num_new)
+                        gap = None if previous is None else (now - previous) / num_new
+                        observer.on_tokens(self.model, num_new, gap)
                         last_token_times[index] = now
                     self.completion_tokens[index] += num_new
                     if self.parsers is not None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from tokenway.engine.request import TokenLogprob
 from tokenway.frontend.chat import build_chat_prompt
@@ -99,7 +99,8 @@ def prepare_chat(state: ServerState, body, call: Call) -> tuple[Generation]:
     tool_choice = body.tool_choice if body.tool_choice is not None else "auto"
     if hasattr(tool_choice, "model_dump"):
         tool_choice = tool_choice.model_dump(exclude_none=True)
-    response_format = body.response_format.model_dump(exclude_none=True, by_alias=True) if body.response_format else None
+    response_format = (body.response_format.model_dump(exclude_none=True, by_alias=True)
+                       if body.response_format else None)
     chat_input = screen_chat(partial(state.screen, call), ChatInput(body.template_messages(), tools, response_format))
     tools, response_format = chat_input.tools, chat_input.response_format
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"

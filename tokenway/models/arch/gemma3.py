@@ -19,7 +19,8 @@ def layer_pattern(num_layers: int, pattern: int) -> tuple[str, ...]:
 
 
 def _hf_fields(hf: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
-    fields: dict[str, Any] = {"attention_scale": float(hf.get("query_pre_attn_scalar") or hf.get("head_dim") or 256) ** -0.5}
+    query_scale = float(hf.get("query_pre_attn_scalar") or hf.get("head_dim") or 256)
+    fields: dict[str, Any] = {"attention_scale": query_scale**-0.5}
     rope_parameters = hf.get("rope_parameters") or {}
     if FULL in rope_parameters:  # transformers >= 5: one set of RoPE parameters per layer kind
         fields["rope"] = Rope.from_hf(rope_parameters[FULL]["rope_theta"], rope_parameters[FULL], "config.json")
@@ -27,7 +28,8 @@ def _hf_fields(hf: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
         fields["local_rope"] = Rope.from_hf(local["rope_theta"], local, "config.json")
     else:
         fields["local_rope"] = Rope(float(hf.get("rope_local_base_freq", LOCAL_ROPE_THETA)))
-    layer_types = hf.get("layer_types") or layer_pattern(num_layers, int(hf.get("sliding_window_pattern", DEFAULT_PATTERN)))
+    layer_types = hf.get("layer_types") or layer_pattern(
+        num_layers, int(hf.get("sliding_window_pattern", DEFAULT_PATTERN)))
     if hf.get("sliding_window") and SLIDING in layer_types:
         fields["sliding_window"] = int(hf["sliding_window"])
         fields["layer_types"] = tuple(layer_types)

@@ -17,7 +17,8 @@ PHI3 = Architecture(
     model_types=("phi3",),
     gguf_names=("phi3",),
     hf_fields=uniform_window,
-    gguf_tensors={**{k: v for k, v in LLAMA_GGUF_TENSORS.items() if k not in ("attn_q", "attn_k", "attn_v", "ffn_gate")},
+    gguf_tensors={**{k: v for k, v in LLAMA_GGUF_TENSORS.items()
+                     if k not in ("attn_q", "attn_k", "attn_v", "ffn_gate")},
                   "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     gguf_fields=_gguf_fields,
 )
