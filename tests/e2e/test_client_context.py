@@ -96,6 +96,14 @@ def test_a_request_that_fits_is_untouched_and_one_that_cannot_is_refused(counter
         fit({"model": MODEL, "messages": conversation()}, counter, window=80, max_tokens=64)
 
 
+def test_summarize_refuses_a_request_with_nothing_to_summarize(counter):
+    # The system prompt and the last turn alone are over the budget: a summary of nothing
+    # cannot make room, so it is refused as every other strategy refuses it.
+    last_turn_only = {"model": MODEL, "messages": [conversation()[0], conversation()[-1]]}
+    with pytest.raises(ContextTooSmall, match="the system prompt and the last turn need"):
+        fit(last_turn_only, counter, window=80, max_tokens=64, strategy="summarize", summarize=lambda old: "")
+
+
 def test_the_servers_counter_fits_it_too(client):
     remote = RemoteCounter(client)
     with pytest.raises(OverWindow):  # the server counts no further than the window

@@ -92,7 +92,10 @@ class Ledger:
             # What an earlier run journaled is committed before anything new and before serving,
             # unless the database fails meanwhile: then it waits in the journal like any row
             # (pending in the spend until committed) and the start goes on.
-            waiters = [self._submit(Write(rec, Future(), journaled=True)) for rec in self._journal.recovered]
+            waiters: list[Future] = []
+            for rec in self._journal.recovered:
+                waiters.append(Future())
+                self._submit(Write(rec, waiters[-1], journaled=True))
             for waiter in waiters:
                 waiter.result()
 
@@ -129,7 +132,9 @@ class Ledger:
             self._journal.append(rec)
             self._submit(Write(rec, None, journaled=True))
             return
-        await asyncio.wrap_future(self._submit(Write(rec, Future())))
+        committed: Future = Future()
+        self._submit(Write(rec, committed))
+        await asyncio.wrap_future(committed)
 
     def record_nowait(self, rec: UsageRecord) -> None:
         """Queue the row and return at once; it joins the next batch. Safe from any thread."""
@@ -148,7 +153,9 @@ class Ledger:
                 return await self._read(lambda store: store.spend_usd(key_id)) + self._pending.usd(key_id)
             if writer.outage is not None:
                 raise writer.unavailable()
-            await asyncio.wrap_future(self._submit(Seed(key_id, Future())))
+            seeded: Future = Future()
+            self._submit(Seed(key_id, seeded))
+            await asyncio.wrap_future(seeded)
         # Pending first: the writer adds a commit to the totals before it takes it from pending.
         pending_usd = self._pending.usd(key_id)
         return writer.key_id_to_spend_usd[key_id] + pending_usd
@@ -183,12 +190,12 @@ class Ledger:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _submit(self, job: Write | Seed) -> Future | None:
+    def _submit(self, job: Write | Seed) -> None:
         if self._closed:
             raise RuntimeError("ledger is closed")
         if isinstance(job, Write):
             self._pending.add(job.rec)
-        return self._writer.submit(job)
+        self._writer.submit(job)
 
     async def _read(self, query: Callable[[LedgerStore], T]) -> T:
         def run() -> T:

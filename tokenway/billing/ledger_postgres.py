@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, LiteralString
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
@@ -24,12 +25,12 @@ ALTER TABLE usage_ledger ADD COLUMN IF NOT EXISTS trace JSONB NOT NULL DEFAULT '
 CREATE INDEX IF NOT EXISTS usage_ledger_key_finished ON usage_ledger (key_id, finished_at);
 CREATE INDEX IF NOT EXISTS usage_ledger_finished ON usage_ledger (finished_at);
 """
-_INSERT = (f"INSERT INTO usage_ledger ({', '.join(COLUMNS)}) VALUES ({', '.join(['%s'] * len(COLUMNS))})"
+_INSERT: LiteralString = (f"INSERT INTO usage_ledger ({', '.join(COLUMNS)}) VALUES ({', '.join('%s' for _ in COLUMNS)})"
            " ON CONFLICT (request_id) DO NOTHING RETURNING request_id")
 _DAY = "to_char(to_timestamp(finished_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
 
 
-def _timeouts(url: str) -> dict[str, int]:
+def _timeouts(url: str) -> dict[str, Any]:
     """libpq's timeouts, unless the url sets them: without them a database host that vanished
     (no RST, as in a network partition) holds the ledger's writer in connect() or a COMMIT for
     minutes, where its outage handling wants a prompt error to retry after."""
@@ -58,8 +59,10 @@ class PostgresStore:
         return written
 
     def spend_usd(self, key_id: str) -> float:
-        return self._conn.execute("SELECT COALESCE(SUM(cost_usd), 0.0) FROM usage_ledger WHERE key_id = %s",
-                                  (key_id,)).fetchone()[0]
+        row = self._conn.execute("SELECT COALESCE(SUM(cost_usd), 0.0) FROM usage_ledger WHERE key_id = %s",
+                                 (key_id,)).fetchone()
+        assert row is not None  # an aggregate without GROUP BY is one row
+        return row[0]
 
     def usage(self, key_id: str | None, since: float | None, until: float | None) -> list[dict]:
         where, params = usage_filter(key_id, since, until, "%s")

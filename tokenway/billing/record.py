@@ -63,7 +63,9 @@ class UsageRecord:
 
     @classmethod
     def from_row(cls, row: Sequence, decode_json: Callable[[Any], dict] = json.loads) -> UsageRecord:
-        return cls(*(decode_json(value) if name in JSON_COLUMNS else value for name, value in zip(COLUMNS, row)))
+        values: list[Any] = [decode_json(value) if name in JSON_COLUMNS else value
+                             for name, value in zip(COLUMNS, row)]
+        return cls(*values)
 
 
 def storable_text(text: str) -> str:

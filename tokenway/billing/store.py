@@ -6,7 +6,7 @@ from __future__ import annotations
 import sqlite3
 import sys
 from collections.abc import Sequence
-from typing import Protocol
+from typing import LiteralString, Protocol
 
 from tokenway.billing.record import UsageRecord
 
@@ -16,7 +16,7 @@ USAGE_FIELDS = ("key_id", "day", "model", "requests", "refused_requests", "promp
 # left) and a 5xx are billed for whatever they used, and count among the requests served.
 _REFUSED = "status BETWEEN 400 AND 498 AND prompt_tokens = 0 AND completion_tokens = 0"
 # usage()'s two counts, in USAGE_FIELDS order; the same SQL for SQLite (3.30+) and PostgreSQL.
-USAGE_COUNTS = f"COUNT(*) FILTER (WHERE NOT ({_REFUSED})), COUNT(*) FILTER (WHERE {_REFUSED})"
+USAGE_COUNTS: LiteralString = f"COUNT(*) FILTER (WHERE NOT ({_REFUSED})), COUNT(*) FILTER (WHERE {_REFUSED})"
 
 
 class LedgerUnavailable(Exception):
@@ -34,16 +34,19 @@ class LedgerStore(Protocol):
 
     def insert(self, records: Sequence[UsageRecord]) -> list[UsageRecord]:
         """Insert in one transaction and commit; return the records actually written (not duplicates)."""
+        ...
 
     def spend_usd(self, key_id: str) -> float: ...
 
     def usage(self, key_id: str | None, since: float | None, until: float | None) -> list[dict]:
         """Rows of USAGE_FIELDS, by key, UTC day (of finished_at) and model."""
+        ...
 
     def get(self, request_id: str) -> UsageRecord | None: ...
 
     def recent(self, limit: int) -> list[UsageRecord]:
         """The last `limit` rows by finished_at, newest first."""
+        ...
 
     def close(self) -> None: ...
 
@@ -73,7 +76,9 @@ def is_row_fault(exc: BaseException) -> bool:
         return True
     psycopg = sys.modules.get("psycopg")
     return psycopg is not None and (isinstance(exc, (psycopg.DataError, psycopg.IntegrityError))
-                                    or isinstance(exc, psycopg.ProgrammingError) and exc.sqlstate is None)
+                                    # psycopg is looked up, not imported: its classes do not narrow exc.
+                                    or isinstance(exc, psycopg.ProgrammingError)
+                                    and getattr(exc, "sqlstate", None) is None)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -84,10 +89,15 @@ def is_transient(exc: BaseException) -> bool:
     return psycopg is not None and isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
 
 
-def usage_filter(key_id: str | None, since: float | None, until: float | None, mark: str) -> tuple[str, list]:
-    """The WHERE clause of usage(): since inclusive, until exclusive, on finished_at."""
-    conditions, params = [], []
-    for condition, value in (("key_id = ", key_id), ("finished_at >= ", since), ("finished_at < ", until)):
+def usage_filter(key_id: str | None, since: float | None, until: float | None,
+                 mark: LiteralString) -> tuple[LiteralString, list]:
+    """The WHERE clause of usage(): since inclusive, until exclusive, on finished_at. Literal
+    text alone (the values go in params), as psycopg's typing asks of a query."""
+    conditions: list[LiteralString] = []
+    params = []
+    filters: tuple[tuple[LiteralString, object], ...] = (
+        ("key_id = ", key_id), ("finished_at >= ", since), ("finished_at < ", until))
+    for condition, value in filters:
         if value is not None:
             conditions.append(condition + mark)
             params.append(value)

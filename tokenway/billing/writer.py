@@ -94,9 +94,8 @@ class LedgerWriter:
         self._thread = threading.Thread(target=self._run, name="ledger-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Write | Seed) -> Future | None:
+    def submit(self, job: Write | Seed) -> None:
         self.jobs.put(job)
-        return job.waiter
 
     def stop(self) -> None:
         self.stopping = True
@@ -136,7 +135,7 @@ class LedgerWriter:
             job = self.jobs.get_nowait()
             if isinstance(job, Write):
                 self.pending.remove(Tally.of([job.rec]))
-            if job is not STOP:
+            if isinstance(job, (Write, Seed)):  # not STOP
                 _settle([job.waiter], RuntimeError("ledger is closed"))
 
     def _next_batch(self, timeout: float | None) -> list[Write | Seed | None]:
@@ -187,6 +186,7 @@ class LedgerWriter:
         self._add_written(written)
         num_journaled = sum(job.journaled for job in done)
         if num_journaled:
+            assert self.journal is not None  # rows are journaled only where there is a journal
             self.journal.committed(num_journaled)
         self.pending.remove(Tally.of(job.rec for job in done))  # after the totals: never counted zero times
         _settle([job.waiter for job in done], None)
@@ -274,6 +274,7 @@ class LedgerWriter:
 
     def _recover(self) -> None:
         """One attempt to end the outage: connect, commit the rows in memory, then the journal's."""
+        assert self.outage is not None
         try:  # with nothing to commit (an outage a seed ran into) the connection is the test
             self._store = self._store or open_store(self.url)
         except Exception as exc:
@@ -289,6 +290,7 @@ class LedgerWriter:
             if error is not None:
                 return self._retry_later(error)
         if self._spilled.num_rows:
+            assert self.journal is not None  # rows spill only into a journal
             end = self.journal.end()
             for records in self.journal.rows(end, self.batch_max):
                 num_handled, written, error = self._store_rows(records, tries=1)
@@ -305,6 +307,7 @@ class LedgerWriter:
                     num_replayed, f", {num_dropped} lost (past max_pending_rows)" if num_dropped else "")
 
     def _retry_later(self, error: Exception) -> None:
+        assert self.outage is not None  # retries happen during an outage
         self.outage = dataclasses.replace(self.outage, last_error=repr(error))
         self._retry_delay_s = min(RETRY_MAX_S, self._retry_delay_s * 2)
         self._retry_at = time.monotonic() + self._retry_delay_s * random.uniform(0.5, 1.0)
@@ -322,6 +325,7 @@ class LedgerWriter:
             self._drop(list(self._held))
             self._held.clear()
         if self._spilled.num_rows:
+            assert self.journal is not None  # rows spill only into a journal
             logger.warning("usage ledger: closing while the database is unreachable: %d rows stay in %s for the "
                            "next start", self._spilled.num_rows, self.journal.path)
 

@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tokenway.client.context import least_true
 
@@ -65,7 +65,7 @@ def as_counter(tokenizer: Callable[[str], int] | Any) -> Callable[[str], int]:
     if hasattr(tokenizer, "encode"):
         return lambda text: len(tokenizer.encode(text))
     if callable(tokenizer):
-        return tokenizer
+        return cast("Callable[[str], int]", tokenizer)  # a callable's signature cannot be checked at run time
     raise TypeError(f"tokenizer: expected a (text) -> int callable or an object with encode(), got {tokenizer!r}")
 
 

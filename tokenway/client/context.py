@@ -124,7 +124,7 @@ def fit(request: Mapping[str, Any], counter: Counter, *, window: int, max_tokens
     guess = dropped_before or _guess(messages, units, candidates, before, budget, forced)
     num_dropped = least_true(fits, guess, forced, len(candidates))
     if num_dropped is None:
-        if strategy != "summarize":
+        if strategy != "summarize" or not candidates:  # with nothing to drop there is nothing to summarize
             tokens = tokens_without(len(candidates))
             need = f"{tokens} tokens" if tokens is not None else "more tokens than the window"
             raise ContextTooSmall(f"the system prompt and the last turn need {need}; the budget is {budget} "
@@ -133,6 +133,7 @@ def fit(request: Mapping[str, Any], counter: Counter, *, window: int, max_tokens
     dropped_units = candidates[:num_dropped]
     summary = None
     if strategy == "summarize" and dropped_units:
+        assert summarize is not None  # checked on entry
         # The summary takes room too: drop one more unit into it until the whole fits.
         while True:
             dropped_units = candidates[:num_dropped]
@@ -145,6 +146,7 @@ def fit(request: Mapping[str, Any], counter: Counter, *, window: int, max_tokens
             num_dropped += 1
     kept = build(dropped_units, summary)
     after = tokens if summary is not None else tokens_without(num_dropped)
+    assert after is not None  # counted, and within the budget
     dropped = tuple(i for u in dropped_units for i in units[u])
     return {**base, "messages": kept}, CutReport(strategy, budget, before, after, dropped, summary is not None,
                                                  len(messages))

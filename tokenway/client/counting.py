@@ -17,11 +17,13 @@ import copy
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import openai
 
 _PROMPT_FIELDS = ("messages", "tools", "tool_choice", "parallel_tool_calls", "response_format")
+# build_chat_prompt's (tools, tool_choice, parallel_tool_calls, response_format): server/openai_api.prompt_fields
+PromptFields: TypeAlias = tuple[list[dict] | None, Any, bool | None, dict | None]
 
 
 def tokenize_body(request: Mapping[str, Any]) -> dict[str, Any]:
@@ -66,16 +68,23 @@ class RemoteCounter:
         self.client = client
 
     def count(self, request: Mapping[str, Any]) -> int:
+        if not isinstance(self.client, openai.OpenAI):
+            raise TypeError("count: needs an openai.OpenAI client; with an AsyncOpenAI one, use count_async")
         try:
-            return int(self.client.post("/tokenize", body=tokenize_body(request), cast_to=object)["count"])
+            # cast_to=object: the JSON body as it came.
+            body: Any = self.client.post("/tokenize", body=tokenize_body(request), cast_to=object)
         except openai.BadRequestError as exc:
             raise _over_window(exc) from None
+        return int(body["count"])
 
     async def count_async(self, request: Mapping[str, Any]) -> int:
+        if not isinstance(self.client, openai.AsyncOpenAI):
+            raise TypeError("count_async: needs an openai.AsyncOpenAI client; with an OpenAI one, use count")
         try:
-            return int((await self.client.post("/tokenize", body=tokenize_body(request), cast_to=object))["count"])
+            body: Any = await self.client.post("/tokenize", body=tokenize_body(request), cast_to=object)
         except openai.BadRequestError as exc:
             raise _over_window(exc) from None
+        return int(body["count"])
 
 
 def _over_window(exc: openai.BadRequestError) -> Exception:
@@ -100,7 +109,7 @@ class LocalCounter:
         self.frontend.tokenizer.enable_segment_cache()
         self.tool_parser = tool_parser
         self._message_id_to_template: dict[int, tuple[Any, dict]] = {}  # id -> (the message as seen, its dict)
-        self._fields_to_prompt_fields: dict[str, tuple] = {}  # the fields' JSON -> build_chat_prompt's args
+        self._fields_to_prompt_fields: dict[str, PromptFields] = {}  # the fields' JSON -> build_chat_prompt's args
 
     def count(self, request: Mapping[str, Any]) -> int:
         from tokenway.server.openai_api import templated_token_ids
@@ -127,7 +136,7 @@ class LocalCounter:
         self._message_id_to_template[id(message)] = (copy.deepcopy(comparable), template)
         return template
 
-    def _prompt_fields(self, request: Mapping[str, Any]) -> tuple:
+    def _prompt_fields(self, request: Mapping[str, Any]) -> PromptFields:
         from tokenway.protocol.openai_requests import TokenizeRequest
         from tokenway.server.openai_api import prompt_fields
 

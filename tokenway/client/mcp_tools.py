@@ -42,6 +42,7 @@ async def mcp_tools(*, command: str | None = None, args: Sequence[str] = (), env
             http = await stack.enter_async_context(httpx2.AsyncClient(headers=headers or {}, timeout=call_timeout))
             read, write = await stack.enter_async_context(streamable_http_client(url, http_client=http))
         else:
+            assert command is not None  # one of the two, checked above
             params = StdioServerParameters(command=command, args=list(args), env=env, cwd=cwd)
             read, write = await stack.enter_async_context(stdio_client(params))
         session = await stack.enter_async_context(ClientSession(read, write, read_timeout_seconds=call_timeout))

@@ -29,7 +29,7 @@ import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import openai
@@ -79,20 +79,22 @@ class _Pending:
     metadata: Mapping[str, Any]
 
 
-def embed(client: openai.OpenAI, model: str, texts: Sequence[str],
+def embed(client: openai.OpenAI | openai.AsyncOpenAI, model: str, texts: Sequence[str],
           batch_size: int = EMBEDDING_BATCH_SIZE) -> tuple[np.ndarray, int]:
-    """(float32 (len(texts), dimensions), prompt tokens) through client.embeddings.create."""
-    _check_client(client, asynchronous=False)
+    """(float32 (len(texts), dimensions), prompt tokens) through client.embeddings.create; a
+    TypeError for an AsyncOpenAI client."""
+    client = _checked_client(client, asynchronous=False)
     replies = [client.embeddings.create(model=model, input=list(texts[i:i + batch_size]))
                for i in range(0, len(texts), batch_size)]
     return _vectors(replies)
 
 
-async def embed_async(client: openai.AsyncOpenAI, model: str, texts: Sequence[str],
+async def embed_async(client: openai.OpenAI | openai.AsyncOpenAI, model: str, texts: Sequence[str],
                       batch_size: int = EMBEDDING_BATCH_SIZE) -> tuple[np.ndarray, int]:
-    """embed() on an AsyncOpenAI client. The batches go one after another: the server runs
-    one embedding model, so sending them at once would only queue them there."""
-    _check_client(client, asynchronous=True)
+    """embed() on an AsyncOpenAI client (a TypeError for an OpenAI one). The batches go one
+    after another: the server runs one embedding model, so sending them at once would only
+    queue them there."""
+    client = _checked_client(client, asynchronous=True)
     replies = [await client.embeddings.create(model=model, input=list(texts[i:i + batch_size]))
                for i in range(0, len(texts), batch_size)]
     return _vectors(replies)
@@ -104,10 +106,21 @@ def _vectors(replies: list[Any]) -> tuple[np.ndarray, int]:
     return np.asarray(rows, dtype=np.float32), num_tokens
 
 
-def _check_client(client: Any, asynchronous: bool) -> None:
+@overload
+def _checked_client(client: Any, asynchronous: Literal[False]) -> openai.OpenAI: ...
+
+
+@overload
+def _checked_client(client: Any, asynchronous: Literal[True]) -> openai.AsyncOpenAI: ...
+
+
+def _checked_client(client: Any, asynchronous: bool) -> openai.OpenAI | openai.AsyncOpenAI:
+    """client, if its calls are of the kind asked for. Duck-typed: anything with the SDK's
+    surface passes."""
     if inspect.iscoroutinefunction(client.embeddings.create) != asynchronous:
         want = "openai.AsyncOpenAI for the *_async methods" if asynchronous else "openai.OpenAI for add and search"
         raise TypeError(f"client: expected an {want}, got {type(client).__name__}")
+    return client
 
 
 class Retriever:

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, LiteralString, Protocol, TypeAlias, cast
 
 import numpy as np
 
@@ -28,12 +28,15 @@ MAX_K = 4096  # sqlite-vec's limit on k; the same for both, so code moves betwee
 _MAX_PARAMETERS = 500  # bound parameters per SQLite statement (older builds allow at most 999)
 
 
+Vector: TypeAlias = "Sequence[float] | np.ndarray"  # (dimensions,)
+
+
 @dataclass(frozen=True, slots=True)
 class Item:
     """What add() takes."""
 
     id: str
-    vector: Sequence[float]  # any scale: stored normalised
+    vector: Vector  # any scale: stored normalised
     text: str
     source: str  # the document it came from: a path, a URL, "memory"
     namespace: str = "default"
@@ -72,24 +75,27 @@ class VectorStore(Protocol):
     def replace(self, namespace: str, source: str, items: Sequence[Item]) -> None:
         """The source's items become these, in one transaction (readers see old or new)."""
 
-    def search(self, vector: Sequence[float], k: int = 4, *, namespace: str | None = None,
+    def search(self, vector: Vector, k: int = 4, *, namespace: str | None = None,
                sources: Sequence[str] | None = None) -> list[Hit]:
         """The k nearest items, best first; within a namespace and sources when given."""
+        ...
 
     def get(self, ids: Sequence[str] | None = None, *, namespace: str | None = None,
             source: str | None = None) -> list[Record]:
         """The items matching every filter given, oldest first."""
+        ...
 
     def delete(self, ids: Sequence[str] | None = None, *, namespace: str | None = None,
                source: str | None = None) -> int:
         """Deletes the items matching every filter given (at least one); returns how many."""
+        ...
 
     def count(self, *, namespace: str | None = None, source: str | None = None) -> int: ...
 
     def close(self) -> None: ...
 
 
-def normalised(vectors: np.ndarray | Sequence[Sequence[float]], dimensions: int) -> np.ndarray:
+def normalised(vectors: np.ndarray | Sequence[Vector], dimensions: int) -> np.ndarray:
     """float32 (n, dimensions) rows of unit length; ValueError for another width or a zero row."""
     array = np.asarray(vectors, dtype=np.float32)
     if array.ndim != 2 or array.shape[1] != dimensions:
@@ -127,7 +133,7 @@ def _sqlite3() -> Any:
     return dbapi2
 
 
-_RECORD_COLUMNS = "id, text, source, namespace, section, span_start, span_end, metadata, created_at"
+_RECORD_COLUMNS: LiteralString = "id, text, source, namespace, section, span_start, span_end, metadata, created_at"
 
 
 def _record(row: Sequence[Any]) -> Record:
@@ -232,7 +238,7 @@ class SqliteVecStore:
             self._db.execute(f"DELETE FROM {t}_items WHERE rowid IN ({marks})", batch)
         return len(rowids)
 
-    def search(self, vector: Sequence[float], k: int = 4, *, namespace: str | None = None,
+    def search(self, vector: Vector, k: int = 4, *, namespace: str | None = None,
                sources: Sequence[str] | None = None) -> list[Hit]:
         check_search(k, sources)
         if sources is not None and not sources:
@@ -309,7 +315,9 @@ class PostgresVectorStore:
         except ImportError:
             raise ImportError("PostgresVectorStore needs psycopg 3: pip install 'psycopg[binary]'") from None
 
-        self.dimensions, self.table = dimensions, table
+        self.dimensions = dimensions
+        # SQL text, as psycopg's typing asks of a query: an identifier, checked above.
+        self.table: LiteralString = cast("LiteralString", table)
         self._lock = threading.Lock()
         self._conn = psycopg.connect(dsn, autocommit=True)
         self._mode = self._choose_mode(mode)
@@ -350,10 +358,12 @@ class PostgresVectorStore:
 
     def _pgvector_version(self) -> tuple[int, ...]:
         row = self._conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()
+        assert row is not None  # asked in pgvector mode: the extension is there
         return tuple(int(part) for part in row[0].split(".")[:2] if part.isdigit())
 
     def _create(self) -> None:
-        t, n = self.table, self.dimensions
+        # An int's digits, in SQL text: DDL takes no parameters.
+        t, n = self.table, cast("LiteralString", str(int(self.dimensions)))
         column = f"vector({n})" if self._mode == "pgvector" else f"real[] CHECK (array_length(embedding, 1) = {n})"
         with self._conn.transaction():
             self._conn.execute(f"""CREATE TABLE IF NOT EXISTS {t} (
@@ -370,7 +380,7 @@ class PostgresVectorStore:
         return "[" + ",".join(map(repr, vector.tolist())) + "]" if self._mode == "pgvector" else vector.tolist()
 
     @property
-    def _cast(self) -> str:
+    def _cast(self) -> LiteralString:
         return "vector" if self._mode == "pgvector" else "real[]"
 
     def add(self, items: Sequence[Item]) -> None:
@@ -389,7 +399,8 @@ class PostgresVectorStore:
             return
         vectors = normalised([item.vector for item in items], self.dimensions)
         now = time.time()
-        updates = ", ".join(f"{name} = excluded.{name}" for name in [*_RECORD_COLUMNS.split(", ")[1:], "embedding"])
+        updated: list[LiteralString] = [*_RECORD_COLUMNS.split(", ")[1:], "embedding"]
+        updates = ", ".join(f"{name} = excluded.{name}" for name in updated)
         with self._conn.cursor() as cursor:
             cursor.executemany(
                 f"INSERT INTO {self.table} ({_RECORD_COLUMNS}, embedding) "
@@ -397,7 +408,7 @@ class PostgresVectorStore:
                 f"ON CONFLICT (id) DO UPDATE SET {updates}",
                 [(*_row(item, now), self._vector(vector)) for item, vector in zip(items, vectors, strict=True)])
 
-    def search(self, vector: Sequence[float], k: int = 4, *, namespace: str | None = None,
+    def search(self, vector: Vector, k: int = 4, *, namespace: str | None = None,
                sources: Sequence[str] | None = None) -> list[Hit]:
         check_search(k, sources)
         if sources is not None and not sources:
@@ -419,7 +430,8 @@ class PostgresVectorStore:
         with self._lock, self._conn.transaction():
             if self._mode == "pgvector":
                 # ef_search bounds how many hits an index scan returns (40 by default).
-                self._conn.execute(f"SET LOCAL hnsw.ef_search = {max(40, min(k, 1000))}")
+                ef_search = cast("LiteralString", str(max(40, min(k, 1000))))  # an int: SET takes no parameters
+                self._conn.execute(f"SET LOCAL hnsw.ef_search = {ef_search}")
                 if self._iterative_scan:
                     self._conn.execute("SET LOCAL hnsw.iterative_scan = strict_order")
             rows = self._conn.execute(sql, params).fetchall()
@@ -443,7 +455,9 @@ class PostgresVectorStore:
     def count(self, *, namespace: str | None = None, source: str | None = None) -> int:
         where, params = _where(None, namespace, source, mark="%s")
         with self._lock:
-            return self._conn.execute(f"SELECT count(*) FROM {self.table} WHERE {where}", params).fetchone()[0]
+            row = self._conn.execute(f"SELECT count(*) FROM {self.table} WHERE {where}", params).fetchone()
+        assert row is not None  # count(*) is one row
+        return row[0]
 
     def close(self) -> None:
         with self._lock:
@@ -457,12 +471,13 @@ class PostgresVectorStore:
 
 
 def _where(ids: Sequence[str] | None = None, namespace: str | None = None, source: str | None = None,
-           mark: str = "?") -> tuple[str, list[Any]]:
+           mark: LiteralString = "?") -> tuple[LiteralString, list[Any]]:
     """A WHERE clause over the items' columns (TRUE when no filter), with its parameters."""
-    clauses, params = [], []
+    clauses: list[LiteralString] = []
+    params: list[Any] = []
     if ids is not None:
         ids = [ids] if isinstance(ids, str) else list(ids)
-        clauses.append(f"id IN ({', '.join([mark] * len(ids))})" if ids else "FALSE")
+        clauses.append(f"id IN ({', '.join(mark for _ in ids)})" if ids else "FALSE")
         params.extend(ids)
     if namespace is not None:
         clauses.append(f"namespace = {mark}")

@@ -22,28 +22,28 @@ from tokenway.models.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from tokenway.models.decoder import DecoderForCausalLM
+    from tokenway.models.quant import QuantKernel
 
 
 class DecodeStack:
     __slots__ = ("_decode", "_stack", "kernels", "kv_caches")
 
-    def __init__(self, model: DecoderForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, ops) -> None:
+    def __init__(self, model: DecoderForCausalLM, kernels: list[QuantKernel],
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, ops) -> None:
+        """kernels: every layer's matmuls in call order (qkv, o, gate_up, down), all on blocks."""
         config = model.config
         self.kv_caches = kv_caches
         tensors = [model.rope_cos, model.rope_sin]
         ints = [config.num_attention_heads, config.num_key_value_heads, config.head_dim, block_size]
-        self.kernels = []  # every layer's matmuls, in call order
+        self.kernels = kernels
         empty = torch.empty(0)
-        for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
-            attn, mlp = layer.self_attn, layer.mlp
+        for index, (layer, (k_cache, v_cache)) in enumerate(zip(model.decoder_layers, kv_caches)):
             tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, k_cache, v_cache]
-            for kernel in (attn.qkv, attn.o, mlp.gate_up, mlp.down):
+            for kernel in kernels[4 * index:4 * index + 4]:
                 bias = kernel.bias_or_none
                 tensors += [kernel.weight, empty if bias is None else bias]
                 ints += [kernel.out_features, kernel.qtype_id]
-                self.kernels.append(kernel)
-        scale = model.layers[0].self_attn.scale
+        scale = model.decoder_layers[0].self_attn.scale
         self._stack = torch.classes.tokenway_layers.Stack(tensors, ints, config.rms_norm_eps, scale,
                                                           self.kernels[0].products)
         self._decode = ops.decode
@@ -55,17 +55,19 @@ class DecodeStack:
         mixed products, the fused kernels off) or the native kernels are not built."""
         from tokenway.models.quant import QuantKernel
 
-        if model.fused is None or len(kv_caches) != len(model.layers):
+        layers = model.decoder_layers
+        if model.fused is None or len(kv_caches) != len(layers):
             return None
-        kernels = [kernel for layer in model.layers
+        matmuls = [kernel for layer in layers
                    for kernel in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down)]
-        if not all(isinstance(kernel, QuantKernel) for kernel in kernels) or len({k.products for k in kernels}) != 1:
+        kernels = [kernel for kernel in matmuls if isinstance(kernel, QuantKernel)]
+        if len(kernels) < len(matmuls) or len({k.products for k in kernels}) != 1:
             return None
         # The operators the stack calls must be registered before it looks them up.
         if native.load("quant") is None or native.load("attention") is None:
             return None
         ops = native.load("layers")
-        return None if ops is None else cls(model, kv_caches, block_size, ops)
+        return None if ops is None else cls(model, kernels, kv_caches, block_size, ops)
 
     def takes(self, num_tokens: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
               meta: AttentionMetadata) -> bool:

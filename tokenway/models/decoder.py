@@ -14,9 +14,9 @@ Activations and the residual stream stay float32; linear weights and the KV cach
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,10 @@ from tokenway.models.weights import QuantizedTensor
 
 if TYPE_CHECKING:
     from tokenway.models.quant import QuantKernel
+    from tokenway.models.quant_torch import TorchQuantKernel
+
+    # What a matmul runs on: its float weight until use_quantized puts its blocks' kernel in place.
+    Matmul: TypeAlias = "LinearKernel | QuantKernel | TorchQuantKernel | ConcatKernel"
 
 GLOBAL, LOCAL = "global", "local"  # which RoPE tables a layer reads (ModelConfig.rope, .local_rope)
 
@@ -86,8 +90,8 @@ class Attention(nn.Module):
             else None
         )
         self.o_weight = nn.Parameter(torch.empty(config.hidden_size, self.q_size, dtype=dtype), requires_grad=False)
-        self.qkv = LinearKernel(self.qkv_weight, self.qkv_bias)
-        self.o = LinearKernel(self.o_weight)
+        self.qkv: Matmul = LinearKernel(self.qkv_weight, self.qkv_bias)
+        self.o: Matmul = LinearKernel(self.o_weight)
         # QK-norm (Qwen3, Gemma 3): each head of q and k RMS-normed before RoPE.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.arch.qk_norm else None
@@ -95,7 +99,7 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """(T, q+2kv) float32 q, k, v of x, QK-normed where the family norms them."""
         qkv = self.qkv(x)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             num_tokens, q, kv = qkv.shape[0], self.q_size, self.kv_size
             heads = (num_tokens, -1, self.head_dim)
             qkv[:, :q] = self.q_norm(qkv[:, :q].reshape(heads)).view(num_tokens, q)
@@ -123,6 +127,7 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].reshape(num_tokens, self.num_kv_heads, self.head_dim).to(cache_dtype)
         # Every token's K/V is written before anyone reads: a request may attend to blocks
         # another request in this same step is filling (a prefix-cache hit).
+        meta = self.layout(meta)
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         return self._attend(q, k, v, k_cache, v_cache, meta)
@@ -131,6 +136,7 @@ class Attention(nn.Module):
                       meta: AttentionMetadata, ops) -> torch.Tensor:
         """forward with RoPE, the cache writes and the casts in one native call (csrc/fused.cpp)."""
         k_cache, v_cache = kv_cache
+        meta = self.layout(meta)
         q = ops.rope_and_cache(self.project(x), rope.cos_table, rope.sin_table, rope.positions, k_cache, v_cache,
                                meta.slot_mapping, self.num_heads, self.num_kv_heads)
         k = v = None
@@ -138,12 +144,19 @@ class Attention(nn.Module):
             k, v = k_cache.index_select(0, meta.slot_mapping), v_cache.index_select(0, meta.slot_mapping)
         return self._attend(q, k, v, k_cache, v_cache, meta)
 
+    def layout(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """This layer's layout of the step: a sliding layer's KV cache group has block ids (so slots) of
+        its own where layers mix (engine/runner.py), for its writes as for its reads."""
+        if not self.sliding:
+            return meta
+        assert meta.sliding is not None, "the runner lays out a window for models with sliding layers"
+        return meta.sliding
+
     def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Decode rows through the paged decode attention, prompt chunks (with their new keys and
-        values k, v) through prefill attention, then o. q, k, v: (T, heads, head_dim) in the cache's dtype."""
-        if self.sliding:
-            meta = meta.sliding
+        values k, v) through prefill attention, then o, in this layer's layout (layout()).
+        q, k, v: (T, heads, head_dim) in the cache's dtype."""
         num_tokens = q.shape[0]
         if not meta.prefills:
             return self.o(decode_attention(q, k_cache, v_cache, meta, self.scale).reshape(num_tokens, self.q_size))
@@ -151,6 +164,7 @@ class Attention(nn.Module):
         num_decodes = meta.num_decode_tokens
         if num_decodes:
             out[:num_decodes] = decode_attention(q[:num_decodes], k_cache, v_cache, meta, self.scale)
+        assert k is not None and v is not None, "prompt chunks come with their new keys and values"
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, meta.block_size,
@@ -170,8 +184,8 @@ class MLP(nn.Module):
         self.down_weight = nn.Parameter(
             torch.empty(config.hidden_size, config.intermediate_size, dtype=dtype), requires_grad=False
         )
-        self.gate_up = LinearKernel(self.gate_up_weight)
-        self.down = LinearKernel(self.down_weight)
+        self.gate_up: Matmul = LinearKernel(self.gate_up_weight)
+        self.down: Matmul = LinearKernel(self.down_weight)
 
     def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
         if ops is not None and self.activation == "silu":
@@ -227,23 +241,33 @@ class ConcatKernel:
     """y = x @ cat(W_1, ..., W_n).T for weights stored in different block types: each part's kernel
     writes its columns of one output (no copy)."""
 
-    __slots__ = ("parts", "out_features", "in_features")
+    __slots__ = ("parts", "columns", "out_features", "in_features")
 
-    def __init__(self, parts: list[QuantKernel]) -> None:
+    def __init__(self, parts: list[QuantKernel | TorchQuantKernel]) -> None:
         self.parts = parts
-        self.out_features = sum(part.out_features for part in parts)
+        self.columns: list[slice] = []  # of the output, each part's
+        start = 0
+        for part in parts:
+            assert part.out_features is not None  # a built kernel knows its rows
+            self.columns.append(slice(start, start + part.out_features))
+            start += part.out_features
+        self.out_features = start
         self.in_features = parts[0].in_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[0], self.out_features, device=x.device)
-        start = 0
-        for part in self.parts:
-            part(x, out=out[:, start:start + part.out_features])
-            start += part.out_features
+        for part, columns in zip(self.parts, self.columns):
+            part(x, out=out[:, columns])
         return out
 
 
 class DecoderForCausalLM(nn.Module):
+    # Buffers (register_buffer), which nn.Module's attribute lookup types as Tensor | Module.
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    local_rope_cos: torch.Tensor
+    local_rope_sin: torch.Tensor
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  max_positions: int | None = None) -> None:
         """max_positions: the longest context served (the RoPE tables' length); the config's
@@ -254,14 +278,15 @@ class DecoderForCausalLM(nn.Module):
         arch = config.arch
         # The embedding is a lookup, not a matmul: keep it float32 for the residual stream.
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
-        self.embedding: QuantKernel | None = None  # lookups from the GGUF's blocks instead (use_quantized)
+        # Lookups from the GGUF's blocks instead (use_quantized).
+        self.embedding: QuantKernel | TorchQuantKernel | None = None
         # Gemma multiplies embeddings by sqrt(hidden_size), rounded to the embedding's dtype.
         self.embed_scale = torch.tensor(math.sqrt(config.hidden_size)) if arch.scale_embeddings else None
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
                                     requires_grad=False)
-        self.head = LinearKernel(self.lm_head)
+        self.head: Matmul = LinearKernel(self.lm_head)
         self._quantized_params: set[str] = set()  # weights whose matmul runs on quantized blocks
         self.fused = None  # csrc/fused.cpp's operators once use_fused_kernels() found them
         self.decode_stack: DecodeStack | None = None  # decode-only steps in one native call (use_decode_stack)
@@ -274,6 +299,11 @@ class DecoderForCausalLM(nn.Module):
             cos, sin = config.local_rope.tables(config.head_dim, config.max_position_embeddings, num_positions)
             self.register_buffer("local_rope_cos", cos, persistent=False)
             self.register_buffer("local_rope_sin", sin, persistent=False)
+
+    @property
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        # nn.ModuleList types its items as nn.Module; every one of these is a DecoderLayer.
+        return cast("Sequence[DecoderLayer]", self.layers)
 
     @property
     def plain_layers(self) -> bool:
@@ -303,10 +333,11 @@ class DecoderForCausalLM(nn.Module):
             ropes[LOCAL] = RopeInputs(self.local_rope_cos, self.local_rope_sin, positions)
         if self.fused is not None:
             residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches):
+            for layer, kv_cache in zip(self.decoder_layers, kv_caches):
                 x, residual = layer.forward_fused(x, residual, ropes[layer.self_attn.rope], kv_cache, meta, self.fused)
+            assert residual is not None  # a model has layers
             return x + residual
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.decoder_layers, kv_caches):
             x = layer(x, ropes[layer.self_attn.rope], kv_cache, meta)
         return x
 
@@ -336,8 +367,8 @@ class DecoderForCausalLM(nn.Module):
 
     def _matmuls(self) -> list[tuple[str, nn.Module, str]]:
         """(weight parameter name, module, kernel attribute) of every matmul."""
-        out = [("lm_head", self, "head")]
-        for index, layer in enumerate(self.layers):
+        out: list[tuple[str, nn.Module, str]] = [("lm_head", self, "head")]
+        for index, layer in enumerate(self.decoder_layers):
             prefix = f"layers.{index}"
             out += [(f"{prefix}.self_attn.qkv_weight", layer.self_attn, "qkv"),
                     (f"{prefix}.self_attn.o_weight", layer.self_attn, "o"),
@@ -350,10 +381,10 @@ class DecoderForCausalLM(nn.Module):
         kernels = (getattr(module, attr) for _, module, attr in self._matmuls())
         return [kernel for kernel in kernels if isinstance(kernel, LinearKernel)]
 
-    def quant_kernels(self) -> list[QuantKernel]:
+    def quant_kernels(self) -> list[QuantKernel | TorchQuantKernel]:
         """Every matmul on GGUF blocks (models/quant.py), a ConcatKernel's parts each."""
         kernels = (getattr(module, attr) for _, module, attr in self._matmuls())
-        out: list[QuantKernel] = []
+        out: list[QuantKernel | TorchQuantKernel] = []
         for kernel in kernels:
             if isinstance(kernel, ConcatKernel):
                 out += kernel.parts
@@ -389,9 +420,10 @@ class DecoderForCausalLM(nn.Module):
         def supports(qtype: str, in_features: int) -> bool:
             return qtype in dequant.QTYPES if on_torch else native_supports(qtype, in_features)
 
-        def kernel_for(name: str, parts: list[QuantizedTensor], bias: torch.Tensor | None):
+        def kernel_for(name: str, parts: list[QuantizedTensor],
+                       bias: torch.Tensor | None) -> QuantKernel | TorchQuantKernel | ConcatKernel:
             qtypes = {t.qtype for t in parts}
-            if on_torch and len(qtypes) == 1:  # rows of blocks concatenate as they are
+            if torch_device is not None and len(qtypes) == 1:  # rows of blocks concatenate as they are
                 blocks = torch.cat([t.blocks for t in parts]) if len(parts) > 1 else parts[0].blocks
                 return TorchQuantKernel(blocks, parts[0].qtype, parts[0].shape[1], bias, self.dtype, torch_device)
             if len(qtypes) == 1 and (len(parts) == 1 or all(t.shape[0] % QuantKernel.ROWS == 0 for t in parts)):
@@ -402,10 +434,13 @@ class DecoderForCausalLM(nn.Module):
                 return QuantKernel(parts[0].blocks if weight is None else None, parts[0].qtype, parts[0].shape[1],
                                    bias=bias, dtype=self.dtype, activations=activations, relaid=weight,
                                    out_features=sum(t.shape[0] for t in parts))
-            kernels, start = [], 0
+            kernels: list[QuantKernel | TorchQuantKernel] = []
+            start = 0
             for index, part in enumerate(parts):
                 rows = slice(start, start + part.shape[0])
-                kernels.append(kernel_for(f"{name}.{index}", [part], None if bias is None else bias[rows]))
+                kernel = kernel_for(f"{name}.{index}", [part], None if bias is None else bias[rows])
+                assert not isinstance(kernel, ConcatKernel)  # one part: one kernel
+                kernels.append(kernel)
                 start += part.shape[0]
             return ConcatKernel(kernels)
 
@@ -416,7 +451,9 @@ class DecoderForCausalLM(nn.Module):
         embedding = tensors.get("model.embed_tokens.weight")
         if embedding is not None and supports(embedding.qtype, embedding.shape[1]):
             # Lookups decode their rows from the blocks: no float copy of the table (Gemma's is 670 MB).
-            self.embedding = kernel_for("embed_tokens", [embedding], None)
+            kernel = kernel_for("embed_tokens", [embedding], None)
+            assert not isinstance(kernel, ConcatKernel)  # one part: one kernel
+            self.embedding = kernel
             self.embed_tokens.data = torch.empty(0)
             self._quantized_params.add("embed_tokens")
             used.add("model.embed_tokens.weight")
@@ -428,8 +465,8 @@ class DecoderForCausalLM(nn.Module):
                 index = param_name.split(".")[1]
                 candidates = [[f"model.layers.{index}.{part}.weight" for part in option] for option in parts[attr]]
                 names = next((option for option in candidates if option[0] in tensors), candidates[0])
-            found = [tensors.get(name) for name in names]
-            if any(t is None or not supports(t.qtype, t.shape[1]) for t in found):
+            found = [t for name in names if (t := tensors.get(name)) is not None]
+            if len(found) < len(names) or not all(supports(t.qtype, t.shape[1]) for t in found):
                 continue
             kernel = getattr(module, attr)
             if attr == "head" and config.tie_word_embeddings and self.embedding is not None:

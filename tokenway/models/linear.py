@@ -119,7 +119,8 @@ def select_kernels(kernels: list[LinearKernel], mode: str = "auto") -> dict[tupl
     chosen: dict[tuple[int, int], str] = {}
     for kernel in kernels:
         weight = kernel.weight.data
-        shape = tuple(weight.shape)
+        rows, cols = weight.shape  # 2-D: (out_features, in_features)
+        shape = (rows, cols)
         packed = None
         if not onednn_available(weight) or mode == "default":
             chosen.setdefault(shape, "default")
