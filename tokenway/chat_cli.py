@@ -126,7 +126,7 @@ class Chat:
         if name in ("/quit", "/exit"):
             return False
         if name == "/help":
-            self.say(__doc__.split("Commands:")[1].strip())
+            self.say((__doc__ or "").partition("Commands:")[2].strip())  # None under python -OO
         elif name == "/tools":
             if not self.tools:
                 self.say("no tools (start tokenway chat with --mcp COMMAND or --mcp URL)")

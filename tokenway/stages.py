@@ -58,7 +58,7 @@ class StageClock:
         refused with a 429); billing, once started, takes the time from its start to done."""
         done = self.done if self.done is not None else time.monotonic()
         cut = self.billing_started if self.billing_started is not None else done
-        durations = dict.fromkeys(STAGES, 0.0)
+        durations: dict[str, float] = dict.fromkeys(STAGES, 0.0)
         previous = self.received
         last_index = -1
         for stage, at in sorted(self.ends.items(), key=lambda item: _STAGE_INDEX[item[0]]):

@@ -16,11 +16,15 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
 from tokenway.observability.traces import Trace, render_summary, render_waterfall, summarize
+
+T = TypeVar("T")
 
 
 def add_trace_parser(subparsers) -> None:
@@ -94,16 +98,15 @@ def from_ledger(args: argparse.Namespace) -> dict | None:
             return None
         url = f"sqlite:///{db.resolve()}"
 
-    async def read():
+    async def read(query: Callable[[Ledger], Awaitable[T]]) -> T:
         ledger = Ledger(url)
         try:
-            if args.summary:
-                return await ledger.recent(args.last)
-            return await ledger.get(args.request_id)
+            return await query(ledger)
         finally:
             await ledger.close()
 
-    found = asyncio.run(read())
     if args.summary:
-        return summarize([Trace.from_usage_record(row) for row in found]) if found else None
-    return None if found is None else Trace.from_usage_record(found).to_dict()
+        rows = asyncio.run(read(lambda ledger: ledger.recent(args.last)))
+        return summarize([Trace.from_usage_record(row) for row in rows]) if rows else None
+    row = asyncio.run(read(lambda ledger: ledger.get(args.request_id)))
+    return None if row is None else Trace.from_usage_record(row).to_dict()

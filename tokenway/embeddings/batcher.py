@@ -183,8 +183,8 @@ class EmbeddingEngine:
     async def embed_token_ids(self, token_ids: list[list[int]]) -> EmbeddingResult:
         """embed()'s second half: run checked token ids (from tokenize) in the shared batches."""
         loop = asyncio.get_running_loop()
-        job = EmbeddingJob(token_ids, loop, loop.create_future(),
-                           np.empty((len(token_ids), self.model.dimensions), dtype=np.float32))
+        future: asyncio.Future[EmbeddingResult] = loop.create_future()
+        job = EmbeddingJob(token_ids, loop, future, np.empty((len(token_ids), self.model.dimensions), dtype=np.float32))
         with self._lock:
             if self._closed:
                 raise ServiceUnavailableError("The embeddings engine is shutting down.")
@@ -192,7 +192,7 @@ class EmbeddingEngine:
             self._counts["num_inputs"] += len(token_ids)
             self._inbox.put(job)
         try:
-            return await job.future
+            return await future
         except asyncio.CancelledError:
             job.cancelled = True
             raise

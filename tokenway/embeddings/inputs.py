@@ -4,7 +4,7 @@ or scanning 300,000 ids, is milliseconds of CPU)."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from tokenway.protocol.embeddings import MAX_EMBEDDING_TOKENS, check_dimensions, input_param, split_inputs
 from tokenway.protocol.errors import ContextLengthExceededError, InvalidRequestError
@@ -26,10 +26,10 @@ def prepare_inputs(model: TokenizingModel, value: Any, dimensions: int | None = 
     does), more than MAX_EMBEDDING_TOKENS in all, or dimensions other than the model's."""
     check_dimensions(dimensions, model.dimensions)
     items, single = split_inputs(value)
-    if isinstance(items[0], str):
-        token_ids = model.tokenize(items)  # type: ignore[arg-type]
+    if isinstance(items[0], str):  # the items are of one kind (split_inputs)
+        token_ids = model.tokenize(cast("list[str]", items))
     else:
-        token_ids = items  # type: ignore[assignment]
+        token_ids = cast("list[list[int]]", items)
         for index, ids in enumerate(token_ids):
             if max(ids) >= model.vocab_size:  # split_inputs has refused negative ids
                 bad = next(t for t in ids if t >= model.vocab_size)

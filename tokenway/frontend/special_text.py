@@ -59,11 +59,15 @@ def escape(tokenizer: Tokenizer, values: list[Any]) -> tuple[list[Any], Escaped 
 
 def encode(tokenizer: Tokenizer, text: str, escaped: Escaped, max_num_tokens: int | None) -> list[int]:
     """The rendered prompt's ids: the template's special tokens as tokens, the caller's as text."""
+    pattern = tokenizer.special_token_pattern
+    assert pattern is not None  # escape() found special-token text to escape
     token_ids: list[int] = []
     position = 0
-    for match in tokenizer.special_token_pattern.finditer(text):
+    for match in pattern.finditer(text):
         token_ids += _encode_piece(tokenizer, text[position:match.start()], escaped, max_num_tokens)
-        token_ids.append(tokenizer.hf.token_to_id(match.group()))
+        token_id = tokenizer.hf.token_to_id(match.group())
+        assert token_id is not None  # the pattern is made of the vocabulary's special tokens
+        token_ids.append(token_id)
         position = match.end()
     token_ids += _encode_piece(tokenizer, text[position:], escaped, max_num_tokens)
     return token_ids

@@ -78,16 +78,13 @@ class Tokenizer:
             adds_bos = self.bos_token_id is not None and (self._prepend_bos or adds_special)
             chat_template = _CHATML_WITH_BOS if adds_bos else CHATML
         self.chat_template = chat_template
-        self._template: jinja2.Template | None = None
-        self._template_supports_tools = False
-        if chat_template is not None:
-            env = _chat_template_env()
-            try:
-                self._template = env.from_string(chat_template)
-                variables = jinja2.meta.find_undeclared_variables(env.parse(chat_template))
-            except jinja2.TemplateSyntaxError as exc:
-                raise ValueError(f"{source}: chat template is not valid jinja ({exc})") from None
-            self._template_supports_tools = "tools" in variables
+        env = _chat_template_env()
+        try:
+            self._template = env.from_string(chat_template)
+            variables = jinja2.meta.find_undeclared_variables(env.parse(chat_template))
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"{source}: chat template is not valid jinja ({exc})") from None
+        self._template_supports_tools = "tools" in variables
         self._source = source
         self.max_token_chars = _max_token_chars(hf)
         self.segment_cache = None  # see enable_segment_cache
@@ -132,6 +129,7 @@ class Tokenizer:
         else:
             token_ids = self._encode(text, add_special_tokens)
         if add_special_tokens and self._prepend_bos:
+            assert self.bos_token_id is not None  # _prepend_bos needs one
             return [self.bos_token_id, *token_ids]
         return token_ids
 

@@ -255,6 +255,7 @@ def make_budgets(url: str | None, seed: SpendSeed) -> BudgetStore:
     """The budget store beside the limits: in process for "memory", else the same Redis."""
     if limits_backend(url) == "memory":
         return InProcessBudgets(seed)
+    assert url is not None  # None is "memory"
     from tokenway.gateway.budgets_redis import RedisBudgets  # redis is only needed for this backend
 
     return RedisBudgets(url, seed)

@@ -283,13 +283,13 @@ class InProcessLimiter:
 
     def _refusal(self, state: _KeyState, spec: LimitSpec, reserve_tokens: int, now: int) -> Refusal | None:
         """The failing limit that takes longest to pass, with that wait; None if all pass."""
-        worst: Refusal | None = None
+        worst: tuple[int, str] | None = None  # (wait_us, kind)
 
         def fail(kind: str, wait_us: int) -> None:
             nonlocal worst
             assert wait_us > 0, (kind, wait_us)
-            if worst is None or wait_us > worst.wait_us:
-                worst = Refusal(kind, wait_us)
+            if worst is None or wait_us > worst[0]:
+                worst = (wait_us, kind)
 
         windows = self.windows
         if spec.rpm is not None and len(state.window) >= spec.rpm:
@@ -311,7 +311,7 @@ class InProcessLimiter:
                     break
         if spec.max_concurrent is not None and len(state.rid_to_held) >= spec.max_concurrent:
             fail("concurrency", round(CONCURRENCY_RETRY_S * 1e6))
-        return worst
+        return None if worst is None else Refusal(worst[1], worst[0])
 
     def _window_state(self, state: _KeyState, now: int) -> WindowState:
         requests_reset_us = state.window[-1].t_us + self.windows.window_us - now if state.window else 0
@@ -335,6 +335,7 @@ def limits_backend(url: str | None) -> str:
 def make_limiter(url: str | None) -> Limiter:
     if limits_backend(url) == "memory":
         return InProcessLimiter()
+    assert url is not None  # None is "memory"
     from tokenway.gateway.limits_redis import RedisLimiter  # redis is only needed for this backend
 
     return RedisLimiter(url)

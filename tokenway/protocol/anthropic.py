@@ -25,10 +25,10 @@ from tokenway.protocol.openai_messages import (
     PositiveInt,
     Probability,
     RequestModel,
+    TaggedUnion,
     WireModel,
     check_json_schema,
     fail,
-    tagged_union,
 )
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "refusal"]
@@ -47,7 +47,7 @@ class ToolUseBlock(WireModel):
     input: dict[str, Any]
 
 
-ToolResultContent = tagged_union(TextBlock, what="tool_result content block", text_only=_TEXT_ONLY)
+ToolResultContent = Annotated[TextBlock, TaggedUnion("tool_result content block", text_only=_TEXT_ONLY)]
 
 
 class ToolResultBlock(WireModel):
@@ -63,7 +63,8 @@ class ToolResultBlock(WireModel):
         return "\n".join(block.text for block in self.content)
 
 
-ContentBlock = tagged_union(TextBlock, ToolUseBlock, ToolResultBlock, what="content block", text_only=_TEXT_ONLY)
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock,
+                         TaggedUnion("content block", text_only=_TEXT_ONLY)]
 
 
 class InputMessage(WireModel):
@@ -116,7 +117,7 @@ class ToolChoiceTool(WireModel):
     disable_parallel_tool_use: bool | None = None
 
 
-ToolChoice = tagged_union(ToolChoiceAuto, ToolChoiceAny, ToolChoiceNone, ToolChoiceTool, what="tool_choice")
+ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceNone | ToolChoiceTool, TaggedUnion("tool_choice")]
 
 
 class Metadata(WireModel):
@@ -202,6 +203,7 @@ def to_chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
                 if isinstance(block, ToolResultBlock):
                     messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text})
                 else:
+                    assert isinstance(block, TextBlock)  # tool_use only in assistant messages (_blocks_fit_role)
                     texts.append(block.text)
             if texts:
                 messages.append({"role": message.role, "content": "\n".join(texts)})

@@ -12,12 +12,23 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Annotated, Any, Literal, Union
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, LiteralString, Union, get_args
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
-from pydantic_core import PydanticCustomError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    GetCoreSchemaHandler,
+    Tag,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import CoreSchema, PydanticCustomError
 
 from tokenway.protocol.errors import short_repr, truncate
 
@@ -34,14 +45,14 @@ class WireModel(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
-def fail(error_type: str, message: str, **context: Any) -> PydanticCustomError:
+def fail(error_type: LiteralString, message: LiteralString, **context: Any) -> PydanticCustomError:
     return PydanticCustomError(error_type, message, context or None)
 
 
 def tagged_union(*members: type[BaseModel], what: str, text_only: frozenset[str] = frozenset()) -> Any:
     """A union chosen by each object's "type". Unknown types fail with our own message (naming
     the type, and saying "text only" for images and audio) instead of pydantic's union dump."""
-    kind_to_tag = {member.model_fields["type"].annotation.__args__[0]: member.__name__ for member in members}
+    kind_to_tag = {get_args(member.model_fields["type"].annotation)[0]: member.__name__ for member in members}
 
     def check_kind(value: Any) -> Any:
         if not isinstance(value, dict):
@@ -62,6 +73,19 @@ def tagged_union(*members: type[BaseModel], what: str, text_only: frozenset[str]
 
     choices = tuple(Annotated[member, Tag(member.__name__)] for member in members)
     return Annotated[Union[choices], Discriminator(tag_of), BeforeValidator(check_kind)]  # noqa: UP007
+
+
+@dataclass(frozen=True, slots=True)
+class TaggedUnion:
+    """`Annotated[A | B, TaggedUnion(what=...)]`: tagged_union(A, B, what=...) for pydantic,
+    the plain union A | B for a type checker."""
+
+    what: str
+    text_only: frozenset[str] = frozenset()
+
+    def __get_pydantic_core_schema__(self, source_type: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        members = get_args(source_type) or (source_type,)
+        return handler.generate_schema(tagged_union(*members, what=self.what, text_only=self.text_only))
 
 
 def check_json_schema(schema: dict[str, Any], *, object_root: bool = False) -> dict[str, Any]:
@@ -143,10 +167,8 @@ class RefusalPart(WireModel):  # appears in assistant history the SDK echoes bac
     refusal: str
 
 
-ContentPart = tagged_union(
-    TextPart, RefusalPart, what="content part",
-    text_only=frozenset({"image_url", "input_audio", "file", "image", "input_image", "audio"}),
-)
+ContentPart = Annotated[TextPart | RefusalPart, TaggedUnion(
+    "content part", text_only=frozenset({"image_url", "input_audio", "file", "image", "input_image", "audio"}))]
 
 
 class FunctionCall(WireModel):
@@ -268,6 +290,5 @@ class ResponseFormatJSONSchema(WireModel):
     json_schema: JSONSchemaFormat
 
 
-ResponseFormat = tagged_union(
-    ResponseFormatText, ResponseFormatJSONObject, ResponseFormatJSONSchema, what="response_format"
-)
+ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJSONObject | ResponseFormatJSONSchema,
+                           TaggedUnion("response_format")]

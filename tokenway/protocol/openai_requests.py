@@ -8,7 +8,7 @@ is what needs the model: the context window, token ids in range, tool-template s
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -242,9 +242,10 @@ class CompletionRequest(SamplingRequest):
         """One entry per prompt: strings, or token-id lists."""
         if isinstance(self.prompt, str):
             return [self.prompt]
+        # A list holds one kind (the field's union): token ids are one prompt, else one prompt each.
         if self.prompt and isinstance(self.prompt[0], int):
-            return [self.prompt]  # type: ignore[list-item]
-        return self.prompt  # type: ignore[return-value]
+            return [cast("list[int]", self.prompt)]
+        return cast("list[str] | list[list[int]]", self.prompt)
 
 
 def _is_token_id(value: Any) -> bool:

@@ -7,7 +7,7 @@ import difflib
 import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal, cast, overload
 
 from tokenway.billing.pricing import ModelPrice
 from tokenway.routing.balancer import POLICIES, BalancerConfig
@@ -18,6 +18,7 @@ from tokenway.routing.registry_config import (
     ModelEntry,
     ModelKind,
     ModelTimeouts,
+    ReplicaKind,
     ReplicaSpec,
     a,
     check_count,
@@ -61,11 +62,23 @@ class Table:
             raise ValueError(f"{self.at(key)}: required")
         return value
 
+    @overload
+    def text(self, key: str, *, required: Literal[True]) -> str: ...
+
+    @overload
+    def text(self, key: str, *, required: bool = False) -> str | None: ...
+
     def text(self, key: str, *, required: bool = False) -> str | None:
         value = self._get(key, required)
         if value is not None and (not isinstance(value, str) or not value.strip()):
             raise ValueError(f"{self.at(key)}: must be a non-empty string, got {value!r}")
         return value
+
+    @overload
+    def choice(self, key: str, choices: tuple[str, ...], *, required: Literal[True]) -> str: ...
+
+    @overload
+    def choice(self, key: str, choices: tuple[str, ...], *, required: bool = False) -> str | None: ...
 
     def choice(self, key: str, choices: tuple[str, ...], *, required: bool = False) -> str | None:
         value = self._get(key, required)
@@ -124,7 +137,7 @@ class Table:
 
 
 def parse_replica(table: Table, model_name: str, model_kind: ModelKind, default_local_model: str) -> ReplicaSpec:
-    kind = table.choice("kind", REPLICA_KINDS, required=True)
+    kind = cast("ReplicaKind", table.choice("kind", REPLICA_KINDS, required=True))  # one of them: checked
     fields: dict[str, Any] = {"name": table.text("name") or "", "max_in_flight": table.count("max_in_flight")}
     if kind == "local":
         model = table.text("model")
@@ -144,7 +157,7 @@ def parse_replica(table: Table, model_name: str, model_kind: ModelKind, default_
 def parse_model(table: Table, default_local_model: str) -> ModelEntry:
     """One [[models]] table; default_local_model: what a local chat replica loads when it names none."""
     name = table.text("name", required=True)
-    kind = table.choice("kind", MODEL_KINDS) or "chat"
+    kind = cast("ModelKind", table.choice("kind", MODEL_KINDS) or "chat")  # one of them: checked
     fields: dict[str, Any] = {
         "aliases": table.texts("aliases"), "context_window": table.count("context_window"),
         "fallbacks": table.texts("fallbacks"), "price": _price(table.table("prices")),

@@ -54,8 +54,9 @@ def _error_fields(body: bytes) -> tuple[str | None, str | None, str | None]:
     message = error.get("message", error.get("detail"))
     if message is not None and not isinstance(message, str):
         message = json.dumps(message)
-    fields = [message, error.get("param"), error.get("code")]
-    return tuple(truncate(field, MAX_MESSAGE_CHARS) if isinstance(field, str) else None for field in fields)
+    message, param, code = (truncate(field, MAX_MESSAGE_CHARS) if isinstance(field, str) else None
+                            for field in (message, error.get("param"), error.get("code")))
+    return message, param, code
 
 
 def error_for_status(name: str, status: int, body: bytes, headers: Mapping[str, str]) -> TokenwayError:

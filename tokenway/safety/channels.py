@@ -95,12 +95,14 @@ class ChatInput:
     def _walk(self, visit: Visit) -> ChatInput:
         """The one traversal texts() and redacted() share, so they agree on the order."""
         messages = [_walk_message(message, visit) for message in self.messages]
-        tools = None if self.tools is None else [_walk_json(tool, visit, "tools", schema=True)
-                                                 for tool in self.tools]
+        tools, same_tools = None, True
+        if self.tools is not None:
+            tools = [_walk_json(tool, visit, "tools", schema=True) for tool in self.tools]
+            same_tools = all(new is old for new, old in zip(tools, self.tools))
         response_format = None if self.response_format is None else _walk_json(
             self.response_format, visit, "response_format", schema=True)
         if (all(new is old for new, old in zip(messages, self.messages)) and response_format is self.response_format
-                and (tools is None or all(new is old for new, old in zip(tools, self.tools)))):
+                and same_tools):
             return self
         return ChatInput(messages, tools, response_format)
 
