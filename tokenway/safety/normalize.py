@@ -69,10 +69,14 @@ class NormalizedText:
             num_chars += match.start() - position
             replacement = _FOLDING.table[ord(match.group())]
             if replacement:
-                norm_starts.append(num_chars), orig_starts.append(match.start()), folded.append(True)
+                norm_starts.append(num_chars)
+                orig_starts.append(match.start())
+                folded.append(True)
                 num_chars += len(replacement)
             position = match.end()
-            norm_starts.append(num_chars), orig_starts.append(position), folded.append(False)
+            norm_starts.append(num_chars)
+            orig_starts.append(position)
+            folded.append(False)
         i = bisect.bisect_right(norm_starts, start) - 1
         original_start = orig_starts[i] + (0 if folded[i] else start - norm_starts[i])
         j = bisect.bisect_right(norm_starts, end - 1) - 1
