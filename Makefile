@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup serve test bench
+.PHONY: setup serve test bench docs
 
 setup:
 	@scripts/setup.sh
@@ -16,3 +16,12 @@ test: setup
 
 bench: setup
 	$(PY) bench/engine_bench.py $(ARGS)
+
+# The documentation site (mkdocs.yml, docs/) into site/; any warning (a broken link) fails it.
+docs: setup $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# The docs extra (mkdocs-material), installed again only when pyproject.toml changes.
+$(VENV)/.docs-installed: pyproject.toml
+	$(PY) -m pip install --disable-pip-version-check -q -e '.[docs]'
+	@touch $@
