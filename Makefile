@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup serve test bench docs
+.PHONY: setup serve test bench docs lint
 
 setup:
 	@scripts/setup.sh
@@ -16,6 +16,13 @@ test: setup
 
 bench: setup
 	$(PY) bench/engine_bench.py $(ARGS)
+
+# Static checks, run by CI before the tests: ruff (style, imports, likely bugs) over the
+# whole tree, then pyright (types) over the package ([tool.ruff], [tool.pyright]).
+# IGNORE_WARNINGS: no check of PyPI for a newer pyright on every run.
+lint: setup
+	$(VENV)/bin/ruff check .
+	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(VENV)/bin/pyright
 
 # The documentation site (mkdocs.yml, docs/) into site/; any warning (a broken link) fails it.
 docs: setup $(VENV)/.docs-installed
