@@ -22,6 +22,7 @@ bench: setup
 # IGNORE_WARNINGS: no check of PyPI for a newer pyright on every run.
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(VENV)/bin/pyright
 
 # The documentation site (mkdocs.yml, docs/) into site/; any warning (a broken link) fails it.

@@ -37,9 +37,10 @@ async def one_run(redis_url: str, num_calls: int, budget: bool, workdir: Path) -
     """Run in the child process, on the code its PYTHONPATH names."""
     from tokenway.billing.ledger import Ledger
     from tokenway.billing.pricing import ModelPrice, PriceTable
-    from tokenway.gateway.auth import KeyStore, Principal
+    from tokenway.gateway.auth import Principal
     from tokenway.gateway.budgets import make_budgets
     from tokenway.gateway.gatekeeper import Defaults, Gatekeeper
+    from tokenway.gateway.keystore import KeyStore
     from tokenway.gateway.limits import make_limiter
 
     ledger = Ledger(f"sqlite:///{workdir / f'{uuid.uuid4().hex}.db'}")

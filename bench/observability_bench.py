@@ -87,9 +87,9 @@ async def one_round(base_url: str, prompts: list[list[int]], output_len: int, sc
 def micro_costs() -> dict[str, float]:
     """The instrumentation's own CPU time, in process: per call, per token, per scrape."""
     sys.path.insert(0, str(REPO))
+    from tokenway.gateway.call import Call, CallOutcome, CallStart, RouteChoice
     from tokenway.observability.observer import Observer
     from tokenway.observability.traces import Trace
-    from tokenway.server.call import Call, CallOutcome, CallStart, RouteChoice
     from tokenway.stages import STAGES, StageClock
 
     stats = {"num_running": 16, "num_waiting": 0, "num_pending_http": 16, "kv_blocks_total": 5825,

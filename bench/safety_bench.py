@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 # After the sys.path line:
 from tokenway.frontend.chat import text_content  # noqa: E402
-from tokenway.routing.job import estimate_chat_tokens  # noqa: E402
+from tokenway.protocol.job import estimate_chat_tokens  # noqa: E402
 from tokenway.safety.channels import ChatInput  # noqa: E402
 from tokenway.safety.detectors import CATEGORIES, detect  # noqa: E402
 from tokenway.safety.screen import SafetyPolicy, screen_input  # noqa: E402

@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tokenway import LLM, SamplingParams
 from tokenway.engine.core import EngineCore
-from tokenway.engine.structured_output import StructuredOutputManager, StructuredOutputSpec
+from tokenway.frontend.structured_output import StructuredOutputManager
+from tokenway.protocol.sampling import StructuredOutputSpec
 
 NUM_REQUESTS = 16
 SCHEMA = {

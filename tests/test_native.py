@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tokenway import native
-from tokenway.models.loader import default_cache_dir
+from tokenway.config import default_cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
 

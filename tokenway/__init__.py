@@ -19,8 +19,8 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 if TYPE_CHECKING:
     from tokenway.engine.llm import LLM
-    from tokenway.engine.request import SamplingParams
     from tokenway.frontend.output import CompletionOutput, RequestOutput
+    from tokenway.protocol.sampling import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
@@ -30,7 +30,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from tokenway.engine.request import SamplingParams
+        from tokenway.protocol.sampling import SamplingParams
 
         return SamplingParams
     if name in ("RequestOutput", "CompletionOutput"):

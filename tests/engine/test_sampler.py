@@ -4,9 +4,10 @@ from collections import Counter
 import pytest
 import torch
 
-from tokenway.engine.request import Request, SamplingParams
+from tokenway.engine.request import Request
 from tokenway.engine.sampler import Sampler, SamplerOutput, process_logits
 from tokenway.engine.sampling_metadata import SamplingMetadata
+from tokenway.protocol.sampling import SamplingParams
 
 VOCAB = 8
 # Distinct values so that every rank is unambiguous: argmax is token 5, then 0, 2, 4, 7, ...
@@ -278,9 +279,10 @@ def test_top_p_that_underflows_float32_keeps_the_top_token():
     # Found by schemathesis: top_p=5e-324 is 0.0 in float32; the top token must still win.
     import torch
 
-    from tokenway.engine.request import Request, SamplingParams
+    from tokenway.engine.request import Request
     from tokenway.engine.sampler import Sampler
     from tokenway.engine.sampling_metadata import SamplingMetadata
+    from tokenway.protocol.sampling import SamplingParams
 
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
     request = Request("r", [1], SamplingParams(temperature=1.0, top_p=5e-324, seed=0))

@@ -15,12 +15,8 @@ from tokenway.engine.core import EngineCore
 from tokenway.engine.request import Request
 from tokenway.engine.sampler import Sampler
 from tokenway.engine.sampling_metadata import SamplingMetadata
-from tokenway.engine.structured_output import (
-    GrammarBitmask,
-    StructuredOutputManager,
-    StructuredOutputSpec,
-    allowed_tokens,
-)
+from tokenway.frontend.structured_output import GrammarBitmask, StructuredOutputManager, allowed_tokens
+from tokenway.protocol.sampling import StructuredOutputSpec
 
 # Every string and array is bounded, so any output the grammar allows ends within max_tokens.
 PERSON_SCHEMA = {

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tokenway.engine.request import SamplingParams
-from tokenway.engine.scheduler import EngineOutput
 from tokenway.frontend.output import RequestState, hold_back_length
 from tokenway.frontend.tokenizer import Tokenizer
+from tokenway.protocol.outputs import EngineOutput
+from tokenway.protocol.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import tokenizers
 
-from tokenway.engine.request import SamplingParams
-from tokenway.engine.scheduler import EngineOutput
-from tokenway.engine.structured_output import StructuredOutputManager, StructuredOutputSpec
 from tokenway.frontend.chat import build_chat_prompt, mistral_id, render_native_messages, tool_format
 from tokenway.frontend.output import RequestState
+from tokenway.frontend.structured_output import StructuredOutputManager
 from tokenway.frontend.tokenizer import Tokenizer
 from tokenway.frontend.tool_parsers import ReplyFormat
+from tokenway.protocol.outputs import EngineOutput
+from tokenway.protocol.sampling import SamplingParams, StructuredOutputSpec
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "fixtures" / "chat_templates"
 FORMATS = {
@@ -224,7 +224,7 @@ def test_tool_parameters_with_references_constrain_calls_in_every_format(base, n
 
 
 def test_a_tool_no_arguments_can_satisfy_is_refused_naming_it(base):
-    from tokenway.engine.core import PromptChecker
+    from tokenway.frontend.prompt_check import PromptChecker
 
     checker = PromptChecker(base.vocab_size, 8192, StructuredOutputManager(base, base.vocab_size,
                                                                            [base.eos_token_id]))

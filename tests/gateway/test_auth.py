@@ -242,9 +242,3 @@ def test_count_active_follows_other_processes_within_the_refresh_interval(store,
         store.revoke(info.key_id)
         time.sleep(0.15)
         assert gateway.count_active() == 0
-
-
-def test_keystore_can_be_imported_from_auth_too():
-    from tokenway.gateway import auth, keystore
-
-    assert auth.KeyStore is keystore.KeyStore and auth.KeyInfo is keystore.KeyInfo

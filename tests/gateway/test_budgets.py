@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 from tokenway.billing.ledger import Ledger
 from tokenway.billing.pricing import ModelPrice, PriceTable, cost_usd
-from tokenway.gateway.auth import KeyStore, Principal
+from tokenway.gateway.auth import Principal
 from tokenway.gateway.budgets import (
     BudgetStore,
     InProcessBudgets,
@@ -26,6 +26,7 @@ from tokenway.gateway.budgets import (
     nanos_up,
 )
 from tokenway.gateway.gatekeeper import Defaults, Gatekeeper, max_tokens_within
+from tokenway.gateway.keystore import KeyStore
 from tokenway.gateway.limits import InProcessLimiter, LimitsUnavailable
 from tokenway.protocol.errors import RateLimitError
 

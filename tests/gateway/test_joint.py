@@ -11,11 +11,12 @@ import redis.asyncio as aioredis
 
 from tokenway.billing.ledger import Ledger
 from tokenway.billing.pricing import ModelPrice, PriceTable
-from tokenway.gateway.auth import KeyStore, Principal
+from tokenway.gateway.auth import Principal
 from tokenway.gateway.budgets import InProcessBudgets
 from tokenway.gateway.budgets_redis import RedisBudgets
 from tokenway.gateway.gatekeeper import Defaults, Gatekeeper
 from tokenway.gateway.joint_redis import RedisJoint
+from tokenway.gateway.keystore import KeyStore
 from tokenway.gateway.limits import InProcessLimiter
 from tokenway.gateway.limits_redis import RedisLimiter
 from tokenway.protocol.errors import RateLimitError, ServiceUnavailableError

@@ -13,9 +13,10 @@ import pytest
 
 from tokenway.billing.ledger import Ledger, UsageRecord
 from tokenway.billing.pricing import ModelPrice, PriceTable
-from tokenway.gateway.auth import KeyStore, Principal
+from tokenway.gateway.auth import Principal
 from tokenway.gateway.budgets_redis import RedisBudgets
 from tokenway.gateway.gatekeeper import Defaults, Gatekeeper
+from tokenway.gateway.keystore import KeyStore
 from tokenway.gateway.limits import LimitsUnavailable
 from tokenway.gateway.limits_redis import RedisLimiter
 from tokenway.gateway.outage import StoreGuard

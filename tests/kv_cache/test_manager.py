@@ -2,9 +2,10 @@ import random
 
 import pytest
 
-from tokenway.engine.request import Request, SamplingParams
+from tokenway.engine.request import Request
 from tokenway.kv_cache.block_hash import hash_block_tokens, update_block_hashes
 from tokenway.kv_cache.manager import KVCacheManager
+from tokenway.protocol.sampling import SamplingParams
 
 
 def make_request(request_id: str, prompt_token_ids) -> Request:

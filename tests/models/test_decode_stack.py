@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tokenway.engine.request import Request, SamplingParams
+from tokenway.engine.request import Request
 from tokenway.engine.runner import ModelRunner
 from tokenway.engine.scheduler import SchedulerOutput
 from tokenway.models import quant
@@ -18,6 +18,7 @@ from tokenway.models.config import ModelConfig
 from tokenway.models.decode_stack import DecodeStack
 from tokenway.models.decoder import DecoderForCausalLM
 from tokenway.models.weights import QuantizedTensor
+from tokenway.protocol.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

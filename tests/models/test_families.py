@@ -22,7 +22,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tokenway.engine.llm import LLM  # noqa: E402
-from tokenway.engine.request import SamplingParams  # noqa: E402
+from tokenway.protocol.sampling import SamplingParams  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"
 HERE = Path(__file__).resolve().parent

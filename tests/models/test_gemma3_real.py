@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from tokenway.engine.llm import LLM
-from tokenway.engine.request import SamplingParams
 from tokenway.engine.runner import ModelRunner
 from tokenway.models.attention import AttentionMetadata, PrefillChunk
+from tokenway.protocol.sampling import SamplingParams
 
 REFERENCE = Path(__file__).parents[1] / "fixtures" / "gemma3_reference.json"
 BLOCK_SIZE = 16

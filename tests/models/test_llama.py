@@ -9,11 +9,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tokenway.engine.request import Request, SamplingParams  # noqa: E402
+from tokenway.engine.request import Request  # noqa: E402
 from tokenway.engine.runner import ModelRunner  # noqa: E402
 from tokenway.engine.scheduler import SchedulerOutput  # noqa: E402
 from tokenway.models.config import ModelConfig  # noqa: E402
 from tokenway.models.decoder import DecoderForCausalLM  # noqa: E402
+from tokenway.protocol.sampling import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 4
 WINDOW = 6  # keys a sliding layer sees: less than two blocks, so windows start mid-block

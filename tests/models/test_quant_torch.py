@@ -32,12 +32,13 @@ def test_matmul_equals_gguf_dequantize_then_matmul(qtype):
 
 def test_engine_model_on_torch_kernels_generates_as_on_native_ones(default_model_dir):
     """The default GGUF's Q4_1/Q8_0 blocks through torch operators: the float32 model's greedy tokens."""
-    from tokenway.engine.request import Request, SamplingParams
+    from tokenway.engine.request import Request
     from tokenway.engine.runner import ModelRunner
     from tokenway.engine.scheduler import SchedulerOutput
     from tokenway.models.config import ModelConfig
     from tokenway.models.decoder import DecoderForCausalLM
     from tokenway.models.weights import iter_weights, quantized_weights
+    from tokenway.protocol.sampling import SamplingParams
 
     config = ModelConfig.from_dir(default_model_dir)
     models = []

@@ -17,7 +17,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from tokenway.observability.observer import Observer
-from tokenway.observability.routes import observability_router
+from tokenway.server.observability_api import observability_router
 
 from ..e2e import test_dashboard as e2e_dashboard
 from .test_replicas import ENGINE_SERVER_STATS, GATEWAY_STATS

@@ -9,13 +9,13 @@ import json
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenway.engine.request import SamplingParams
+from tokenway.gateway.call import Call, CallOutcome, CallStart, RouteChoice
 from tokenway.observability.metrics import Metrics
 from tokenway.observability.observer import Observer
 from tokenway.observability.traces import Trace
-from tokenway.routing.job import GenerationJob
+from tokenway.protocol.job import GenerationJob
+from tokenway.protocol.sampling import SamplingParams
 from tokenway.routing.router import ReplicaChoice
-from tokenway.server.call import Call, CallOutcome, CallStart, RouteChoice
 from tokenway.stages import StageClock
 
 from .test_traces import ENGINE_STATS, make_trace

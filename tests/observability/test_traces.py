@@ -1,13 +1,13 @@
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenway.engine.request import SamplingParams
+from tokenway.gateway.call import Call, CallOutcome, CallStart, RouteChoice
 from tokenway.observability.metrics import Metrics
 from tokenway.observability.observer import Observer
 from tokenway.observability.traces import Trace, TraceRing, render_summary, render_waterfall, summarize
-from tokenway.routing.job import GenerationJob
+from tokenway.protocol.job import GenerationJob
+from tokenway.protocol.sampling import SamplingParams
 from tokenway.routing.router import ReplicaChoice
-from tokenway.server.call import Call, CallOutcome, CallStart, RouteChoice
 from tokenway.stages import STAGES, StageClock
 
 ENGINE_STATS = {"num_running": 2, "num_waiting": 1, "num_pending_http": 3, "kv_blocks_total": 100,

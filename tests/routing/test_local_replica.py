@@ -10,8 +10,8 @@ import time
 import pytest
 
 from tokenway.engine.client import AsyncEngine
-from tokenway.engine.request import SamplingParams
-from tokenway.routing.job import ChoiceDelta, GenerationJob, Usage
+from tokenway.protocol.job import ChoiceDelta, GenerationJob, Usage
+from tokenway.protocol.sampling import SamplingParams
 from tokenway.routing.replicas import LocalReplica
 
 PROMPT = "The history of the printing press"

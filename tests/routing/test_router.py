@@ -9,7 +9,6 @@ import asyncio
 
 import pytest
 
-from tokenway.engine.request import SamplingParams
 from tokenway.protocol.errors import (
     BadGatewayError,
     GatewayTimeoutError,
@@ -17,9 +16,10 @@ from tokenway.protocol.errors import (
     RateLimitError,
     ServiceUnavailableError,
 )
+from tokenway.protocol.job import ChoiceDelta, GenerationJob, Usage
+from tokenway.protocol.sampling import SamplingParams
 from tokenway.routing.balancer import Balancer, BalancerConfig
 from tokenway.routing.health import BreakerConfig, CircuitBreaker, ReplicaHealth
-from tokenway.routing.job import ChoiceDelta, GenerationJob, Usage
 from tokenway.routing.router import Pool, Router
 
 FINISHED = [ChoiceDelta(0, text="hello"), ChoiceDelta(0, text=" world", finish_reason="stop"), Usage(3, 2)]

@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from tokenway.engine.request import SamplingParams
 from tokenway.protocol.anthropic import MessagesRequest, to_chat_messages, to_chat_tools
 from tokenway.protocol.errors import (
     BadGatewayError,
@@ -20,8 +19,9 @@ from tokenway.protocol.errors import (
     ServiceUnavailableError,
     anthropic_error_body,
 )
+from tokenway.protocol.job import ChoiceDelta, GenerationJob, ToolCallDelta, Usage
+from tokenway.protocol.sampling import SamplingParams
 from tokenway.routing.anthropic_upstream import AnthropicUpstream, to_anthropic_tool_choice
-from tokenway.routing.job import ChoiceDelta, GenerationJob, ToolCallDelta, Usage
 
 from .stub_upstream import Reply, StubUpstream, anthropic_event, collect, reassemble_tool_calls
 

@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-from tokenway.engine.request import SamplingParams
 from tokenway.protocol.anthropic import MessagesRequest, to_chat_messages, to_chat_tools
 from tokenway.protocol.errors import (
     BadGatewayError,
@@ -21,7 +20,8 @@ from tokenway.protocol.errors import (
     RateLimitError,
     ServiceUnavailableError,
 )
-from tokenway.routing.job import ChoiceDelta, GenerationJob, ToolCallDelta, Usage
+from tokenway.protocol.job import ChoiceDelta, GenerationJob, ToolCallDelta, Usage
+from tokenway.protocol.sampling import SamplingParams
 from tokenway.routing.openai_upstream import OpenAIUpstream
 from tokenway.routing.sse_decoder import SSEDecoder, SSEEvent
 from tokenway.routing.upstream import (

@@ -20,12 +20,12 @@ import httpx
 import pytest
 
 from tokenway.cli import main as cli_main
-from tokenway.engine.request import SamplingParams, TokenLogprob
-from tokenway.engine.structured_output import StructuredOutputSpec
 from tokenway.frontend.tokenizer import Tokenizer
 from tokenway.protocol.errors import BadGatewayError, InvalidRequestError
+from tokenway.protocol.job import ChoiceDelta, GenerationJob, Usage
+from tokenway.protocol.outputs import TokenLogprob
+from tokenway.protocol.sampling import SamplingParams, StructuredOutputSpec
 from tokenway.routing import wire
-from tokenway.routing.job import ChoiceDelta, GenerationJob, Usage
 from tokenway.routing.upstream_errors import is_replica_fault
 from tokenway.routing.worker_replica import WorkerReplica, replica_stats
 

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from tokenway.engine.request import SamplingParams, TokenLogprob
-from tokenway.engine.structured_output import StructuredOutputSpec
 from tokenway.protocol.errors import (
     BadGatewayError,
     GatewayTimeoutError,
     InternalServerError,
     ServiceUnavailableError,
 )
+from tokenway.protocol.job import ChoiceDelta, GenerationJob, Usage
+from tokenway.protocol.outputs import TokenLogprob
+from tokenway.protocol.sampling import SamplingParams, StructuredOutputSpec
 from tokenway.routing import wire
-from tokenway.routing.job import ChoiceDelta, GenerationJob, Usage
 from tokenway.routing.upstream import UpstreamTimeouts
 from tokenway.routing.worker_replica import WorkerReplica
 

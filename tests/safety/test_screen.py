@@ -142,7 +142,7 @@ def test_a_guards_reply_is_read_as_llama_guard_writes_it():
 
 
 def test_a_secret_in_tool_call_arguments_is_redacted_in_place_or_blocks():
-    from tokenway.routing.job import ToolCallDelta
+    from tokenway.protocol.job import ToolCallDelta
     from tokenway.safety.screen import ReplyScreen
 
     arguments = '{"to": "' + EMAIL + '", "note": "card ' + CARD + ' ok"}'

@@ -7,8 +7,8 @@ import pytest
 from tokenway.billing.ledger import Ledger
 from tokenway.billing.pricing import PriceTable
 from tokenway.engine.client import AsyncEngine
-from tokenway.gateway.auth import KeyStore
 from tokenway.gateway.gatekeeper import Defaults, Gatekeeper
+from tokenway.gateway.keystore import KeyStore
 from tokenway.gateway.limits import InProcessLimiter
 from tokenway.server.app import create_app
 from tokenway.server.serving import ServerConfig, ServerState

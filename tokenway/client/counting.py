@@ -22,7 +22,7 @@ from typing import Any, TypeAlias
 import openai
 
 _PROMPT_FIELDS = ("messages", "tools", "tool_choice", "parallel_tool_calls", "response_format")
-# build_chat_prompt's (tools, tool_choice, parallel_tool_calls, response_format): server/openai_api.prompt_fields
+# build_chat_prompt's (tools, tool_choice, parallel_tool_calls, response_format): frontend/templating.prompt_fields
 PromptFields: TypeAlias = tuple[list[dict] | None, Any, bool | None, dict | None]
 
 
@@ -112,7 +112,7 @@ class LocalCounter:
         self._fields_to_prompt_fields: dict[str, PromptFields] = {}  # the fields' JSON -> build_chat_prompt's args
 
     def count(self, request: Mapping[str, Any]) -> int:
-        from tokenway.server.openai_api import templated_token_ids
+        from tokenway.frontend.templating import templated_token_ids
 
         messages = request["messages"]
         if not messages:
@@ -137,8 +137,8 @@ class LocalCounter:
         return template
 
     def _prompt_fields(self, request: Mapping[str, Any]) -> PromptFields:
+        from tokenway.frontend.templating import prompt_fields
         from tokenway.protocol.openai_requests import TokenizeRequest
-        from tokenway.server.openai_api import prompt_fields
 
         fields = tokenize_body({name: value for name, value in request.items() if name != "messages"})
         key = json.dumps(fields, sort_keys=True, default=str)

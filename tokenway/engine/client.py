@@ -23,12 +23,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from tokenway.config import EngineConfig
-from tokenway.engine.core import EngineCore, PromptChecker
-from tokenway.engine.request import SamplingParams
-from tokenway.engine.scheduler import EngineOutput
+from tokenway.engine.core import EngineCore
 from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.output import RequestOutput, RequestState
+from tokenway.frontend.prompt_check import PromptChecker
 from tokenway.frontend.tokenizer import Tokenizer
+from tokenway.protocol.outputs import EngineOutput
+from tokenway.protocol.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 

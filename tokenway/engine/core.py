@@ -16,18 +16,18 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from tokenway.config import EngineConfig
-from tokenway.engine.request import Request, RequestStatus, SamplingParams
+from tokenway.engine.request import Request, RequestStatus
 from tokenway.engine.runner import ModelRunner, kv_bytes_per_block
 from tokenway.engine.sampler import Sampler, SamplingMetadata
-from tokenway.engine.scheduler import EngineOutput, Scheduler
+from tokenway.engine.scheduler import Scheduler
 from tokenway.engine.spec_decode import NgramProposer
-from tokenway.engine.structured_output import StructuredOutputManager, StructuredOutputSpec
+from tokenway.frontend.prompt_check import PromptChecker, eos_token_ids, resolve_max_model_len
+from tokenway.frontend.structured_output import StructuredOutputManager
 from tokenway.frontend.tokenizer import Tokenizer
 from tokenway.kv_cache.manager import KVCacheManager
 from tokenway.models.config import ModelConfig
@@ -35,6 +35,8 @@ from tokenway.models.decoder import DecoderForCausalLM
 from tokenway.models.linear import select_kernels
 from tokenway.models.loader import resolve_model
 from tokenway.models.weights import KernelCache, iter_weights, quantized_weights
+from tokenway.protocol.outputs import EngineOutput
+from tokenway.protocol.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -62,67 +64,6 @@ def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.
     if device.type == "cuda":
         return device, torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return device, torch.bfloat16 if cpu_has_bf16() else torch.float32
-
-
-def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    """The context window served: the config's, which may not exceed the model's."""
-    if config.max_model_len and config.max_model_len > model_config.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len: {config.max_model_len} exceeds the model's context window "
-            f"({model_config.max_position_embeddings})"
-        )
-    return min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
-
-
-def eos_token_ids(tokenizer: Tokenizer, model_config: ModelConfig) -> frozenset[int]:
-    return frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
-
-
-@dataclass(frozen=True, slots=True)
-class PromptChecker:
-    """What the engine refuses before a request runs, checkable without the weights (an engine
-    in another process checks here, on the caller's side, so a refusal is a 400 before any byte
-    of a stream): ids outside the vocabulary, a prompt over the window, a response_format that
-    cannot be compiled. Raises ValueError naming the field."""
-
-    vocab_size: int
-    max_model_len: int
-    structured_output: StructuredOutputManager
-
-    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise ValueError("prompt: must not be empty")
-        vocab_size = self.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(prompt_token_ids)} tokens do not fit the context window of "
-                f"{self.max_model_len} tokens (at least one output token is needed)"
-            )
-        if params.logit_bias:
-            bad = next((t for t in params.logit_bias if not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
-        if params.structured_output is not None:
-            self.structured_output.compile(params.structured_output)  # cached: add_request reuses it
-
-    def check_tools(self, tools: Sequence[Mapping]) -> None:
-        """Each tool's parameters compiled as a JSON schema of its own (cached), as a
-        response_format schema is: a tool no arguments can satisfy is refused naming it,
-        rather than constraining the reply to nothing."""
-        for position, tool in enumerate(tools):
-            function = tool.get("function", tool)
-            parameters = function.get("parameters")
-            if not parameters:
-                continue
-            try:
-                self.structured_output.compile(StructuredOutputSpec.json_schema(parameters))
-            except ValueError as exc:
-                reason = str(exc).removeprefix("response_format: ")
-                raise ValueError(f"tools[{position}].function.parameters: the parameters of tool "
-                                 f"{function.get('name')!r} cannot be used: {reason}") from None
 
 
 @dataclass(slots=True)

@@ -13,9 +13,9 @@ from typing import Any
 
 from tokenway.config import EngineConfig
 from tokenway.engine.core import EngineCore
-from tokenway.engine.request import SamplingParams, choice_params
 from tokenway.frontend.output import RequestOutput, RequestState
 from tokenway.models.loader import DEFAULT_MODEL
+from tokenway.protocol.sampling import SamplingParams, choice_params
 
 PromptLike = str | dict[str, Any]
 

@@ -33,10 +33,10 @@ from multiprocessing.connection import Connection
 
 from tokenway.config import EngineConfig
 from tokenway.engine.client import EngineClient, EngineDeadError, _Abort, _Add, deliver, fold_outputs
-from tokenway.engine.request import SamplingParams
 from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.output import CompletionOutput, RequestMetrics, RequestOutput, RequestState
 from tokenway.models.loader import resolve_model
+from tokenway.protocol.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +129,9 @@ class ProcessEngine(EngineClient):
                     self._snapshot = snapshot
                     deliveries = []
                     with self._lock:
-                        for request_id, reason in refused:  # raced past the checks here (rare)
+                        for request_id, reason in refused:  # raced past the checks here (rare): a ValueError
                             if (entry := self._live.pop(request_id, None)) is not None:
-                                deliveries.append((entry, ValueError(reason)))
+                                deliveries.append((entry, reason))
                         for delta in outputs:
                             entry = self._live.get(delta[0])
                             if entry is None:  # aborted here meanwhile
@@ -267,8 +267,8 @@ def _engine_main(config: EngineConfig, niceness: int, commands: Connection, resu
                         core.add_request(request_id, prompt_token_ids, params)
                         live[request_id] = _Folding(RequestState(request_id, None, prompt_token_ids, params,
                                                                  core.tokenizer))
-                    except ValueError as exc:
-                        refused.append((request_id, str(exc)))
+                    except ValueError as exc:  # a FieldError pickles whole: its param survives
+                        refused.append((request_id, exc))
                 elif kind == "abort":
                     aborted += core.abort_requests([command[1]])
                 else:  # "stop"

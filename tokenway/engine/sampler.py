@@ -29,9 +29,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from tokenway import native
-from tokenway.engine.request import TokenLogprob
 from tokenway.engine.sampling_metadata import SamplingMetadata
-from tokenway.engine.structured_output import GrammarBitmask, allowed_tokens
+from tokenway.frontend.structured_output import GrammarBitmask, allowed_tokens
+from tokenway.protocol.outputs import TokenLogprob
 
 
 @dataclass(slots=True)

@@ -21,9 +21,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenway.engine.request import Request, RequestStatus, TokenLogprob
+from tokenway.engine.request import Request, RequestStatus
 from tokenway.engine.spec_decode import NgramProposer, SpecDecodingStats
 from tokenway.kv_cache.manager import KVCacheManager
+from tokenway.protocol.outputs import EngineOutput, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -68,26 +69,6 @@ class SchedulerOutput:
             for request, num_new, drafts in zip(self.requests, self.num_scheduled_tokens, self.spec_token_ids)
             if request.num_computed_tokens + num_new == request.num_tokens + len(drafts)
         ]
-
-
-@dataclass(slots=True)
-class EngineOutput:
-    """New tokens for one request from one step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    cache_reason: str | None = None
-    arrival_time: float = 0.0  # time.monotonic() clock, as on the Request
-    first_scheduled_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 class Scheduler:

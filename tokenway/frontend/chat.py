@@ -22,6 +22,7 @@ from tokenway.frontend import special_text
 from tokenway.frontend import tools as generic_tools
 from tokenway.frontend.tokenizer import Tokenizer
 from tokenway.frontend.tool_parsers import FORMATS, ReplyFormat
+from tokenway.protocol.errors import FieldError
 
 
 @dataclass(slots=True)
@@ -152,7 +153,7 @@ def _continuing(text: str, begun: str) -> str:
         end = text.rfind(content)
         if content and end >= 0:
             return text[:end + len(content)]
-    raise ValueError("continue_final_message: the chat template does not render the last message's text as "
+    raise FieldError("continue_final_message", "the chat template does not render the last message's text as "
                      "sent, so the reply cannot go on from it")
 
 

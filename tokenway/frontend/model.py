@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenway.config import EngineConfig
-from tokenway.engine.core import PromptChecker, eos_token_ids, resolve_max_model_len
-from tokenway.engine.structured_output import StructuredOutputManager
+from tokenway.frontend.prompt_check import PromptChecker, eos_token_ids, resolve_max_model_len
+from tokenway.frontend.structured_output import StructuredOutputManager
 from tokenway.frontend.tokenizer import Tokenizer
 from tokenway.models.config import ModelConfig
 

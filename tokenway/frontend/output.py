@@ -15,9 +15,9 @@ from dataclasses import dataclass, field, replace
 
 from tokenizers.decoders import DecodeStream
 
-from tokenway.engine.request import SamplingParams, TokenLogprob
-from tokenway.engine.scheduler import EngineOutput
 from tokenway.frontend.tokenizer import Tokenizer
+from tokenway.protocol.outputs import EngineOutput, TokenLogprob
+from tokenway.protocol.sampling import SamplingParams
 
 
 @dataclass(slots=True)

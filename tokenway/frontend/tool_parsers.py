@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokenway.routing.job import ToolCallDelta
+from tokenway.protocol.job import ToolCallDelta
 
 FORMATS = ("generic", "hermes", "llama3_json", "mistral")
 

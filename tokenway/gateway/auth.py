@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tokenway.protocol.errors import AuthenticationError, PermissionDeniedError, truncate
+from tokenway.protocol.errors import AuthenticationError, FieldError, PermissionDeniedError, truncate
 from tokenway.safety.screen import SafetyPolicy
 
 if TYPE_CHECKING:
@@ -41,23 +41,23 @@ def check_key_fields(name: str, models: tuple[str, ...] | None, rpm: int | None,
                      budget_usd: float | None, expires_at: float | None) -> None:
     """ValueError naming the first bad field. Shared by Principal and KeyStore.create."""
     if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME_CHARS:
-        raise ValueError(f"name: must be a non-empty string of at most {MAX_NAME_CHARS} characters")
+        raise FieldError("name", f"must be a non-empty string of at most {MAX_NAME_CHARS} characters")
     if models is not None:
         if not isinstance(models, tuple) or not models:
-            raise ValueError("models: must be a non-empty tuple of model names, or None for all models")
+            raise FieldError("models", "must be a non-empty tuple of model names, or None for all models")
         if not all(isinstance(m, str) and m.strip() for m in models):
-            raise ValueError("models: every model name must be a non-empty string")
+            raise FieldError("models", "every model name must be a non-empty string")
     for field_name, value in (("rpm", rpm), ("tpm", tpm), ("tpd", tpd), ("max_concurrent", max_concurrent),
                               ("max_tokens", max_tokens)):
         # bool is an int subclass: True would silently mean a limit of 1.
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{field_name}: must be a positive integer or None, got {value!r}")
+            raise FieldError(field_name, f"must be a positive integer or None, got {value!r}")
     if budget_usd is not None and (isinstance(budget_usd, bool) or not isinstance(budget_usd, (int, float))
                                    or not math.isfinite(budget_usd) or budget_usd < 0):
-        raise ValueError(f"budget_usd: must be a finite number >= 0 or None, got {budget_usd!r}")
+        raise FieldError("budget_usd", f"must be a finite number >= 0 or None, got {budget_usd!r}")
     if expires_at is not None and (isinstance(expires_at, bool) or not isinstance(expires_at, (int, float))
                                    or not math.isfinite(expires_at)):
-        raise ValueError(f"expires_at: must be unix seconds or None, got {expires_at!r}")
+        raise FieldError("expires_at", f"must be unix seconds or None, got {expires_at!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,16 +91,6 @@ ANONYMOUS = Principal(key_id=ANONYMOUS_KEY_ID, name="anonymous")
 # The operator, by the server's admin key: reads every key's usage and traces, the models and
 # the engine's stats; manages keys. It calls no model (an API key does, under limits and budget).
 ADMIN = Principal(key_id="admin", name="admin")
-
-
-def __getattr__(name: str) -> object:
-    # `from tokenway.gateway.auth import KeyStore` works too. The storage lives in keystore.py,
-    # which imports this module, so it is fetched on first use rather than at import.
-    if name in ("KeyStore", "KeyInfo", "UnknownKeyError"):
-        from tokenway.gateway import keystore
-
-        return getattr(keystore, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---- secrets -------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@
           ─► finish: price the usage; both reservations settle to what was used and billed
           ─► the ledger row is committed before the response's last byte leaves
 
-The call's facts come as frozen values (server/call.py): admit() makes the Admission, and the
+The call's facts come as frozen values (gateway/call.py): admit() makes the Admission, and the
 one ledger row is derived from the call's CallOutcome, whatever happened (completed, refused,
 failed, or the client gone). A refused call (401, 403, 429, a 4xx before generation) bills
 nothing, and whatever it had reserved settles to 0. A limits store that cannot answer is
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from tokenway.billing.ledger import Ledger, UsageRecord
 from tokenway.billing.pricing import ModelPrice, PriceTable, cost_usd
-from tokenway.gateway.auth import ANONYMOUS, KeyStore, Principal, authorize_model, needs_auth, principal_for
+from tokenway.gateway.auth import ANONYMOUS, Principal, authorize_model, needs_auth, principal_for
 from tokenway.gateway.budgets import (
     BudgetDecision,
     BudgetReservation,
@@ -33,11 +33,12 @@ from tokenway.gateway.budgets import (
     nanos_down,
     nanos_up,
 )
+from tokenway.gateway.call import Call, CallOutcome
+from tokenway.gateway.keystore import KeyStore
 from tokenway.gateway.limits import CONCURRENCY_RETRY_S, Decision, Limiter, LimitSpec, LimitsUnavailable, Reservation
 from tokenway.gateway.outage import StoreGuard
 from tokenway.observability.traces import Trace
 from tokenway.protocol.errors import AuthenticationError, InvalidRequestError, RateLimitError, ServiceUnavailableError
-from tokenway.server.call import Call, CallOutcome
 
 logger = logging.getLogger(__name__)
 BOTH_STORES = ("budgets", "limits")  # the StoreGuard names a joint store's operations go by

@@ -35,6 +35,7 @@ from tokenway.gateway.auth import (
     new_secret,
     secret_hint,
 )
+from tokenway.protocol.errors import FieldError
 from tokenway.safety.screen import SafetyPolicy
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class _Entry:
 class KeyStore:
     def __init__(self, sqlite_path: str | Path, refresh_seconds: float = DEFAULT_REFRESH_SECONDS) -> None:
         if refresh_seconds < 0:
-            raise ValueError(f"refresh_seconds: must be >= 0, got {refresh_seconds!r}")
+            raise FieldError("refresh_seconds", f"must be >= 0, got {refresh_seconds!r}")
         self.path = Path(sqlite_path)
         self.refresh_seconds = refresh_seconds
         if str(sqlite_path) != ":memory:":
@@ -163,7 +164,7 @@ class KeyStore:
         check_key_fields(name, models, rpm, tpm, tpd, max_concurrent, max_tokens, budget_usd, expires_at)
         now = time.time()
         if expires_at is not None and expires_at <= now:
-            raise ValueError("expires_at: must be in the future")
+            raise FieldError("expires_at", "must be in the future")
         for _ in range(_NUM_ID_ATTEMPTS):
             key_id = new_key_id()
             secret = new_secret(key_id)

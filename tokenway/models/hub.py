@@ -12,6 +12,7 @@ here as one ValueError sentence; nothing of huggingface_hub's own reaches the us
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import glob
 import re
@@ -33,6 +34,8 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.file_download import REGEX_COMMIT_HASH, repo_folder_name
 from huggingface_hub.utils import validate_repo_id
+
+from tokenway import config
 
 # What the engine reads of a safetensors repo (loader.py, frontend/tokenizer.py); the rest of a
 # repo (README, *.bin, *.pt, onnx/, original/) is never fetched. Top-level files only.
@@ -233,3 +236,15 @@ def _reason(exc: BaseException) -> str:
         exc = exc.__cause__
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
+
+
+def add_hub_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that go with a HuggingFace Hub id in --model (models/hub.py), as vLLM's."""
+    parser.add_argument("--revision", help="the Hub id's branch, tag or commit (default: main)")
+    parser.add_argument("--gguf-file", help="the Hub id's GGUF file to serve (same as --model org/name:file.gguf)")
+
+
+def default_model_name(model: str) -> str:
+    """What clients call --model when --served-model-name is not given: a Hub id itself (as vLLM),
+    a file's stem, the alias."""
+    return model if model == config.DEFAULT_MODEL or is_hub_id(model) else Path(model).stem

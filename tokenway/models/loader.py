@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tokenway.config import DEFAULT_MODEL
+from tokenway.config import DEFAULT_MODEL, default_cache_dir
 from tokenway.models import hub
 from tokenway.models.config import ModelConfig
 from tokenway.models.gguf import CONVERTER_VERSION, convert_gguf
@@ -52,10 +52,6 @@ def resolve_model(model: str, cache_dir: str | Path | None = None, *, revision: 
             raise ValueError(f"{path}: not a GGUF file; {_EXPECTED}")
         return _converted(path.resolve(), _cache_root(cache_dir))
     raise ValueError(f"{path}: no such file or directory; {_EXPECTED}")
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("TOKENWAY_CACHE_DIR") or Path.home() / ".cache" / "tokenway")
 
 
 def _cache_root(cache_dir: str | Path | None) -> Path:

@@ -64,7 +64,7 @@ class Trace:
 
     @classmethod
     def of_call(cls, call, outcome, cost_usd: float = 0.0) -> Trace:
-        """The trace of one call (server/call.py's Call and its CallOutcome), as of now."""
+        """The trace of one call (gateway/call.py's Call and its CallOutcome), as of now."""
         clock, job, replica = call.clock, call.job, call.replica
         stages_ms = clock.durations_ms()
         sampling = job.sampling() if job is not None else {}

@@ -19,7 +19,8 @@ The same error renders in either wire shape: `openai_error_body` gives
 {"error": {"message", "type", "param", "code"}}, `anthropic_error_body` gives
 {"type": "error", "error": {"type", "message"}} with Anthropic's type names.
 `from_validation_error` turns a pydantic / FastAPI validation failure into one short
-InvalidRequestError naming the offending field.
+InvalidRequestError naming the offending field. FieldError (a ValueError, not a TokenwayError) is
+what the layers below the API raise for a bad value; it carries the field in `.param`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,20 @@ import pydantic
 
 MAX_ECHOED_CHARS = 100  # a value echoed back in a message is cut to this
 MAX_MESSAGE_CHARS = 300
+
+
+class FieldError(ValueError):
+    """A value a request field may not take, raised where the value is checked (SamplingParams,
+    a prompt check, a config): `param` names the field, so the API edge answers
+    InvalidRequestError(str(exc), param=exc.param) without reading the message."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.reason = message
+
+    def __reduce__(self):  # crosses the engine process's pipe whole, param included
+        return type(self), (self.param, self.reason)
 
 
 class TokenwayError(Exception):
@@ -69,6 +84,11 @@ class InvalidRequestError(TokenwayError):
     status = 400
     type = "invalid_request_error"
     anthropic_type = "invalid_request_error"
+
+
+def invalid_value(exc: ValueError) -> InvalidRequestError:
+    """The 400 for a value the layers below refused: naming the field where a FieldError knows it."""
+    return InvalidRequestError(str(exc), param=exc.param if isinstance(exc, FieldError) else None)
 
 
 class ContentPolicyViolationError(InvalidRequestError):

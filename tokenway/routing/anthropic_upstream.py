@@ -23,7 +23,7 @@ from contextlib import aclosing
 from typing import Any
 
 from tokenway.protocol.errors import BadGatewayError, InvalidRequestError
-from tokenway.routing.job import ChoiceDelta, GenerationJob, ReplicaEvent, ToolCallDelta, Usage
+from tokenway.protocol.job import ChoiceDelta, GenerationJob, ReplicaEvent, ToolCallDelta, Usage
 from tokenway.routing.sse_decoder import SSEEvent
 from tokenway.routing.upstream import (
     ConnectionLimits,

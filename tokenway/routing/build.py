@@ -23,8 +23,8 @@ from pathlib import Path
 from tokenway.engine.client import EngineClient
 from tokenway.frontend.model import ModelFrontend
 from tokenway.protocol.errors import TokenwayError
+from tokenway.protocol.job import GenerationJob
 from tokenway.routing.anthropic_upstream import AnthropicUpstream
-from tokenway.routing.job import GenerationJob
 from tokenway.routing.openai_upstream import OpenAIUpstream
 from tokenway.routing.registry import Registry
 from tokenway.routing.registry_config import ModelEntry, ReplicaSpec

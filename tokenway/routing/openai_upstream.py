@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from tokenway.engine.request import SamplingParams
 from tokenway.protocol.errors import BadGatewayError, InvalidRequestError
-from tokenway.routing.job import ChoiceDelta, GenerationJob, ReplicaEvent, ToolCallDelta, Usage
+from tokenway.protocol.job import ChoiceDelta, GenerationJob, ReplicaEvent, ToolCallDelta, Usage
+from tokenway.protocol.sampling import SamplingParams
 from tokenway.routing.upstream import (
     ConnectionLimits,
     CountTokens,

@@ -21,10 +21,10 @@ from contextlib import aclosing
 from typing import Protocol
 
 from tokenway.engine.client import EngineClient, EngineDeadError
-from tokenway.engine.request import SamplingParams, choice_params
 from tokenway.frontend.output import RequestOutput
-from tokenway.protocol.errors import InternalServerError, InvalidRequestError, ServiceUnavailableError
-from tokenway.routing.job import ChoiceDelta, GenerationJob, ReplicaEvent, Usage
+from tokenway.protocol.errors import InternalServerError, ServiceUnavailableError, invalid_value
+from tokenway.protocol.job import ChoiceDelta, GenerationJob, ReplicaEvent, Usage
+from tokenway.protocol.sampling import SamplingParams, choice_params
 
 
 class Replica(Protocol):
@@ -69,7 +69,7 @@ class LocalReplica:
                 raise engine_unavailable() from exc
             raise InternalServerError("The engine stopped while generating this request.") from exc
         except ValueError as exc:  # what the engine refused (the server checks first: a race, rarely)
-            raise InvalidRequestError(str(exc), param=str(exc).split(":", 1)[0]) from None
+            raise invalid_value(exc) from None
         except Exception as exc:
             # The engine failed this step (it logged the traceback): a plain 500.
             raise InternalServerError("The engine failed while generating this request.") from exc

@@ -23,9 +23,9 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from tokenway.protocol.errors import GatewayTimeoutError, RateLimitError, ServiceUnavailableError, TokenwayError
+from tokenway.protocol.job import GenerationJob, ReplicaEvent, Usage
 from tokenway.routing.balancer import Balancer, BalancerConfig, NoReplicaAvailable, PoolFull, RoutingError
 from tokenway.routing.health import BreakerConfig, CircuitBreaker, HealthCheckConfig, HealthChecker, ReplicaHealth
-from tokenway.routing.job import GenerationJob, ReplicaEvent, Usage
 from tokenway.routing.replicas import Replica
 from tokenway.routing.upstream_errors import is_replica_fault
 

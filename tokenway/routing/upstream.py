@@ -58,8 +58,8 @@ from tokenway.protocol.errors import (
     TokenwayError,
     truncate,
 )
+from tokenway.protocol.job import GenerationJob, Usage, estimate_tokens
 from tokenway.routing.http_client import ConnectionPool, HTTPError, Response
-from tokenway.routing.job import GenerationJob, Usage, estimate_tokens
 from tokenway.routing.sse_decoder import MAX_EVENT_CHARS, EventTooLargeError, SSEDecoder, SSEEvent
 from tokenway.routing.upstream_errors import error_for_status
 

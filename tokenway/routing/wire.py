@@ -37,8 +37,9 @@ from typing import Any
 import pydantic
 from pydantic import ConfigDict, Field
 
-from tokenway.engine.request import SamplingParams, TokenLogprob
-from tokenway.engine.structured_output import StructuredOutputSpec
+from tokenway.protocol.errors import FieldError
+from tokenway.protocol.outputs import TokenLogprob
+from tokenway.protocol.sampling import SamplingParams, StructuredOutputSpec
 
 PREFIX = "/worker/v1"
 MAX_CHOICES = 128
@@ -115,7 +116,7 @@ def params_from_wire(wire: WireParams) -> SamplingParams:
         try:
             fields["logit_bias"] = {int(token_id): bias for token_id, bias in wire.logit_bias.items()}
         except ValueError:
-            raise ValueError("logit_bias: keys must be token ids") from None
+            raise FieldError("logit_bias", "keys must be token ids") from None
     spec = wire.structured_output
     if spec is not None:
         fields["structured_output"] = StructuredOutputSpec(spec.kind, schema=spec.json_schema, pattern=spec.pattern,

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from tokenway.protocol.errors import BadGatewayError, InternalServerError, ServiceUnavailableError
+from tokenway.protocol.job import ChoiceDelta, GenerationJob, ReplicaEvent, ReplicaStats, Usage
 from tokenway.routing import wire
-from tokenway.routing.job import ChoiceDelta, GenerationJob, ReplicaEvent, ReplicaStats, Usage
 from tokenway.routing.upstream import (
     ConnectionLimits,
     HTTPReplica,

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokenway.engine.request import SamplingParams
+from tokenway.protocol.sampling import SamplingParams
 
 # Llama Guard 3's hazard taxonomy (MLCommons), code -> the name tokenway reports.
 CATEGORIES = {
@@ -79,7 +79,7 @@ async def ask_guard(generate: Callable, job_for: Callable, turns: list[tuple[str
                     ) -> GuardVerdict:
     """Ask the guard. `job_for(messages, params)` makes its GenerationJob; `generate(job)` runs
     it (the server's Router); a guard that fails gives a verdict with `error` and no categories."""
-    from tokenway.routing.job import ChoiceDelta
+    from tokenway.protocol.job import ChoiceDelta
 
     started = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=MAX_GUARD_TOKENS)

@@ -34,7 +34,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenway.routing.job import ToolCallDelta
+from tokenway.protocol.errors import FieldError
+from tokenway.protocol.job import ToolCallDelta
 from tokenway.safety.channels import PromptText
 from tokenway.safety.detectors import CATEGORIES, Finding, detect, redact
 from tokenway.safety.guard import GUARD_FORMATS
@@ -66,10 +67,10 @@ class SafetyPolicy:
             if getattr(self, name) not in MODES:
                 raise ValueError(f"safety_{name}: expected one of {', '.join(MODES)}, got {getattr(self, name)!r}")
         if self.guard_format not in GUARD_FORMATS:
-            raise ValueError(f"safety_guard_format: expected one of {', '.join(GUARD_FORMATS)}, "
+            raise FieldError("safety_guard_format", f"expected one of {', '.join(GUARD_FORMATS)}, "
                              f"got {self.guard_format!r}")
         if self.categories is not None and not self.categories <= set(CATEGORIES):
-            raise ValueError(f"safety_categories: unknown {sorted(self.categories - set(CATEGORIES))}; "
+            raise FieldError("safety_categories", f"unknown {sorted(self.categories - set(CATEGORIES))}; "
                              f"known are {', '.join(CATEGORIES)}")
 
     def to_dict(self) -> dict:

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse
 
 from tokenway.gateway.auth import MAX_NAME_CHARS
 from tokenway.gateway.keystore import KeyStore, UnknownKeyError
-from tokenway.protocol.errors import AuthenticationError, InvalidRequestError, NotFoundError, truncate
+from tokenway.protocol.errors import AuthenticationError, FieldError, InvalidRequestError, NotFoundError, truncate
 from tokenway.safety.detectors import CATEGORIES
 from tokenway.safety.screen import MODES, SafetyPolicy
 from tokenway.server.body_parser import BodyParser
@@ -94,10 +94,10 @@ def admin_router(store: KeyStore, admin_key: str | None) -> APIRouter:
             if body.safety is not None:
                 fields["safety"] = SafetyPolicy.from_dict(fields["safety"])
             secret, info = await run_in_threadpool(store.create, **fields)
-        except ValueError as exc:  # e.g. expires_at in the past
-            field_name = str(exc).partition(":")[0]
-            raise InvalidRequestError(str(exc), param=field_name if field_name in CreateKeyRequest.model_fields
-                                      else None) from None
+        except ValueError as exc:  # e.g. expires_at in the past (a FieldError naming it)
+            param = exc.param if isinstance(exc, FieldError) else None
+            known = param in CreateKeyRequest.model_fields
+            raise InvalidRequestError(str(exc), param=param if known else None) from None
         return JSONResponse({"key": secret, **info.to_dict()}, status_code=201)
 
     @router.get("/keys")

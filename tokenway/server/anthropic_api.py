@@ -11,12 +11,12 @@ from types import SimpleNamespace
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tokenway.gateway.call import Call
 from tokenway.protocol.anthropic import map_stop_reason, to_chat_messages, to_chat_tools
 from tokenway.protocol.errors import anthropic_error_body
-from tokenway.routing.job import GenerationJob, ToolCallDelta
+from tokenway.protocol.job import GenerationJob, ToolCallDelta
 from tokenway.safety.channels import ChatInput, screen_chat
 from tokenway.server import sse
-from tokenway.server.call import Call
 from tokenway.server.generation import ChoiceResult, Generation, framed_stream
 from tokenway.server.http import EventStreamResponse
 from tokenway.server.serving import (

@@ -20,9 +20,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenway.billing.ledger import LedgerUnavailable
 from tokenway.gateway.auth import ADMIN, ANONYMOUS, presents_admin_key, unauthenticated
+from tokenway.gateway.call import Call, CallStart
 from tokenway.gateway.gatekeeper import Gatekeeper
 from tokenway.observability.observer import Observer
-from tokenway.observability.routes import observability_router
 from tokenway.observability.traces import Trace
 from tokenway.protocol import anthropic as anthropic_schema
 from tokenway.protocol import openai as openai_schema
@@ -42,9 +42,9 @@ from tokenway.protocol.errors import (
 from tokenway.safety.moderations import ModerationRequest, moderation_response
 from tokenway.server import anthropic_api, openai_api
 from tokenway.server.admin_api import admin_router
-from tokenway.server.call import Call, CallStart
 from tokenway.server.embeddings_api import create_embeddings
 from tokenway.server.http import ClientDisconnected, EventStreamResponse, parse_body
+from tokenway.server.observability_api import observability_router
 from tokenway.server.serving import ServerState
 from tokenway.stages import StageClock
 

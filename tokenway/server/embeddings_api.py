@@ -5,7 +5,7 @@
          ─► EmbeddingsJob ─► admit (the caller's token limits reserve the inputs' tokens)
          ─► EmbeddingEngine (batched with other calls' inputs) ─► one CallOutcome ─► JSON
 
-Keys, limits, the ledger row and the trace are the generation calls' (server/call.py); the
+Keys, limits, the ledger row and the trace are the generation calls' (gateway/call.py); the
 forward pass is timed as the prefill stage.
 """
 
@@ -20,12 +20,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenway.embeddings import EmbeddingEngine
+from tokenway.gateway.call import Call, CallOutcome, RouteChoice
 from tokenway.protocol.embeddings import EmbeddingRequest, embedding_response
 from tokenway.protocol.errors import NotFoundError, TokenwayError
-from tokenway.routing.job import EmbeddingsJob
+from tokenway.protocol.job import EmbeddingsJob
 from tokenway.routing.router import ReplicaChoice
 from tokenway.safety.channels import screen_prompts
-from tokenway.server.call import Call, CallOutcome, RouteChoice
 from tokenway.server.http import ClientDisconnected, parse_body, unless_disconnected
 from tokenway.server.serving import ServerState, log_request, new_id
 

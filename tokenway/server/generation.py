@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from starlette.responses import JSONResponse, Response
 
 from tokenway.frontend.tool_parsers import ReplyFormat
-from tokenway.protocol.errors import InternalServerError, InvalidRequestError, TokenwayError
-from tokenway.routing.job import ChoiceDelta, GenerationJob, ReplicaEvent, ToolCallDelta, Usage
+from tokenway.gateway.call import Call, CallOutcome
+from tokenway.protocol.errors import InternalServerError, InvalidRequestError, TokenwayError, invalid_value
+from tokenway.protocol.job import ChoiceDelta, GenerationJob, ReplicaEvent, ToolCallDelta, Usage
 from tokenway.routing.replicas import engine_unavailable
 from tokenway.safety.screen import ReplyScreen
 from tokenway.server import sse
-from tokenway.server.call import Call, CallOutcome
 from tokenway.server.http import ClientDisconnected, unless_disconnected
 from tokenway.server.serving import ServerState, log_request, usage_dict
 from tokenway.stages import StageClock
@@ -83,7 +83,7 @@ class Generation:
                     self.frontend.prompts.check_tools(job.tools)
                 self.frontend.prompts.check(list(job.prompt_token_ids), job.params)
             except ValueError as exc:
-                raise InvalidRequestError(str(exc), param=str(exc).split(":", 1)[0]) from None
+                raise invalid_value(exc) from None
             if self.frontend.is_local and not state.engine.is_alive:
                 raise engine_unavailable()
         # Each choice as it stands; only outputs() writes these.

@@ -7,21 +7,16 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
 from typing import Any
 
-from tokenway.engine.request import TokenLogprob
-from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.model import ModelFrontend
+from tokenway.frontend.templating import context_window, prompt_fields, templated_token_ids
+from tokenway.gateway.call import Call
 from tokenway.protocol.errors import ContextLengthExceededError, InvalidRequestError, openai_error_body
-from tokenway.routing.job import GenerationJob, ToolCallDelta, estimate_tokens
+from tokenway.protocol.job import GenerationJob, ToolCallDelta, estimate_tokens
+from tokenway.protocol.outputs import TokenLogprob
 from tokenway.safety.channels import ChatInput, screen_chat, screen_prompts
 from tokenway.server import sse
-from tokenway.server.call import Call
 from tokenway.server.generation import Generation, framed_stream
-from tokenway.server.serving import (
-    ServerState,
-    context_window,
-    make_sampling_params,
-    new_id,
-)
+from tokenway.server.serving import ServerState, make_sampling_params, new_id
 
 
 class TokenText:
@@ -212,32 +207,6 @@ def tokenize(frontend: ModelFrontend, body, tool_parser: str | None = None, wind
         token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens, max_num_tokens=window)
     if len(token_ids) > window:
         raise ContextLengthExceededError(len(token_ids), None, window, param=param)
-    return token_ids
-
-
-def prompt_fields(body) -> tuple[list[dict] | None, Any, bool | None, dict | None]:
-    """A tokenize body's prompt-shaping fields as build_chat_prompt takes them: (tools,
-    tool_choice, parallel_tool_calls, response_format)."""
-    tool_choice = body.tool_choice if body.tool_choice is not None else "auto"
-    if hasattr(tool_choice, "model_dump"):
-        tool_choice = tool_choice.model_dump(exclude_none=True)
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-    response_format = body.response_format.model_dump(exclude_none=True, by_alias=True) \
-        if body.response_format else None
-    return tools, tool_choice, body.parallel_tool_calls, response_format
-
-
-def templated_token_ids(frontend: ModelFrontend, messages: list[dict], tools: list[dict] | None, tool_choice: Any,
-                        parallel_tool_calls: bool | None, response_format: dict | None, tool_parser: str | None,
-                        window_limit: bool = True) -> list[int]:
-    """Template messages (to_template_dict's) and prompt fields -> the chat call's prompt ids,
-    as the chat path templates them; over the window a 400 unless window_limit is False."""
-    with context_window(frontend, "messages") as window:
-        token_ids = build_chat_prompt(frontend.tokenizer, messages, tools, tool_choice, parallel_tool_calls,
-                                      response_format, max_num_tokens=window if window_limit else None,
-                                      tool_parser=tool_parser).prompt_token_ids
-    if len(token_ids) > window and window_limit:
-        raise ContextLengthExceededError(len(token_ids), None, window, param="messages")
     return token_ids
 
 

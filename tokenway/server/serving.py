@@ -9,21 +9,20 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import aclosing, contextmanager
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from tokenway.embeddings import EmbeddingEngine
 from tokenway.engine.client import EngineClient
-from tokenway.engine.request import SamplingParams
-from tokenway.engine.structured_output import StructuredOutputSpec
 from tokenway.frontend.chat import build_chat_prompt, text_content
 from tokenway.frontend.model import ModelFrontend
-from tokenway.frontend.tokenizer import PromptTooLong
+from tokenway.frontend.templating import context_window
 from tokenway.frontend.tool_parsers import ReplyFormat
 from tokenway.gateway.auth import Principal
+from tokenway.gateway.call import Call, CallOutcome, RouteChoice
 from tokenway.gateway.gatekeeper import Gatekeeper
 from tokenway.observability.observer import Observer
 from tokenway.protocol.errors import (
@@ -32,15 +31,16 @@ from tokenway.protocol.errors import (
     InvalidRequestError,
     NotFoundError,
     ServiceUnavailableError,
+    invalid_value,
 )
-from tokenway.routing.job import GenerationJob, estimate_chat_tokens
+from tokenway.protocol.job import GenerationJob, estimate_chat_tokens
+from tokenway.protocol.sampling import SamplingParams, StructuredOutputSpec
 from tokenway.routing.replicas import LocalReplica
 from tokenway.routing.router import Pool, Router
 from tokenway.safety.channels import PromptText
 from tokenway.safety.guard import ask_guard
 from tokenway.safety.screen import SafetyPolicy, screen_input
 from tokenway.server.body_parser import BodyParser
-from tokenway.server.call import Call, CallOutcome, RouteChoice
 from tokenway.stages import StageClock
 
 access_log = logging.getLogger("tokenway.access")
@@ -316,17 +316,6 @@ class ServerState:
         self.num_pending -= count
 
 
-@contextmanager
-def context_window(frontend: ModelFrontend, param: str) -> Iterator[int]:
-    """Tokenize inside this: yields the window to pass as max_num_tokens, and turns a prompt
-    known to exceed it (without tokenizing it all) into the context-length 400."""
-    try:
-        yield frontend.max_model_len
-    except PromptTooLong as exc:
-        raise ContextLengthExceededError(exc.num_tokens_at_least, None, frontend.max_model_len, param=param,
-                                         at_least=True) from None
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
 
@@ -386,8 +375,7 @@ def make_sampling_params(body: Any, max_tokens: int, structured: StructuredOutpu
             skip_special_tokens=skip_special_tokens,
         )
     except ValueError as exc:
-        field_name = str(exc).split(":", 1)[0]
-        raise InvalidRequestError(str(exc), param=field_name) from None
+        raise invalid_value(exc) from None
 
 
 def log_request(request_id: str, model: str, clock: StageClock, outcome: CallOutcome) -> None:

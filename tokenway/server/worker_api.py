@@ -30,18 +30,18 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenway.engine.client import EngineClient, EngineDeadError
-from tokenway.engine.request import SamplingParams, choice_params
 from tokenway.protocol.errors import (
     AuthenticationError,
     InternalServerError,
-    InvalidRequestError,
     PayloadTooLargeError,
     ServiceUnavailableError,
     TokenwayError,
     UnsupportedMediaTypeError,
     from_validation_error,
+    invalid_value,
     openai_error_body,
 )
+from tokenway.protocol.sampling import SamplingParams, choice_params
 from tokenway.routing import wire
 from tokenway.routing.replicas import choice_delta, run_choices
 from tokenway.server import sse
@@ -96,7 +96,7 @@ def create_worker_app(engine: EngineClient, model_name: str, secret: str | None,
             # The choices differ only in their seeds: one check covers them all.
             engine.validate_prompt(call.prompt_token_ids, params)
         except ValueError as exc:
-            raise InvalidRequestError(str(exc), param=str(exc).split(":", 1)[0]) from None
+            raise invalid_value(exc) from None
         except EngineDeadError:
             raise ServiceUnavailableError("The worker's engine is restarting; retry shortly.", retry_after=1,
                                           code="engine_unavailable") from None

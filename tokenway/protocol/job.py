@@ -19,7 +19,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tokenway.engine.request import SamplingParams
+from tokenway.protocol.errors import FieldError
+from tokenway.protocol.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +68,11 @@ class GenerationJob:
 
     def __post_init__(self) -> None:
         if self.kind == "chat" and not self.messages and self.prompt_token_ids is None:
-            raise ValueError("messages: a chat job needs messages")
+            raise FieldError("messages", "a chat job needs messages")
         if self.kind == "completion" and self.prompt is None and self.prompt_token_ids is None:
-            raise ValueError("prompt: a completion job needs a prompt or its token ids")
+            raise FieldError("prompt", "a completion job needs a prompt or its token ids")
         if self.n < 1:
-            raise ValueError(f"n: must be >= 1, got {self.n}")
+            raise FieldError("n", f"must be >= 1, got {self.n}")
         if self.prompt_token_ids is not None:
             num_prompt_tokens = len(self.prompt_token_ids)
         elif self.kind == "completion":

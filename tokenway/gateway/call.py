@@ -3,7 +3,7 @@
     GatewayMiddleware ─► CallStart    who calls, which endpoint, when (stage 1)
     routing           ─► RouteChoice  the model served and its pool
     Router            ─► ReplicaChoice the replica that ran it, and why (routing/router.py)
-    API adaptor       ─► GenerationJob the typed work (routing/job.py; EmbeddingsJob for embeddings)
+    API adaptor       ─► GenerationJob the typed work (protocol/job.py; EmbeddingsJob for embeddings)
     safety stage      ─► InputScreening what the input check found and did (safety/screen.py)
     Gatekeeper.admit  ─► Admission    the limits' reservation and rate headers
     whoever sees the call end ─► CallOutcome   status, usage, finish, error
@@ -36,7 +36,7 @@ from tokenway.stages import StageClock
 
 if TYPE_CHECKING:
     from tokenway.gateway.gatekeeper import Admission
-    from tokenway.routing.job import EmbeddingsJob, GenerationJob
+    from tokenway.protocol.job import EmbeddingsJob, GenerationJob
     from tokenway.routing.router import ReplicaChoice
 
 

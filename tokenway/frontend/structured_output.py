@@ -6,8 +6,8 @@ rejects unsatisfiable schemas such as allOf[string, integer] that xgrammar compi
 brings no triton or tvm-ffi. Its mask costs ~20 us a token against xgrammar's ~5 us, both
 negligible next to a model step.
 
-    SamplingParams.structured_output: StructuredOutputSpec
-      -> StructuredOutputManager.compile(spec) (EngineCore.validate_prompt: bad specs are a ValueError)
+    SamplingParams.structured_output: StructuredOutputSpec (protocol/sampling.py, a plain value)
+      -> StructuredOutputManager.compile(spec) (PromptChecker: bad specs are a FieldError)
       -> Request.grammar = manager.new_matcher(spec) (EngineCore.add_request)
       -> manager.grammar_bitmask([request.grammar, ...]) -> GrammarBitmask (EngineCore.step)
       -> Sampler masks the logits of the rows that have one
@@ -23,89 +23,35 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import llguidance
 import torch
+
+from tokenway.protocol.errors import FieldError
+from tokenway.protocol.sampling import StructuredOutputSpec
 
 if TYPE_CHECKING:
     from tokenway.frontend.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("json_object", "json_schema", "regex", "grammar")
-
 # Compact JSON with fixed separators: with free whitespace a small model can emit blanks
 # forever and never close the object. ", " and ": " are what models (and json.dumps) write.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-@dataclass(frozen=True, slots=True)
-class StructuredOutputSpec:
-    """What the output must match. Hashable, so compiled grammars are cached by spec.
-
-    json_object: any JSON object. json_schema: `schema`, a JSON schema object (a dict or its
-    JSON text; kept as compact JSON text, key order preserved because properties are
-    generated in schema order). regex: `pattern`, matched in full. grammar: `grammar`, a
-    Lark grammar in llguidance's dialect (it may embed JSON schemas with %json).
-    """
-
-    kind: str
-    schema: str | None = None
-    pattern: str | None = None
-    grammar: str | None = None
-
-    def __post_init__(self) -> None:
-        def fail(message: str) -> None:
-            raise ValueError(f"response_format: {message}")
-
-        if self.kind not in KINDS:
-            fail(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        needed = {"json_object": None, "json_schema": "schema", "regex": "pattern", "grammar": "grammar"}[self.kind]
-        for name in ("schema", "pattern", "grammar"):
-            if name != needed and getattr(self, name) is not None:
-                fail(f"{name} is not used by kind {self.kind!r}")
-        if self.kind == "json_schema":
-            schema = self.schema
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as exc:
-                    fail(f"schema is not valid JSON ({exc})")
-            if not isinstance(schema, Mapping):
-                fail(f"schema must be a JSON object, got {type(schema).__name__}")
-            try:
-                text = json.dumps(dict(schema), separators=(",", ":"), ensure_ascii=False)
-            except (TypeError, ValueError) as exc:
-                fail(f"schema is not JSON-serializable ({exc})")
-            object.__setattr__(self, "schema", text)
-        elif needed is not None:
-            value = getattr(self, needed)
-            if not isinstance(value, str) or not value:
-                fail(f"kind {self.kind!r} needs a non-empty string {needed}")
-
-    @classmethod
-    def json_object(cls) -> StructuredOutputSpec:
-        return cls("json_object")
-
-    @classmethod
-    def json_schema(cls, schema: Mapping[str, Any] | str) -> StructuredOutputSpec:
-        return cls("json_schema", schema=schema)  # type: ignore[arg-type]  # __post_init__ makes it text
-
-    @classmethod
-    def regex(cls, pattern: str) -> StructuredOutputSpec:
-        return cls("regex", pattern=pattern)
-
-    def llguidance_grammar(self) -> str:
-        if self.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
-        if self.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(self.schema, defaults=_JSON_OPTIONS)
-        if self.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(self.pattern)
-        return llguidance.LLMatcher.grammar_from_lark(self.grammar)
+def llguidance_grammar(spec: StructuredOutputSpec) -> str:
+    """The spec in llguidance's grammar language."""
+    if spec.kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+    if spec.kind == "json_schema":
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.schema, defaults=_JSON_OPTIONS)
+    if spec.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.pattern)
+    return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
 
 
 class GrammarMatcher:
@@ -173,7 +119,7 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutputSpec) -> None:
-        """Raises ValueError("response_format: ...") when the spec is invalid or nothing satisfies it."""
+        """Raises FieldError("response_format", ...) when the spec is invalid or nothing satisfies it."""
         self._compiled(spec)
 
     def new_matcher(self, spec: StructuredOutputSpec) -> GrammarMatcher:
@@ -204,23 +150,23 @@ class StructuredOutputManager:
 
     def _compile_uncached(self, spec: StructuredOutputSpec) -> llguidance.LLMatcher:
         if self._llg_tokenizer is None:
-            raise ValueError(f"response_format: not supported for this model's tokenizer ({self._tokenizer_error})")
+            raise FieldError("response_format", f"not supported for this model's tokenizer ({self._tokenizer_error})")
         try:
-            grammar = spec.llguidance_grammar()
+            grammar = llguidance_grammar(spec)
         except ValueError as exc:
-            raise ValueError(f"response_format: {exc}") from None
+            raise FieldError("response_format", str(exc)) from None
         # llguidance reports grammar errors, including schemas it proves unsatisfiable, as
         # an error state rather than an exception.
         matcher = llguidance.LLMatcher(self._llg_tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"response_format: {_first_line(matcher.get_error())}")
+            raise FieldError("response_format", _first_line(matcher.get_error()))
         # What the checks above miss still shows as a first step that allows no token (the
         # matcher then fails, e.g. on an empty regex class). Computed on this thread and before
         # the matcher is shared, so no other thread can be copying it.
         bitmask = torch.zeros((1, self._num_words), dtype=torch.int32)
         matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), self._num_words * 4)
         if matcher.is_error() or not allowed_tokens(bitmask, self.vocab_size).any():
-            raise ValueError(f"response_format: no output can satisfy this {spec.kind.replace('_', ' ')}")
+            raise FieldError("response_format", f"no output can satisfy this {spec.kind.replace('_', ' ')}")
         return matcher
 
 

@@ -1,0 +1,159 @@
+"""What a generation asks of the engine, as values every layer may hold: SamplingParams (how to
+pick tokens and when to stop) and StructuredOutputSpec (what the output must match).
+
+Both are frozen and checked once, at construction, raising FieldError (a ValueError naming the
+request field at fault). No torch, no grammar engine: routing, safety and the server build and
+pass these without loading the model's stack (frontend/structured_output.py compiles a spec).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any
+
+from tokenway.protocol.errors import FieldError
+
+KINDS = ("json_object", "json_schema", "regex", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputSpec:
+    """What the output must match. Hashable, so compiled grammars are cached by spec.
+
+    json_object: any JSON object. json_schema: `schema`, a JSON schema object (a dict or its
+    JSON text; kept as compact JSON text, key order preserved because properties are
+    generated in schema order). regex: `pattern`, matched in full. grammar: `grammar`, a
+    Lark grammar in llguidance's dialect (it may embed JSON schemas with %json).
+    """
+
+    kind: str
+    schema: str | None = None
+    pattern: str | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        def fail(message: str) -> None:
+            raise FieldError("response_format", message)
+
+        if self.kind not in KINDS:
+            fail(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        needed = {"json_object": None, "json_schema": "schema", "regex": "pattern", "grammar": "grammar"}[self.kind]
+        for name in ("schema", "pattern", "grammar"):
+            if name != needed and getattr(self, name) is not None:
+                fail(f"{name} is not used by kind {self.kind!r}")
+        if self.kind == "json_schema":
+            schema = self.schema
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    fail(f"schema is not valid JSON ({exc})")
+            if not isinstance(schema, Mapping):
+                fail(f"schema must be a JSON object, got {type(schema).__name__}")
+            try:
+                text = json.dumps(dict(schema), separators=(",", ":"), ensure_ascii=False)
+            except (TypeError, ValueError) as exc:
+                fail(f"schema is not JSON-serializable ({exc})")
+            object.__setattr__(self, "schema", text)
+        elif needed is not None:
+            value = getattr(self, needed)
+            if not isinstance(value, str) or not value:
+                fail(f"kind {self.kind!r} needs a non-empty string {needed}")
+
+    @classmethod
+    def json_object(cls) -> StructuredOutputSpec:
+        return cls("json_object")
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any] | str) -> StructuredOutputSpec:
+        return cls("json_schema", schema=schema)  # type: ignore[arg-type]  # __post_init__ makes it text
+
+    @classmethod
+    def regex(cls, pattern: str) -> StructuredOutputSpec:
+        return cls("regex", pattern=pattern)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Checked once, at construction."""
+
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # in (0, 1]
+    top_k: int = 0  # 0 (or -1) disables
+    min_p: float = 0.0  # in [0, 1]
+    seed: int | None = None
+    presence_penalty: float = 0.0  # in [-2, 2], OpenAI semantics
+    frequency_penalty: float = 0.0  # in [-2, 2], OpenAI semantics
+    repetition_penalty: float = 1.0  # > 0, CTRL / HF semantics; 1 disables
+    logit_bias: Mapping[int, float] | None = None  # token id -> bias in [-100, 100]
+    max_tokens: int | None = 16  # None: up to the context window
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: chosen token plus k alternatives
+    skip_special_tokens: bool = True
+    structured_output: StructuredOutputSpec | None = None  # constrain the output to a schema, regex or grammar
+
+    def __post_init__(self) -> None:
+        def fail(field_name: str, message: str) -> None:
+            raise FieldError(field_name, message)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            fail("n", f"must be an integer >= 1, got {self.n!r}")
+        if not 0.0 <= self.temperature <= 100.0 or self.temperature != self.temperature:
+            fail("temperature", f"must be in [0, 100], got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            fail("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail("seed", f"must be an integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                fail(name, f"must be in [-2, 2], got {value!r}")
+        if not self.repetition_penalty > 0.0:
+            fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            fail("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            fail("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputSpec):
+            fail("structured_output", f"must be a StructuredOutputSpec, got {type(self.structured_output).__name__}")
+        # Normalise the containers so the object is truly immutable.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(s, str) or not s for s in stop):
+            fail("stop", "every stop sequence must be a non-empty string")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        if self.logit_bias is not None:
+            bias = {}
+            for token_id, value in dict(self.logit_bias).items():
+                if not -100.0 <= float(value) <= 100.0:
+                    fail("logit_bias", f"bias for token {token_id} must be in [-100, 100], got {value!r}")
+                bias[int(token_id)] = float(value)
+            object.__setattr__(self, "logit_bias", MappingProxyType(bias) if bias else None)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n independent choices as n engine requests; with a seed, choice i uses seed + i, so
+    the choices differ yet each repeats."""
+    if n == 1:
+        return [params]
+    return [replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
