@@ -12,7 +12,7 @@
 # sampled through the load run), and the bandwidth one stream implies (file bytes / TPOT p50)
 # against a plain 2-thread memory read measured in the same run.
 #
-# Random-weight Llama-shaped GGUFs (../shared/bench/random_gguf.py, F16) are made and quantised
+# Random-weight Llama-shaped GGUFs (../shared/bench/random_gguf.py's, F16, by bench/random_gguf_stream.py) are made and quantised
 # once into $PEERS_DIR/models. SHAPES=gemma3-270m is the real Gemma 3 270M Q4_K_M
 # ($GEMMA3_GGUF, default tests/.gemma3/, which tests/conftest.py's gemma3_gguf fixture assembles).
 # Knobs: SHAPES, QUANTS, OUT, THREADS (2), TW_SRC (the tokenway tree to serve: default this one),
@@ -51,7 +51,8 @@ model_files() {  # one path per line: the files SHAPES x QUANTS name, made on fi
     fi
     f16=$PEERS_DIR/models/$shape.f16.gguf
     if [ ! -f "$f16" ]; then
-      "$TW_PY" "$SHARED/random_gguf.py" "$shape" "$f16.tmp" >&2 && mv "$f16.tmp" "$f16"
+      # The shared script's bytes, written a tensor at a time (an 8B F16 is 16 GB: it would not fit in memory).
+      "$TW_PY" "$ROOT/bench/random_gguf_stream.py" "$shape" "$f16.tmp" --shared "$SHARED/random_gguf.py" >&2 && mv "$f16.tmp" "$f16"
     fi
     for q in $QUANTS; do
       out=$PEERS_DIR/models/$shape.$q.gguf
