@@ -24,7 +24,7 @@ from tokenway.observability.traces import Trace, summarize
 from tokenway.protocol.errors import AuthenticationError, NotFoundError
 from tokenway.server.admin_api import check_admin_key
 
-DASHBOARD_DIR = Path(__file__).parent / "dashboard"
+DASHBOARD_DIR = Path(__file__).parents[1] / "observability" / "dashboard"  # package data of observability/
 STATIC_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
                 ".html": "text/html; charset=utf-8", ".svg": "image/svg+xml", ".png": "image/png"}
 MAX_LIMIT = 2048
