@@ -12,7 +12,7 @@ import struct
 from array import array
 from collections.abc import Sequence
 
-from tokenway.engine.request import Request
+from tokenway.kv_cache.interface import CacheRequest
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], namespace: str) -> bytes:
@@ -27,7 +27,7 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], names
     return hasher.digest()
 
 
-def update_block_hashes(request: Request, block_size: int, namespace: str) -> None:
+def update_block_hashes(request: CacheRequest, block_size: int, namespace: str) -> None:
     """Append the hashes of the full blocks of request.all_token_ids not hashed yet.
 
     Incremental: a decoded token that fills a block adds that block's hash on the next call.
