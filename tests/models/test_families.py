@@ -126,9 +126,9 @@ def transformers_greedy(model_dir: Path, prompt_ids: list[list[int]], max_tokens
 
 
 def serve_and_compare(model: str, expected: list[list[int]], cache_dir: Path, max_tokens: int,
-                      kv_cache_memory: int = 64 * 2**20, expect_hits: bool = True) -> LLM:
+                      kv_cache_memory: int = 64 * 2**20, expect_hits: bool = True, **engine_options) -> LLM:
     llm = LLM(model, dtype="float32", block_size=4, kv_cache_memory=kv_cache_memory, max_model_len=128,
-              linear_kernels="default", cache_dir=str(cache_dir), show_progress=False)
+              linear_kernels="default", cache_dir=str(cache_dir), show_progress=False, **engine_options)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     batch = [{"prompt_token_ids": ids} for ids in prompts()]
     for attempt in ("cold", "prefix-cache hits"):
@@ -180,3 +180,34 @@ def test_blocks_behind_every_layers_window_go_back_to_the_pool(tmp_path, tokeniz
                             expect_hits=False)
     assert llm.engine.kv_manager.null_block is not None
     assert llm.engine.scheduler.num_preemptions == 0
+
+
+def test_mixed_layers_run_more_long_requests_in_the_same_kv_memory(tmp_path, tokenizer_dir):
+    """Gemma 3 with five 12-key sliding layers per global one: its sliding layers keep their window
+    in blocks of their own, and the rest of the memory goes to the global layer. 8 requests (71
+    blocks of 4 at their longest) then run at once in memory that held 64 blocks for every layer."""
+    from tokenway.engine.runner import kv_bytes_per_block
+    from tokenway.models.config import ModelConfig
+
+    max_tokens = 16
+    model_dir = build("gemma3", tmp_path / "gemma3", tokenizer_dir)
+    expected = transformers_greedy(model_dir, prompts(), max_tokens)
+    block_bytes = kv_bytes_per_block(ModelConfig.from_dir(model_dir), 4, torch.float32)
+    assert sum(-(-(len(ids) + max_tokens - 1) // 4) for ids in prompts()) == 71  # the last token has no KV
+    llm = serve_and_compare(str(model_dir), expected, tmp_path / "cache", max_tokens, kv_cache_memory=64 * block_bytes,
+                            max_num_seqs=8, max_num_batched_tokens=64)
+    full, sliding = llm.engine.kv_manager.groups
+    # The sliding group holds 8 windows (5 blocks each) and a step's 64 new tokens, plus its null block.
+    assert (sliding.window, sliding.block_pool.num_blocks, full.block_pool.num_blocks) == (WINDOW, 57, 99)
+    assert llm.engine.scheduler.num_preemptions == 0
+    assert full.num_free_blocks == full.num_blocks and sliding.num_free_blocks == sliding.num_blocks
+
+    # Four prompts behind one 10-token prefix: they hit its blocks in both groups and decode
+    # reading them once a step (cascade attention), each group from its own tables.
+    prefix = torch.randint(100, VOCAB, (10,), generator=torch.Generator().manual_seed(9)).tolist()
+    batch = [prefix + [100 + index] for index in range(4)]
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in batch],
+                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    assert [list(output.outputs[0].token_ids) for output in outputs] == transformers_greedy(model_dir, batch,
+                                                                                            max_tokens)
+    assert [output.num_cached_tokens for output in outputs] == [0, 8, 8, 8]

@@ -29,6 +29,7 @@ from tokenway.engine.spec_decode import NgramProposer
 from tokenway.frontend.prompt_check import PromptChecker, eos_token_ids, resolve_max_model_len
 from tokenway.frontend.structured_output import StructuredOutputManager
 from tokenway.frontend.tokenizer import Tokenizer
+from tokenway.kv_cache.interface import plan_groups
 from tokenway.kv_cache.manager import KVCacheManager
 from tokenway.models.config import ModelConfig
 from tokenway.models.decoder import DecoderForCausalLM
@@ -121,11 +122,17 @@ class EngineCore:
                 f"or lower max_model_len"
             )
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
-        # Where every layer slides, blocks behind the window go back to the pool as requests run.
-        self.kv_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, namespace=str(model_dir),
-            sliding_window=self.model_config.uniform_window,
-        )
+        # Layers that attend alike share block tables (kv_cache/interface.py): where the sliding-window
+        # layers form a group (every layer, or a group of their own), blocks behind the window go back
+        # to its pool as requests run.
+        num_layers = self.model_config.num_hidden_layers
+        layer_block_bytes = block_bytes // num_layers
+        kv_groups = plan_groups(config.kv_cache_memory, layer_block_bytes,
+                                [self.model_config.window(layer) for layer in range(num_layers)], config.block_size,
+                                config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.kv_manager = KVCacheManager(block_size=config.block_size,
+                                         enable_prefix_caching=config.enable_prefix_caching,
+                                         namespace=str(model_dir), groups=kv_groups)
         proposer = None
         if config.speculative_method == "ngram":
             proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
@@ -133,7 +140,8 @@ class EngineCore:
             self.kv_manager, self.max_model_len, config.max_num_batched_tokens, config.max_num_seqs, self.eos_token_ids,
             proposer,
         )
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device)
+        self.runner = ModelRunner(self.model, kv_groups[0].num_blocks, config.block_size, self.device,
+                                  num_sliding_blocks=kv_groups[-1].num_blocks)
         self.sampler = Sampler()
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                          self.eos_token_ids)
@@ -142,8 +150,10 @@ class EngineCore:
         if config.show_progress:
             print(
                 f"tokenway: loaded {config.model} ({self.model_config.architecture}, {self.dtype}, {self.device}) "
-                f"in {time.monotonic() - started:.1f}s; KV cache {num_blocks} blocks x {config.block_size} tokens "
-                f"({num_blocks * block_bytes / 2**30:.2f} GiB), max_model_len {self.max_model_len}; "
+                f"in {time.monotonic() - started:.1f}s; KV cache "
+                f"{' + '.join(f'{group.num_blocks} blocks' for group in kv_groups)} x {config.block_size} tokens "
+                f"({sum(g.num_blocks * g.num_layers for g in kv_groups) * layer_block_bytes / 2**30:.2f} GiB), "
+                f"max_model_len {self.max_model_len}; "
                 f"{model.num_quantized_matmuls} matmuls on GGUF blocks; "
                 f"fused layer kernels {'on' if fused else 'off'}; "
                 f"oneDNN-packed matmuls for {packed} of {len(backends)} float weight shapes"

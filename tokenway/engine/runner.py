@@ -3,6 +3,12 @@
 The scheduler decides what runs; the runner only lays it out. It loops over the
 scheduled requests once to build the flat batch [decode tokens | prefill tokens],
 the cache slots each new token writes, and the attention layout.
+
+Each KV cache group (kv_cache/manager.py) has its own block ids, and so its own KV tensors, slots
+and layout: the model's full-attention layers read `meta`, its sliding-window layers `meta.sliding`
+(the same layout with a window where every layer slides). Where layers mix, the sliding layers'
+tensors hold num_sliding_blocks blocks, and their tables are the SchedulerOutput's
+sliding_block_tables.
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 cascade_attention: bool = True, native_attention: bool = True, native_layers: bool = True) -> None:
+                 cascade_attention: bool = True, native_attention: bool = True, native_layers: bool = True,
+                 num_sliding_blocks: int | None = None) -> None:
+        """num_blocks: the blocks of every layer's KV tensors, or of the full-attention layers' where
+        layers mix; then num_sliding_blocks (None: num_blocks) those of the sliding-window layers."""
         config = model.config
         self.model = model
         self.cascade_attention = cascade_attention  # read prefixes shared by decode rows once per step
@@ -37,16 +46,26 @@ class ModelRunner:
         self.device = device
         self.sliding_window = config.sliding_window if config.layer_types else None
         self.full_layers = config.uniform_window is None
-        num_slots = num_blocks * block_size
-        shape = (num_slots, config.num_key_value_heads, config.head_dim)
-        # Per layer: (num_blocks * block_size, kv_heads, head_dim); slot = block_id * block_size + offset.
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=model.dtype, device=device), torch.zeros(shape, dtype=model.dtype, device=device))
-            for _ in range(config.num_hidden_layers)
-        ]
+        # The sliding layers read tables of their own (SchedulerOutput.sliding_block_tables).
+        self.mixed_layers = self.full_layers and self.sliding_window is not None
+        if num_sliding_blocks is None or not self.mixed_layers:
+            num_sliding_blocks = num_blocks
+
+        # Per layer: (its group's num_blocks * block_size, kv_heads, head_dim); slot = block_id * block_size + offset.
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in range(config.num_hidden_layers):
+            layer_blocks = num_sliding_blocks if config.is_sliding(layer) else num_blocks
+            shape = (layer_blocks * block_size, config.num_key_value_heads, config.head_dim)
+            self.kv_caches.append((torch.zeros(shape, dtype=model.dtype, device=device),
+                                   torch.zeros(shape, dtype=model.dtype, device=device)))
         # Decode-only steps' layers in one native call, where the model's layers allow it.
         self.native_layers = native_layers and self.decode_kernel is not None and model.use_decode_stack(
             self.kv_caches, block_size)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The memory of every layer's K and V tensors."""
+        return sum(k_cache.nbytes + v_cache.nbytes for k_cache, v_cache in self.kv_caches)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -65,39 +84,50 @@ class ModelRunner:
             # whose context ends at that token: causal over the drafts, on the decode kernels.
             (decode_rows if num_new == 1 + len(out.spec_token_ids[row]) else prefill_rows).append(row)
 
+        # Per KV cache group: the first one's tables, then the sliding layers' where they have their own.
+        group_tables = [out.block_tables]
+        if self.mixed_layers and out.sliding_block_tables:
+            group_tables.append(out.sliding_block_tables)
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
+        slot_mappings: list[list[int]] = [[] for _ in group_tables]
         last_token_index = [0] * len(out.requests)
-        decode_tables: list[list[int]] = []  # per decode token
+        decode_tables: list[list[list[int]]] = [[] for _ in group_tables]  # per group, per decode token
         decode_context_lens: list[int] = []
-        chunks: list[tuple[int, int, int, list[int]]] = []  # prompt chunks: (token_start, start, end, block ids)
+        # Prompt chunks, per group: (token_start, start, end, block ids).
+        chunks: list[list[tuple[int, int, int, list[int]]]] = [[] for _ in group_tables]
         for row in decode_rows + prefill_rows:
             request = out.requests[row]
             num_new = out.num_scheduled_tokens[row]
             start = request.num_computed_tokens
             end = start + num_new
-            block_ids = out.block_tables[row]
             token_start = len(input_ids)
             input_ids.extend(request.all_token_ids[start:end])
             input_ids.extend(out.spec_token_ids[row])  # a verify chunk's drafts follow its last known token
             positions.extend(range(start, end))
-            slot_mapping.extend(self._slots(block_ids, start, end))
             last_token_index[row] = token_start + num_new - 1
-            if num_new == 1 + len(out.spec_token_ids[row]):
-                decode_tables.extend([block_ids] * num_new)
+            is_decode = num_new == 1 + len(out.spec_token_ids[row])
+            if is_decode:
                 decode_context_lens.extend(range(start + 1, end + 1))
-            else:
-                chunks.append((token_start, start, end, block_ids))
+            for group, tables in enumerate(group_tables):
+                block_ids = tables[row]
+                slot_mappings[group].extend(self._slots(block_ids, start, end))
+                if is_decode:
+                    decode_tables[group].extend([block_ids] * num_new)
+                else:
+                    chunks[group].append((token_start, start, end, block_ids))
 
-        slots = torch.tensor(slot_mapping, device=self.device)
-        if self.full_layers:
-            meta = self._metadata(slots, decode_tables, decode_context_lens, chunks, window=None)
-            if self.sliding_window is not None:  # the layers that slide read their own layout
-                meta.sliding = self._metadata(slots, decode_tables, decode_context_lens, chunks, self.sliding_window)
-        else:  # every layer slides (and blocks behind the window may be given back: never read them)
-            meta = self._metadata(slots, decode_tables, decode_context_lens, chunks, self.sliding_window)
+        def layout(group: int, window: int | None) -> AttentionMetadata:
+            slots = torch.tensor(slot_mappings[group], device=self.device)
+            return self._metadata(slots, decode_tables[group], decode_context_lens, chunks[group], window)
+
+        if not self.full_layers:  # every layer slides (and blocks behind the window may be given back: never read them)
+            meta = layout(0, self.sliding_window)
             meta.sliding = meta
+        else:
+            meta = layout(0, None)
+            if self.sliding_window is not None:  # the layers that slide read their own layout
+                meta.sliding = layout(len(group_tables) - 1, self.sliding_window)
 
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),
@@ -147,15 +177,19 @@ class ModelRunner:
         context = BlockRun.of(block_ids[first_block: (end + bs - 1) // bs], self.device)
         return PrefillChunk(token_start, num_new, end - key_start, context, mask)
 
-    def _shared_prefixes(self, tables: list[list[int]], context_lens: list[int]) -> list[tuple[list[int], int]]:
+    def _shared_prefixes(self, tables: list[list[int]], context_lens: list[int],
+                         window: int | None) -> list[tuple[list[int], int]]:
         """Decode rows whose contexts start with the same cached blocks (a system prompt the prefix
         cache handed to all of them): (rows, number of shared blocks) per group. Both attention
-        paths read such a prefix once per step for the whole group (cascade attention)."""
+        paths read such a prefix once per step for the whole group (cascade attention). Under a
+        window only rows that still see their first key share: the others read none of it, and
+        their tables may start with the null block that stands for blocks given back."""
         if not self.cascade_attention or len(tables) < 2:
             return []
         by_first_block: dict[int, list[int]] = {}
         for row, table in enumerate(tables):
-            by_first_block.setdefault(table[0], []).append(row)
+            if window is None or context_lens[row] <= window:
+                by_first_block.setdefault(table[0], []).append(row)
         groups = []
         for rows in by_first_block.values():
             # The rows of one verify chunk (one table object) share everything yet never form a
@@ -181,7 +215,7 @@ class ModelRunner:
         window = meta.window
         if self.decode_kernel is not None:
             # The kernel skips keys outside the window itself (and keeps rows past it out of a shared prefix).
-            shared = self._shared_prefixes(tables, context_lens)
+            shared = self._shared_prefixes(tables, context_lens, window)
             max_blocks = max(len(table) for table in tables)
             meta.decode_kernel = self.decode_kernel
             meta.decode_block_tables = torch.tensor([table + [0] * (max_blocks - len(table)) for table in tables],
@@ -198,7 +232,7 @@ class ModelRunner:
         # Per row: leading blocks not read as its own (through a shared prefix, or before its window).
         num_skipped = [0] * len(tables)
         if window is None:
-            for rows, length in self._shared_prefixes(tables, context_lens):
+            for rows, length in self._shared_prefixes(tables, context_lens, window):
                 meta.shared_prefixes.append(SharedPrefix(torch.tensor(rows, device=self.device),
                                                          BlockRun.of(tables[rows[0]][:length], self.device)))
                 for row in rows:

@@ -3,9 +3,10 @@
 Continuous batching with a token budget per step (vLLM v1's design): running requests go
 first, each taking the tokens it still has to compute (1 for a decode, a chunk for a long
 prompt); waiting requests then join with whatever budget is left. No prefill/decode
-phase: everything is num_computed_tokens against num_tokens. When the KV cache has no
-free block, the newest running request is preempted: its blocks are freed and it restarts
-later by recomputing its tokens (mostly from the prefix cache). A structured-output grammar
+phase: everything is num_computed_tokens against num_tokens. When the KV cache is out of
+blocks (in any of its groups: kv_cache/manager.py), the newest running request is preempted:
+its blocks are freed and it restarts later by recomputing its tokens (mostly from the prefix
+cache). A structured-output grammar
 advances only in update_from_output, on each newly sampled token, so recomputing the tokens a
 request already has never touches it.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import cast
 
 from tokenway.engine.request import Request, RequestStatus
 from tokenway.engine.spec_decode import NgramProposer, SpecDecodingStats
@@ -33,11 +35,16 @@ class SchedulerOutput:
 
     requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)  # per request, same order
-    block_tables: list[list[int]] = field(default_factory=list)  # per request, same order
+    # Per request, same order: its block table in the first KV cache group (the only one, or the
+    # full-attention layers' where they mix with sliding-window layers).
+    block_tables: list[list[int]] = field(default_factory=list)
     # Per request, same order: the drafts scheduled after its last known token (counted in
     # num_scheduled_tokens); () for most.
     spec_token_ids: list[tuple[int, ...]] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Per request, same order: its table in the sliding-window layers' group where they have one
+    # (kv_cache/manager.py); empty: those layers read block_tables, if the model has any.
+    sliding_block_tables: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.spec_token_ids:  # built with its requests (not by the Scheduler): no drafts
@@ -172,7 +179,10 @@ class Scheduler:
                        drafts: tuple[int, ...] = ()) -> None:
         out.requests.append(request)
         out.num_scheduled_tokens.append(num_new)
-        out.block_tables.append(self.kv_manager.get_block_ids(request.request_id))
+        block_tables = self.kv_manager.get_block_tables(request.request_id)
+        out.block_tables.append(block_tables[0])
+        if len(block_tables) > 1:
+            out.sliding_block_tables.append(block_tables[1])
         out.spec_token_ids.append(drafts)
 
     def _propose(self, request: Request, max_num_drafts: int) -> tuple[int, ...]:
@@ -236,7 +246,8 @@ class Scheduler:
                 if status is not None:
                     del new_token_ids[position + 1 :], new_logprobs[position + 1 :]
                     break
-            kept_logprobs = new_logprobs if new_logprobs[0] is not None else None
+            # A request asked for logprobs or not: its rows are all TokenLogprob or all None.
+            kept_logprobs = None if new_logprobs[0] is None else cast("list[TokenLogprob]", new_logprobs)
             if status is None:
                 outputs.append(self._output(request, new_token_ids, kept_logprobs))
             else:

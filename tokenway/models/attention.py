@@ -104,7 +104,8 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Keys a query sees, its own included (sliding-window layers); None: the whole context.
     window: int | None = None
-    # The same step laid out for the model's sliding-window layers (None: it has none).
+    # The same step laid out for the model's sliding-window layers, in their KV cache group's blocks
+    # (slots and tables of their own where layers mix; None: the model has no such layer).
     sliding: AttentionMetadata | None = None
 
 
@@ -153,17 +154,18 @@ def decode_attention(
         own_v = meta.decode_context.read(v_cache, meta.block_size)[:length].transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(dq, own_k, own_v, scale=scale)
         return out.reshape(num_decodes, num_heads, head_dim)
-    table = meta.decode_block_table
+    table, mask = meta.decode_block_table, meta.decode_mask
+    assert table is not None and mask is not None, "the torch path's layout (runner._decode_layout)"
     own_k = gather_blocks(k_cache, table, meta.block_size).transpose(1, 2)  # (Bd, kv_heads, L, head_dim)
     own_v = gather_blocks(v_cache, table, meta.block_size).transpose(1, 2)
     if not meta.shared_prefixes:
-        out = F.scaled_dot_product_attention(dq, own_k, own_v, attn_mask=meta.decode_mask, scale=scale)
+        out = F.scaled_dot_product_attention(dq, own_k, own_v, attn_mask=mask, scale=scale)
         return out.reshape(num_decodes, num_heads, head_dim)
 
     # Scores in float32 whatever the cache holds (a bf16 matmul would round them to bf16).
     dq32 = dq.float() * scale
     own = torch.matmul(dq32, own_k.float().transpose(-1, -2))  # (Bd, kv_heads, group, L)
-    own.masked_fill_(~meta.decode_mask, float("-inf"))
+    own.masked_fill_(~mask, float("-inf"))
     shared_len = max(p.blocks.num_blocks for p in meta.shared_prefixes) * meta.block_size
     scores = torch.full((num_decodes, kv_heads, group, shared_len + own.shape[-1]), float("-inf"), device=q.device)
     scores[..., shared_len:] = own
