@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup serve test bench docs lint
+.PHONY: setup serve test test-fast bench docs lint
 
 setup:
 	@scripts/setup.sh
@@ -14,11 +14,17 @@ serve: setup
 test: setup
 	$(PY) -m pytest -q $(ARGS)
 
+# The unit tests alone (no model, server process, Redis or PostgreSQL: tests/conftest.py marks
+# the rest `heavy`): the loop while you edit, about 3 minutes on 2 cores.
+test-fast: setup
+	$(PY) -m pytest -q -m "not heavy" $(ARGS)
+
 bench: setup
 	$(PY) bench/engine_bench.py $(ARGS)
 
 # Static checks, run by CI before the tests: ruff (style, imports, likely bugs) over the
-# whole tree, then pyright (types) over the package ([tool.ruff], [tool.pyright]).
+# whole tree, the import layers (lint-imports, [tool.importlinter]: docs/design.md), then
+# pyright (types) over the package ([tool.ruff], [tool.pyright]).
 # IGNORE_WARNINGS: no check of PyPI for a newer pyright on every run.
 lint: setup
 	$(VENV)/bin/ruff check .

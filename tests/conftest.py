@@ -11,6 +11,32 @@ import pytest
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# `make test-fast` runs `-m "not heavy"`: the unit tests, without a model, a server process, Redis
+# or PostgreSQL. A test is heavy when it lives where every test runs one (HEAVY_DIRS), uses a
+# fixture that loads or starts one (HEAVY_FIXTURES) or is the Redis or PostgreSQL case of a
+# parametrized test; anything else must stay quick.
+HEAVY_DIRS = ("e2e", "models", "embeddings")
+HEAVY_FIXTURES = frozenset({
+    "default_model_dir", "llm", "hf_reference", "gemma3_gguf", "redis_url", "postgres_server", "postgres_database",
+    "own_postgres", "url", "server", "model", "reference", "app_and_ledger", "engine", "worker", "gateway",
+})
+HEAVY_PARAMS = ("postgres", "redis")  # a parametrized store: its SQLite and in-memory cases stay fast
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "heavy: needs a model, a server process, Redis or PostgreSQL "
+                                       "(left out by make test-fast)")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    tests_dir = Path(__file__).parent
+    for item in items:
+        parts = Path(str(item.path)).relative_to(tests_dir).parts
+        params = getattr(getattr(item, "callspec", None), "id", "")
+        if (parts[0] in HEAVY_DIRS or HEAVY_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+                or any(name in params for name in HEAVY_PARAMS)):
+            item.add_marker(pytest.mark.heavy)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def model_cache_dir(tmp_path_factory) -> Path:
