@@ -21,13 +21,20 @@ import logging
 import os
 import sys
 import tomllib
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 # Light imports only: the body parser's worker process (spawned) imports this module again.
 from tokenway.config import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL, EngineConfig, parse_bytes
 from tokenway.models.hub import add_hub_arguments, default_model_name
 from tokenway.routing.registry import REGISTRY_KEYS
 from tokenway.server import connections
+
+if TYPE_CHECKING:
+    from tokenway.gateway.gatekeeper import Gatekeeper
+    from tokenway.observability.observer import Observer
 
 # flag dest -> (type, default); the config file uses the same names (dashes or underscores).
 SERVE_OPTIONS = {
@@ -225,7 +232,7 @@ def run_serve(options: dict) -> int:
     from tokenway.engine.process import ProcessEngine
     from tokenway.frontend.tool_parsers import FORMATS
     from tokenway.server.app import create_app
-    from tokenway.server.serving import ServerConfig, ServerState
+    from tokenway.server.services import ModelCatalog, ServerConfig, Services, local_router
     from tokenway.server.uvicorn_server import Server, run_event_loop
 
     logging.basicConfig(level=options["log_level"].upper(), format="%(message)s", stream=sys.stderr)
@@ -279,24 +286,13 @@ def run_serve(options: dict) -> int:
     gatekeeper = build_gatekeeper(options, registry) if options["gateway"] else None
     serve_embeddings = options["embeddings"] and (registry is None or registry.local_model("embeddings") is not None)
     embedder = build_embedder() if serve_embeddings else None
-    state = ServerState(engine=engine, config=server_config, model_names=names, gatekeeper=gatekeeper,
-                        embedder=embedder, embedding_model_names=(DEFAULT_EMBEDDING_MODEL,) if embedder else (),
-                        aliases=aliases)
-    if options["observability"]:
-        state.observer = build_observer(state, options)
-    app = create_app(state)
-    server = Server(uvicorn.Config(
-        app, host=server_config.host, port=server_config.port, log_level="warning", access_log=False,
-        timeout_graceful_shutdown=server_config.graceful_shutdown_seconds, lifespan="off",
-        ssl_certfile=options["ssl_certfile"], ssl_keyfile=options["ssl_keyfile"],
-    ), policy=connection_policy)
+    embedding_model_names = (DEFAULT_EMBEDDING_MODEL,) if embedder else ()
+    observer_for = partial(build_observer, gatekeeper=gatekeeper, options=options) if options["observability"] else None
     scheme = "https" if options["ssl_certfile"] else "http"
 
-    server.announcement = (f"tokenway: serving {', '.join(names + state.embedding_model_names)} on "
-                           f"{scheme}://{server_config.host}:{server_config.port} (OpenAI /v1/chat/completions, "
-                           f"/v1/completions{', /v1/embeddings' if embedder else ''}; Anthropic /v1/messages)")
-
-    async def main() -> None:
+    async def main() -> bool:
+        """Build the routes, then the services and the app once, and serve until stopped;
+        whether the server started (it may not bind its port)."""
         if registry is not None:
             from tokenway.routing.build import build_router
 
@@ -304,13 +300,27 @@ def run_serve(options: dict) -> int:
                 registry, engine, max_pending_requests=server_config.max_pending_requests,
                 cache_dir=Path(engine_config.cache_dir or os.environ.get("TOKENWAY_CACHE_DIR")
                                or Path.home() / ".cache" / "tokenway") / "tokenizers")
-            state.router, state.frontends, state.context_windows = (routes.router, routes.frontends,
-                                                                    routes.context_windows)
+            router = routes.router
+            catalog = ModelCatalog(names, routes.frontends, routes.context_windows, aliases, embedding_model_names)
+        else:
+            assert engine is not None, "without a registry the local engine serves every name"
+            router = local_router(engine, names, server_config.max_pending_requests)
+            catalog = ModelCatalog.local(engine.frontend, names, aliases, embedding_model_names)
         if options["special_tokens_in_messages"]:
-            for frontend in state.frontends.values():
+            for frontend in catalog.frontends.values():
                 frontend.tokenizer.special_tokens_in_messages = True
-        await state.body_parser.start()
-        state.router.start()
+        services = Services.build(server_config, catalog, router, engine=engine, embedder=embedder,
+                                  gatekeeper=gatekeeper, observer_for=observer_for)
+        server = Server(uvicorn.Config(
+            create_app(services), host=server_config.host, port=server_config.port, log_level="warning",
+            access_log=False, timeout_graceful_shutdown=server_config.graceful_shutdown_seconds, lifespan="off",
+            ssl_certfile=options["ssl_certfile"], ssl_keyfile=options["ssl_keyfile"],
+        ), policy=connection_policy)
+        server.announcement = (f"tokenway: serving {', '.join(names + embedding_model_names)} on "
+                               f"{scheme}://{server_config.host}:{server_config.port} (OpenAI /v1/chat/completions, "
+                               f"/v1/completions{', /v1/embeddings' if embedder else ''}; Anthropic /v1/messages)")
+        await services.body_parser.start()
+        router.start()
         if gatekeeper is not None:
             auth = "on" if gatekeeper.auth_required else "OFF (no API key exists and the server binds loopback)"
             print(f"tokenway: auth {auth}; limits {options['limits_url']}; ledger {gatekeeper.ledger.url}",
@@ -324,21 +334,22 @@ def run_serve(options: dict) -> int:
         gc.collect()
         gc.freeze()
         await server.serve()
-        await state.router.aclose()
-        await state.body_parser.close()
+        await router.aclose()
+        await services.body_parser.close()
         if gatekeeper is not None:
             await gatekeeper.close()  # flush the ledger
-        if state.observer is not None:
-            await asyncio.to_thread(state.observer.close)  # flush spans (bounded: 5 s)
+        if services.observer is not None:
+            await asyncio.to_thread(services.observer.close)  # flush spans (bounded: 5 s)
+        return server.started
 
     try:
-        run_event_loop(main())
+        started = run_event_loop(main())
     finally:
         if engine is not None:
             engine.shutdown()
         if embedder is not None:
             embedder.shutdown()
-    if not server.started:
+    if not started:
         return 1  # could not bind, for instance
     print("tokenway: stopped", file=sys.stderr)
     return 0
@@ -400,7 +411,8 @@ def check_tls(options: dict) -> None:
         raise ValueError(f"ssl: cannot load {certfile} with {keyfile}: {exc}") from None
 
 
-def build_observer(state, options: dict):
+def build_observer(engine_stats: Callable[[], dict], gatekeeper: Gatekeeper | None, options: dict) -> Observer:
+    """The Observer over the server's /engine/stats reader (Services.build hands it in)."""
     from tokenway.observability.observer import Observer
 
     exporter = None
@@ -411,8 +423,8 @@ def build_observer(state, options: dict):
         exporter = OtelExporter(endpoint, headers=options["otlp_headers"], server_address=options["host"],
                                 server_port=options["port"])
         print(f"tokenway: exporting spans to {endpoint}", file=sys.stderr, flush=True)
-    ledger_stats = state.gatekeeper.ledger.stats if state.gatekeeper is not None else None
-    return Observer(state.engine_stats, trace_capacity=options["trace_capacity"], exporter=exporter,
+    ledger_stats = gatekeeper.ledger.stats if gatekeeper is not None else None
+    return Observer(engine_stats, trace_capacity=options["trace_capacity"], exporter=exporter,
                     ledger_stats=ledger_stats)
 
 

@@ -9,7 +9,6 @@ import re
 import socket
 import threading
 import time
-from types import SimpleNamespace
 from typing import Self
 
 import pytest
@@ -33,8 +32,7 @@ class DashboardServer:
         self.stats: dict = GATEWAY_STATS
         self.observer = Observer(lambda: self.stats)
         app = FastAPI()
-        app.include_router(observability_router(SimpleNamespace(
-            observer=self.observer, config=SimpleNamespace(admin_key=None), gatekeeper=None)))
+        app.include_router(observability_router(self.observer, gatekeeper=None, admin_key=None))
         self._socket = socket.socket()
         self._socket.bind(("127.0.0.1", 0))
         self.base_url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"

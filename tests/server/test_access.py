@@ -10,10 +10,9 @@ import httpx
 import pytest
 
 from tokenway.engine.client import AsyncEngine
-from tokenway.observability.observer import Observer
 from tokenway.server.app import create_app
 
-from .conftest import gateway_state
+from .conftest import gateway_services
 
 MODEL = "smollm2-135m-instruct"
 SECOND = "second"  # another name for the same local model: a pool a key may be scoped to
@@ -23,11 +22,10 @@ ADMIN_KEY = "admin-secret-0123456789"
 @pytest.fixture()
 def app(llm, tmp_path):
     engine = AsyncEngine(core=llm.engine)
-    state = gateway_state(engine, tmp_path, (MODEL, SECOND), admin_key=ADMIN_KEY)
-    state.observer = Observer(state.engine_stats)
-    yield create_app(state)
+    services = gateway_services(engine, tmp_path, (MODEL, SECOND), admin_key=ADMIN_KEY, observe=True)
+    yield create_app(services)
     engine.shutdown()
-    state.observer.close()
+    services.observer.close()
 
 
 def requests(app, *calls: tuple[str, str, dict]) -> list[httpx.Response]:
@@ -46,7 +44,7 @@ def bearer(secret: str) -> dict:
 
 
 def test_the_admin_key_as_bearer_reads_every_keys_usage_and_traces(app):
-    keys = app.state.tokenway.gatekeeper.keys
+    keys = app.state.services.gatekeeper.keys
     secret, info = keys.create(name="user")
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     served, = requests(app, ("POST", "/v1/chat/completions", {"json": chat, **bearer(secret)}))
@@ -75,7 +73,7 @@ def test_the_admin_key_calls_no_model(app):
 
 
 def test_a_user_key_reads_only_its_own(app):
-    keys = app.state.tokenway.gatekeeper.keys
+    keys = app.state.services.gatekeeper.keys
     secret, info = keys.create(name="user")
     other_secret, other = keys.create(name="other")
     other_usage, own_usage, stats = requests(
@@ -92,7 +90,7 @@ def test_a_user_key_reads_only_its_own(app):
 
 
 def test_a_key_scoped_to_one_model_sees_and_tokenizes_only_that_one(app):
-    keys = app.state.tokenway.gatekeeper.keys
+    keys = app.state.services.gatekeeper.keys
     secret, _ = keys.create(name="scoped", models=[SECOND])
     models, chat_card, tokenize_default, tokenize_chat, detokenize = requests(
         app, ("GET", "/v1/models", bearer(secret)), ("GET", f"/v1/models/{MODEL}", bearer(secret)),

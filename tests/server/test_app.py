@@ -51,7 +51,7 @@ def test_a_gateway_bug_is_a_plain_500_with_a_request_id_and_a_ledger_row(app_and
 
 def test_an_authenticated_413_is_billed_and_traceable(app_and_ledger):
     app, ledger = app_and_ledger
-    secret, info = app.state.tokenway.gatekeeper.keys.create(name="big")
+    secret, info = app.state.services.gatekeeper.keys.create(name="big")
     auth = {"Authorization": f"Bearer {secret}"}
     big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * (9 * 2**20)}]}
     unauthenticated, refused = call(app, ("POST", "/v1/chat/completions", {"json": big}),
@@ -90,7 +90,7 @@ def test_tokenize_and_detokenize_sit_behind_the_key_once_auth_is_on(app_and_ledg
     open_tokenize, open_detokenize = call(app, ("POST", "/tokenize", {"json": {"prompt": "hi"}}),
                                           ("POST", "/detokenize", {"json": {"tokens": [1, 2]}}))
     assert (open_tokenize.status_code, open_detokenize.status_code) == (200, 200)  # auth off: no key yet
-    secret, _ = app.state.tokenway.gatekeeper.keys.create(name="t")
+    secret, _ = app.state.services.gatekeeper.keys.create(name="t")
     keyless, keyed = call(app, ("POST", "/tokenize", {"json": {"prompt": "hi"}}),
                           ("POST", "/tokenize", {"json": {"prompt": "hi"},
                                                  "headers": {"Authorization": f"Bearer {secret}"}}))
@@ -99,7 +99,7 @@ def test_tokenize_and_detokenize_sit_behind_the_key_once_auth_is_on(app_and_ledg
 
 def test_tokenize_refuses_what_no_request_could_use(app_and_ledger):
     app, _ = app_and_ledger
-    window = app.state.tokenway.frontend().max_model_len
+    window = app.state.services.catalog.frontend().max_model_len
     huge, over = call(app, ("POST", "/tokenize", {"json": {"prompt": "hello world " * 600_000}}),
                       ("POST", "/tokenize", {"json": {"prompt": "hello world " * (window // 2 + 100)}}))
     assert huge.status_code == over.status_code == 400
@@ -109,7 +109,7 @@ def test_tokenize_refuses_what_no_request_could_use(app_and_ledger):
 
 def test_beyond_loopback_with_no_key_the_401_says_how_to_make_one(app_and_ledger):
     app, _ = app_and_ledger
-    gatekeeper: Gatekeeper = app.state.tokenway.gatekeeper
+    gatekeeper: Gatekeeper = app.state.services.gatekeeper
     exposed = Gatekeeper(gatekeeper.keys, gatekeeper.limiter, gatekeeper.ledger, gatekeeper.prices,
                          gatekeeper.defaults, host="0.0.0.0")
     with pytest.raises(AuthenticationError) as info:

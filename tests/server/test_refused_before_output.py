@@ -35,24 +35,24 @@ def post(app, path: str, body: dict, **kwargs) -> httpx.Response:
 ])
 def test_a_full_engine_refuses_before_the_first_byte(app_and_ledger, path, body, error_type, stream):
     app, ledger = app_and_ledger
-    state = app.state.tokenway
-    capacity = state.config.max_pending_requests
-    state.take_engine_slots(capacity)  # every slot held by calls in flight
+    capacity = app.state.services.capacity
+    num_slots = capacity.max_pending_requests
+    capacity.take(num_slots)  # every slot held by calls in flight
     try:
         refused = post(app, path, {**body, "stream": stream})
     finally:
-        state.release_engine_slots(capacity)
+        capacity.release(num_slots)
     assert refused.status_code == 503
     assert refused.headers["content-type"].startswith("application/json")  # no event stream began
     assert int(refused.headers["retry-after"]) >= 1
     error = refused.json()["error"]
     assert error["type"] == error_type
-    assert state.num_pending == 0
+    assert capacity.num_in_flight == 0
     request_id = refused.headers.get("x-request-id") or refused.headers.get("request-id")
     row = asyncio.run(ledger.get(request_id))
     assert row.status == 503 and row.prompt_tokens == 0 and row.cost_usd == 0
     served = post(app, path, {**body, "stream": stream})  # and the next call is served
-    assert served.status_code == 200 and state.num_pending == 0
+    assert served.status_code == 200 and capacity.num_in_flight == 0
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -65,7 +65,7 @@ def test_a_tool_no_arguments_can_satisfy_is_a_400_naming_it(app_and_ledger, stre
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
     assert error["param"] == "tools[1].function.parameters" and "'f'" in error["message"]
-    assert app.state.tokenway.num_pending == 0
+    assert app.state.services.capacity.num_in_flight == 0
 
 
 def test_tool_parameters_with_pydantic_references_are_served(app_and_ledger):

@@ -1,6 +1,8 @@
-"""A chat call's prompt as token ids, the same for the server's routes and the client toolkit's
-local counter: the window check around tokenizing (context_window), a request's prompt-shaping
-fields (prompt_fields) and the templated ids (templated_token_ids)."""
+"""A call's prompt as token ids, the same for the server's routes and the client toolkit's local
+counter: the window check around tokenizing (context_window), a chat call's templated prompt
+and what it constrains the reply to (template_chat, structured_output_spec), a completion's
+prompt ids (completion_token_ids), a request's prompt-shaping fields (prompt_fields) and the
+templated ids (templated_token_ids)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ from typing import Any
 
 import pydantic
 
-from tokenway.frontend.chat import build_chat_prompt
+from tokenway.frontend.chat import ChatPrompt, build_chat_prompt
 from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.tokenizer import PromptTooLong
 from tokenway.protocol.errors import ContextLengthExceededError
 from tokenway.protocol.openai_requests import ChatCompletionRequest, TokenizeRequest
+from tokenway.protocol.sampling import StructuredOutputSpec
 
 
 @contextmanager
@@ -26,6 +29,41 @@ def context_window(frontend: ModelFrontend, param: str) -> Iterator[int]:
     except PromptTooLong as exc:
         raise ContextLengthExceededError(exc.num_tokens_at_least, None, frontend.max_model_len, param=param,
                                          at_least=True) from None
+
+
+def template_chat(frontend: ModelFrontend, messages: list[dict], tools: list[dict] | None, tool_choice: Any,
+                  parallel_tool_calls: bool | None, response_format: dict | None, tool_parser: str | None,
+                  continue_final_message: bool = False) -> ChatPrompt:
+    """A chat call's prompt for its model, the same for every chat API; a prompt known to
+    exceed the window is the context-length 400 before it is all tokenized."""
+    with context_window(frontend, "messages") as window:
+        return build_chat_prompt(frontend.tokenizer, messages, tools, tool_choice, parallel_tool_calls,
+                                 response_format, max_num_tokens=window, tool_parser=tool_parser,
+                                 continue_final_message=continue_final_message)
+
+
+def structured_output_spec(prompt: ChatPrompt) -> StructuredOutputSpec | None:
+    """What the templated prompt constrains the reply to: a tool-call grammar, a JSON schema
+    (tools or response_format), any JSON object; None: free text."""
+    if prompt.grammar is not None:
+        return StructuredOutputSpec(kind="grammar", grammar=prompt.grammar)
+    if prompt.json_schema is not None:
+        return StructuredOutputSpec.json_schema(prompt.json_schema)  # keeps the user's property order
+    if prompt.json_object:
+        return StructuredOutputSpec(kind="json_object")
+    return None
+
+
+def completion_token_ids(frontend: ModelFrontend, prompt: str | list[str] | list[int] | list[list[int]]
+                         ) -> list[list[int]]:
+    """A completion's prompt (str | list[str] | list[int] | list[list[int]]) as token id lists."""
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]  # every item is an int
+    with context_window(frontend, "prompt") as window:
+        if isinstance(prompt, str):
+            return [frontend.tokenizer.encode(prompt, max_num_tokens=window)]
+        return [frontend.tokenizer.encode(item, max_num_tokens=window) if isinstance(item, str) else list(item)
+                for item in prompt]
 
 
 def prompt_fields(body: ChatCompletionRequest | TokenizeRequest) -> tuple[list[dict] | None, Any, bool | None,

@@ -3,7 +3,9 @@ asked whether a conversation's last user turn is unsafe, in Llama Guard 3's form
 categories.
 
     guard_prompt(turns)  -> the task text: the categories, the conversation, the question
+    guard_turns(job)     -> the conversation asked about: a chat job's turns, a completion's prompt
     ask_guard(...)       -> GuardVerdict(categories, raw reply, ms)   through the Router
+    verdict_refusal(...) -> what the call gets for a verdict: a 400 (block), a 503 (fail closed), or None
     parse_verdict(reply) -> the categories named ("safe" -> none; "unsafe" without a code ->
                             "unsafe")
 
@@ -20,6 +22,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tokenway.frontend.chat import text_content
+from tokenway.protocol.errors import ContentPolicyViolationError, ServiceUnavailableError, TokenwayError
+from tokenway.protocol.job import ChoiceDelta, GenerationJob
 from tokenway.protocol.sampling import SamplingParams
 
 # Llama Guard 3's hazard taxonomy (MLCommons), code -> the name tokenway reports.
@@ -75,12 +80,30 @@ def guard_messages(turns: list[tuple[str, str]], guard_format: str) -> list[dict
     return [{"role": "user", "content": guard_prompt(turns)}]
 
 
+def guard_turns(job: GenerationJob) -> list[tuple[str, str]]:
+    """The conversation a guard is asked about: a chat job's user and assistant turns as text,
+    a completion's prompt as one user turn."""
+    if job.kind == "chat":
+        return [(m["role"], text_content(m.get("content"))) for m in job.messages if m["role"] in ("user", "assistant")]
+    return [("user", job.prompt or "")]
+
+
+def verdict_refusal(verdict: GuardVerdict, *, block: bool, fail_closed: bool, param: str) -> TokenwayError | None:
+    """What a call gets for its guard's verdict: a guard that could not answer passes it (named
+    in the trace), or is a 503 with fail_closed; categories found are a 400 under a block
+    policy (`block`), else only flagged."""
+    if verdict.error is not None and fail_closed:
+        return ServiceUnavailableError("The safety guard could not check this request; retry shortly.",
+                                       retry_after=1, code="guard_unavailable")
+    if verdict.categories and block:
+        return ContentPolicyViolationError(verdict.categories, param=param)
+    return None
+
+
 async def ask_guard(generate: Callable, job_for: Callable, turns: list[tuple[str, str]], guard_format: str
                     ) -> GuardVerdict:
     """Ask the guard. `job_for(messages, params)` makes its GenerationJob; `generate(job)` runs
     it (the server's Router); a guard that fails gives a verdict with `error` and no categories."""
-    from tokenway.protocol.job import ChoiceDelta
-
     started = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=MAX_GUARD_TOKENS)
     try:

@@ -1,12 +1,15 @@
-"""The admin HTTP API for API keys, guarded by the admin key from the config.
+"""The admin HTTP API for API keys, guarded by the admin key from the config, and the usage
+the ledger holds.
 
     POST /admin/keys                   {"name", "models"?, "rpm"?, ...} -> 201 {"key": <secret, shown once>, ...info}
     GET  /admin/keys                   -> {"object": "list", "data": [info, ...]}     (never a secret)
     POST /admin/keys/{key_id}/revoke   -> info (revoking twice is not an error)
     POST /admin/keys/{key_id}/rotate   -> {"key": <new secret>, ...info}
+    GET  /v1/usage[?key_id&since&until] the caller's usage by day and model (the admin key: anyone's)
 
-Every route needs `Authorization: Bearer <admin_key>` (401 otherwise). With no admin key
-configured the whole API answers 404, as if it did not exist.
+Every /admin route needs `Authorization: Bearer <admin_key>` (401 otherwise). With no admin key
+configured the whole /admin API answers 404, as if it did not exist. A server without a
+gatekeeper (no keys, no ledger) has none of these routes.
 """
 
 from __future__ import annotations
@@ -20,13 +23,24 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from tokenway.gateway.auth import MAX_NAME_CHARS
+from tokenway.billing.ledger import LedgerUnavailable
+from tokenway.gateway.auth import ADMIN, MAX_NAME_CHARS
 from tokenway.gateway.keystore import KeyStore, UnknownKeyError
-from tokenway.protocol.errors import AuthenticationError, FieldError, InvalidRequestError, NotFoundError, truncate
+from tokenway.protocol.errors import (
+    AuthenticationError,
+    FieldError,
+    InvalidRequestError,
+    NotFoundError,
+    PermissionDeniedError,
+    ServiceUnavailableError,
+    truncate,
+)
 from tokenway.safety.detectors import CATEGORIES
 from tokenway.safety.screen import MODES, SafetyPolicy
 from tokenway.server.body_parser import BodyParser
 from tokenway.server.http import parse_body
+from tokenway.server.routes import call_of
+from tokenway.server.services import Services
 
 PositiveInt = Annotated[int, pydantic.Field(ge=1)]
 
@@ -72,6 +86,35 @@ def check_admin_key(request: Request, admin_key: str | None) -> None:
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), admin_key.encode()):
         raise AuthenticationError("This route needs the admin key: Authorization: Bearer ADMIN_KEY.",
                                   code="invalid_admin_key")
+
+
+def router(services: Services) -> APIRouter:
+    """The admin API and /v1/usage, where the server has a gatekeeper (keys and a ledger)."""
+    api = APIRouter()
+    gatekeeper = services.gatekeeper
+    if gatekeeper is None:
+        return api
+    api.include_router(admin_router(gatekeeper.keys, services.settings.admin_key))
+    ledger = gatekeeper.ledger
+
+    @api.get("/v1/usage")
+    async def usage(request: Request, key_id: str | None = None, since: float | None = None,
+                    until: float | None = None) -> dict:
+        """The caller's usage by day and model; the admin key's: every key's, or the key_id named."""
+        principal = call_of(request).start.principal
+        if key_id is None:
+            key_id = None if principal is ADMIN else principal.key_id
+        elif key_id != principal.key_id and principal is not ADMIN:
+            raise PermissionDeniedError("Only the admin key may read another key's usage.", param="key_id")
+        try:
+            rows = await ledger.usage(key_id, since, until)
+        except LedgerUnavailable as exc:
+            raise ServiceUnavailableError("Usage cannot be read while the ledger's database is unreachable; "
+                                          "calls are still recorded.", retry_after=exc.retry_after_s,
+                                          code="ledger_unavailable") from exc
+        return {"object": "list", "data": rows}
+
+    return api
 
 
 def admin_router(store: KeyStore, admin_key: str | None) -> APIRouter:

@@ -1,4 +1,7 @@
-"""POST /v1/messages: the Anthropic Messages API over the same engine and chat path."""
+"""POST /v1/messages: the Anthropic Messages API over the same engine and chat path. The
+adaptor (prepare_messages) makes the same PreparedCall a chat call does; the reply renders as
+a Message, or as Anthropic's named SSE events (an error is an `event: error`; success ends
+with message_stop)."""
 
 from __future__ import annotations
 
@@ -6,58 +9,84 @@ import dataclasses
 import json
 from collections.abc import AsyncIterator
 from functools import partial
-from types import SimpleNamespace
 
+from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenway.gateway.call import Call
-from tokenway.protocol.anthropic import map_stop_reason, to_chat_messages, to_chat_tools
+from tokenway.protocol.anthropic import (
+    MessagesRequest,
+    ToolChoiceTool,
+    map_stop_reason,
+    to_chat_messages,
+    to_chat_tools,
+)
 from tokenway.protocol.errors import anthropic_error_body
 from tokenway.protocol.job import GenerationJob, ToolCallDelta
+from tokenway.protocol.sampling import SamplingParams
 from tokenway.safety.channels import ChatInput, screen_chat
 from tokenway.server import sse
-from tokenway.server.generation import ChoiceResult, Generation, framed_stream
-from tokenway.server.http import EventStreamResponse
-from tokenway.server.serving import (
-    ServerState,
-    make_sampling_params,
-    new_id,
-)
+from tokenway.server.generation import ChoiceResult, Generation, admitted, framed_stream
+from tokenway.server.http import EventStreamResponse, offload, parse_body
+from tokenway.server.prepare import PreparedCall, chat_prompt, field_errors, new_id, prepared, route, screen
+from tokenway.server.routes import call_of, schema_extra
+from tokenway.server.services import Services
 
 
-def openai_tools(body) -> tuple[list[dict] | None, object]:
+def router(services: Services) -> APIRouter:
+    api = APIRouter()
+
+    @api.post("/v1/messages", openapi_extra=schema_extra(MessagesRequest))
+    async def messages(request: Request) -> Response:
+        body = await parse_body(request, MessagesRequest, services.body_parser)
+        call = call_of(request)
+        prepared_call = await offload(request, services.body_parser.inline_bytes, prepare_messages, services, body,
+                                      call)
+        generation = await admitted(services, call, prepared_call)
+        if body.stream:
+            await generation.start_stream(request)  # a refusal is a status, not a 200 stream of one error
+            return EventStreamResponse(message_stream(generation), on_close=generation.aclose)
+        return await generation.json_response(request, message_response(generation), "request-id")
+
+    return api
+
+
+def openai_tools(body: MessagesRequest) -> tuple[list[dict] | None, str | dict]:
     tools = to_chat_tools(body)
     if not tools:
         return None, "auto"
     choice = body.tool_choice
     kind = getattr(choice, "type", None) if choice is not None else "auto"
-    tool_choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
-    if kind == "tool":
+    tool_choice: str | dict | None = {"auto": "auto", "any": "required", "none": "none"}.get(kind or "")
+    if isinstance(choice, ToolChoiceTool):
         tool_choice = {"type": "function", "function": {"name": choice.name}}
     return tools, tool_choice or "auto"
 
 
-def prepare(state: ServerState, body, call: Call) -> Generation:
+def prepare_messages(services: Services, body: MessagesRequest, call: Call) -> PreparedCall:
     """The adaptor for Messages: the body becomes the same GenerationJob a chat call makes."""
-    model = state.route(body, call)
+    model = route(services, call, body.model)
+    policy = services.safety_policy(model, call.start.principal)
     tools, tool_choice = openai_tools(body)
-    chat_input = screen_chat(partial(state.screen, call), ChatInput(to_chat_messages(body), tools))
-    messages, tools = chat_input.messages, chat_input.tools
-    fields = SimpleNamespace(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=None,
-                             presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None)
+    chat = screen_chat(partial(screen, call, policy), ChatInput(to_chat_messages(body), tools))
     parallel = False if getattr(body.tool_choice, "disable_parallel_tool_use", None) else None
     # A last assistant message is Anthropic's prefill: the reply goes on from it.
-    chat = state.template_chat(call, model, messages, tools, tool_choice, body.max_tokens, "max_tokens",
-                               len(body.messages), parallel, continue_final_message=messages[-1]["role"] == "assistant")
-    params = make_sampling_params(fields, chat.max_tokens, chat.structured, None, body.stop_sequences,
-                                  chat.skip_special_tokens)
-    job = GenerationJob(new_id("msg_"), model, "chat", params, messages=chat.messages,
-                        tools=tuple(tools) if tools else None, tool_choice=tool_choice,
-                        parallel_tool_calls=parallel is None, prompt_token_ids=chat.prompt_token_ids,
-                        context_window=chat.context_window, stream=bool(body.stream))
-    reply_format = chat.reply_format and dataclasses.replace(chat.reply_format, id_prefix="toolu_")
-    return Generation(state, call, job, reply_format)
+    templating = chat_prompt(services, call, model, chat, tool_choice, body.max_tokens, "max_tokens",
+                             len(body.messages), parallel,
+                             continue_final_message=chat.messages[-1]["role"] == "assistant")
+    with field_errors():
+        params = SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+            max_tokens=templating.max_tokens, stop=tuple(s for s in (body.stop_sequences or ()) if s),
+            structured_output=templating.structured, skip_special_tokens=templating.skip_special_tokens)
+    job = GenerationJob(new_id("msg_"), model, "chat", params, messages=templating.messages,
+                        tools=tuple(chat.tools) if chat.tools else None, tool_choice=tool_choice,
+                        parallel_tool_calls=parallel is None, prompt_token_ids=templating.prompt_token_ids,
+                        context_window=templating.context_window, stream=bool(body.stream))
+    reply_format = templating.reply_format and dataclasses.replace(templating.reply_format, id_prefix="toolu_")
+    return prepared(services, call, job, services.catalog.frontend(model), policy, reply_format)
 
 
 def content_blocks(result: ChoiceResult) -> list[dict]:
@@ -176,13 +205,3 @@ class BlockWriter:
         self.open = None
         self.num_blocks += 1
         return [sse.named_event("content_block_stop", {"type": "content_block_stop", "index": self.num_blocks - 1})]
-
-
-async def handle(state: ServerState, request: Request, body, call: Call) -> Response:
-    generation = await state.prepare(request, prepare, state, body, call)
-    await state.guard(call)
-    await state.admit(call)
-    if body.stream:
-        await generation.start_stream(request)  # a refusal is a status, not a 200 stream of one error
-        return EventStreamResponse(message_stream(generation), on_close=generation.aclose)
-    return await generation.json_response(request, message_response(generation), "request-id")

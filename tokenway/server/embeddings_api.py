@@ -16,40 +16,57 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
+from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenway.embeddings import EmbeddingEngine
+from tokenway.gateway.admission import admit
 from tokenway.gateway.call import Call, CallOutcome, RouteChoice
 from tokenway.protocol.embeddings import EmbeddingRequest, embedding_response
 from tokenway.protocol.errors import NotFoundError, TokenwayError
 from tokenway.protocol.job import EmbeddingsJob
 from tokenway.routing.router import ReplicaChoice
 from tokenway.safety.channels import screen_prompts
-from tokenway.server.http import ClientDisconnected, parse_body, unless_disconnected
-from tokenway.server.serving import ServerState, log_request, new_id
+from tokenway.safety.screen import SafetyPolicy
+from tokenway.server.generation import log_request
+from tokenway.server.http import ClientDisconnected, offload, parse_body, unless_disconnected
+from tokenway.server.prepare import new_id, screen
+from tokenway.server.routes import call_of, schema_extra
+from tokenway.server.services import Services
 
 # Inputs above this many answer through a worker thread: 2048 inputs as float JSON is ~16 MB
 # and ~0.6 s of json.dumps, which must not stall the event loop.
 INLINE_RENDER_INPUTS = 64
 
 
-async def create_embeddings(state: ServerState, request: Request, call: Call) -> Response:
-    body = await parse_body(request, EmbeddingRequest, state.body_parser)
-    embedder = state.embedder
-    name = state.resolve_model(body.model, call.start.principal, kind="embeddings")
+def router(services: Services) -> APIRouter:
+    api = APIRouter()
+
+    @api.post("/v1/embeddings", openapi_extra=schema_extra(EmbeddingRequest))
+    async def embeddings(request: Request) -> Response:
+        return await create_embeddings(services, request, call_of(request))
+
+    return api
+
+
+async def create_embeddings(services: Services, request: Request, call: Call) -> Response:
+    body = await parse_body(request, EmbeddingRequest, services.body_parser)
+    embedder = services.embedder
+    name = services.resolve_model(body.model, call.start.principal, kind="embeddings")
     if embedder is None:  # listed but not loaded: cannot happen with the names from the server's own config
         raise NotFoundError.for_model(name)
     call.set_route(RouteChoice(model=name, pool=name))
     call.set_replica(ReplicaChoice(name, "local", "only"))
     clock = call.clock
     clock.end("routing")
-    value = await state.prepare(request, screen_inputs, state, call, embedder, body.input)
+    policy = services.safety_policy(name, call.start.principal)
+    value = await offload(request, services.body_parser.inline_bytes, screen_inputs, call, policy, embedder, body.input)
     token_ids = await embedder.tokenize(value, dimensions=body.dimensions)
     job = EmbeddingsJob(new_id("embd-"), name, tuple(tuple(ids) for ids in token_ids), body.encoding_format)
     call.set_job(job)
     clock.end("tokenize")
-    await state.admit(call)
+    await admit(services.gatekeeper, call)
     num_tokens = job.num_prompt_tokens
     try:
         result = await unless_disconnected(request, embedder.embed_token_ids(token_ids))
@@ -71,7 +88,7 @@ async def create_embeddings(state: ServerState, request: Request, call: Call) ->
     return JSONResponse(payload, headers={"Server-Timing": clock.server_timing(), "x-request-id": job.request_id})
 
 
-def screen_inputs(state: ServerState, call: Call, embedder: EmbeddingEngine, value: Any) -> Any:
+def screen_inputs(call: Call, policy: SafetyPolicy, embedder: EmbeddingEngine, value: Any) -> Any:
     """The safety stage for embeddings: each input's text (token ids decoded with the model's
     tokenizer) screened on its own; `value` as it came, or with the redacted inputs in place
     (an input given as token ids, its redacted text's ids)."""
@@ -81,7 +98,7 @@ def screen_inputs(state: ServerState, call: Call, embedder: EmbeddingEngine, val
     def decode(token_ids: Sequence[int]) -> str:
         return model.tokenizer.decode([t for t in token_ids if t < model.vocab_size])
 
-    redacted = screen_prompts(partial(state.screen, call, param="input"), items, decode, "input")
+    redacted = screen_prompts(partial(screen, call, policy, param="input"), items, decode, "input")
     if redacted is None:
         return value
     new_items = [item if text is None else text if isinstance(item, str) else model.tokenize([text])[0]

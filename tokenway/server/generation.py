@@ -1,12 +1,13 @@
-"""One API call's generation, the same for every API: the job goes to its replica, the
-replica's events come back, and when the call ends its CallOutcome is made, once.
+"""One API call's generation, the same for every API: once the call is admitted, its job goes
+to its replica, the replica's events come back, and when the call ends its CallOutcome is
+made, once.
 
-    adaptor ─► Generation(state, call, job) ─► Router.generate ─► outputs(): ChoiceDelta ...
-                                                       final_outputs(): [ChoiceResult] by index
-            ─► finish(status, error) ─► CallOutcome ─► the ledger row and the trace
+    PreparedCall ─► admitted() ─► Generation ─► Router.generate ─► outputs(): ChoiceDelta ...
+                                                  final_outputs(): [ChoiceResult] by index
+                 ─► finish(status, error) ─► CallOutcome ─► the ledger row and the trace
 
-The adaptors (openai_api.py, anthropic_api.py) only render: deltas into their API's events,
-results into their API's body. framed_stream frames any API's events the same way.
+The API modules (openai_render.py, anthropic_api.py) only render: deltas into their API's
+events, results into their API's body. framed_stream frames any API's events the same way.
 """
 
 from __future__ import annotations
@@ -21,17 +22,18 @@ from dataclasses import dataclass
 
 from starlette.responses import JSONResponse, Response
 
-from tokenway.frontend.tool_parsers import ReplyFormat
+from tokenway.gateway.admission import admit
 from tokenway.gateway.call import Call, CallOutcome
-from tokenway.protocol.errors import InternalServerError, InvalidRequestError, TokenwayError, invalid_value
-from tokenway.protocol.job import ChoiceDelta, GenerationJob, ReplicaEvent, ToolCallDelta, Usage
-from tokenway.routing.replicas import engine_unavailable
+from tokenway.protocol.errors import InternalServerError, TokenwayError
+from tokenway.protocol.job import ChoiceDelta, ReplicaEvent, ToolCallDelta, Usage
 from tokenway.safety.screen import ReplyScreen
 from tokenway.server import sse
 from tokenway.server.http import ClientDisconnected, unless_disconnected
-from tokenway.server.serving import ServerState, log_request, usage_dict
+from tokenway.server.prepare import PreparedCall, guard
+from tokenway.server.services import Services
 from tokenway.stages import StageClock
 
+access_log = logging.getLogger("tokenway.access")
 logger = logging.getLogger(__name__)
 
 STREAM_FAILED = "The server failed while generating; the stream has ended."
@@ -61,31 +63,29 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+async def admitted(services: Services, call: Call, prepared: PreparedCall) -> Generation:
+    """A route's steps on its prepared call: the guard model's verdict (where the call's
+    policy names one), the budget and limits, then its Generation."""
+    await guard(services, call, prepared)
+    await admit(services.gatekeeper, call)
+    return Generation(services, call, prepared)
+
+
 class Generation:
-    def __init__(self, state: ServerState, call: Call, job: GenerationJob,
-                 reply_format: ReplyFormat | None = None) -> None:
-        self.state = state
+    """One prepared call's run on its replica: what outputs() has seen of each choice, and the
+    call's outcome, made once (finish). Built once the call is admitted."""
+
+    def __init__(self, services: Services, call: Call, prepared: PreparedCall) -> None:
+        job = prepared.job
+        self.services = services
         self.call = call
         self.clock = call.clock
         self.job = job
-        self.router = state.router
-        self.frontend = state.frontend(job.model)  # None: an untemplated job (its upstream templates)
+        self.frontend = prepared.frontend  # None: an untemplated job (its upstream templates)
         self.model = job.model
         self.request_id = job.request_id
         self.num_choices = job.n
         self.num_prompt_tokens = job.num_prompt_tokens  # an estimate for an untemplated job, until usage comes
-        call.set_job(job)  # from here a 400 or 429 is billed with the job's prompt
-        if self.frontend is not None:
-            # The engine's own checks (vocabulary, window, a response_format that cannot be
-            # satisfied) run now, so they are a 400 before any byte of a stream is sent.
-            try:
-                if job.tools and job.tool_choice != "none":
-                    self.frontend.prompts.check_tools(job.tools)
-                self.frontend.prompts.check(list(job.prompt_token_ids), job.params)
-            except ValueError as exc:
-                raise invalid_value(exc) from None
-            if self.frontend.is_local and not state.engine.is_alive:
-                raise engine_unavailable()
         # Each choice as it stands; only outputs() writes these.
         self.completion_tokens = [0] * job.n
         self.texts: list[list[str]] = [[] for _ in range(job.n)]
@@ -95,14 +95,11 @@ class Generation:
         self.tool_calls: list[list[ToolCall]] = [[] for _ in range(job.n)]
         # A reply in a tool-call format is read as it streams: its deltas carry content and
         # call pieces (ToolCallDelta), as a replica that makes calls itself (an upstream) sends.
+        reply_format = prepared.reply_format
         self.parsers = [reply_format.parser() for _ in range(job.n)] if reply_format is not None else None
         # The safety stage's output check, per choice, on the content (after the tool-call parser).
-        policy = self.policy = state.safety_policy(job.model, call.start.principal)
+        policy = self.policy = prepared.policy
         self.screens = [ReplyScreen(policy) for _ in range(job.n)] if policy.output != "off" else None
-        if policy.output in ("redact", "block") and job.params.logprobs is not None:
-            # Each token's text would show what the policy takes out of the reply.
-            raise InvalidRequestError(f"logprobs: not available on this server (its safety policy "
-                                      f"{policy.output}s output)", param="logprobs")
         self.num_cached_tokens = 0
         self.cache_reason: str | None = None
         self.reported: Usage | None = None  # the replica's own count, once it sends it
@@ -110,7 +107,6 @@ class Generation:
         self._events: AsyncIterator[ReplicaEvent] | None = None
         self._first: list[ReplicaEvent] = []
         self._closed = False
-        call.clock.end("tokenize")
 
     async def start(self) -> None:
         """Take the call's engine slots and wait for the replica's first event. Whatever
@@ -120,8 +116,8 @@ class Generation:
         Idempotent; aclose() undoes it."""
         if self._events is not None or self._closed:
             return
-        self.state.take_engine_slots(self.num_choices)
-        self._events = self.router.generate(self.job, self.call.set_replica)
+        self.services.capacity.take(self.num_choices)
+        self._events = self.services.router.generate(self.job, self.call.set_replica)
         try:
             first = await anext(self._events, None)
         except BaseException:
@@ -139,14 +135,14 @@ class Generation:
         try:
             await events.aclose()
         finally:
-            self.state.release_engine_slots(self.num_choices)
+            self.services.capacity.release(self.num_choices)
 
     async def outputs(self) -> AsyncIterator[ChoiceDelta]:
         """The replica's deltas, in order, with the call's counts and stage times kept up to date."""
         await self.start()
         if self._events is None:  # closed already: nothing more comes
             return
-        observer = self.state.observer
+        observer = self.services.observer
         last_token_times: list[float | None] = [None] * self.num_choices
         first, self._first = self._first, []
         try:
@@ -253,8 +249,9 @@ class Generation:
 
     async def commit(self) -> None:
         """Make the ledger row durable; a stream calls this before its final event."""
-        if self.state.gatekeeper is not None:
-            await self.state.gatekeeper.commit(self.call)
+        gatekeeper = self.services.gatekeeper
+        if gatekeeper is not None:
+            await gatekeeper.commit(self.call)
 
     async def json_response(self, request, work, id_header: str = "x-request-id"):
         """Await the response body unless the client leaves first; log and time it either way."""
@@ -387,3 +384,29 @@ async def framed_stream(events: AsyncIterator[bytes], generation: Generation,
     await generation.commit()
     for event in render_error(error):
         yield event
+
+
+def log_request(request_id: str, model: str, clock: StageClock, outcome: CallOutcome) -> None:
+    if not access_log.isEnabledFor(logging.INFO):
+        return  # the line is not built for nobody (serve --log-level warning)
+    access_log.info(json.dumps({
+        "request_id": request_id,
+        "model": model,
+        "status": outcome.status,
+        "prompt_tokens": outcome.prompt_tokens,
+        "cached_tokens": outcome.cached_tokens,
+        "completion_tokens": outcome.completion_tokens,
+        "finish_reason": outcome.finish_reason,
+        "error": outcome.error,
+        "ttft_ms": None if clock.ttft_ms is None else round(clock.ttft_ms, 2),
+        "stages_ms": {k: round(v, 2) for k, v in clock.durations_ms().items()},
+    }))
+
+
+def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }

@@ -1,12 +1,13 @@
 """HTTP plumbing that knows nothing about models: reading a JSON body into a schema (off
-the event loop when it is large), racing work against the client going away, and an SSE
-response that notices a disconnect at once (not only at its next write)."""
+the event loop when it is large), a route's heavy step off the loop for a large body
+(offload), racing work against the client going away, and an SSE response that notices a
+disconnect at once (not only at its next write)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import anyio
 import pydantic
@@ -18,6 +19,8 @@ from tokenway.protocol.errors import UnsupportedMediaTypeError, truncate
 from tokenway.server.body_parser import BodyParser
 
 T = TypeVar("T", bound=pydantic.BaseModel)
+R = TypeVar("R")
+P = ParamSpec("P")
 
 
 class ClientDisconnected(Exception):
@@ -48,6 +51,16 @@ async def parse_body(request: Request, model: type[T], parser: BodyParser) -> T:
     if clock is not None:
         clock.end("validation")
     return parsed
+
+
+async def offload(request: Request, inline_bytes: int, step: Callable[P, R], *args: P.args, **kwargs: P.kwargs
+                  ) -> R:
+    """Run a route's heavy step (the chat template, tokenizing, the checks that need the
+    model): where it is for a body of up to inline_bytes; for a larger one in a worker thread,
+    where the tokenizer runs without the GIL, so the event loop keeps serving meanwhile."""
+    if request.scope["state"]["body_bytes"] <= inline_bytes:
+        return step(*args, **kwargs)
+    return await asyncio.to_thread(step, *args, **kwargs)
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

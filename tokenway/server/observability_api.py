@@ -20,9 +20,13 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 
 from tokenway.gateway.auth import ADMIN
+from tokenway.gateway.gatekeeper import Gatekeeper
+from tokenway.observability.observer import Observer
 from tokenway.observability.traces import Trace, summarize
 from tokenway.protocol.errors import AuthenticationError, NotFoundError
 from tokenway.server.admin_api import check_admin_key
+from tokenway.server.routes import call_of
+from tokenway.server.services import Services
 
 DASHBOARD_DIR = Path(__file__).parents[1] / "observability" / "dashboard"  # package data of observability/
 STATIC_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
@@ -30,15 +34,22 @@ STATIC_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; char
 MAX_LIMIT = 2048
 
 
-def observability_router(state) -> APIRouter:
-    observer = state.observer
-    admin_key = state.config.admin_key
+def router(services: Services) -> APIRouter:
+    """The routes above, where the server observes (none under --no-observability)."""
+    if services.observer is None:
+        return APIRouter()
+    return observability_router(services.observer, services.gatekeeper, services.settings.admin_key)
+
+
+def observability_router(observer: Observer, gatekeeper: Gatekeeper | None, admin_key: str | None) -> APIRouter:
+    """gatekeeper: whose ledger holds the traces the observer's ring no longer does, and whose
+    auth decides whether the dashboard's data needs the admin key (None: no ledger, no auth)."""
     router = APIRouter(include_in_schema=False)
 
     async def find(request_id: str) -> Trace | None:
         trace = observer.traces.get(request_id)
-        if trace is None and state.gatekeeper is not None:
-            row = await state.gatekeeper.ledger.get(request_id)
+        if trace is None and gatekeeper is not None:
+            row = await gatekeeper.ledger.get(request_id)
             trace = None if row is None else Trace.from_usage_record(row)
         return trace
 
@@ -59,7 +70,7 @@ def observability_router(state) -> APIRouter:
 
     @router.get("/v1/traces/{request_id}")
     async def own_trace(request: Request, request_id: str) -> dict:
-        principal = request.scope["state"]["call"].start.principal
+        principal = call_of(request).start.principal
         trace = await find(request_id)
         # Another key's trace does not exist for this one.
         if trace is None or (trace.key_id != principal.key_id and principal is not ADMIN):
@@ -70,7 +81,7 @@ def observability_router(state) -> APIRouter:
     @router.get("/v1/traces")
     async def own_traces(request: Request, limit: int = Query(100, ge=1, le=MAX_LIMIT),
                          summary: bool = False) -> dict:
-        principal = request.scope["state"]["call"].start.principal
+        principal = call_of(request).start.principal
         return listing(await recent(limit, None if principal is ADMIN else principal.key_id), summary)
 
     @router.get("/admin/traces/{request_id}")
@@ -102,7 +113,6 @@ def observability_router(state) -> APIRouter:
 
     @router.get("/dashboard/api/snapshot")
     async def snapshot(request: Request, limit: int = Query(50, ge=1, le=500)) -> JSONResponse:
-        gatekeeper = state.gatekeeper
         if gatekeeper is not None and gatekeeper.auth_required:
             if admin_key is None:
                 raise AuthenticationError("Auth is on and this server has no admin key: start it with --admin-key "

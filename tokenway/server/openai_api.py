@@ -1,226 +1,156 @@
-"""POST /v1/chat/completions and /v1/completions: OpenAI's shapes, JSON or SSE."""
+"""OpenAI's generation API: POST /v1/chat/completions and /v1/completions, as JSON or SSE
+(openai_render.py).
+
+Each adaptor parses its body into its pydantic request and prepares one PreparedCall
+(server/prepare.py's steps); the route then runs guard -> admit -> respond on it.
+"""
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-from tokenway.frontend.model import ModelFrontend
-from tokenway.frontend.templating import context_window, prompt_fields, templated_token_ids
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tokenway.frontend.templating import completion_token_ids
+from tokenway.gateway.admission import cap_max_tokens
 from tokenway.gateway.call import Call
-from tokenway.protocol.errors import ContextLengthExceededError, InvalidRequestError, openai_error_body
-from tokenway.protocol.job import GenerationJob, ToolCallDelta, estimate_tokens
-from tokenway.protocol.outputs import TokenLogprob
+from tokenway.protocol.errors import InvalidRequestError
+from tokenway.protocol.job import GenerationJob, estimate_tokens
+from tokenway.protocol.openai_requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from tokenway.protocol.sampling import SamplingParams, StructuredOutputSpec
 from tokenway.safety.channels import ChatInput, screen_chat, screen_prompts
-from tokenway.server import sse
-from tokenway.server.generation import Generation, framed_stream
-from tokenway.server.serving import ServerState, make_sampling_params, new_id
+from tokenway.safety.screen import SafetyPolicy
+from tokenway.server.generation import admitted
+from tokenway.server.http import EventStreamResponse, offload, parse_body
+from tokenway.server.openai_render import (
+    chat_response,
+    chat_stream,
+    completion_response,
+    completion_stream,
+    guarded_stream,
+)
+from tokenway.server.prepare import (
+    PreparedCall,
+    chat_prompt,
+    field_errors,
+    new_id,
+    prepared,
+    route,
+    screen,
+)
+from tokenway.server.routes import call_of, schema_extra
+from tokenway.server.services import Services
 
 
-class TokenText:
-    """Logprobs in OpenAI's two shapes, with token texts from the tokenizer's shared cache. An
-    upstream's logprobs come OpenAI-shaped already (dicts, chat's shape) and pass through."""
+def router(services: Services) -> APIRouter:
+    api = APIRouter()
+    inline_bytes = services.body_parser.inline_bytes
 
-    def __init__(self, frontend: ModelFrontend | None) -> None:
-        self.text = frontend.tokenizer.token_text if frontend is not None else None
+    # The adaptors (prepare_chat, prepare_completion) are looked up at each call, where a test
+    # may stand a broken one in.
+    @api.post("/v1/chat/completions", openapi_extra=schema_extra(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest, services.body_parser)
+        call = call_of(request)
+        generation = await admitted(services, call, await offload(request, inline_bytes, prepare_chat, services,
+                                                                  body, call))
+        if body.stream:
+            await generation.start_stream(request)  # a refusal is a status, not a 200 stream of one error
+            return EventStreamResponse(guarded_stream(chat_stream(body, generation), generation),
+                                       on_close=generation.aclose)
+        return await generation.json_response(request, chat_response(body, generation))
 
-    def chat_logprobs(self, logprobs: list[TokenLogprob | dict], top_n: int) -> list[dict]:
-        entries = []
-        for lp in logprobs:
-            if isinstance(lp, dict):
-                entries.append(lp | {"top_logprobs": (lp.get("top_logprobs") or [])[:top_n]})
-                continue
-            token = self.text(lp.token_id)
-            entries.append({
-                "token": token,
-                "logprob": lp.logprob,
-                "bytes": list(token.encode()),
-                "top_logprobs": [
-                    {"token": (t := self.text(tid)), "logprob": value, "bytes": list(t.encode())}
-                    for tid, value in lp.top[:top_n]
-                ],
-            })
-        return entries
+    @api.post("/v1/completions", openapi_extra=schema_extra(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest, services.body_parser)
+        call = call_of(request)
+        prepared_call = await offload(request, inline_bytes, prepare_completion, services, body, call)
+        generation = await admitted(services, call, prepared_call)
+        if body.stream:
+            await generation.start_stream(request)
+            return EventStreamResponse(guarded_stream(completion_stream(body, generation, prepared_call.echo),
+                                                      generation), on_close=generation.aclose)
+        return await generation.json_response(request, completion_response(body, generation, prepared_call.echo))
 
-    def completion_logprobs(self, logprobs: list[TokenLogprob | dict], offset: int) -> dict:
-        tokens, token_logprobs, tops, offsets = [], [], [], []
-        for lp in logprobs:
-            if isinstance(lp, dict):
-                token, logprob = lp["token"], lp["logprob"]
-                top = {t["token"]: t["logprob"] for t in lp.get("top_logprobs") or ()}
-            else:
-                token, logprob = self.text(lp.token_id), lp.logprob
-                top = {self.text(tid): value for tid, value in lp.top}
-            tokens.append(token)
-            token_logprobs.append(logprob)
-            tops.append(top)
-            offsets.append(offset)
-            offset += len(token)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+    return api
 
 
-def chunk_encoder(generation: Generation, object_name: str, include_usage: bool) -> Callable[..., bytes]:
-    """The SSE event for one chunk of a stream; `usage` rides on every chunk when asked for
-    (null until the last), as OpenAI sends it."""
-    created = int(time.time())
-
-    def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
-        payload = {"id": generation.request_id, "object": object_name, "created": created,
-                   "model": generation.model, "choices": choices, "system_fingerprint": None}
-        if include_usage:
-            payload["usage"] = usage
-        return sse.data_event(payload)
-
-    return chunk
-
-
-def openai_finish_reason(reason: str | None) -> str | None:
-    return "stop" if reason == "abort" else reason
+def openai_sampling(body: SamplingRequest, max_tokens: int | None, structured: StructuredOutputSpec | None,
+                    logprobs: int | None, skip_special_tokens: bool = True) -> SamplingParams:
+    """The OpenAI fields as SamplingParams; a value they refuse is the 400 naming its field."""
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    with field_errors():
+        return SamplingParams(
+            n=1,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0,
+            seed=body.seed,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            logit_bias=body.logit_bias_by_token_id or None,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens or 0,
+            stop=tuple(s for s in (stop or ()) if s),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=bool(body.ignore_eos),
+            logprobs=logprobs,
+            structured_output=structured,
+            skip_special_tokens=skip_special_tokens,
+        )
 
 
 # ---- chat ------------------------------------------------------------------------------
 
 
-def prepare_chat(state: ServerState, body, call: Call) -> tuple[Generation]:
+def prepare_chat(services: Services, body: ChatCompletionRequest, call: Call) -> PreparedCall:
     """The adaptor for chat: the body becomes one GenerationJob."""
-    model = state.route(body, call)
-    if body.logprobs and body.top_logprobs is None:
-        top_logprobs = 0
-    else:
-        top_logprobs = body.top_logprobs
-    tools = body.template_tools()
-    tool_choice = body.tool_choice if body.tool_choice is not None else "auto"
+    model = route(services, call, body.model)
+    policy = services.safety_policy(model, call.start.principal)
+    top_logprobs = 0 if body.logprobs and body.top_logprobs is None else body.top_logprobs
+    tool_choice: Any = body.tool_choice if body.tool_choice is not None else "auto"
     if hasattr(tool_choice, "model_dump"):
         tool_choice = tool_choice.model_dump(exclude_none=True)
     response_format = (body.response_format.model_dump(exclude_none=True, by_alias=True)
                        if body.response_format else None)
-    chat_input = screen_chat(partial(state.screen, call), ChatInput(body.template_messages(), tools, response_format))
-    tools, response_format = chat_input.tools, chat_input.response_format
+    chat = screen_chat(partial(screen, call, policy),
+                       ChatInput(body.template_messages(), body.template_tools(), response_format))
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     logprobs = top_logprobs if body.logprobs else None
-    chat = state.template_chat(call, model, chat_input.messages, tools, tool_choice, body.max_output_tokens, param,
-                               len(body.messages), body.parallel_tool_calls, response_format,
-                               body.continue_final_message)
-    params = make_sampling_params(body, chat.max_tokens, chat.structured, logprobs, body.stop,
-                                  chat.skip_special_tokens)
-    job = GenerationJob(new_id("chatcmpl-"), model, "chat", params, n=body.n or 1, messages=chat.messages,
+    templating = chat_prompt(services, call, model, chat, tool_choice, body.max_output_tokens, param,
+                             len(body.messages), body.parallel_tool_calls, body.continue_final_message)
+    params = openai_sampling(body, templating.max_tokens, templating.structured, logprobs,
+                             templating.skip_special_tokens)
+    tools = chat.tools
+    job = GenerationJob(new_id("chatcmpl-"), model, "chat", params, n=body.n or 1, messages=templating.messages,
                         tools=tuple(tools) if tools else None, tool_choice=tool_choice,
-                        parallel_tool_calls=body.parallel_tool_calls is not False, response_format=response_format,
-                        prompt_token_ids=chat.prompt_token_ids, context_window=chat.context_window,
-                        stream=bool(body.stream))
-    return (Generation(state, call, job, chat.reply_format),)
-
-
-async def chat_response(state: ServerState, body, generation: Generation) -> dict:
-    token_text = TokenText(generation.frontend)
-    choices = []
-    for result in await generation.final_outputs():
-        finish_reason = openai_finish_reason(result.finish_reason)
-        if result.tool_calls:
-            message = {"role": "assistant", "content": result.text or None,
-                       "tool_calls": [call.openai() for call in result.tool_calls]}
-        else:
-            message = {"role": "assistant", "content": result.text}
-        choice = {"index": result.index, "message": message, "finish_reason": finish_reason, "logprobs": None}
-        if body.logprobs and result.logprobs is not None:
-            choice["logprobs"] = {"content": token_text.chat_logprobs(result.logprobs, body.top_logprobs or 0)}
-        choices.append(choice)
-    return {
-        "id": generation.request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": generation.model,
-        "choices": choices,
-        "usage": generation.usage(),
-        "system_fingerprint": None,
-    }
-
-
-async def chat_stream(state: ServerState, body, generation: Generation) -> AsyncIterator[bytes]:
-    token_text = TokenText(generation.frontend)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    chunk = chunk_encoder(generation, "chat.completion.chunk", include_usage)
-
-    for index in range(generation.num_choices):
-        yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}])
-    async for delta in generation.outputs():
-        index = delta.index
-        finish_reason = openai_finish_reason(delta.finish_reason)
-        logprobs = None
-        if body.logprobs and delta.logprobs is not None:
-            logprobs = {"content": token_text.chat_logprobs(delta.logprobs, body.top_logprobs or 0)}
-        if delta.text or logprobs:
-            yield chunk([{"index": index, "delta": {"content": delta.text}, "logprobs": logprobs,
-                          "finish_reason": None}])
-        if delta.tool_calls:
-            yield chunk([{"index": index, "delta": {"tool_calls": [tool_call_piece(p) for p in delta.tool_calls]},
-                          "logprobs": None, "finish_reason": None}])
-        if finish_reason is not None:
-            yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
-    if include_usage:
-        yield chunk([], generation.usage())
-
-
-def tool_call_piece(piece: ToolCallDelta) -> dict:
-    """A streamed tool call's piece in OpenAI's delta.tool_calls: id, type and name on its first."""
-    function = {"arguments": piece.arguments}
-    if piece.name is not None:
-        function = {"name": piece.name} | function
-    head = {"id": piece.id, "type": "function"} if piece.id is not None else {}
-    return {"index": piece.index, **head, "function": function}
+                        parallel_tool_calls=body.parallel_tool_calls is not False,
+                        response_format=chat.response_format, prompt_token_ids=templating.prompt_token_ids,
+                        context_window=templating.context_window, stream=bool(body.stream))
+    return prepared(services, call, job, services.catalog.frontend(model), policy, templating.reply_format)
 
 
 # ---- completions -----------------------------------------------------------------------
 
 
-def completion_prompts(frontend: ModelFrontend, prompt: Any) -> list[list[int]]:
-    """str | list[str] | list[int] | list[list[int]] -> token id lists."""
-    if prompt and all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
-    with context_window(frontend, "prompt") as window:
-        if isinstance(prompt, str):
-            return [frontend.tokenizer.encode(prompt, max_num_tokens=window)]
-        return [frontend.tokenizer.encode(item, max_num_tokens=window) if isinstance(item, str) else list(item)
-                for item in prompt]
-
-
-def tokenize(frontend: ModelFrontend, body, tool_parser: str | None = None, window_limit: bool = True) -> list[int]:
-    """POST /tokenize (vLLM's): a prompt or chat messages -> token ids; a text certainly over
-    the window is refused as a generation would be (and as vLLM does). Messages with the
-    generation prompt are templated by the chat path itself (tools, response_format and all),
-    so the count is the prompt_tokens a chat call with the same fields reports. window_limit
-    False (a caller's own counting, tokenway.client.LocalCounter): any length is counted."""
-    tokenizer = frontend.tokenizer
-    if body.messages is not None and body.add_generation_prompt and body.add_special_tokens is not True:
-        return templated_token_ids(frontend, [m.to_template_dict() for m in body.messages], *prompt_fields(body),
-                                   tool_parser, window_limit)
-    if body.messages is not None:
-        messages = [m.to_template_dict() for m in body.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-        add_special_tokens, param = body.add_special_tokens is True, "messages"
-    else:
-        text, add_special_tokens, param = body.prompt or "", body.add_special_tokens is not False, "prompt"
-    with context_window(frontend, param) as window:
-        token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens, max_num_tokens=window)
-    if len(token_ids) > window:
-        raise ContextLengthExceededError(len(token_ids), None, window, param=param)
-    return token_ids
-
-
-def screen_prompt(state: ServerState, body, call: Call) -> None:
+def screen_prompt(services: Services, call: Call, policy: SafetyPolicy, body: CompletionRequest
+                  ) -> str | list[str] | list[int] | list[list[int]]:
     """The safety stage for a completion: each prompt's text, token ids decoded with the
-    model's tokenizer first; a redacted prompt given as token ids becomes its redacted text.
-    Token ids for a model tokenway has no tokenizer for cannot be read: refused under a block
-    or redact policy, passed unread under flag."""
-    frontend = state.frontend(call.model)
+    model's tokenizer first; the body's prompt, or with the redacted texts in place (a prompt
+    given as token ids becomes its redacted text). Token ids for a model tokenway has no
+    tokenizer for cannot be read: refused under a block or redact policy, passed unread under flag."""
+    frontend = services.catalog.frontend(call.model)
 
     def decode(token_ids: Sequence[int]) -> str:
         if frontend is not None:
             return frontend.tokenizer.decode(t for t in token_ids if t < frontend.vocab_size)
-        if state.safety_policy(call.model, call.start.principal).input in ("block", "redact"):
+        if policy.input in ("block", "redact"):
             raise InvalidRequestError(
                 "prompt: this server's content policy reads every prompt, and token ids for this model "
                 "cannot be read (tokenway has no tokenizer for it); send the prompt as text", param="prompt",
@@ -228,19 +158,21 @@ def screen_prompt(state: ServerState, body, call: Call) -> None:
         return ""
 
     prompts = body.prompts
-    redacted = screen_prompts(partial(state.screen, call, param="prompt"), prompts, decode, "prompt")
-    if redacted is not None:
-        new = [prompt if text is None else text for prompt, text in zip(prompts, redacted)]
-        body.prompt = new if prompts is body.prompt else new[0]  # prompts wraps a single prompt in a list
+    redacted = screen_prompts(partial(screen, call, policy, param="prompt"), prompts, decode, "prompt")
+    if redacted is None:
+        return body.prompt
+    new: Any = [prompt if text is None else text for prompt, text in zip(prompts, redacted)]
+    return new if prompts is body.prompt else new[0]  # prompts wraps a single prompt in a list
 
 
-def prepare_completion(state: ServerState, body, call: Call) -> tuple[Generation, str]:
-    model = state.route(body, call)
-    screen_prompt(state, body, call)
-    frontend = state.frontend(model)
+def prepare_completion(services: Services, body: CompletionRequest, call: Call) -> PreparedCall:
+    model = route(services, call, body.model)
+    policy = services.safety_policy(model, call.start.principal)
+    prompt = screen_prompt(services, call, policy, body)
+    frontend = services.catalog.frontend(model)
     if frontend is None:
-        return prepare_untemplated_completion(state, body, call, model)
-    prompts = completion_prompts(frontend, body.prompt)
+        return prepare_untemplated_completion(services, body, call, model, policy, prompt)
+    prompts = completion_token_ids(frontend, prompt)
     if len(prompts) != 1:
         raise one_prompt_only()
     prompt_token_ids = prompts[0]
@@ -249,14 +181,15 @@ def prepare_completion(state: ServerState, body, call: Call) -> tuple[Generation
     vocab_size = frontend.vocab_size
     if any(not 0 <= t < vocab_size for t in prompt_token_ids):
         raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
-    max_tokens = state.max_tokens(call, frontend.max_model_len, len(prompt_token_ids), body.max_tokens, "max_tokens")
-    params = make_sampling_params(body, max_tokens, None, body.logprobs, body.stop)
-    text = body.prompt if isinstance(body.prompt, str) else None
-    job = GenerationJob(new_id("cmpl-"), model, "completion", params, n=body.n or 1, prompt=text,
+    max_tokens = cap_max_tokens(services.gatekeeper, call.start.principal, frontend.max_model_len,
+                                len(prompt_token_ids), body.max_tokens, "max_tokens")
+    params = openai_sampling(body, max_tokens, None, body.logprobs)
+    job = GenerationJob(new_id("cmpl-"), model, "completion", params, n=body.n or 1,
+                        prompt=prompt if isinstance(prompt, str) else None,
                         prompt_token_ids=tuple(prompt_token_ids), context_window=frontend.max_model_len,
                         stream=bool(body.stream))
     echo = frontend.tokenizer.decode(prompt_token_ids) if body.echo else ""
-    return Generation(state, call, job), echo
+    return prepared(services, call, job, frontend, policy, echo=echo)
 
 
 def one_prompt_only() -> InvalidRequestError:
@@ -265,10 +198,10 @@ def one_prompt_only() -> InvalidRequestError:
                                param="prompt")
 
 
-def prepare_untemplated_completion(state: ServerState, body, call: Call, model: str) -> tuple[Generation, str]:
+def prepare_untemplated_completion(services: Services, body: CompletionRequest, call: Call, model: str,
+                                   policy: SafetyPolicy, prompt: Any) -> PreparedCall:
     """A completion for a model tokenway has no tokenizer for: the caller's text (or token ids,
     in the upstream's vocabulary) goes as it came."""
-    prompt = body.prompt
     if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
         if len(prompt) != 1:
             raise one_prompt_only()
@@ -279,52 +212,12 @@ def prepare_untemplated_completion(state: ServerState, body, call: Call, model: 
     if body.echo and text is None:
         raise InvalidRequestError("echo: needs the prompt as text for this model (tokenway has no tokenizer to "
                                   "decode its token ids)", param="echo")
-    window = state.max_model_len(model)
+    window = services.catalog.max_model_len(model)
     num_prompt_tokens = estimate_tokens(text) if text is not None else len(prompt)
-    max_tokens = state.max_tokens(call, window, num_prompt_tokens, body.max_tokens, "max_tokens", exact=False)
-    params = make_sampling_params(body, max_tokens, None, body.logprobs, body.stop)
+    max_tokens = cap_max_tokens(services.gatekeeper, call.start.principal, window, num_prompt_tokens, body.max_tokens,
+                                "max_tokens", exact=False)
+    params = openai_sampling(body, max_tokens, None, body.logprobs)
     job = GenerationJob(new_id("cmpl-"), model, "completion", params, n=body.n or 1, prompt=text,
                         prompt_token_ids=None if text is not None else tuple(prompt), context_window=window,
                         stream=bool(body.stream))
-    return Generation(state, call, job), (text if body.echo else "")
-
-
-async def completion_response(state: ServerState, body, generation: Generation, echo: str) -> dict:
-    token_text = TokenText(generation.frontend)
-    choices = []
-    for result in await generation.final_outputs():
-        logprobs = None
-        if body.logprobs is not None and result.logprobs is not None:
-            logprobs = token_text.completion_logprobs(result.logprobs, len(echo))
-        choices.append({"index": result.index, "text": echo + result.text, "logprobs": logprobs,
-                        "finish_reason": openai_finish_reason(result.finish_reason)})
-    return {"id": generation.request_id, "object": "text_completion", "created": int(time.time()),
-            "model": generation.model, "choices": choices, "usage": generation.usage(), "system_fingerprint": None}
-
-
-async def completion_stream(state: ServerState, body, generation: Generation, echo: str) -> AsyncIterator[bytes]:
-    token_text = TokenText(generation.frontend)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    chunk = chunk_encoder(generation, "text_completion", include_usage)
-    offsets = [len(echo)] * generation.num_choices
-
-    if echo:
-        for index in range(generation.num_choices):
-            yield chunk([{"index": index, "text": echo, "logprobs": None, "finish_reason": None}])
-    async for delta in generation.outputs():
-        index = delta.index
-        logprobs = None
-        if body.logprobs is not None and delta.logprobs is not None:
-            logprobs = token_text.completion_logprobs(delta.logprobs, offsets[index])
-        offsets[index] += len(delta.text)
-        finish_reason = openai_finish_reason(delta.finish_reason)
-        if delta.text or logprobs or finish_reason:
-            yield chunk([{"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": finish_reason}])
-    if include_usage:
-        yield chunk([], generation.usage())
-
-
-def guarded_stream(events: AsyncIterator[bytes], generation: Generation) -> AsyncIterator[bytes]:
-    """OpenAI's framing: an error is a `data: {"error": ...}` event; both ways end with [DONE]."""
-    return framed_stream(events, generation, lambda exc: [sse.data_event(openai_error_body(exc)), sse.DONE],
-                         [sse.DONE])
+    return prepared(services, call, job, None, policy, echo=(text or "") if body.echo else "")

@@ -26,7 +26,9 @@ import ssl
 import sys
 import threading
 from asyncio import TimerHandle
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -35,6 +37,7 @@ from tokenway.protocol.errors import InvalidRequestError, ServiceUnavailableErro
 from tokenway.server.connections import ConnectionPolicy, ConnectionTable, raise_fd_limit
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def error_response_bytes(error: TokenwayError, default_headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -326,12 +329,11 @@ class Server(uvicorn.Server):
             print(self.announcement, file=sys.stderr, flush=True)
 
 
-def run_event_loop(main) -> None:
+def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
     """Run a server's main coroutine on uvloop where it is installed (a faster event loop and
-    socket layer: every request's I/O runs on it), else asyncio's own."""
+    socket layer: every request's I/O runs on it), else asyncio's own; its result."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main)
-        return
-    uvloop.run(main)
+        return asyncio.run(main)
+    return uvloop.run(main)
