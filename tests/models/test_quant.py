@@ -53,9 +53,10 @@ def quantized(rows: int, cols: int, qtype: str, seed: int = 0) -> tuple[torch.Te
     return torch.from_numpy(blocks), torch.from_numpy(weight)
 
 
-def int8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """x as int8 products see it: per block of 32, dx * round(x / dx), dx = max |x| / 127."""
-    blocks = x.double().reshape(x.shape[0], -1, 32)
+def int8_rounded(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x as int8 products see it: per block of 32 (a K-quant's super-block of 256), dx * round(x / dx),
+    dx = max |x| / 127."""
+    blocks = x.double().reshape(x.shape[0], -1, block)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
     rounded = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1.0)), 0.0)
     return (rounded * scale).reshape(x.shape)
@@ -97,11 +98,12 @@ def test_embedding_rows_are_gguf_rows(qtype):
 @pytest.mark.parametrize("products", PRODUCTS)
 @pytest.mark.parametrize("qtype", quant.QTYPES)
 def test_block_products_are_the_product_with_gguf_weights(qtype, products, isa):
-    """At 1, 3, 8, 17 and 64 tokens (token tiles of 8 or 4 and their remainders), 37 rows, two
-    K-quant super-blocks: the float64 product of the exact weights and the activations as the
-    products see them (float32; bfloat16-rounded; int8 per block of 32), up to float32 summation:
-    1e-5 of the largest output (the bfloat16 path's sums carry 128 x the block's activation sum,
-    so 1e-4 there). Zeros, a subnormal, a large value, a block of zeros in the activations."""
+    """At 1, 3, 8, 17 and 64 tokens (token tiles of 8 or 4 and their remainders), 37 rows (groups
+    of 16 in a pair and alone), two K-quant super-blocks: the float64 product of the exact weights
+    and the activations as the products see them (float32; bfloat16-rounded; int8 per block of
+    32, or of 256 for the K-quants), up to float32 summation: 1e-5 of the largest output (the
+    bfloat16 path's sums carry 128 x the block's activation sum, so 1e-4 there). Zeros, a
+    subnormal, a large value, a block of zeros in the activations."""
     ops_or_skip(isa)
     dtype, activations = PRODUCTS[products]
     if quant.products_for(dtype, activations, isa) != products:
@@ -114,7 +116,8 @@ def test_block_products_are_the_product_with_gguf_weights(qtype, products, isa):
         x = torch.randn(tokens, 512)
         x[0, :5] = torch.tensor([0.0, -0.0, 1e-39, 3e4, -2.5])
         x[-1, 64:96] = 0.0
-        seen = {"float32": x.double(), "bfloat16": x.bfloat16().double(), "int8": int8_rounded(x)}[products]
+        seen = {"float32": x.double(), "bfloat16": x.bfloat16().double(),
+                "int8": int8_rounded(x, 256 if qtype in K_QUANTS else 32)}[products]
         expected = seen @ weight.double().T
         got = kernel._ops.quant_linear(x, kernel.weight, 37, kernel.qtype_id, products, None)  # on the blocks at any T
         tolerance = 1e-4 if products == "bfloat16" else 1e-5

@@ -6,9 +6,9 @@
 // each (quant_format.h has the layout and the exact weights), so 16 rows' products accumulate side
 // by side and a block's scales apply to all 16 at once, with no horizontal sum per row.
 // quant_tiles.h has the kernels for one group and a tile of tokens, for each kind of products:
-// int8 (activations quantized per block of 32, as llama.cpp's Q8 dot products), bfloat16 and
-// float32. They are written once over 16-lane vectors (quant_simd.h): one AVX512 register or two
-// AVX2 ones. Elsewhere a scalar loop computes float32 products from the decoded rows.
+// int8 (quant_int8.h: activations quantized per block of 32, or of 256 for the K-quants, as
+// llama.cpp's Q8 dot products), bfloat16 and float32. They are written once over 16-lane vectors
+// (quant_simd.h): one AVX512 register or two AVX2 ones. Elsewhere a scalar loop computes float32 products from the decoded rows.
 //
 // Work: groups of 16 rows in chunks (parallel; a chunk's weights stay in L2 across token tiles),
 // tokens in tiles of up to 8 (4 with AVX2's 16 registers).
@@ -49,50 +49,17 @@ constexpr int64_t kChunkBytes = 96 * 1024;  // weight bytes per work item
 
 #if defined(TOKENWAY_QUANT_VECTOR)
 #include "quant_tiles.h"
+#include "quant_int8.h"
 
 constexpr bool kFast = true;
-#if defined(__AVX512F__)
-constexpr int kMaxTile = 8;
-#else
-constexpr int kMaxTile = 4;  // 16 ymm registers: past 4 tokens the sums spill
-#endif
-
-// Each token's blocks of 32 activations to int8 with one scale each (round to nearest even).
-void quantize_int8(const void* x, bool x_is_float, int64_t tokens, int64_t k, Activations& a) {
-  const int64_t blocks = tokens * k / kSub;
-  a.xq.resize(tokens * k);
-  a.dx.resize(blocks);
-  a.xs.resize(blocks);
-  a.qsum.resize(2 * blocks);
-  for (int64_t i = 0; i < blocks; ++i) {
-    float v[kSub], amax = 0.0f;
-    for (int e = 0; e < kSub; ++e) {
-      v[e] = x_is_float ? static_cast<const float*>(x)[i * kSub + e]
-                        : bf16_to_float(static_cast<const uint16_t*>(x)[i * kSub + e]);
-      amax = std::max(amax, std::fabs(v[e]));
-    }
-    const float dx = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int32_t sums[2] = {0, 0};
-    for (int e = 0; e < kSub; ++e) {
-      const int32_t q = int32_t(std::nearbyint(v[e] * inverse));
-      a.xq[i * kSub + e] = int8_t(std::clamp(q, -127, 127));
-      sums[e / 16] += a.xq[i * kSub + e];
-    }
-    // The offsets meet the same rounded activations as the codes (dx qx): sum(x) in an offset
-    // term would leave the error of the code term uncentred, 2x larger.
-    a.dx[i] = dx;
-    a.xs[i] = dx * float(sums[0] + sums[1]);
-    a.qsum[2 * i] = sums[0];
-    a.qsum[2 * i + 1] = sums[1];
-  }
-}
 
 // x_is_float: a float32 x for bfloat16 products, rounded here (to nearest even, as torch's
 // .to(torch.bfloat16)) rather than by a separate torch op per matmul.
 Activations prepare(QType qtype, const void* x, bool x_is_float, Products products, int64_t tokens, int64_t k) {
-  Activations a{x, {}, {}, {}, {}, {}, {}, {}};
+  Activations a;
+  a.x = x;
   if (products == Products::kInt8) {
-    quantize_int8(x, x_is_float, tokens, k, a);
+    quantize_int8(qtype, x, x_is_float, tokens, k, a);
     return a;
   }
   const bool bf16 = products == Products::kBFloat16;
@@ -123,13 +90,24 @@ Activations prepare(QType qtype, const void* x, bool x_is_float, Products produc
   return a;
 }
 
+// Groups g.. (of `left`) times a tile of TT tokens; returns how many groups it took.
 template <QType Q, Products P, int TT>
-inline void group_tile(const Weights& w, int64_t g, const Activations& a, int64_t t0, float* y, int64_t ldy) {
-  if constexpr (P == Products::kInt8) tile_int8<Q, TT>(w, g, a, t0, y, ldy);
+inline int group_tile(const Weights& w, int64_t g, int64_t left, const Activations& a, int64_t t0, float* y,
+                      int64_t ldy) {
+  if constexpr (P == Products::kInt8 && format_of(Q).k_quant) {
+    if (kGroupsAtOnce == 2 && left >= 2) {
+      tile_int8_k<Q, TT, kGroupsAtOnce>(w, g, a, t0, y, ldy);
+      return kGroupsAtOnce;
+    }
+    tile_int8_k<Q, TT, 1>(w, g, a, t0, y, ldy);
+    return 1;
+  }
+  if constexpr (P == Products::kInt8 && !format_of(Q).k_quant) tile_int8<Q, TT>(w, g, a, t0, y, ldy);
 #if defined(TOKENWAY_QUANT_BF16)
   if constexpr (P == Products::kBFloat16) tile_bf16<Q, TT>(w, g, a, t0, y, ldy);
 #endif
   if constexpr (P == Products::kFloat32) tile_fp32<Q, TT>(w, g, a, t0, y, ldy);
+  return 1;
 }
 
 template <QType Q, Products P>
@@ -137,14 +115,14 @@ void groups_times_tokens(const Weights& w, int64_t group_begin, int64_t group_en
                          int64_t tokens, float* y, int64_t ldy) {
   // Whole tiles, then the rest in tiles of 4, 2 and 1 (a chunk's weights are in L2 by then).
   for (int64_t t0 = 0; t0 < tokens;) {
-    const int64_t left = tokens - t0;
-    const int tile = left >= kMaxTile ? kMaxTile : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-    for (int64_t g = group_begin; g < group_end; ++g) {
+    const int tile = token_tile(tokens - t0);
+    for (int64_t g = group_begin; g < group_end;) {
+      const int64_t left = group_end - g;
       switch (tile) {
-        case 8: if constexpr (kMaxTile >= 8) group_tile<Q, P, 8>(w, g, a, t0, y, ldy); break;
-        case 4: group_tile<Q, P, 4>(w, g, a, t0, y, ldy); break;
-        case 2: group_tile<Q, P, 2>(w, g, a, t0, y, ldy); break;
-        default: group_tile<Q, P, 1>(w, g, a, t0, y, ldy); break;
+        case 8: if constexpr (kMaxTile >= 8) g += group_tile<Q, P, 8>(w, g, left, a, t0, y, ldy); break;
+        case 4: g += group_tile<Q, P, 4>(w, g, left, a, t0, y, ldy); break;
+        case 2: g += group_tile<Q, P, 2>(w, g, left, a, t0, y, ldy); break;
+        default: g += group_tile<Q, P, 1>(w, g, left, a, t0, y, ldy); break;
       }
     }
     t0 += tile;

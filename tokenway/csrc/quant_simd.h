@@ -9,7 +9,8 @@
 constexpr const char* kVectorIsa = "avx512";
 using IV = __m512i;
 using FV = __m512;
-inline IV iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline IV iload(const void* p) { return _mm512_loadu_si512(p); }
+inline void istore(void* p, IV a) { _mm512_storeu_si512(p, a); }
 inline IV izero() { return _mm512_setzero_si512(); }
 inline IV iset8(char v) { return _mm512_set1_epi8(v); }
 inline IV iset32(int32_t v) { return _mm512_set1_epi32(v); }
@@ -22,6 +23,12 @@ template <int S> inline IV ishr16(IV a) { return _mm512_srli_epi16(a, S); }
 template <int S> inline IV ishl32(IV a) { return _mm512_slli_epi32(a, S); }
 template <int S> inline IV ishr32(IV a) { return _mm512_srli_epi32(a, S); }
 inline IV ishuffle8(IV a, IV index) { return _mm512_shuffle_epi8(a, index); }  // within 16-byte lanes
+inline IV imul32(IV a, IV b) { return _mm512_mullo_epi32(a, b); }
+inline IV iclamp32(IV a, int32_t lo, int32_t hi) { return _mm512_min_epi32(_mm512_max_epi32(a, _mm512_set1_epi32(lo)), _mm512_set1_epi32(hi)); }
+inline IV iu8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline IV is8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline int32_t ihsum(IV a) { return _mm512_reduce_add_epi32(a); }
+inline void istore8(int8_t* p, IV a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a)); }
 // acc + the dot products of each dword's four unsigned bytes of u with signed bytes of s: exact
 // with VNNI; maddubs's int16 pairs saturate past 32767, so u must be below 128 there.
 inline IV idot(IV acc, IV u, IV s) {
@@ -31,6 +38,14 @@ inline IV idot(IV acc, IV u, IV s) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
 #endif
 }
+// acc + the dot products of each dword's two int16 of a with those of b.
+inline IV idot16(IV acc, IV a, IV b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
 inline FV fzero() { return _mm512_setzero_ps(); }
 inline FV fset(float v) { return _mm512_set1_ps(v); }
 inline FV fadd(FV a, FV b) { return _mm512_add_ps(a, b); }
@@ -38,6 +53,13 @@ inline FV fmul(FV a, FV b) { return _mm512_mul_ps(a, b); }
 inline FV ffma(FV a, FV b, FV c) { return _mm512_fmadd_ps(a, b, c); }
 inline FV fnfma(FV a, FV b, FV c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b
 inline FV fcvt(IV a) { return _mm512_cvtepi32_ps(a); }
+inline IV iround(FV a) { return _mm512_cvtps_epi32(a); }  // to nearest even
+inline FV fload(const float* p) { return _mm512_loadu_ps(p); }
+inline FV fload_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline FV fmaxabs(FV m, FV a) { return _mm512_max_ps(m, _mm512_abs_ps(a)); }
+inline float fhmax(FV a) { return _mm512_reduce_max_ps(a); }
 inline FV fhalves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline FV fu8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
 inline FV fi8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
@@ -55,8 +77,14 @@ constexpr const char* kVectorIsa = "avx2";
 #endif
 struct IV { __m256i a, b; };
 struct FV { __m256 a, b; };
-inline IV iload(const uint8_t* p) {
-  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+inline IV iload(const void* p) {
+  const __m256i* v = static_cast<const __m256i*>(p);
+  return {_mm256_loadu_si256(v), _mm256_loadu_si256(v + 1)};
+}
+inline void istore(void* p, IV x) {
+  __m256i* v = static_cast<__m256i*>(p);
+  _mm256_storeu_si256(v, x.a);
+  _mm256_storeu_si256(v + 1, x.b);
 }
 inline IV izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline IV iset8(char v) { const __m256i x = _mm256_set1_epi8(v); return {x, x}; }
@@ -70,6 +98,25 @@ template <int S> inline IV ishr16(IV x) { return {_mm256_srli_epi16(x.a, S), _mm
 template <int S> inline IV ishl32(IV x) { return {_mm256_slli_epi32(x.a, S), _mm256_slli_epi32(x.b, S)}; }
 template <int S> inline IV ishr32(IV x) { return {_mm256_srli_epi32(x.a, S), _mm256_srli_epi32(x.b, S)}; }
 inline IV ishuffle8(IV x, IV index) { return {_mm256_shuffle_epi8(x.a, index.a), _mm256_shuffle_epi8(x.b, index.b)}; }
+inline IV imul32(IV x, IV y) { return {_mm256_mullo_epi32(x.a, y.a), _mm256_mullo_epi32(x.b, y.b)}; }
+inline IV iclamp32(IV x, int32_t lo, int32_t hi) {
+  const __m256i l = _mm256_set1_epi32(lo), h = _mm256_set1_epi32(hi);
+  return {_mm256_min_epi32(_mm256_max_epi32(x.a, l), h), _mm256_min_epi32(_mm256_max_epi32(x.b, l), h)};
+}
+inline __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+inline IV iu8(const uint8_t* p) { return {_mm256_cvtepu8_epi32(load8(p)), _mm256_cvtepu8_epi32(load8(p + 8))}; }
+inline IV is8(const uint8_t* p) { return {_mm256_cvtepi8_epi32(load8(p)), _mm256_cvtepi8_epi32(load8(p + 8))}; }
+inline int32_t ihsum(IV x) {
+  const __m256i s = _mm256_add_epi32(x.a, x.b);
+  __m128i v = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
+}
+inline void istore8(int8_t* p, IV x) {  // values within int8
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(x.a, x.b), 0xD8);  // 16 in order
+  const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bytes);
+}
 inline __m256i dot8(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVXVNNI__)
   return _mm256_dpbusd_avx_epi32(acc, u, s);
@@ -78,6 +125,14 @@ inline __m256i dot8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 inline IV idot(IV acc, IV u, IV s) { return {dot8(acc.a, u.a, s.a), dot8(acc.b, u.b, s.b)}; }
+inline __m256i dot16(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+inline IV idot16(IV acc, IV x, IV y) { return {dot16(acc.a, x.a, y.a), dot16(acc.b, x.b, y.b)}; }
 inline FV fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline FV fset(float v) { const __m256 x = _mm256_set1_ps(v); return {x, x}; }
 inline FV fadd(FV x, FV y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
@@ -85,11 +140,27 @@ inline FV fmul(FV x, FV y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b,
 inline FV ffma(FV x, FV y, FV z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
 inline FV fnfma(FV x, FV y, FV z) { return {_mm256_fnmadd_ps(x.a, y.a, z.a), _mm256_fnmadd_ps(x.b, y.b, z.b)}; }
 inline FV fcvt(IV x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
+inline IV iround(FV x) { return {_mm256_cvtps_epi32(x.a), _mm256_cvtps_epi32(x.b)}; }
+inline FV fload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 bf16x8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline FV fload_bf16(const uint16_t* p) { return {bf16x8(p), bf16x8(p + 8)}; }
+inline FV fmaxabs(FV m, FV x) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  return {_mm256_max_ps(m.a, _mm256_andnot_ps(sign, x.a)), _mm256_max_ps(m.b, _mm256_andnot_ps(sign, x.b))};
+}
+inline float fhmax(FV x) {
+  const __m256 m = _mm256_max_ps(x.a, x.b);
+  __m128 v = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_max_ss(v, _mm_movehdup_ps(v)));
+}
 inline FV fhalves(const uint8_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
 }
-inline __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
 inline FV fu8(const uint8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load8(p))), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load8(p + 8)))};
 }
@@ -110,12 +181,14 @@ inline void fstore(float* y, FV v, int valid) {
 #endif
 
 #if defined(TOKENWAY_QUANT_VECTOR)
-// Four neighbouring int8 activations in every dword; one float in every lane.
-inline IV iquad(const int8_t* x) {
+// The dword at p (four neighbouring int8 activations, or two int16 sums) in every lane.
+inline IV iquad(const void* p) {
   int32_t bits;
-  std::memcpy(&bits, x, sizeof(bits));
+  std::memcpy(&bits, p, sizeof(bits));
   return iset32(bits);
 }
+// Two int32 vectors' low halves as int16 pairs: lo's in each dword's low word, hi's in its high one.
+inline IV ipairs(IV lo, IV hi) { return ior(iand(lo, iset32(0xFFFF)), ishl32<16>(hi)); }
 // With VNNI a code's 8 bits meet int8 activations in one product; maddubs takes codes below 128.
 #if defined(__AVX512VNNI__) || (!defined(__AVX512F__) && defined(__AVXVNNI__))
 constexpr bool kWideDot = true;

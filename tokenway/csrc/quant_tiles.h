@@ -1,6 +1,7 @@
 // The vector kernels of quant.cpp: one group of 16 rows (a lane each) times a tile of TT tokens,
 // for every block type (quant_format.h) and kind of products. Included inside quant.cpp's
-// anonymous namespace after quant_format.h and quant_simd.h, where TOKENWAY_QUANT_VECTOR is set.
+// anonymous namespace after quant_format.h and quant_simd.h, where TOKENWAY_QUANT_VECTOR is set;
+// quant_int8.h has the int8 ones.
 //
 // A sub-block's codes come as 64-byte vectors of 16 rows x 4 neighbouring elements (SubCodes):
 // quad p (elements 4p..4p+3) and quad p + 4 (16 + 4p..) at once, the 4-bit plane's nibbles with
@@ -8,16 +9,34 @@
 // code x activation over each half of the sub-block (Q6_K's halves have their own scales), then
 // applies the row's scale and offset to all 16 rows at once:
 //
-//   int8 (vpdpbusd with VNNI, else maddubs): activations quantized per block of 32 (x ~ dx qx), as
-//     llama.cpp's Q8 dot products; S = sum code qx exact in int32, and
-//       w = s (q - c):    x . w = s dx (S - c sum(qx))      (Q4_0, Q5_0, Q8_0, Q6_K per half)
-//       w = s q + o:      x . w = s dx S + o dx sum(qx)     (Q4_1, Q5_1, Q4_K, Q5_K)
-//     so the weights are exact and only the activations carry int8's rounding. Without VNNI,
-//     maddubs's int16 pairs would saturate on 8-bit codes: Q8_0's meet x as two nibbles.
+//   int8: quant_int8.h.
 //   bfloat16 (AVX512-BF16): a code q < 128 OR 0x4300 is the bfloat16 of 128 + q, exactly, so two
 //     byte shuffles make a vector of 16 rows x 2 bfloat16 weights for vdpbf16ps; the 128 (and c)
 //     come off with the block's sum of x. Q8_0's byte u = 16 uh + ul meets 16 x (exact) and x.
 //   float32: codes (less c) widened to float lanes, one multiply-add per element and token.
+
+#if defined(__AVX512F__)
+constexpr int kMaxTile = 8;
+#else
+constexpr int kMaxTile = 4;  // 16 ymm registers: past 4 tokens the sums spill
+#endif
+
+// Tokens run in tiles of kMaxTile, then the rest in tiles of 4, 2 and 1: the size of the tile
+// that starts `left` tokens before the end.
+inline int token_tile(int64_t left) { return left >= kMaxTile ? kMaxTile : left >= 4 ? 4 : left >= 2 ? 2 : 1; }
+
+struct TokenTile {
+  int64_t first;
+  int size;
+};
+
+// The tile token t of `tokens` runs in.
+inline TokenTile tile_of(int64_t t, int64_t tokens) {
+  int64_t first = t / kMaxTile * kMaxTile;  // whole tiles of kMaxTile come first
+  int size = token_tile(tokens - first);
+  for (; t >= first + size; size = token_tile(tokens - first)) first += size;
+  return {first, size};
+}
 
 template <int N>
 using Const = std::integral_constant<int, N>;
@@ -68,18 +87,30 @@ struct SubCodes {
       }
     }
   }
+
+  // Codes of quad P of half H alone (quad P + 4H): for Q6_K's halves, which have scales of their own.
+  template <int H, int P>
+  IV quad() const {
+    IV lo, hi;
+    quads<P>(lo, hi);
+    return H ? hi : lo;
+  }
 };
 
 // Activations as each kind of products reads them, made once per call (quant.cpp: prepare).
+// int8's are laid out in token tiles (tile_of): tile [t0, t0 + TT) holds unit u (32 codes, a
+// block's scale or sums) of its TT tokens side by side, at t0 units + u TT + (t - t0), so a tile
+// reads every token's unit at a fixed offset from one pointer.
 struct Activations {
-  const void* x;              // (T, K): float32, or bfloat16 bits for bfloat16 products
+  const void* x = nullptr;    // (T, K): float32, or bfloat16 bits for bfloat16 products
   std::vector<uint16_t> xb;   // a float32 x rounded to bfloat16 for bfloat16 products (x points here)
   std::vector<uint16_t> x16;  // bfloat16 products on Q8_0: 16 x, exact
   std::vector<float> sums;    // (T, K / 16): sum of x per 16 elements, as the products see them
-  std::vector<int8_t> xq;     // int8: (T, K) x / dx rounded, per block of 32
-  std::vector<float> dx;      // int8: (T, K / 32) the block's scale
-  std::vector<float> xs;      // int8: (T, K / 32) dx sum(qx)
-  std::vector<int32_t> qsum;  // int8: (T, K / 16) sum of qx per 16 elements
+  std::vector<int8_t> xq;     // int8: (T, K / 32, 32) x / dx rounded
+  std::vector<float> dx;      // int8: (T, K / block) the block's scale (quant_int8.h: the blocks)
+  std::vector<float> xs;      // int8, blocks of 32: (T, K / 32) dx sum(qx)
+  std::vector<int32_t> qsum;  // int8, blocks of 32: (T, K / 32) sum(qx)
+  std::vector<int16_t> bsum;  // int8, K-quants: (T, K / 256, 8 or 16) sum(qx) per 32 or (Q6_K) 16
 };
 
 // A tile's row scales for sub-block j (16 lanes): s (both halves, or Q6_K's two) and the offset o.
@@ -101,68 +132,6 @@ struct SubScales {
     }
   }
 };
-
-template <QType Q, int TT>
-void tile_int8(const Weights& w, int64_t g, const Activations& a, int64_t t0, float* y, int64_t ldy) {
-  constexpr Format F = format_of(Q);
-  constexpr bool kNibbles = F.bits == 8 && !kWideDot;  // Q8_0 on maddubs: x . u = x . ul + 16 x . uh
-  constexpr bool kHalves = Q == QType::Q6_K || kNibbles;
-  const int64_t k = w.k, blocks = k / kSub;
-  const uint8_t* tile = w.group(g);
-  FV acc[TT];
-  for (int t = 0; t < TT; ++t) acc[t] = fzero();
-  for (int64_t s = 0; s < k / F.super; ++s, tile += F.tile_bytes()) {
-    const FV d = fhalves(tile);
-    const FV m = F.has_min ? fhalves(tile + 32) : fzero();
-    for (int j = 0; j < F.subs(); ++j) {
-      const int64_t b = s * F.subs() + j;
-      const SubCodes<F.bits> codes(tile + F.header + j * F.sub_bytes());
-      IV sum0[TT], sum1[TT];
-      for (int t = 0; t < TT; ++t) sum0[t] = sum1[t] = izero();
-      for_each_quad([&](auto P) {
-        IV lo, hi;
-        codes.template quads<P>(lo, hi);
-        if constexpr (kNibbles) {
-          const IV nibble = iset8(0x0F);
-          const IV lo_l = iand(lo, nibble), lo_h = iand(ishr16<4>(lo), nibble);
-          const IV hi_l = iand(hi, nibble), hi_h = iand(ishr16<4>(hi), nibble);
-#pragma GCC unroll 8
-          for (int t = 0; t < TT; ++t) {
-            const int8_t* x = a.xq.data() + (t0 + t) * k + b * kSub + 4 * P;
-            const IV xa = iquad(x), xb = iquad(x + 16);
-            sum0[t] = idot(idot(sum0[t], lo_l, xa), hi_l, xb);
-            sum1[t] = idot(idot(sum1[t], lo_h, xa), hi_h, xb);
-          }
-        } else {
-#pragma GCC unroll 8
-          for (int t = 0; t < TT; ++t) {
-            const int8_t* x = a.xq.data() + (t0 + t) * k + b * kSub + 4 * P;
-            sum0[t] = idot(sum0[t], lo, iquad(x));
-            if constexpr (kHalves) sum1[t] = idot(sum1[t], hi, iquad(x + 16));
-            else sum0[t] = idot(sum0[t], hi, iquad(x + 16));
-          }
-        }
-      });
-      const SubScales<Q> scales(tile, d, m, j);
-      for (int t = 0; t < TT; ++t) {
-        const int64_t tb = (t0 + t) * blocks + b;
-        const FV dx = fset(a.dx[tb]);
-        const int32_t q0 = a.qsum[2 * tb], q1 = a.qsum[2 * tb + 1];
-        if constexpr (Q == QType::Q6_K) {
-          const FV lo = fcvt(isub32(sum0[t], iset32(32 * q0))), hi = fcvt(isub32(sum1[t], iset32(32 * q1)));
-          acc[t] = ffma(ffma(lo, scales.lo, fmul(hi, scales.hi)), dx, acc[t]);
-        } else {
-          IV total = kNibbles ? iadd32(sum0[t], ishl32<4>(sum1[t])) : sum0[t];
-          if constexpr (!F.has_min) total = isub32(total, iset32(F.code_offset * (q0 + q1)));
-          acc[t] = ffma(fcvt(total), fmul(scales.lo, dx), acc[t]);
-          if constexpr (F.has_min) acc[t] = ffma(scales.offset, fset(a.xs[tb]), acc[t]);
-        }
-      }
-    }
-  }
-  const int valid = int(std::min<int64_t>(kRows, w.n - g * kRows));
-  for (int t = 0; t < TT; ++t) fstore(y + (t0 + t) * ldy + g * kRows, acc[t], valid);
-}
 
 template <int I>
 inline IV byte_of(IV v) {  // byte I of each dword, as an int32

@@ -6,8 +6,8 @@ QuantKernel keeps a weight's blocks (the converter saves them beside the float w
 models/gguf.py) and runs y = x @ W.T on them, decoding each block in registers: the weights are
 exactly the ones gguf-py dequantizes; a float32 model's products are float32, a bfloat16 model's
 meet bfloat16 activations, or, with `activations="int8"`, activations quantized to int8 per
-block of 32 as llama.cpp meets its blocks (csrc/quant_tiles.h says how, bench/accuracy_bench.py
-what it costs). Vector paths: AVX512 (VNNI, BF16 where the CPU has them) and AVX2.
+block of 32 (per super-block of 256 for the K-quants) as llama.cpp meets its blocks
+(csrc/quant_int8.h says how, bench/accuracy_bench.py what it costs). Vector paths: AVX512 (VNNI, BF16 where the CPU has them) and AVX2.
 
 The blocks are re-laid out once at load (relayout; csrc/quant_format.h): rows in groups of 16,
 a vector lane each, so a block's 16 scales are one load and 16 rows' sums build side by side.
