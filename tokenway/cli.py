@@ -24,7 +24,7 @@ import tomllib
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 # Light imports only: the body parser's worker process (spawned) imports this module again.
 from tokenway.config import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL, EngineConfig, parse_bytes
@@ -116,7 +116,7 @@ def load_config_file(path: str) -> dict:
         raise SystemExit(f"tokenway: config file {path} is not valid TOML: {exc}") from None
     table = data.get("serve", data)
     # The model registry's own tables ([[models]], embeddings = false) go to routing/registry.py.
-    options = {"registry": {key: data[key] for key in REGISTRY_KEYS if key in data}}
+    options: dict[str, Any] = {"registry": {key: data[key] for key in REGISTRY_KEYS if key in data}}
     for key, value in table.items():
         name = key.replace("-", "_")
         if table is data and name in REGISTRY_KEYS:
@@ -255,8 +255,9 @@ def run_serve(options: dict) -> int:
         registry = Registry.from_config(options["registry"], default_model=options["model"],
                                         served_model_names=options["served_model_name"])
         local = registry.local_model("chat")
-        if local is not None:
-            engine_config.model = local.local_replica.model or options["model"]
+        local_replica = local.local_replica if local is not None else None
+        if local_replica is not None:
+            engine_config.model = local_replica.model or options["model"]
         names = tuple(e.name for e in registry.models if e.kind == "chat")
         aliases = {alias: e.name for e in registry.models if e.kind == "chat" for alias in e.aliases}
         for missing in registry.env_keys_missing():
@@ -313,7 +314,9 @@ def run_serve(options: dict) -> int:
                                   gatekeeper=gatekeeper, observer_for=observer_for)
         server = Server(uvicorn.Config(
             create_app(services), host=server_config.host, port=server_config.port, log_level="warning",
-            access_log=False, timeout_graceful_shutdown=server_config.graceful_shutdown_seconds, lifespan="off",
+            access_log=False, lifespan="off",
+            # uvicorn's annotation says int; it waits with asyncio, which takes any seconds.
+            timeout_graceful_shutdown=server_config.graceful_shutdown_seconds,  # pyright: ignore[reportArgumentType]
             ssl_certfile=options["ssl_certfile"], ssl_keyfile=options["ssl_keyfile"],
         ), policy=connection_policy)
         server.announcement = (f"tokenway: serving {', '.join(names + embedding_model_names)} on "

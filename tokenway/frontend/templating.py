@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import pydantic
 
@@ -57,13 +57,13 @@ def structured_output_spec(prompt: ChatPrompt) -> StructuredOutputSpec | None:
 def completion_token_ids(frontend: ModelFrontend, prompt: str | list[str] | list[int] | list[list[int]]
                          ) -> list[list[int]]:
     """A completion's prompt (str | list[str] | list[int] | list[list[int]]) as token id lists."""
-    if prompt and all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]  # every item is an int
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        return [list(cast("list[int]", prompt))]
     with context_window(frontend, "prompt") as window:
         if isinstance(prompt, str):
             return [frontend.tokenizer.encode(prompt, max_num_tokens=window)]
         return [frontend.tokenizer.encode(item, max_num_tokens=window) if isinstance(item, str) else list(item)
-                for item in prompt]
+                for item in cast("list[str] | list[list[int]]", prompt)]
 
 
 def prompt_fields(body: ChatCompletionRequest | TokenizeRequest) -> tuple[list[dict] | None, Any, bool | None,

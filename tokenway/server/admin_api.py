@@ -15,7 +15,7 @@ gatekeeper (no keys, no ledger) has none of these routes.
 from __future__ import annotations
 
 import hmac
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeAlias
 
 import pydantic
 from fastapi import APIRouter, Depends
@@ -45,7 +45,9 @@ from tokenway.server.services import Services
 PositiveInt = Annotated[int, pydantic.Field(ge=1)]
 
 
-Mode = Literal[MODES]
+# Built from the safety stage's own names (one owner for them), which pydantic reads at run time.
+Mode: TypeAlias = Literal[MODES]  # pyright: ignore[reportInvalidTypeForm]
+Category: TypeAlias = Literal[CATEGORIES]  # pyright: ignore[reportInvalidTypeForm]
 
 
 class SafetyBody(pydantic.BaseModel):
@@ -55,7 +57,7 @@ class SafetyBody(pydantic.BaseModel):
 
     input: Mode = "off"
     output: Mode = "off"
-    categories: Annotated[list[Literal[CATEGORIES]], pydantic.Field(min_length=1)] | None = None
+    categories: Annotated[list[Category], pydantic.Field(min_length=1)] | None = None
     threshold: Annotated[float, pydantic.Field(gt=0, le=1, allow_inf_nan=False)] = 0.5
 
 

@@ -92,15 +92,11 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        path = request.url.path
         if exc.status_code == 404:
-            error: TokenwayError = NotFoundError(f"No route {request.method} {request.url.path}")
-        elif exc.status_code == 405:
-            error = InvalidRequestError(f"Method {request.method} is not allowed on {request.url.path}")
-            error.status = 405
-        else:
-            error = InvalidRequestError(str(exc.detail))
-            error.status = exc.status_code
-        return error_response(request.url.path, error)
+            return error_response(path, NotFoundError(f"No route {request.method} {path}"))
+        message = f"Method {request.method} is not allowed on {path}" if exc.status_code == 405 else str(exc.detail)
+        return error_response(path, InvalidRequestError(message), status=exc.status_code)
 
     @app.exception_handler(ClientDisconnected)
     async def on_client_gone(request: Request, exc: ClientDisconnected) -> Response:

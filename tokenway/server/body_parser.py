@@ -29,7 +29,7 @@ import os
 import pickle
 import struct
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any, TypeVar
 
 import pydantic
@@ -47,7 +47,9 @@ _ABORT = 2**64 - 1  # in place of a frame's length: the rest of this body is not
 
 class _Worker:
     def __init__(self, process: asyncio.subprocess.Process) -> None:
+        assert process.stdin is not None and process.stdout is not None, "started with both pipes"
         self.process = process
+        self.stdin, self.stdout = process.stdin, process.stdout
 
     @classmethod
     async def start(cls) -> _Worker:
@@ -56,8 +58,8 @@ class _Worker:
             env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
         return cls(process)
 
-    async def parse(self, chunks: AsyncIterator[bytes], model: type) -> tuple[bool, Any]:
-        stdin = self.process.stdin
+    async def parse(self, chunks: AsyncIterable[bytes], model: type) -> tuple[bool, Any]:
+        stdin = self.stdin
         self._frame(pickle.dumps(model))
         try:
             async for chunk in chunks:
@@ -69,19 +71,19 @@ class _Worker:
             raise
         self._frame(b"")
         await stdin.drain()
-        (length,) = _LENGTH.unpack(await self.process.stdout.readexactly(_LENGTH.size))
-        return pickle.loads(await self.process.stdout.readexactly(length))
+        (length,) = _LENGTH.unpack(await self.stdout.readexactly(_LENGTH.size))
+        return pickle.loads(await self.stdout.readexactly(length))
 
     def _frame(self, data: bytes) -> None:
-        self.process.stdin.write(_LENGTH.pack(len(data)))
-        self.process.stdin.write(data)
+        self.stdin.write(_LENGTH.pack(len(data)))
+        self.stdin.write(data)
 
     def kill(self) -> None:
         try:
             self.process.kill()
         except ProcessLookupError:
             pass  # already gone
-        self.process.stdin.close()
+        self.stdin.close()
 
 
 class BodyParser:
@@ -116,7 +118,7 @@ class BodyParser:
             worker = await idle.get()
             idle.put_nowait(worker or await self._new_worker())
 
-    async def _in_worker(self, chunks: AsyncIterator[bytes], model: type) -> tuple[bool, Any]:
+    async def _in_worker(self, chunks: AsyncIterable[bytes], model: type) -> tuple[bool, Any]:
         idle = self._slots()
         worker = await idle.get()
         try:
@@ -160,7 +162,7 @@ class BodyParser:
         """End the workers (their stdin closes: each exits) and wait for them."""
         workers, self._workers = list(self._workers), set()
         for worker in workers:
-            worker.process.stdin.close()
+            worker.stdin.close()
         for worker in workers:
             try:
                 await asyncio.wait_for(worker.process.wait(), 5)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import APIRouter
 from starlette.requests import Request
@@ -34,6 +34,9 @@ from tokenway.server.http import ClientDisconnected, offload, parse_body, unless
 from tokenway.server.prepare import new_id, screen
 from tokenway.server.routes import call_of, schema_extra
 from tokenway.server.services import Services
+
+if TYPE_CHECKING:
+    from tokenway.embeddings.model import EmbeddingModel
 
 # Inputs above this many answer through a worker thread: 2048 inputs as float JSON is ~16 MB
 # and ~0.6 s of json.dumps, which must not stall the event loop.
@@ -93,7 +96,7 @@ def screen_inputs(call: Call, policy: SafetyPolicy, embedder: EmbeddingEngine, v
     tokenizer) screened on its own; `value` as it came, or with the redacted inputs in place
     (an input given as token ids, its redacted text's ids)."""
     items = [value] if isinstance(value, str) or type(value[0]) is int else value
-    model = embedder.model
+    model = cast("EmbeddingModel", embedder.model)  # the served one, whose tokenizer decodes
 
     def decode(token_ids: Sequence[int]) -> str:
         return model.tokenizer.decode([t for t in token_ids if t < model.vocab_size])

@@ -29,12 +29,15 @@ from tokenway.stages import StageClock
 logger = logging.getLogger(__name__)
 
 
-def error_response(request_path: str, exc: TokenwayError, request_id: str | None = None) -> JSONResponse:
+def error_response(request_path: str, exc: TokenwayError, request_id: str | None = None,
+                   status: int | None = None) -> JSONResponse:
+    """The error in the path's API's shape; `status`: another than the error's own (a
+    routing 405 is an invalid request, answered 405)."""
     body = anthropic_error_body(exc) if request_path.startswith("/v1/messages") else openai_error_body(exc)
     headers = dict(exc.headers)
     if request_id is not None and request_path in GENERATION_PATHS:
         headers["x-request-id"] = request_id
-    return JSONResponse(body, status_code=exc.status, headers=headers)
+    return JSONResponse(body, status_code=status if status is not None else exc.status, headers=headers)
 
 
 # The calls that generate: each writes exactly one ledger row and one trace, whatever happens to it.
@@ -84,8 +87,10 @@ class GatewayMiddleware:
             clock.finish()
             if generation_call and self.observer is not None and call is not None:
                 call.end_as_sent(status)
-                cost = self.gatekeeper.cost_usd(call.model, call.outcome) if self.gatekeeper is not None else 0.0
-                self.observer.record(Trace.of_call(call, call.outcome, cost))
+                outcome = call.outcome
+                assert outcome is not None, "end_as_sent makes one where the call had none"
+                cost = self.gatekeeper.cost_usd(call.model, outcome) if self.gatekeeper is not None else 0.0
+                self.observer.record(Trace.of_call(call, outcome, cost))
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, clock: StageClock,
                       generation_call: bool) -> tuple[int, Call | None]:
@@ -131,7 +136,7 @@ class GatewayMiddleware:
         scope.setdefault("state", {})["call"] = call
         limit = self.max_body_bytes if path in LARGE_BODY_PATHS else SMALL_BODY_BYTES
         too_large = PayloadTooLargeError(f"Request body exceeds the limit of {limit} bytes for {path}")
-        ledgered = gatekeeper is not None and generation_call
+        ledger_keeper = gatekeeper if generation_call else None  # writes the call's one row
         received = 0
         status = 0
 
@@ -172,8 +177,8 @@ class GatewayMiddleware:
                 except Exception:  # a bug: the response goes out all the same, without them
                     logger.exception("response headers on %s", path)
                 status = message["status"]
-            elif ledgered and not message.get("more_body") and not call.committed:
-                await gatekeeper.commit(call, status)
+            elif ledger_keeper is not None and not message.get("more_body") and not call.committed:
+                await ledger_keeper.commit(call, status)
             await send(message)
 
         try:
@@ -192,8 +197,8 @@ class GatewayMiddleware:
                 await error_response(path, InternalServerError("The server had an error processing the request"))(
                     scope, receive, send_with_policy)
         finally:
-            if ledgered and not call.committed:
-                gatekeeper.commit_nowait(call, 0)  # the client left before the last byte: a 499
+            if ledger_keeper is not None and not call.committed:
+                ledger_keeper.commit_nowait(call, 0)  # the client left before the last byte: a 499
         return status, call
 
 

@@ -16,10 +16,11 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenway.gateway.admission import admit
@@ -29,7 +30,7 @@ from tokenway.protocol.job import ChoiceDelta, ReplicaEvent, ToolCallDelta, Usag
 from tokenway.safety.screen import ReplyScreen
 from tokenway.server import sse
 from tokenway.server.http import ClientDisconnected, unless_disconnected
-from tokenway.server.prepare import PreparedCall, guard
+from tokenway.server.prepare import PreparedCall, guard, replica_events
 from tokenway.server.services import Services
 from tokenway.stages import StageClock
 
@@ -104,7 +105,7 @@ class Generation:
         self.cache_reason: str | None = None
         self.reported: Usage | None = None  # the replica's own count, once it sends it
         # The router's events once start() has run (its first event kept in _first for outputs()).
-        self._events: AsyncIterator[ReplicaEvent] | None = None
+        self._events: AsyncGenerator[ReplicaEvent, None] | None = None
         self._first: list[ReplicaEvent] = []
         self._closed = False
 
@@ -117,7 +118,7 @@ class Generation:
         if self._events is not None or self._closed:
             return
         self.services.capacity.take(self.num_choices)
-        self._events = self.services.router.generate(self.job, self.call.set_replica)
+        self._events = replica_events(self.services.router, self.job, self.call.set_replica)
         try:
             first = await anext(self._events, None)
         except BaseException:
@@ -171,8 +172,9 @@ class Generation:
                             continue
                     if event.text:
                         self.texts[index].append(event.text)
-                    if event.logprobs and self.logprobs[index] is not None:
-                        self.logprobs[index].extend(event.logprobs)
+                    choice_logprobs = self.logprobs[index]
+                    if event.logprobs and choice_logprobs is not None:
+                        choice_logprobs.extend(event.logprobs)
                     for piece in event.tool_calls:
                         add_tool_call_piece(self.tool_calls[index], piece)
                     if event.num_cached_tokens >= self.num_cached_tokens:
@@ -190,6 +192,7 @@ class Generation:
         """A delta of a tool-call format's reply as content and call pieces. At the reply's end
         the text held back is sent, and a reply that completed calls ends with tool_calls (or
         length: the calls before a cut are kept, the one it cut is not)."""
+        assert self.parsers is not None, "only a reply in a tool-call format is parsed"
         parser = self.parsers[event.index]
         parsed = parser.feed(event.text) if event.text else None
         content = parsed.content if parsed is not None else ""
@@ -207,6 +210,7 @@ class Generation:
         """A delta's content as the safety stage lets it out (safety/screen.py): redacted, held
         back while a finding may still be forming, or cut at a finding the policy blocks, where
         the choice ends with content_filter. None for a choice that has ended so."""
+        assert self.screens is not None, "only a reply under an output policy is screened"
         screen = self.screens[event.index]
         if screen.blocked:
             return None
@@ -236,7 +240,7 @@ class Generation:
         return [ChoiceResult(i, self.text(i), self.finish_reasons[i], self.stop_reasons[i], self.logprobs[i],
                              self.completed_tool_calls(i)) for i in range(self.num_choices)]
 
-    async def start_stream(self, request) -> None:
+    async def start_stream(self, request: Request) -> None:
         """start(), raced against the client leaving; a refusal is the call's outcome."""
         try:
             await unless_disconnected(request, self.start())
@@ -253,7 +257,8 @@ class Generation:
         if gatekeeper is not None:
             await gatekeeper.commit(self.call)
 
-    async def json_response(self, request, work, id_header: str = "x-request-id"):
+    async def json_response(self, request: Request, work: Awaitable[dict], id_header: str = "x-request-id"
+                            ) -> Response:
         """Await the response body unless the client leaves first; log and time it either way."""
         try:
             body = await unless_disconnected(request, work)
@@ -315,7 +320,8 @@ class Generation:
         log_request(self.request_id, self.model, self.clock, outcome)
 
 
-async def _chained(first: list[ReplicaEvent], rest: AsyncIterator[ReplicaEvent]) -> AsyncIterator[ReplicaEvent]:
+async def _chained(first: list[ReplicaEvent], rest: AsyncIterator[ReplicaEvent]
+                   ) -> AsyncGenerator[ReplicaEvent, None]:
     for event in first:
         yield event
     async for event in rest:

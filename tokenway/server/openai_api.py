@@ -199,25 +199,27 @@ def one_prompt_only() -> InvalidRequestError:
 
 
 def prepare_untemplated_completion(services: Services, body: CompletionRequest, call: Call, model: str,
-                                   policy: SafetyPolicy, prompt: Any) -> PreparedCall:
+                                   policy: SafetyPolicy, prompt: str | list[str] | list[int] | list[list[int]]
+                                   ) -> PreparedCall:
     """A completion for a model tokenway has no tokenizer for: the caller's text (or token ids,
     in the upstream's vocabulary) goes as it came."""
-    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
-        if len(prompt) != 1:
-            raise one_prompt_only()
-        prompt = prompt[0]
-    if not prompt:
+    # One prompt: a text or token ids, alone or as a list of one.
+    prompts: list[Any] = [prompt] if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else prompt
+    if len(prompts) != 1:
+        raise one_prompt_only()
+    item: str | list[int] = prompts[0]
+    if not item:
         raise InvalidRequestError("prompt: must not be empty", param="prompt")
-    text = prompt if isinstance(prompt, str) else None
+    text, token_ids = (item, None) if isinstance(item, str) else (None, tuple(item))
     if body.echo and text is None:
         raise InvalidRequestError("echo: needs the prompt as text for this model (tokenway has no tokenizer to "
                                   "decode its token ids)", param="echo")
     window = services.catalog.max_model_len(model)
-    num_prompt_tokens = estimate_tokens(text) if text is not None else len(prompt)
+    num_prompt_tokens = estimate_tokens(text) if text is not None else len(item)
     max_tokens = cap_max_tokens(services.gatekeeper, call.start.principal, window, num_prompt_tokens, body.max_tokens,
                                 "max_tokens", exact=False)
     params = openai_sampling(body, max_tokens, None, body.logprobs)
     job = GenerationJob(new_id("cmpl-"), model, "completion", params, n=body.n or 1, prompt=text,
-                        prompt_token_ids=None if text is not None else tuple(prompt), context_window=window,
+                        prompt_token_ids=token_ids, context_window=window,
                         stream=bool(body.stream))
     return prepared(services, call, job, None, policy, echo=(text or "") if body.echo else "")

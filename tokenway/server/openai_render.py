@@ -5,7 +5,7 @@ both ways end with `data: [DONE]`). Logprobs in OpenAI's two shapes (TokenText).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from tokenway.frontend.model import ModelFrontend
 from tokenway.protocol.errors import openai_error_body
@@ -21,9 +21,9 @@ class TokenText:
     upstream's logprobs come OpenAI-shaped already (dicts, chat's shape) and pass through."""
 
     def __init__(self, frontend: ModelFrontend | None) -> None:
-        self.text = frontend.tokenizer.token_text if frontend is not None else None
+        self.text: Callable[[int], str] = frontend.tokenizer.token_text if frontend is not None else _no_tokenizer
 
-    def chat_logprobs(self, logprobs: list[TokenLogprob | dict], top_n: int) -> list[dict]:
+    def chat_logprobs(self, logprobs: Sequence[TokenLogprob | dict], top_n: int) -> list[dict]:
         entries = []
         for lp in logprobs:
             if isinstance(lp, dict):
@@ -41,7 +41,7 @@ class TokenText:
             })
         return entries
 
-    def completion_logprobs(self, logprobs: list[TokenLogprob | dict], offset: int) -> dict:
+    def completion_logprobs(self, logprobs: Sequence[TokenLogprob | dict], offset: int) -> dict:
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for lp in logprobs:
             if isinstance(lp, dict):
@@ -56,6 +56,10 @@ class TokenText:
             offsets.append(offset)
             offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _no_tokenizer(token_id: int) -> str:
+    raise AssertionError("token ids come only from replicas of a model tokenway has the tokenizer of")
 
 
 def chunk_encoder(generation: Generation, object_name: str, with_usage: bool) -> Callable[..., bytes]:

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.model import ModelFrontend
@@ -32,6 +32,7 @@ from tokenway.protocol.errors import ContentPolicyViolationError, InvalidRequest
 from tokenway.protocol.job import GenerationJob, ReplicaEvent, estimate_chat_tokens
 from tokenway.protocol.sampling import SamplingParams, StructuredOutputSpec
 from tokenway.routing.replicas import engine_unavailable
+from tokenway.routing.router import ReplicaChoice, Router
 from tokenway.safety.channels import ChatInput, PromptText
 from tokenway.safety.guard import ask_guard, guard_turns, verdict_refusal
 from tokenway.safety.screen import SafetyPolicy, screen_input
@@ -187,10 +188,16 @@ def _guard_job(catalog: ModelCatalog, model: str, messages: list[dict], params: 
                          prompt_token_ids=tuple(prompt.prompt_token_ids), context_window=frontend.max_model_len)
 
 
+def replica_events(router: Router, job: GenerationJob, on_replica: Callable[[ReplicaChoice], None]
+                   ) -> AsyncGenerator[ReplicaEvent, None]:
+    """The router's events for a job; closing them (aclose) stops the replica."""
+    return cast("AsyncGenerator[ReplicaEvent, None]", router.generate(job, on_replica))  # an async generator
+
+
 async def _guard_events(services: Services, job: GenerationJob) -> AsyncIterator[ReplicaEvent]:
     services.capacity.take(1)
     try:
-        async with aclosing(services.router.generate(job, lambda choice: None)) as events:
+        async with aclosing(replica_events(services.router, job, lambda choice: None)) as events:
             async for event in events:
                 yield event
     finally:

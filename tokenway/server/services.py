@@ -61,10 +61,10 @@ class ModelCatalog:
     embedding_model_names: tuple[str, ...] = ()
 
     @classmethod
-    def local(cls, frontend: ModelFrontend, chat_model_names: tuple[str, ...], aliases: Mapping[str, str] = {},
-              embedding_model_names: tuple[str, ...] = ()) -> ModelCatalog:
+    def local(cls, frontend: ModelFrontend, chat_model_names: tuple[str, ...],
+              aliases: Mapping[str, str] | None = None, embedding_model_names: tuple[str, ...] = ()) -> ModelCatalog:
         """Every chat name served by the one local engine (its frontend)."""
-        return cls(chat_model_names, dict.fromkeys(chat_model_names, frontend), {}, dict(aliases),
+        return cls(chat_model_names, dict.fromkeys(chat_model_names, frontend), {}, dict(aliases or {}),
                    embedding_model_names)
 
     def resolve(self, name: str | None, kind: str = "chat") -> str:

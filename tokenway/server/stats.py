@@ -45,8 +45,13 @@ class EngineStats:
     @classmethod
     def from_snapshot(cls, snapshot: Mapping[str, Any]) -> EngineStats:
         """The engine's dict, taken at the boundary: a count it does not publish is a KeyError here."""
-        return cls(**{f.name: snapshot[f.name] if f.default is dataclasses.MISSING else snapshot.get(f.name)
-                      for f in dataclasses.fields(cls)})
+        s = snapshot
+        return cls(s["num_running"], s["num_waiting"], s["kv_blocks_total"], s["kv_blocks_free"],
+                   s["prefix_cache_hit_rate"], s["prefix_cache_queried_tokens"], s["prefix_cache_hit_tokens"],
+                   s["num_preemptions"], s["num_steps"], s["spec_decode_num_drafts"],
+                   s["spec_decode_num_draft_tokens"], s["spec_decode_num_accepted_tokens"],
+                   s["spec_decode_acceptance_rate"], s["spec_decode_mean_accepted_length"], s.get("engine_pid"),
+                   s.get("engine_restarts"))
 
     def to_dict(self) -> dict[str, Any]:
         stats = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

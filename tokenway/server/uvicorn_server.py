@@ -132,19 +132,20 @@ class GuardedHttpToolsProtocol(JSONErrorsHttpToolsProtocol):
             else:
                 transport.abort()
             return
-        if self._guard.tls is None:
+        tls = self._guard.tls
+        if tls is None:
             self._transport = transport
         else:
-            self._start_tls(transport)
+            self._start_tls(transport, tls)
 
-    def _start_tls(self, transport: asyncio.Transport) -> None:
+    def _start_tls(self, transport: asyncio.Transport, tls: ssl.SSLContext) -> None:
         """Hands the socket to the TLS layer now, inside connection_made. start_tls is a
         coroutine, and a task would take its first step an event-loop iteration later: by then
         uvloop, which starts reading once connection_made returns, may have given the client's
         hello to this protocol instead, and the handshake would wait for it in vain. So its
         first step (pause reading, swap the protocol) runs here, and the rest when the
         handshake's future is done."""
-        handshake = self.loop.start_tls(transport, self, self._guard.tls, server_side=True,
+        handshake = self.loop.start_tls(transport, self, tls, server_side=True,
                                         ssl_handshake_timeout=self._guard.policy.header_timeout_seconds)
         try:
             waiter = handshake.send(None)  # the future of the handshake's end
@@ -171,6 +172,7 @@ class GuardedHttpToolsProtocol(JSONErrorsHttpToolsProtocol):
         received, self._received = bytes(self._received), bytearray()
         self._opening = False
         HttpToolsProtocol.__init__(self, self.config, self.server_state, self.app_state, self.loop)
+        assert self._transport is not None, "a head arrives only over an open transport"
         super().connection_made(self._transport)
         self.data_received(received)
 
@@ -288,10 +290,12 @@ class Server(uvicorn.Server):
         config.http = JSONErrorsHttpToolsProtocol  # startup() binds it to this server's guard
         # tokenway serves no WebSocket; an upgraded connection would leave the guard's reach.
         config.ws = "none"
-        self.policy = policy.resolved(raise_fd_limit())
-        config.timeout_keep_alive = self.policy.keep_alive_timeout_seconds
-        self.connection_table = ConnectionTable(self.policy.max_connections, self.policy.max_connections_per_client,
-                                                self.policy.max_opening_connections)
+        policy = self.policy = policy.resolved(raise_fd_limit())
+        # uvicorn's annotation says int; it hands the value to call_later, which takes any seconds.
+        config.timeout_keep_alive = policy.keep_alive_timeout_seconds  # pyright: ignore[reportAttributeAccessIssue]
+        max_connections, max_per_client = policy.max_connections, policy.max_connections_per_client
+        assert max_connections is not None and max_per_client is not None, "resolved() sets every cap"
+        self.connection_table = ConnectionTable(max_connections, max_per_client, policy.max_opening_connections)
         super().__init__(config)
         self.announcement = announcement
 
@@ -320,7 +324,9 @@ class Server(uvicorn.Server):
         config = self.config  # loaded by now: config.ssl is the context uvicorn built
         tls, config.ssl = config.ssl, None  # the listener stays plain; the protocol handshakes
         guard = ConnectionGuard(self.policy, self.connection_table, tls)
-        config.http_protocol_class = functools.partial(GuardedHttpToolsProtocol, guard=guard)
+        # uvicorn's annotation says a class; it only calls it, as asyncio calls any protocol factory.
+        config.http_protocol_class = functools.partial(  # pyright: ignore[reportAttributeAccessIssue]
+            GuardedHttpToolsProtocol, guard=guard)
         try:
             await super().startup(sockets=sockets)
         finally:

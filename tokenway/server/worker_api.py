@@ -16,10 +16,10 @@ import hmac
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pydantic
 from starlette.applications import Starlette
@@ -30,6 +30,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenway.engine.client import EngineClient, EngineDeadError
+from tokenway.frontend.output import RequestOutput
 from tokenway.protocol.errors import (
     AuthenticationError,
     InternalServerError,
@@ -201,7 +202,9 @@ async def call_events(engine: EngineClient, request_id: str, prompt_token_ids: l
     num_completion_tokens = [0] * len(params_list)
     num_cached_tokens, cache_reason = 0, None
     try:
-        async with aclosing(run_choices(engine, request_id, prompt_token_ids, params_list)) as outputs:
+        choices = cast("AsyncGenerator[tuple[int, RequestOutput], None]",  # an async generator: aclose aborts
+                       run_choices(engine, request_id, prompt_token_ids, params_list))
+        async with aclosing(choices) as outputs:
             async for index, output in outputs:
                 delta = choice_delta(index, output)  # as LocalReplica releases it
                 if delta.finish_reason == "abort":
@@ -211,7 +214,8 @@ async def call_events(engine: EngineClient, request_id: str, prompt_token_ids: l
                     num_cached_tokens, cache_reason = delta.num_cached_tokens, delta.cache_reason
                 yield sse.data_event({
                     "index": index, "text": delta.text, "token_ids": delta.token_ids,
-                    "logprobs": wire.logprobs_to_wire(delta.logprobs), "finish_reason": delta.finish_reason,
+                    "logprobs": wire.logprobs_to_wire(None if delta.logprobs is None else list(delta.logprobs)),
+                    "finish_reason": delta.finish_reason,
                     "stop_reason": delta.stop_reason, "num_cached_tokens": delta.num_cached_tokens,
                     "cache_reason": delta.cache_reason,
                 })
