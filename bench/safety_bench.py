@@ -11,7 +11,7 @@ of lines whose found categories equal the expected ones exactly.
 Latency: p50/p99 of detect() on a ~16,000-character (~4,000-token) prompt of mixed prose with
 digits, dates, versions and a few PII items; and on the same length of prose with no digit and
 no '@' (the fast path: only the key-prefix scans run). The goal is p99 under 1 ms.
-The input screen: p50/p99 of what ServerState.screen runs for a ~4,000-token chat request (a
+The input screen: p50/p99 of what the server's screen (server/prepare.py) runs for a ~4,000-token chat request (a
 system prompt, tools with schemas, eight turns, two tool calls with their JSON results; prose
 with dates, amounts and ids, no secret): the current screen (every channel gathered, the
 normalized view, one detect() pass) and the baseline's (each message's content, detect() on

@@ -5,7 +5,7 @@ again with the screen's redactions in place.
                                                  Anthropic Messages once to_chat_messages made it so)
         .texts()             -> PromptText ...   every text in it, in prompt order
         .redacted(new_texts) -> ChatInput        the same with each text replaced by its new one
-    screen_chat(screen, chat) -> ChatInput       both, around the server's screen (ServerState.screen)
+    screen_chat(screen, chat) -> ChatInput       both, around the server's screen (server/prepare.py screen)
     screen_prompts(screen, items, decode, param) completion prompts, embeddings inputs: each alone
 
 A chat call carries: every message's content (system, user, assistant, tool results), name and
