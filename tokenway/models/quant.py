@@ -7,7 +7,8 @@ models/gguf.py) and runs y = x @ W.T on them, decoding each block in registers: 
 exactly the ones gguf-py dequantizes; a float32 model's products are float32, a bfloat16 model's
 meet bfloat16 activations, or, with `activations="int8"`, activations quantized to int8 per
 block of 32 (per super-block of 256 for the K-quants) as llama.cpp meets its blocks
-(csrc/quant_int8.h says how, bench/accuracy_bench.py what it costs). Vector paths: AVX512 (VNNI, BF16 where the CPU has them) and AVX2.
+(csrc/quant_int8.h says how, bench/accuracy_bench.py what it costs). Vector paths: AVX512
+(VNNI, BF16 where the CPU has them) and AVX2.
 
 The blocks are re-laid out once at load (relayout; csrc/quant_format.h): rows in groups of 16,
 a vector lane each, so a block's 16 scales are one load and 16 rows' sums build side by side.
