@@ -3,6 +3,10 @@ weight bytes at the machine's memory speed, the decode goal (T = 1: >= 90% of a 
 
     python bench/quant_bench.py
     python bench/quant_bench.py --types Q4_K,Q6_K --tokens 1 --isas native --repeats 200
+    python bench/quant_bench.py --types Q4_K,Q5_K,Q6_K --tokens 1,16,64,512 --shapes 16384x2048,2048x8192
+
+--shapes: weights N x K (out x in features); the defaults are SmolLM2-1.7B's o and gate
+projections, the last example's Llama-3.2-1B's gate_up and down.
 
 For each type, weight shape (N x K) and token count T: the best time of y = x @ W.T on the
 blocks with int8 products (a bfloat16 model's default) and float32 products (a float32
@@ -34,7 +38,7 @@ import gguf
 
 from tokenway.models import quant
 
-SHAPES = [(2048, 2048), (8192, 2048)]
+SHAPES = "2048x2048,8192x2048"
 MEMORY_BYTES = 256 << 20  # past any L3: weights cycled through this many bytes stream from memory
 
 
@@ -92,7 +96,9 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,16,128")
     parser.add_argument("--isas", default="native,avx2")
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--shapes", default=SHAPES)
     args = parser.parse_args()
+    shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
     qtypes = args.types.split(",")
     token_counts = [int(n) for n in args.tokens.split(",")]
     isas = [None if isa == "native" else isa for isa in args.isas.split(",")]
@@ -110,7 +116,7 @@ def main() -> None:
             continue
         name = quant._ops(isa).isa()
         for qtype in qtypes:
-            for rows, cols in SHAPES:
+            for rows, cols in shapes:
                 blocks = random_blocks(rows, cols, qtype)
                 int8 = quant.QuantKernel(blocks, qtype, cols, dtype=torch.bfloat16, activations="int8", isa=isa)
                 fp32 = quant.QuantKernel(blocks, qtype, cols, isa=isa)

@@ -142,7 +142,6 @@ void tile_int8_k(const Weights& w, int64_t g, const Activations& a, int64_t t0, 
   constexpr Format F = format_of(Q);
   constexpr bool kQ6 = Q == QType::Q6_K;
   constexpr int kSums = kQ6 ? 16 : 8;
-  constexpr int kPasses = kQ6 ? 2 : 1;  // Q6_K's halves have scales of their own: a pass each
   const int64_t k = w.k, supers = k / F.super;
   const uint8_t* tiles[NG];
   for (int n = 0; n < NG; ++n) tiles[n] = w.group(g + n);
@@ -153,12 +152,24 @@ void tile_int8_k(const Weights& w, int64_t g, const Activations& a, int64_t t0, 
   alignas(64) float acc[NG][TT][kRows] = {};
   alignas(64) int32_t total[NG][TT][kRows];
   for (int64_t s = 0; s < supers; ++s, xq += 8 * TT * kSub, dx += TT, bsum += TT * kSums) {
+    // A chunk's first token tile streams its weights from memory (later ones find them in L2):
+    // the tile two ahead prefetched, so that its misses overlap these products.
+    if (t0 == 0)
+      for (int n = 0; n < NG; ++n)
+        for (int at = 0; at < F.tile_bytes(); at += 64) prefetch(tiles[n], 2 * F.tile_bytes() + at);
+    FV d[NG], dmin[NG];  // loaded first: the tile's bytes are read in order
+    for (int n = 0; n < NG; ++n) {
+      d[n] = fhalves(tiles[n]);
+      if constexpr (!kQ6) dmin[n] = fhalves(tiles[n] + 32);
+    }
     for (int n = 0; n < NG; ++n)
       for (int t = 0; t < TT; ++t) istore(total[n][t], izero());
     for (int j = 0; j < F.subs(); ++j) {
+      // The sub-block's sums of NG x TT, into total. Q6_K's halves have scales of their own: a pass
+      // each (H), so that one half's sums fill the registers.
       auto pass = [&](auto H) {
-        auto codes_of = [&](int n) { return SubCodes<F.bits>(tiles[n] + F.header + j * F.sub_bytes()); };
-        const SubCodes<F.bits> codes[2] = {codes_of(0), codes_of(NG - 1)};
+        SubCodes<F.bits> codes[NG];
+        for (int n = 0; n < NG; ++n) codes[n] = SubCodes<F.bits>(tiles[n] + F.header + j * F.sub_bytes());
         IV sum[NG][TT];
         for (int n = 0; n < NG; ++n)
           for (int t = 0; t < TT; ++t) sum[n][t] = izero();
@@ -199,12 +210,9 @@ void tile_int8_k(const Weights& w, int64_t g, const Activations& a, int64_t t0, 
         }
       }
     }
-    FV d[NG], dmin[NG];
     IV mins[NG][4];  // Q4_K, Q5_K: min_2i, min_2i+1 as int16 pairs, against B_2i, B_2i+1
     for (int n = 0; n < NG; ++n) {
-      d[n] = fhalves(tiles[n]);
       if constexpr (!kQ6) {
-        dmin[n] = fhalves(tiles[n] + 32);
         for (int i = 0; i < 4; ++i)
           mins[n][i] = ipairs(iu8(tiles[n] + 192 + 2 * i * kRows), iu8(tiles[n] + 192 + (2 * i + 1) * kRows));
       }

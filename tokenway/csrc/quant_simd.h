@@ -187,6 +187,11 @@ inline IV iquad(const void* p) {
   std::memcpy(&bits, p, sizeof(bits));
   return iset32(bits);
 }
+// The cache line at p + offset into L1, ahead of its use. A prefetch never faults, so the address
+// may lie past the buffer's end: it is computed as an integer.
+inline void prefetch(const void* p, int64_t offset) {
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + offset), _MM_HINT_T0);
+}
 // Two int32 vectors' low halves as int16 pairs: lo's in each dword's low word, hi's in its high one.
 inline IV ipairs(IV lo, IV hi) { return ior(iand(lo, iset32(0xFFFF)), ishl32<16>(hi)); }
 // With VNNI a code's 8 bits meet int8 activations in one product; maddubs takes codes below 128.

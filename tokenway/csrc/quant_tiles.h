@@ -61,6 +61,7 @@ struct SubCodes {
   const uint8_t* sub;
   IV high0, high1;
 
+  SubCodes() = default;
   explicit SubCodes(const uint8_t* s) : sub(s) {
     if constexpr (Bits == 5 || Bits == 6) high0 = iload(s + 256);
     if constexpr (Bits == 6) high1 = iload(s + 320);
