@@ -1,6 +1,6 @@
 // 16 lanes, one per row of a group, for quant.cpp's kernels: one __m512 / __m512i with AVX512,
 // a pair of 8-lane AVX2 vectors (rows 0-7, 8-15) otherwise, so the kernels are written once.
-// IV: 16 dwords (each a row's four neighbouring 8-bit codes, or an int32 sum), FV: 16 floats.
+// IV: 16 dwords (each a row's four neighbouring 8-bit codes, an int32 sum or two int16), FV: 16 floats.
 // Included inside quant.cpp's anonymous namespace, after <immintrin.h>.
 #pragma once
 
@@ -24,7 +24,9 @@ template <int S> inline IV ishl32(IV a) { return _mm512_slli_epi32(a, S); }
 template <int S> inline IV ishr32(IV a) { return _mm512_srli_epi32(a, S); }
 inline IV ishuffle8(IV a, IV index) { return _mm512_shuffle_epi8(a, index); }  // within 16-byte lanes
 inline IV imul32(IV a, IV b) { return _mm512_mullo_epi32(a, b); }
-inline IV iclamp32(IV a, int32_t lo, int32_t hi) { return _mm512_min_epi32(_mm512_max_epi32(a, _mm512_set1_epi32(lo)), _mm512_set1_epi32(hi)); }
+inline IV iclamp32(IV a, int32_t lo, int32_t hi) {
+  return _mm512_min_epi32(_mm512_max_epi32(a, _mm512_set1_epi32(lo)), _mm512_set1_epi32(hi));
+}
 inline IV iu8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline IV is8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline int32_t ihsum(IV a) { return _mm512_reduce_add_epi32(a); }
@@ -56,13 +58,14 @@ inline FV fcvt(IV a) { return _mm512_cvtepi32_ps(a); }
 inline IV iround(FV a) { return _mm512_cvtps_epi32(a); }  // to nearest even
 inline FV fload(const float* p) { return _mm512_loadu_ps(p); }
 inline FV fload_bf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 inline FV fmaxabs(FV m, FV a) { return _mm512_max_ps(m, _mm512_abs_ps(a)); }
 inline float fhmax(FV a) { return _mm512_reduce_max_ps(a); }
 inline FV fhalves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline FV fu8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
-inline FV fi8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
+inline FV fu8(const uint8_t* p) { return fcvt(iu8(p)); }
+inline FV fi8(const uint8_t* p) { return fcvt(is8(p)); }
 inline void fstore(float* y, FV v, int valid) {
   if (valid == kRows) _mm512_storeu_ps(y, v);
   else _mm512_mask_storeu_ps(y, __mmask16((1u << valid) - 1), v);
@@ -161,12 +164,8 @@ inline FV fhalves(const uint8_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
 }
-inline FV fu8(const uint8_t* p) {
-  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load8(p))), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load8(p + 8)))};
-}
-inline FV fi8(const uint8_t* p) {
-  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p))), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p + 8)))};
-}
+inline FV fu8(const uint8_t* p) { return fcvt(iu8(p)); }
+inline FV fi8(const uint8_t* p) { return fcvt(is8(p)); }
 inline void fstore(float* y, FV v, int valid) {
   if (valid == kRows) {
     _mm256_storeu_ps(y, v.a);
