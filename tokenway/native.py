@@ -1,7 +1,7 @@
 """tokenway's own CPU kernels (C++, OpenMP), compiled for the CPU they run on.
 
 Each extension is built once per machine with torch.utils.cpp_extension (g++ and ninja) under
-`$TOKENWAY_CACHE_DIR/native/<name>-<key>`, where the key covers the sources, torch's version
+`$TOKENWAY_CACHE_DIR/native/<name>-<key>`, where the key covers the sources and their tree, torch's version
 and this CPU's instruction-set flags: a cache carried to a CPU without AVX512 is never loaded
 there, it is rebuilt for it. `-march=native` lets the compiler use what this CPU has.
 
@@ -69,6 +69,10 @@ def process_isa() -> str:
 def _key(sources: list[Path], isa: str) -> str:
     digest = hashlib.sha256(torch.__version__.encode())
     digest.update(isa.encode())
+    # ninja's build file names the sources by path and rebuilds when their mtimes are newer: two
+    # trees of the same sources (a checkout and a worktree) sharing one directory would rebuild
+    # each other's extension on every alternate start.
+    digest.update(str(SOURCE_DIR).encode())
     flags = sorted(flag for flag in cpu_flags() if flag.startswith(("avx", "amx", "fma", "f16c", "sse", "bmi")))
     digest.update(" ".join(flags).encode())
     for source in sources:
