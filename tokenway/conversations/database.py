@@ -1,0 +1,187 @@
+"""SqlResponseStore: the ResponseStore over one database, its queries on threads of its own.
+
+    event loop ── store.get(...) ──► outage? ── refuse at once: ResponseStoreUnavailable (503, Retry-After)
+                                        │ no
+                                        ▼
+    executor: num_connections threads, each with its own backend (connection), opened by its
+    first query ──► the query; a transient failure: once more on a new connection, then an outage
+
+An outage (the database failed twice running) makes every call refuse at once until its
+retry time, 0.5 s doubling to 5 s, so that a database host gone silent costs the first call a
+timeout rather than every call one; the first call after that time tries the database again,
+and its success ends the outage. The log gets one line when an outage starts and one when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+from tokenway.conversations.backend import ResponseBackend, close_quietly, is_transient
+from tokenway.conversations.store import (
+    DEFAULT_CHAIN_LIMIT,
+    MAX_PAGE_ITEMS,
+    ORDERS,
+    STATUS_TO_FROM_STATUSES,
+    ConversationTooLongError,
+    InputItemsPage,
+    JSONObject,
+    PreviousResponseNotFoundError,
+    ResponseStatus,
+    ResponseStoreUnavailable,
+    StoredResponse,
+    Turn,
+    check_status,
+)
+from tokenway.protocol.errors import FieldError, truncate
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Outage:
+    since: float  # unix time of the failure that began it
+    backoff_s: float
+    retry_at: float  # time.monotonic(): before it, calls are refused without trying the database
+
+
+class SqlResponseStore:
+    def __init__(self, connect: Callable[[], ResponseBackend], num_connections: int, name: str) -> None:
+        """connect: opens one backend (a connection; the schema made if missing). name: the
+        database for the log, without a password."""
+        self._connect = connect
+        self._name = name
+        self._executor = ThreadPoolExecutor(max_workers=num_connections, thread_name_prefix="response-store")
+        self._local = threading.local()  # .backend: the executor thread's own connection
+        self._backends: list[ResponseBackend] = []  # every one open, to close them all at the end
+        self._backends_lock = threading.Lock()
+        self._outage: Outage | None = None  # swapped whole; read on the event loop, written by the threads
+        self._closed = False
+
+    async def create(self, response: StoredResponse) -> None:
+        await self._run(lambda backend: backend.insert(response))
+
+    async def update(self, response_id: str, *, status: ResponseStatus, response: JSONObject) -> bool:
+        check_status(status, response)
+        from_statuses = STATUS_TO_FROM_STATUSES[status]
+        return await self._run(lambda backend: backend.update(response_id, status, response, from_statuses))
+
+    async def get(self, response_id: str, key_id: str) -> StoredResponse | None:
+        return await self._run(lambda backend: backend.get(response_id, key_id))
+
+    async def delete(self, response_id: str, key_id: str) -> bool:
+        return await self._run(lambda backend: backend.delete(response_id, key_id))
+
+    async def chain(self, response_id: str, key_id: str, limit: int = DEFAULT_CHAIN_LIMIT) -> tuple[Turn, ...]:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        turns = await self._run(lambda backend: backend.chain(response_id, key_id, limit))
+        if not turns:
+            raise PreviousResponseNotFoundError(f"Previous response with id '{truncate(response_id)}' not found.")
+        if len(turns) > limit:
+            raise ConversationTooLongError(response_id, limit)
+        oldest = turns[0]
+        if oldest.previous_response_id is not None:
+            raise PreviousResponseNotFoundError(
+                f"Previous response with id '{truncate(response_id)}' cannot be continued: the response "
+                f"'{oldest.response_id}' in its conversation continues '{oldest.previous_response_id}', "
+                "which was not found.")
+        return tuple(turns)
+
+    async def input_items(self, response_id: str, key_id: str, *, after: str | None = None, limit: int = 20,
+                          order: Literal["asc", "desc"] = "desc") -> InputItemsPage | None:
+        if not 1 <= limit <= MAX_PAGE_ITEMS:
+            raise FieldError("limit", f"must be between 1 and {MAX_PAGE_ITEMS}, got {limit}")
+        if order not in ORDERS:
+            raise FieldError("order", f"must be 'asc' or 'desc', got {truncate(str(order))!r}")
+        items = await self._run(lambda backend: backend.input_items(response_id, key_id))
+        if items is None:
+            return None
+        ordered = items if order == "asc" else items[::-1]
+        start = 0
+        if after is not None:
+            index = next((i for i, item in enumerate(ordered) if item["id"] == after), None)
+            if index is None:
+                raise FieldError("after", f"the response has no input item with id {truncate(after)!r}")
+            start = index + 1
+        data = ordered[start:start + limit]
+        return InputItemsPage(data, data[0]["id"] if data else None, data[-1]["id"] if data else None,
+                              start + limit < len(ordered))
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.to_thread(self._executor.shutdown)  # the queries under way finish first
+        with self._backends_lock:
+            backends, self._backends = self._backends, []
+        for backend in backends:
+            close_quietly(backend)
+
+    async def _run(self, query: Callable[[ResponseBackend], T]) -> T:
+        if self._closed:
+            raise RuntimeError("the response store is closed")
+        outage = self._outage
+        if outage is not None and (wait_s := outage.retry_at - time.monotonic()) > 0:
+            raise ResponseStoreUnavailable(wait_s)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._query, query)
+
+    def _query(self, query: Callable[[ResponseBackend], T]) -> T:
+        """On an executor thread."""
+        error: Exception | None = None
+        # A connection that fails gets one more try on a new one: the database may have dropped
+        # it (a restart, an idle timeout). A new one that fails does not: the next would wait out
+        # the same connect timeout. An insert retried after a commit whose reply was lost is a no-op.
+        for _ in range(2):
+            backend: ResponseBackend | None = getattr(self._local, "backend", None)
+            reused = backend is not None
+            try:
+                if backend is None:
+                    backend = self._local.backend = self._open()
+                result = query(backend)
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                self._drop(backend)
+                error = exc
+                if reused:
+                    continue
+                break
+            if (outage := self._outage) is not None:
+                self._outage = None
+                logger.info("response store: %s is reachable again, after %.0f s", self._name,
+                            time.time() - outage.since)
+            return result
+        previous = self._outage
+        backoff_s = RETRY_FIRST_S if previous is None else min(2 * previous.backoff_s, RETRY_MAX_S)
+        if previous is None:
+            logger.warning("response store: %s is unreachable (%r); calls are refused with 503 until it is back",
+                           self._name, error)
+        since = time.time() if previous is None else previous.since
+        self._outage = Outage(since, backoff_s, time.monotonic() + backoff_s)
+        raise ResponseStoreUnavailable(backoff_s) from error
+
+    def _open(self) -> ResponseBackend:
+        backend = self._connect()
+        with self._backends_lock:
+            self._backends.append(backend)
+        return backend
+
+    def _drop(self, backend: ResponseBackend | None) -> None:
+        self._local.backend = None
+        if backend is not None:
+            with self._backends_lock:
+                if backend in self._backends:
+                    self._backends.remove(backend)
+            close_quietly(backend)
