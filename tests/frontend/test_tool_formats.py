@@ -232,3 +232,18 @@ def test_a_tool_no_arguments_can_satisfy_is_refused_naming_it(base):
     never = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}
     with pytest.raises(ValueError, match=r"^tools\[2\]\.function\.parameters: the parameters of tool 'f'"):
         checker.check_tools([WEATHER, ORDER, never])
+
+
+@pytest.mark.parametrize("name", ["Qwen-Qwen2.5-7B-Instruct.jinja", "generic"])
+def test_tool_choice_none_leaves_the_tools_out_and_keeps_the_response_format(base, name):
+    tokenizer = base if name == "generic" else with_template(base, name)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    messages = conversation()[:2]
+    prompt = build_chat_prompt(tokenizer, messages, [WEATHER], "none", response_format=response_format)
+    assert prompt.reply_format is None and prompt.grammar is None
+    assert prompt.json_schema == schema
+    assert prompt.prompt_token_ids == build_chat_prompt(tokenizer, messages).prompt_token_ids
+    with_tools = build_chat_prompt(tokenizer, messages, [WEATHER], "auto", response_format=response_format)
+    assert with_tools.reply_format is not None  # tools win over the response_format
+    assert with_tools.prompt_token_ids != prompt.prompt_token_ids

@@ -106,29 +106,29 @@ def build_chat_prompt(
     if not tokenizer.special_tokens_in_messages:
         (messages, rendered_tools), escaped = special_text.escape(tokenizer, [messages, tools])
     messages = normalize_messages(messages)
-    use_tools = bool(tools) and tool_choice != "none"
     prompt = ChatPrompt(prompt_token_ids=[])
     fmt = tool_format(tokenizer, tool_parser)
     if parallel_tool_calls is None:
         parallel_tool_calls = fmt != "generic"
-    template_tools = None
     if fmt == "generic":
         messages = generic_tools.render_tool_messages(messages)
-        if use_tools:
-            messages = _with_system(messages, generic_tools.tool_system_prompt(rendered_tools, tool_choice))
-            prompt.json_schema = generic_tools.tool_call_schema(tools, tool_choice, parallel_tool_calls)
     else:
         messages = render_native_messages(messages, fmt)
-        if use_tools:
+    template_tools = None
+    if tools and tool_choice != "none":
+        assert rendered_tools is not None  # escape() hands the values back in their shapes
+        if fmt == "generic":
+            messages = _with_system(messages, generic_tools.tool_system_prompt(rendered_tools, tool_choice))
+            prompt.json_schema = generic_tools.tool_call_schema(tools, tool_choice, parallel_tool_calls)
+        else:
             template_tools = [_as_tool(tool) for tool in rendered_tools]
             if tool_choice == "required" or isinstance(tool_choice, dict):
                 prompt.grammar = native_call_grammar(fmt, tools, tool_choice, parallel_tool_calls)
             elif fmt == "hermes":
                 prompt.grammar = hermes_auto_grammar(tools)
-    if use_tools:
         prompt.reply_format = ReplyFormat(fmt, max_calls=None if parallel_tool_calls else 1)
-    else:
-        kind = (response_format or {}).get("type", "text")
+    elif response_format is not None:
+        kind = response_format.get("type", "text")
         if kind == "json_schema":
             prompt.json_schema = response_format["json_schema"].get("schema") or {}
         elif kind == "json_object":

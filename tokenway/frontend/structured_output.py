@@ -23,7 +23,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,23 +34,29 @@ from tokenway.protocol.errors import FieldError
 from tokenway.protocol.sampling import StructuredOutputSpec
 
 if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # only its stub defines it; llguidance exports no name for it
+
     from tokenway.frontend.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 # Compact JSON with fixed separators: with free whitespace a small model can emit blanks
 # forever and never close the object. ", " and ": " are what models (and json.dumps) write.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def llguidance_grammar(spec: StructuredOutputSpec) -> str:
     """The spec in llguidance's grammar language."""
     if spec.kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+    # StructuredOutputSpec.__post_init__ holds that the field of the spec's kind is set.
     if spec.kind == "json_schema":
+        assert spec.schema is not None
         return llguidance.LLMatcher.grammar_from_json_schema(spec.schema, defaults=_JSON_OPTIONS)
     if spec.kind == "regex":
+        assert spec.pattern is not None
         return llguidance.LLMatcher.grammar_from_regex(spec.pattern)
+    assert spec.grammar is not None
     return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
 
 
@@ -94,7 +100,7 @@ class StructuredOutputManager:
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int], max_cached_grammars: int = 256
+        self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Iterable[int], max_cached_grammars: int = 256
     ) -> None:
         self.vocab_size = vocab_size
         # Padding or truncation in tokenizer.json would also apply to what llguidance tokenizes.
@@ -127,11 +133,12 @@ class StructuredOutputManager:
 
     def grammar_bitmask(self, grammars: Sequence[GrammarMatcher | None]) -> GrammarBitmask | None:
         """grammars: one per batch row (None where unconstrained). None when no row has one."""
-        row_ids = [row for row, grammar in enumerate(grammars) if grammar is not None]
-        if not row_ids:
+        row_to_matcher = {row: grammar._matcher for row, grammar in enumerate(grammars) if grammar is not None}
+        if not row_to_matcher:
             return None
+        row_ids = list(row_to_matcher)
         bitmask = torch.zeros((len(row_ids), self._num_words), dtype=torch.int32)
-        jobs = [(grammars[row]._matcher, index) for index, row in enumerate(row_ids)]  # type: ignore[union-attr]
+        jobs = [(matcher, index) for index, matcher in enumerate(row_to_matcher.values())]
         self._executor.unsafe_compute_mask_ptr(jobs, bitmask.data_ptr(), self._num_words * 4, len(row_ids))
         return GrammarBitmask(torch.tensor(row_ids, dtype=torch.int64), bitmask)
 

@@ -176,7 +176,7 @@ class _CallObject:
         self.state = "key_or_end"
         self.key = ""
         self.text: list[str] = []  # the key or value being read
-        self.scanner: _ValueScanner | None = None
+        self.scanner = _ValueScanner()  # of the key or value being read; each gets a fresh one
         self.name: str | None = None
         self.arguments: str | None = None  # read before the name, or as a string: sent with the name
         self.streaming = False
@@ -360,8 +360,10 @@ class ToolCallParser:
 
     def _call_char(self, ch: str) -> bool:
         """Feed the open call; True once it has ended (completed or failed)."""
-        verdict = self.call.push(ch)
-        if self.call.failed:  # malformed: the call, if it was begun, never completes
+        call = self.call
+        assert call is not None, "a parser in mode 'call' has an open call"
+        verdict = call.push(ch)
+        if call.failed:  # malformed: the call, if it was begun, never completes
             self.call = None
             return True
         if verdict == _ENDS_WITH:
@@ -574,7 +576,7 @@ class GenericParser(ToolCallParser):
         super().__init__(*args, **kwargs)
         self.mode = "opening"
         self.held = ""
-        self.string: _StringDecoder | None = None
+        self.string = _StringDecoder()  # the "response" text, once the opening says it is one
 
     def _push(self, ch: str) -> None:
         mode = self.mode
@@ -593,7 +595,7 @@ class GenericParser(ToolCallParser):
             if opening is not None:
                 self.held = ""
                 if opening.group(1) == "response":
-                    self.mode, self.string = "response", _StringDecoder()
+                    self.mode = "response"
                 else:
                     self.mode = "array"
             elif self._MAYBE.match(self.held) is None:
