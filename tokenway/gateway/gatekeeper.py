@@ -28,6 +28,7 @@ from tokenway.gateway.budgets import (
     BudgetReservation,
     BudgetStore,
     InProcessBudgets,
+    JointStore,
     SeedUnavailable,
     format_usd,
     nanos_down,
@@ -164,7 +165,7 @@ class Gatekeeper:
                          nanos_up(cost_usd(price, num_prompt_tokens, 0, num_completion_tokens)), num_prompt_tokens, n)
         if self.joint is not None:
             try:
-                return await self._reserve_both(key_id, spec, reserve_tokens, ask)
+                return await self._reserve_both(self.joint, key_id, spec, reserve_tokens, ask)
             except LimitsUnavailable:
                 pass  # in turn below, where each store's breaker and the policy decide, as for separate stores
         budget = await self._reserve_budget(key_id, ask)
@@ -176,11 +177,12 @@ class Gatekeeper:
             raise
         return Admission(decision, reserve_tokens, budget)
 
-    async def _reserve_both(self, key_id: str, spec: LimitSpec, reserve_tokens: int, ask: _BudgetAsk) -> Admission:
+    async def _reserve_both(self, joint: JointStore, key_id: str, spec: LimitSpec, reserve_tokens: int,
+                            ask: _BudgetAsk) -> Admission:
         """Both reservations in one step of the joint store; LimitsUnavailable if it cannot answer."""
         try:
-            both = await self.guard.call(BOTH_STORES, lambda: self.joint.admit(key_id, spec, reserve_tokens,
-                                                                               ask.budget_nanos, ask.worst_nanos))
+            both = await self.guard.call(BOTH_STORES, lambda: joint.admit(key_id, spec, reserve_tokens,
+                                                                          ask.budget_nanos, ask.worst_nanos))
         except SeedUnavailable:  # the budget goes by the policy, as in _reserve_budget; the limits by their store
             decision = await self._budget_by_policy(key_id, ask)
             if decision is not None:
@@ -275,9 +277,9 @@ class Gatekeeper:
                              budget: BudgetReservation | None, used_nanos: int) -> None:
         # Kept and replayed if a store is down: a reconcile or settle of a reservation its store
         # no longer holds is harmless (budgets_redis.py: the epoch).
-        if self.joint is not None and budget is not None and reservation is not None:
-            await self.guard.settle(BOTH_STORES, lambda: self.joint.settle(budget, used_nanos, reservation,
-                                                                           used_tokens))
+        joint = self.joint
+        if joint is not None and budget is not None and reservation is not None:
+            await self.guard.settle(BOTH_STORES, lambda: joint.settle(budget, used_nanos, reservation, used_tokens))
             return
         if budget is not None:
             await self.guard.settle("budgets", lambda: self.budgets.settle(budget, used_nanos))
@@ -311,10 +313,12 @@ class Gatekeeper:
             return None
         call.committed = True
         call.end_as_sent(status)
+        outcome = call.outcome
+        assert outcome is not None, "end_as_sent() leaves every call with an outcome"
         call.clock.start_billing()
-        cost = self.cost_usd(call.model, call.outcome)
-        self._settle(call.admission, call.outcome, cost)
-        return self.usage_record(call, call.outcome, cost)
+        cost = self.cost_usd(call.model, outcome)
+        self._settle(call.admission, outcome, cost)
+        return self.usage_record(call, outcome, cost)
 
     async def commit(self, call: Call, status: int = 0) -> None:
         """Write the call's one ledger row and wait until it is durable."""
