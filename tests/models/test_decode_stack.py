@@ -26,9 +26,10 @@ pytestmark = pytest.mark.skipif(not quant.available(), reason="the quant kernel 
 
 BLOCK_SIZE = 4
 # Per layer, the block type of each matmul: a stack holds every type the kernel reads, K-quants
-# beside the 32-weight ones, as a Q4_K_M file's layers do.
+# beside the 32-weight ones, as a Q4_K_M file's layers do, and (layer 0) a fused q/k/v of two
+# types, as half a Q4_K_M file's layers have (Q6_K v beside Q4_K q and k).
 QTYPES = [
-    {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q4_K", "o_proj": "Q5_0", "gate_proj": "Q6_K", "up_proj": "Q6_K",
+    {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q5_0", "gate_proj": "Q6_K", "up_proj": "Q6_K",
      "down_proj": "Q5_K"},
     {"q_proj": "Q4_1", "k_proj": "Q4_1", "v_proj": "Q4_1", "o_proj": "Q8_0", "gate_proj": "Q8_0", "up_proj": "Q8_0",
      "down_proj": "Q4_1"},
@@ -110,8 +111,11 @@ def test_decode_steps_equal_the_python_loop(dtype, activations, monkeypatch):
     if runner.decode_kernel is None:
         pytest.skip("the native attention kernel does not build here")
     assert runner.native_layers and isinstance(model.decode_stack, DecodeStack)
-    assert [kernel.qtype for kernel in model.decode_stack.kernels] == [
-        layer[part] for layer in QTYPES for part in ("q_proj", "o_proj", "gate_proj", "down_proj")]
+    # Each matmul's parts: one kernel, or one a block type of a fused matmul (layer 0's q/k/v).
+    assert [[kernel.qtype for kernel in parts] for parts in model.decode_stack.matmuls] == [
+        ["Q4_K", "Q4_K", "Q6_K"], ["Q5_0"], ["Q6_K"], ["Q5_K"],
+        ["Q4_1"], ["Q8_0"], ["Q8_0"], ["Q4_1"],
+        ["Q6_K"], ["Q4_0"], ["Q5_1"], ["Q4_K"]]
     groups = []
     shared_prefixes = runner._shared_prefixes
     monkeypatch.setattr(runner, "_shared_prefixes", lambda *args: groups.append(shared_prefixes(*args)) or groups[-1])

@@ -10,10 +10,12 @@
 //
 //   Stack(tensors, ints, eps, scale, products)   built once per model and KV cache:
 //     tensors: cos_table, sin_table, then per layer
-//              input_norm, post_norm, k_cache, v_cache, and for each of qkv, o, gate_up, down
+//              input_norm, post_norm, k_cache, v_cache, and for each part of qkv, o, gate_up, down
 //              weight (quant.cpp's tiles), bias (an empty tensor: no bias)
-//     ints:    heads, kv_heads, head_dim, block_size, then per layer and matmul (n, qtype: its
-//              GGML type id), so each matmul may be of its own block type
+//     ints:    heads, kv_heads, head_dim, block_size, then per layer and matmul its number of
+//              parts, then per part (n, qtype: its GGML type id): each matmul may be of its own
+//              block type, and a fused one of several (a Q4_K_M file's Q6_K v beside Q4_K q and
+//              k), each part writing its columns of one output as models/decoder.ConcatKernel does
 //   decode(stack, x, positions, slot_mapping, block_tables, context_lens, prefix_leaders?, prefix_lens?)
 //     x (T, hidden) float32 embeddings of T decode tokens -> (T, hidden) float32 hidden states
 //     before the final norm (x + residual of the last layer), as LlamaForCausalLM.forward.
@@ -30,15 +32,20 @@
 
 namespace {
 
-constexpr int kMatmuls = 4;      // qkv, o, gate_up, down
-constexpr int kPerMatmul = 2;    // weight, bias
-constexpr int kPerLayer = 4 + kMatmuls * kPerMatmul;
-constexpr int kHeader = 4;       // heads, kv_heads, head_dim, block_size
+constexpr int kMatmuls = 4;  // qkv, o, gate_up, down
+constexpr int kPerLayer = 4;  // input_norm, post_norm, k_cache, v_cache; then the matmuls' parts
+constexpr int kHeader = 4;    // heads, kv_heads, head_dim, block_size
 
-struct Matmul {
+struct Part {
   at::Tensor weight;
   std::optional<at::Tensor> bias;
   int64_t n = 0, qtype = 0;
+};
+
+// One matmul's parts, side by side in its output's columns.
+struct Matmul {
+  std::vector<Part> parts;
+  int64_t n = 0;  // all parts' columns
 };
 
 struct Layer {
@@ -55,26 +62,32 @@ struct Stack : torch::CustomClassHolder {
 
   Stack(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, double eps, double scale, std::string products)
       : eps(eps), scale(scale), products(std::move(products)) {
-    TORCH_CHECK(tensors.size() >= 2 && (tensors.size() - 2) % kPerLayer == 0,
-                "tensors: cos_table, sin_table, then ", kPerLayer, " per layer");
-    const size_t num_layers = (tensors.size() - 2) / kPerLayer;
-    TORCH_CHECK(num_layers > 0 && ints.size() == kHeader + num_layers * kMatmuls * 2,
-                "ints: heads, kv_heads, head_dim, block_size, then (n, qtype) per layer and matmul");
+    TORCH_CHECK(tensors.size() >= 2 && ints.size() >= kHeader,
+                "tensors: cos_table, sin_table, then per layer; ints: heads, kv_heads, head_dim, block_size, then "
+                "per layer");
     cos_table = tensors[0], sin_table = tensors[1];
     heads = ints[0], kv_heads = ints[1], head_dim = ints[2], block_size = ints[3];
     TORCH_CHECK(heads > 0 && kv_heads > 0 && head_dim > 0 && block_size > 0, "positive shapes");
-    for (size_t l = 0; l < num_layers; ++l) {
-      const at::Tensor* t = tensors.data() + 2 + l * kPerLayer;
-      const int64_t* shape = ints.data() + kHeader + l * kMatmuls * 2;
-      Layer layer{t[0], t[1], t[2], t[3], {}, {}, {}, {}};
-      Matmul* matmuls[kMatmuls] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
-      for (int i = 0; i < kMatmuls; ++i) {
-        const at::Tensor* w = t + 4 + i * kPerMatmul;
-        *matmuls[i] = Matmul{w[0], w[1].numel() ? std::optional<at::Tensor>(w[1]) : std::nullopt, shape[2 * i],
-                             shape[2 * i + 1]};
+    size_t t = 2, i = kHeader;  // the next tensor and int
+    while (t < tensors.size()) {
+      TORCH_CHECK(t + kPerLayer <= tensors.size(), "tensors: ", kPerLayer, " per layer before its matmuls");
+      Layer layer{tensors[t], tensors[t + 1], tensors[t + 2], tensors[t + 3], {}, {}, {}, {}};
+      t += kPerLayer;
+      for (Matmul* matmul : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
+        TORCH_CHECK(i < ints.size() && ints[i] > 0, "ints: each matmul's number of parts (at least one)");
+        const int64_t num_parts = ints[i++];
+        TORCH_CHECK(i + 2 * num_parts <= ints.size() && t + 2 * num_parts <= tensors.size(),
+                    "a (weight, bias) tensor pair and an (n, qtype) int pair per part");
+        for (int64_t p = 0; p < num_parts; ++p, t += 2, i += 2) {
+          const at::Tensor& bias = tensors[t + 1];
+          matmul->parts.push_back(
+              Part{tensors[t], bias.numel() ? std::optional<at::Tensor>(bias) : std::nullopt, ints[i], ints[i + 1]});
+          matmul->n += ints[i];
+        }
       }
       layers.push_back(std::move(layer));
     }
+    TORCH_CHECK(!layers.empty() && i == ints.size(), "ints: ", ints.size() - i, " left over after the last layer");
   }
 };
 
@@ -83,6 +96,9 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, c10::string_view,
                                       const std::optional<at::Tensor>&)>
       quant_linear;
+  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, int64_t, int64_t, c10::string_view,
+                                const std::optional<at::Tensor>&, at::Tensor)>
+      quant_linear_out;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       at::Tensor, at::Tensor, const at::Tensor&, int64_t, int64_t)>
       rope_and_cache;
@@ -101,6 +117,9 @@ struct Ops {
           d.findSchemaOrThrow("tokenway_quant::quant_linear", "")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, c10::string_view,
                                 const std::optional<at::Tensor>&)>(),
+          d.findSchemaOrThrow("tokenway_quant::quant_linear_out", "")
+              .typed<void(const at::Tensor&, const at::Tensor&, int64_t, int64_t, c10::string_view,
+                          const std::optional<at::Tensor>&, at::Tensor)>(),
           d.findSchemaOrThrow("tokenway_fused::rope_and_cache", "")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 at::Tensor, at::Tensor, const at::Tensor&, int64_t, int64_t)>(),
@@ -127,7 +146,18 @@ at::Tensor decode(const c10::intrusive_ptr<Stack>& s, const at::Tensor& x, const
   const int64_t tokens = x.size(0), q_size = s->heads * s->head_dim;
   const c10::string_view products(s->products);
   auto linear = [&](const at::Tensor& input, const Matmul& w) {
-    return ops.quant_linear.call(input, w.weight, w.n, w.qtype, products, w.bias);
+    if (w.parts.size() == 1) {
+      const Part& part = w.parts[0];
+      return ops.quant_linear.call(input, part.weight, part.n, part.qtype, products, part.bias);
+    }
+    at::Tensor out = at::empty({tokens, w.n}, input.options().dtype(at::kFloat));
+    int64_t column = 0;
+    for (const Part& part : w.parts) {
+      ops.quant_linear_out.call(input, part.weight, part.n, part.qtype, products, part.bias,
+                                out.narrow(1, column, part.n));
+      column += part.n;
+    }
+    return out;
   };
   // The residual add of each layer is fused into the next layer's input norm (llama.py forward_fused).
   at::Tensor residual = x;

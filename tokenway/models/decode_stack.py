@@ -8,7 +8,8 @@ loop's (LlamaForCausalLM.forward with the fused kernels) bit for bit.
 
 It serves steps where every token is a decode (prompt chunks take the Python loop, whose
 prefill attention is torch's) and every layer's matmuls read GGUF blocks (models/quant.py)
-with one kind of products (each matmul of any block type the kernel reads).
+with one kind of products (each matmul of any block type the kernel reads, a fused one of
+several: a Q4_K_M file's Q6_K v beside Q4_K q and k, as models/decoder.ConcatKernel runs it).
 """
 
 from __future__ import annotations
@@ -26,23 +27,27 @@ if TYPE_CHECKING:
 
 
 class DecodeStack:
-    __slots__ = ("_decode", "_stack", "kernels", "kv_caches")
+    __slots__ = ("_decode", "_stack", "kernels", "kv_caches", "matmuls")
 
-    def __init__(self, model: DecoderForCausalLM, kernels: list[QuantKernel],
+    def __init__(self, model: DecoderForCausalLM, matmuls: list[list[QuantKernel]],
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, ops) -> None:
-        """kernels: every layer's matmuls in call order (qkv, o, gate_up, down), all on blocks."""
+        """matmuls: every layer's matmuls in call order (qkv, o, gate_up, down), each as the
+        kernels of its parts (one, or a ConcatKernel's), all on blocks."""
         config = model.config
         self.kv_caches = kv_caches
+        self.matmuls = matmuls
+        self.kernels = [kernel for parts in matmuls for kernel in parts]
         tensors = [model.rope_cos, model.rope_sin]
         ints = [config.num_attention_heads, config.num_key_value_heads, config.head_dim, block_size]
-        self.kernels = kernels
         empty = torch.empty(0)
         for index, (layer, (k_cache, v_cache)) in enumerate(zip(model.decoder_layers, kv_caches)):
             tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, k_cache, v_cache]
-            for kernel in kernels[4 * index:4 * index + 4]:
-                bias = kernel.bias_or_none
-                tensors += [kernel.weight, empty if bias is None else bias]
-                ints += [kernel.out_features, kernel.qtype_id]
+            for parts in matmuls[4 * index:4 * index + 4]:
+                ints.append(len(parts))
+                for kernel in parts:
+                    bias = kernel.bias_or_none
+                    tensors += [kernel.weight, empty if bias is None else bias]
+                    ints += [kernel.out_features, kernel.qtype_id]
         scale = model.decoder_layers[0].self_attn.scale
         self._stack = torch.classes.tokenway_layers.Stack(tensors, ints, config.rms_norm_eps, scale,
                                                           self.kernels[0].products)
@@ -53,21 +58,27 @@ class DecodeStack:
               block_size: int) -> DecodeStack | None:
         """The stack for these caches, or None when a layer cannot run in it (a float weight,
         mixed products, the fused kernels off) or the native kernels are not built."""
+        from tokenway.models.decoder import ConcatKernel
         from tokenway.models.quant import QuantKernel
 
         layers = model.decoder_layers
         if model.fused is None or len(kv_caches) != len(layers):
             return None
-        matmuls = [kernel for layer in layers
-                   for kernel in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down)]
-        kernels = [kernel for kernel in matmuls if isinstance(kernel, QuantKernel)]
-        if len(kernels) < len(matmuls) or len({k.products for k in kernels}) != 1:
+        matmuls: list[list[QuantKernel]] = []
+        for layer in layers:
+            for kernel in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down):
+                parts = kernel.parts if isinstance(kernel, ConcatKernel) else [kernel]
+                on_blocks = [part for part in parts if isinstance(part, QuantKernel)]
+                if len(on_blocks) < len(parts):  # a float weight, or blocks through torch operators
+                    return None
+                matmuls.append(on_blocks)
+        if len({kernel.products for parts in matmuls for kernel in parts}) != 1:
             return None
         # The operators the stack calls must be registered before it looks them up.
         if native.load("quant") is None or native.load("attention") is None:
             return None
         ops = native.load("layers")
-        return None if ops is None else cls(model, kernels, kv_caches, block_size, ops)
+        return None if ops is None else cls(model, matmuls, kv_caches, block_size, ops)
 
     def takes(self, num_tokens: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
               meta: AttentionMetadata) -> bool:
