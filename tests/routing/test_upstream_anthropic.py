@@ -21,7 +21,7 @@ from tokenway.protocol.errors import (
 )
 from tokenway.protocol.job import ChoiceDelta, GenerationJob, ToolCallDelta, Usage
 from tokenway.protocol.sampling import SamplingParams
-from tokenway.routing.anthropic_upstream import AnthropicUpstream, to_anthropic_tool_choice
+from tokenway.routing.anthropic_upstream import AnthropicUpstream, sum_usages, to_anthropic_tool_choice
 
 from .stub_upstream import Reply, StubUpstream, anthropic_event, collect, reassemble_tool_calls
 
@@ -46,6 +46,10 @@ def make_job(deadline: float | None = None, **fields) -> GenerationJob:
 
 def upstream_for(stub: StubUpstream, **options) -> AnthropicUpstream:
     return AnthropicUpstream("claude", stub.base_url, "claude-x", **options)
+
+
+def test_an_upstream_is_a_replica_that_publishes_no_engine_stats(stub):
+    assert upstream_for(stub).stats() is None
 
 
 def message_start(input_tokens: int = 10, **usage) -> bytes:
@@ -231,6 +235,14 @@ def test_n_choices_run_as_concurrent_calls_and_sum_their_usage(stub):
         assert [event for event in events if isinstance(event, ChoiceDelta) and event.index == index] == [
             ChoiceDelta(index, text="same"), ChoiceDelta(index, finish_reason="stop")]
     assert events[-1] == Usage(20, 6)  # each call read the prompt, and is billed for it
+
+
+def test_n_usages_sum_and_are_counted_by_the_least_exact_counter():
+    replica, tokenizer, estimate = (Usage(10, 3, cached_tokens=2), Usage(10, 4, counted_by="tokenizer"),
+                                    Usage(10, 5, counted_by="estimate"))
+    assert sum_usages([replica, tokenizer, estimate]) == Usage(30, 12, cached_tokens=2, counted_by="estimate")
+    assert sum_usages([tokenizer, replica]) == Usage(20, 7, cached_tokens=2, counted_by="tokenizer")
+    assert sum_usages([replica, replica]) == Usage(20, 6, cached_tokens=4)
 
 
 def test_one_failed_choice_fails_the_call_and_hangs_up_on_the_others(stub):

@@ -58,6 +58,10 @@ def upstream_for(stub: StubUpstream, **options) -> OpenAIUpstream:
     return OpenAIUpstream("vllm-a", stub.base_url, "upstream-model", **options)
 
 
+def test_an_upstream_is_a_replica_that_publishes_no_engine_stats(stub):
+    assert upstream_for(stub).stats() is None
+
+
 HELLO = (openai_chunk(text=""), openai_chunk(text="Hel"), openai_chunk(text="lo", finish_reason="stop"),
          openai_usage(7, 2, cached_tokens=4), DONE)
 

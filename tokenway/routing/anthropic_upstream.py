@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -97,6 +97,7 @@ def to_anthropic_messages(messages: Sequence[dict[str, Any]]) -> tuple[str | Non
 
 
 def to_anthropic_tool_choice(tool_choice: str | dict[str, Any], parallel_tool_calls: bool) -> dict[str, Any]:
+    choice: dict[str, Any]
     if isinstance(tool_choice, dict):
         choice = {"type": "tool", "name": tool_choice["function"]["name"]}
     else:
@@ -204,8 +205,8 @@ class _MessageReader:
 
 def sum_usages(usages: Sequence[Usage]) -> Usage:
     """One Usage for n calls; counted_by is the least exact of theirs."""
-    counted_by = next((kind for kind in ("estimate", "tokenizer") if any(u.counted_by == kind for u in usages)),
-                      "replica")
+    kinds = {u.counted_by for u in usages}
+    counted_by = "estimate" if "estimate" in kinds else "tokenizer" if "tokenizer" in kinds else "replica"
     return Usage(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
                  cached_tokens=sum(u.cached_tokens for u in usages), counted_by=counted_by)
 
@@ -232,7 +233,11 @@ class AnthropicUpstream(HTTPReplica):
     def __repr__(self) -> str:
         return f"AnthropicUpstream(name={self.name!r}, base_url={self.http.base_url!r}, model={self.model!r})"
 
-    async def generate(self, job: GenerationJob) -> AsyncIterator[ReplicaEvent]:
+    def stats(self) -> None:
+        """An upstream publishes no engine counts (Replica.stats)."""
+        return None
+
+    async def generate(self, job: GenerationJob) -> AsyncGenerator[ReplicaEvent, None]:
         body = messages_body(job, self.model, self.default_max_tokens)
         readers = [_MessageReader(self.name, index) for index in range(job.n)]
         calls = [self._call(body, job.deadline, reader) for reader in readers]
@@ -243,7 +248,7 @@ class AnthropicUpstream(HTTPReplica):
                           for reader in readers])
 
     async def _call(self, body: dict[str, Any], deadline: float | None, reader: _MessageReader
-                    ) -> AsyncIterator[ChoiceDelta]:
+                    ) -> AsyncGenerator[ChoiceDelta, None]:
         events = self.http.stream_events("messages", body, deadline, is_last=lambda event: reader.stopped)
         async with aclosing(events):
             async for event in events:
@@ -257,12 +262,12 @@ class AnthropicUpstream(HTTPReplica):
 _END = object()
 
 
-async def _merge(streams: Sequence[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[ChoiceDelta]:
+async def _merge(streams: Sequence[AsyncGenerator[ChoiceDelta, None]]) -> AsyncGenerator[ChoiceDelta, None]:
     """The streams' deltas in arrival order. The first failure, or the reader stopping, cancels
     every call (each closes its upstream response as it unwinds)."""
     queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=16)
 
-    async def pump(stream: AsyncIterator[ChoiceDelta]) -> None:
+    async def pump(stream: AsyncGenerator[ChoiceDelta, None]) -> None:
         try:
             async with aclosing(stream):
                 async for delta in stream:

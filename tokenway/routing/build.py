@@ -54,18 +54,22 @@ async def build_router(registry: Registry, engine: EngineClient | None, *, max_p
             continue
         templated = [_templated_replica(entry, spec, engine) for spec in entry.replicas
                      if spec.kind in ("local", "worker")]
-        frontend = await _frontend(entry, templated, engine, cache_dir) if templated else None
+        frontend = await _frontend(entry, templated, cache_dir) if templated else None
         if frontend is not None:
             # A conversation comes back longer on every turn: its earlier turns' ids are kept.
             frontend.tokenizer.enable_segment_cache()
         count_tokens = _token_counter(frontend) if frontend is not None else None
         replicas = iter(templated)
-        pool = [next(replicas) if spec.kind in ("local", "worker") else _upstream(entry, spec, count_tokens)
-                for spec in entry.replicas]
+        pool: list[Replica] = [
+            next(replicas) if spec.kind in ("local", "worker") else _upstream(entry, spec, count_tokens)
+            for spec in entry.replicas]
         pools[entry.name] = _pool(entry, pool, max_pending_requests)
         if frontend is not None:
             frontends[entry.name] = frontend
-        windows[entry.name] = frontend.max_model_len if frontend is not None else entry.context_window
+            windows[entry.name] = frontend.max_model_len
+        else:
+            assert entry.context_window is not None, "ModelEntry requires the window of a model with upstreams"
+            windows[entry.name] = entry.context_window
     for name in pools:
         for fallback in registry.fallback_chain(name)[1:]:
             if fallback.name not in pools:
@@ -83,15 +87,19 @@ async def build_router(registry: Registry, engine: EngineClient | None, *, max_p
     return Routes(router, frontends, windows)
 
 
-def _templated_replica(entry: ModelEntry, spec: ReplicaSpec, engine: EngineClient | None) -> Replica:
+def _templated_replica(entry: ModelEntry, spec: ReplicaSpec, engine: EngineClient | None
+                       ) -> LocalReplica | WorkerReplica:
     if spec.kind == "local":
         if engine is None:
             raise ValueError(f"models: {entry.name}: a local replica needs this server's engine")
         return LocalReplica(engine, spec.name)
+    assert spec.url is not None, "ReplicaSpec requires a worker's url"
     return WorkerReplica(spec.name, spec.url, spec.secret_env, timeouts=entry.upstream_timeouts())
 
 
-def _upstream(entry: ModelEntry, spec: ReplicaSpec, count_tokens: CountTokens | None) -> Replica:
+def _upstream(entry: ModelEntry, spec: ReplicaSpec, count_tokens: CountTokens | None
+              ) -> OpenAIUpstream | AnthropicUpstream:
+    assert spec.url is not None and spec.model is not None, "ReplicaSpec requires an upstream's url and model"
     kind = OpenAIUpstream if spec.kind == "openai" else AnthropicUpstream
     return kind(spec.name, spec.url, spec.model, spec.api_key_env, timeouts=entry.upstream_timeouts(),
                 count_tokens=count_tokens)
@@ -117,12 +125,15 @@ def _pool(entry: ModelEntry, replicas: list[Replica], max_pending_requests: int)
     return Pool.of(entry.name, replicas, entry.balancer, entry.breaker, entry.health, max_in_flight)
 
 
-async def _frontend(entry: ModelEntry, replicas: list[Replica], engine: EngineClient | None,
-                    cache_dir: Path) -> ModelFrontend:
-    if any(isinstance(r, LocalReplica) for r in replicas):
-        return engine.frontend
+async def _frontend(entry: ModelEntry, replicas: list[LocalReplica | WorkerReplica], cache_dir: Path
+                    ) -> ModelFrontend:
+    """The local engine's where the pool has the local replica; else one from the tokenizer
+    files of the first of its workers that sends them."""
+    local = next((r for r in replicas if isinstance(r, LocalReplica)), None)
+    if local is not None:
+        return local.engine.frontend
     errors = []
-    for worker in replicas:
+    for worker in (r for r in replicas if isinstance(r, WorkerReplica)):
         try:
             model_dir = await worker.fetch_tokenizer(cache_dir)
             window = entry.context_window or (await worker.state()).get("max_model_len")

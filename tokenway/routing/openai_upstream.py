@@ -12,7 +12,7 @@ finish_reason; [DONE] ends reading (a clean end of body without it is accepted).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
@@ -164,7 +164,11 @@ class OpenAIUpstream(HTTPReplica):
     def __repr__(self) -> str:
         return f"OpenAIUpstream(name={self.name!r}, base_url={self.http.base_url!r}, model={self.model!r})"
 
-    async def generate(self, job: GenerationJob) -> AsyncIterator[ReplicaEvent]:
+    def stats(self) -> None:
+        """An upstream publishes no engine counts (Replica.stats)."""
+        return None
+
+    async def generate(self, job: GenerationJob) -> AsyncGenerator[ReplicaEvent, None]:
         chat = job.kind == "chat"
         body = (chat_body if chat else completion_body)(job, self.model, self._sampling_extensions)
         reader, path = _ChunkReader(self.name, job.n, chat), "chat/completions" if chat else "completions"

@@ -47,7 +47,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 from urllib.parse import urlsplit
@@ -204,7 +204,7 @@ class UpstreamHTTP:
             raise BadGatewayError(f"Upstream {self.name} failed: {detail}") from None
 
     async def stream_events(self, path: str, body: dict[str, Any], deadline: float | None,
-                            is_last: Callable[[SSEEvent], bool]) -> AsyncIterator[SSEEvent]:
+                            is_last: Callable[[SSEEvent], bool]) -> AsyncGenerator[SSEEvent, None]:
         """POSTs body and yields its events as they arrive; returns after the event is_last()
         accepts (draining the body's end so the connection is kept) or at the body's end.
         Closing this generator closes the response and its connection: the upstream sees it."""
