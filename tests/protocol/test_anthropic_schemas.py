@@ -1,5 +1,7 @@
-"""Anthropic Messages schemas: what the official SDK sends parses; our Message and stream events
-parse (strictly) in the SDK; conversion to chat-template messages keeps tool calls intact."""
+"""Anthropic Messages schemas: what the official SDK sends parses; what the server sends back
+(the real app and renderers, in front of a scripted replica), the final Message and every
+stream event, is the SDK's own types, validated strictly and with no key the SDK does not
+declare; conversion to chat-template messages keeps tool calls intact."""
 
 import json
 
@@ -7,42 +9,135 @@ import anthropic
 import httpx2
 import pydantic
 import pytest
+from anthropic.types import ErrorResponse, Message, RawMessageStreamEvent
 
-from tokenway.protocol.anthropic import (
-    ContentBlockDeltaEvent,
-    ContentBlockStartEvent,
-    ContentBlockStopEvent,
-    InputJSONDelta,
-    Message,
-    MessageDelta,
-    MessageDeltaEvent,
-    MessageDeltaUsage,
-    MessagesRequest,
-    MessageStartEvent,
-    MessageStopEvent,
-    MessageUsage,
-    PingEvent,
-    TextBlock,
-    TextDelta,
-    ToolUseBlock,
-    map_stop_reason,
-    to_chat_messages,
-    to_chat_tools,
-    to_content_blocks,
-)
+from tokenway.protocol.anthropic import MessagesRequest, to_chat_messages, to_chat_tools
+from tokenway.protocol.anthropic_bodies import map_stop_reason
 from tokenway.protocol.errors import (
     MAX_MESSAGE_CHARS,
+    BadGatewayError,
     InvalidRequestError,
     PayloadTooLargeError,
     ServiceUnavailableError,
     anthropic_error_body,
     from_validation_error,
 )
+from tokenway.protocol.job import ChoiceDelta, ToolCallDelta, Usage
 from tokenway.protocol.openai import ChatCompletionRequest
+
+from .conftest import MODEL, sse_events, validate_strictly
 
 WEATHER = {"name": "get_weather", "description": "Current weather",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-USAGE = MessageUsage(input_tokens=5, output_tokens=7, cache_read_input_tokens=8, cache_creation_input_tokens=0)
+MESSAGE_BODY = {"max_tokens": 64, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER]}
+# Text, then a tool call in two pieces; 8 of the 20 prompt tokens from the prefix cache.
+MESSAGE_EVENTS = [
+    ChoiceDelta(0, text="Let me check."),
+    ChoiceDelta(0, tool_calls=(ToolCallDelta(0, id="toolu_1", name="get_weather", arguments='{"city": '),)),
+    ChoiceDelta(0, tool_calls=(ToolCallDelta(0, arguments='"Paris"}'),), finish_reason="tool_calls"),
+    Usage(prompt_tokens=20, completion_tokens=9, cached_tokens=8),
+]
+
+
+def sdk_client(transport: httpx2.BaseTransport) -> anthropic.Anthropic:
+    return anthropic.Anthropic(api_key="k", base_url="http://t", max_retries=0, _strict_response_validation=True,
+                               http_client=httpx2.Client(transport=transport))
+
+
+# ---- what the server sends ----------------------------------------------------------------------
+
+
+def test_a_message_is_the_sdks_message(scripted):
+    body = scripted.answer("/v1/messages", MESSAGE_BODY, MESSAGE_EVENTS).json()
+    message = validate_strictly(Message, body)
+    text, use = message.content
+    assert (text.type, text.text) == ("text", "Let me check.")
+    assert (use.type, use.id, use.name, use.input) == ("tool_use", "toolu_1", "get_weather", {"city": "Paris"})
+    assert (message.stop_reason, message.stop_sequence) == ("tool_use", None)
+    usage = message.usage  # Anthropic counts cached prompt tokens apart from input_tokens
+    assert (usage.input_tokens, usage.cache_read_input_tokens, usage.output_tokens) == (12, 8, 9)
+
+
+def test_a_message_stream_is_the_sdks_events_each_named_by_its_type(scripted):
+    response = scripted.answer("/v1/messages", {**MESSAGE_BODY, "stream": True}, MESSAGE_EVENTS)
+    events = sse_events(response.text)
+    assert all(name == data["type"] for name, data in events)
+    assert [name for name, _ in events] == [
+        "message_start", "content_block_start", "ping", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop", "message_delta",
+        "message_stop"]
+    # The SDK has no type for a ping; Anthropic sends it bare.
+    assert events[2][1] == {"type": "ping"}
+    start, text_start, text_delta, text_stop, use_start, *pieces, use_stop, delta, stop = [
+        validate_strictly(RawMessageStreamEvent, data) for name, data in events if name != "ping"]
+    assert (start.message.content, start.message.stop_reason, start.message.usage.output_tokens) == ([], None, 0)
+    assert (text_start.index, text_start.content_block.text, text_delta.delta.text) == (0, "", "Let me check.")
+    assert (text_stop.index, use_start.index, use_stop.index) == (0, 1, 1)
+    assert (use_start.content_block.id, use_start.content_block.input) == ("toolu_1", {})
+    assert [piece.delta.partial_json for piece in pieces] == ['{"city": ', '"Paris"}']
+    assert (delta.delta.stop_reason, delta.usage.output_tokens, delta.usage.cache_read_input_tokens) == (
+        "tool_use", 9, 8)
+    assert stop.type == "message_stop"
+
+
+def test_a_message_stream_that_fails_ends_with_an_anthropic_error_event(scripted):
+    failure = BadGatewayError("Upstream scripted broke off.")
+    response = scripted.answer("/v1/messages", {**MESSAGE_BODY, "stream": True},
+                               [ChoiceDelta(0, text="Hi"), failure])
+    name, error = sse_events(response.text)[-1]
+    assert name == "error"
+    sent = validate_strictly(ErrorResponse, error)
+    assert (sent.error.type, sent.error.message) == ("api_error", failure.message)
+
+
+def test_the_sdk_reads_what_the_server_sends_streamed_or_not(scripted):
+    client = sdk_client(scripted.sdk_transport())
+    scripted.replica.events = MESSAGE_EVENTS
+    message = client.messages.create(model=MODEL, **MESSAGE_BODY)
+    with client.messages.stream(model=MODEL, **MESSAGE_BODY) as stream:
+        streamed = stream.get_final_message()
+    for final in (message, streamed):
+        assert final.content[0].text == "Let me check." and final.content[1].input == {"city": "Paris"}
+        assert final.stop_reason == "tool_use" and final.usage.output_tokens == 9
+    assert streamed.model_dump(exclude={"id"}) == message.model_dump(exclude={"id"})
+
+
+def test_tool_round_trip_through_the_sdk(scripted):
+    """A replica's tool call -> the server's Message -> the client sends it back with a
+    tool_result -> chat messages whose tool call is the one the replica made."""
+    received = []
+    client = sdk_client(scripted.sdk_transport(received))
+    scripted.replica.events = [
+        ChoiceDelta(0, tool_calls=(ToolCallDelta(0, id="toolu_9", name="get_weather", arguments='{"city": "Oslo"}'),),
+                    finish_reason="tool_calls"),
+        Usage(prompt_tokens=10, completion_tokens=4),
+    ]
+    history = [{"role": "user", "content": "Weather in Oslo?"}]
+    first = client.messages.create(model=MODEL, max_tokens=50, messages=history, tools=[WEATHER])
+    history += [
+        {"role": "assistant", "content": first.content},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_9", "content": [{"type": "text", "text": "-3 C"}]},
+            {"type": "text", "text": "And tomorrow?"},
+        ]},
+    ]
+    client.messages.create(model=MODEL, max_tokens=50, messages=history, tools=[WEATHER], system="Be brief.")
+    chat = to_chat_messages(MessagesRequest.model_validate(received[1]))
+    assert chat == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "toolu_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+        ]},
+        {"role": "tool", "tool_call_id": "toolu_9", "content": "-3 C"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    # The same list is a valid OpenAI request and renders identically through it.
+    assert ChatCompletionRequest.model_validate({"model": "m", "messages": chat}).template_messages() == chat
+    assert scripted.replica.jobs[1].messages == tuple(chat)  # what the replica was asked
+
+
+# ---- what the SDK sends -------------------------------------------------------------------------
 
 
 def make_sdk(reply):
@@ -52,22 +147,15 @@ def make_sdk(reply):
         bodies.append(json.loads(request.content))
         return reply(bodies[-1])
 
-    client = anthropic.Anthropic(api_key="k", base_url="http://t", max_retries=0, _strict_response_validation=True,
-                                 http_client=httpx2.Client(transport=httpx2.MockTransport(handler)))
-    return client, bodies
+    return sdk_client(httpx2.MockTransport(handler)), bodies
 
 
-def message(content, stop_reason="end_turn", stop_sequence=None) -> Message:
-    return Message(id="msg_1", content=content, model="m", stop_reason=stop_reason, stop_sequence=stop_sequence,
-                   usage=USAGE)
-
-
-def test_sdk_request_parses_and_message_parses_back():
-    reply = message(to_content_blocks("Let me check.", [
-        {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    ]), stop_reason="tool_use")
-    client, bodies = make_sdk(lambda body: httpx2.Response(200, json=reply.model_dump(mode="json")))
-    result = client.messages.create(
+def test_sdk_request_with_every_parameter_parses():
+    # Any valid reply: this test checks the request the SDK sent.
+    reply = {"id": "msg_1", "type": "message", "role": "assistant", "content": [], "model": "m",
+             "stop_reason": "end_turn", "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}}
+    client, bodies = make_sdk(lambda body: httpx2.Response(200, json=reply))
+    client.messages.create(
         model="m", max_tokens=100,
         system=[{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
         messages=[{"role": "user", "content": "Weather in Paris?"}],
@@ -81,33 +169,6 @@ def test_sdk_request_parses_and_message_parses_back():
                                      {"role": "user", "content": "Weather in Paris?"}]
     assert to_chat_tools(req) == [{"type": "function", "function": {
         "name": "get_weather", "parameters": WEATHER["input_schema"], "description": "Current weather"}}]
-    assert result.stop_reason == "tool_use" and result.usage.cache_read_input_tokens == 8
-    assert result.content[0].text == "Let me check." and result.content[1].input == {"city": "Paris"}
-
-
-def test_sdk_stream_assembles_our_events():
-    start = message([], stop_reason=None).model_copy(update={"usage": MessageUsage(input_tokens=5, output_tokens=1)})
-    events = [
-        MessageStartEvent(message=start),
-        ContentBlockStartEvent(index=0, content_block=TextBlock(text="")),
-        PingEvent(),
-        ContentBlockDeltaEvent(index=0, delta=TextDelta(text="Hel")),
-        ContentBlockDeltaEvent(index=0, delta=TextDelta(text="lo")),
-        ContentBlockStopEvent(index=0),
-        ContentBlockStartEvent(index=1, content_block=ToolUseBlock(id="toolu_1", name="get_weather", input={})),
-        ContentBlockDeltaEvent(index=1, delta=InputJSONDelta(partial_json='{"city": ')),
-        ContentBlockDeltaEvent(index=1, delta=InputJSONDelta(partial_json='"Paris"}')),
-        ContentBlockStopEvent(index=1),
-        MessageDeltaEvent(delta=MessageDelta(stop_reason="tool_use"), usage=MessageDeltaUsage(output_tokens=9)),
-        MessageStopEvent(),
-    ]
-    sse = "".join(f"event: {e.type}\ndata: {e.model_dump_json()}\n\n" for e in events)
-    client, _ = make_sdk(lambda body: httpx2.Response(200, content=sse.encode(),
-                                                      headers={"content-type": "text/event-stream"}))
-    with client.messages.stream(model="m", max_tokens=10, messages=[{"role": "user", "content": "x"}]) as stream:
-        final = stream.get_final_message()
-    assert final.content[0].text == "Hello" and final.content[1].input == {"city": "Paris"}
-    assert final.stop_reason == "tool_use" and final.usage.output_tokens == 9
 
 
 @pytest.mark.parametrize(
@@ -121,36 +182,6 @@ def test_sdk_reads_our_error_bodies(err, sdk_error):
     with pytest.raises(sdk_error) as caught:
         client.messages.create(model="m", max_tokens=1, messages=[{"role": "user", "content": "x"}])
     assert caught.value.body["error"]["type"] == err.anthropic_type
-
-
-def test_tool_round_trip_through_the_sdk():
-    """Engine tool call -> Message -> the client sends it back with a tool_result -> chat messages
-    whose tool call is the one the engine made."""
-    call = {"id": "toolu_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
-    reply = message(to_content_blocks(None, [call]), stop_reason=map_stop_reason("tool_calls"))
-    client, bodies = make_sdk(lambda body: httpx2.Response(200, json=reply.model_dump(mode="json")))
-    history = [{"role": "user", "content": "Weather in Oslo?"}]
-    first = client.messages.create(model="m", max_tokens=50, messages=history, tools=[WEATHER])
-    history += [
-        {"role": "assistant", "content": first.content},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "toolu_9", "content": [{"type": "text", "text": "-3 C"}]},
-            {"type": "text", "text": "And tomorrow?"},
-        ]},
-    ]
-    client.messages.create(model="m", max_tokens=50, messages=history, tools=[WEATHER], system="Be brief.")
-    chat = to_chat_messages(MessagesRequest.model_validate(bodies[1]))
-    assert chat == [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "toolu_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
-        ]},
-        {"role": "tool", "tool_call_id": "toolu_9", "content": "-3 C"},
-        {"role": "user", "content": "And tomorrow?"},
-    ]
-    # The same list is a valid OpenAI request and renders identically through it.
-    assert ChatCompletionRequest.model_validate({"model": "m", "messages": chat}).template_messages() == chat
 
 
 @pytest.mark.parametrize(

@@ -1,44 +1,29 @@
-"""OpenAI schemas: what the official SDK sends parses; what we send back, the SDK parses in
-strict mode; every invalid field is one InvalidRequestError naming it in a short sentence."""
+"""OpenAI schemas: what the official SDK sends parses; what the server sends back (the real app
+and renderers, in front of a scripted replica) is the SDK's own types, validated strictly and
+with no key the SDK does not declare; every invalid field is one InvalidRequestError naming it
+in a short sentence."""
 
 import json
+from types import SimpleNamespace
 
 import httpx2
 import openai
 import pydantic
 import pytest
 from openai import pydantic_function_tool
+from openai.types import Completion, ErrorObject, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.chat.chat_completion import ChoiceLogprobs
+from openai.types.completion_choice import Logprobs
 
-from tokenway.protocol.errors import MAX_MESSAGE_CHARS, InvalidRequestError, from_validation_error
-from tokenway.protocol.openai import (
-    ChatCompletion,
-    ChatCompletionChoice,
-    ChatCompletionChunk,
-    ChatCompletionChunkChoice,
-    ChatCompletionMessage,
-    ChatCompletionRequest,
-    ChoiceDelta,
-    ChoiceDeltaFunction,
-    ChoiceDeltaToolCall,
-    ChoiceLogprobs,
-    Completion,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    DetokenizeRequest,
-    FunctionCallOut,
-    Model,
-    ModelList,
-    PromptTokensDetails,
-    TokenizeRequest,
-    TokenLogprob,
-    ToolCallOut,
-    TopLogprob,
-    Usage,
-)
+from tokenway.protocol.errors import MAX_MESSAGE_CHARS, BadGatewayError, InvalidRequestError, from_validation_error
+from tokenway.protocol.job import ChoiceDelta, ToolCallDelta, Usage
+from tokenway.protocol.openai import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from tokenway.protocol.outputs import TokenLogprob
+from tokenway.server.openai_render import TokenText
 
-USAGE = Usage(prompt_tokens=12, completion_tokens=3, total_tokens=15,
-              prompt_tokens_details=PromptTokensDetails(cached_tokens=8))
+from .conftest import MODEL, sse_events, validate_strictly
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -47,49 +32,187 @@ WEATHER_TOOL = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
+# The fields tokenway (and vLLM) add to OpenAI's Model.
+MODEL_EXTENSIONS = frozenset({"kind", "max_model_len", "aliases", "pricing", "dimensions"})
 
 
-def make_sdk(reply):
-    """An openai client whose transport records each body and answers with reply(path, body)."""
+def upstream_logprob(token: str, logprob: float, *alternatives: tuple[str, float]) -> dict:
+    """One token's logprobs as an OpenAI-compatible upstream sends them (chat's shape)."""
+    top = [(token, logprob), *alternatives]
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode()),
+            "top_logprobs": [{"token": t, "logprob": value, "bytes": list(t.encode())} for t, value in top]}
+
+
+# Two choices: one writes text (with logprobs), the other calls a tool in two pieces.
+CHAT_BODY = {"messages": [{"role": "user", "content": "Hi, and the weather in Paris?"}], "n": 2, "max_tokens": 16,
+             "logprobs": True, "top_logprobs": 1, "tools": [WEATHER_TOOL]}
+CHAT_EVENTS = [
+    ChoiceDelta(0, text="Hel", logprobs=(upstream_logprob("Hel", -0.1, ("Hi", -2.5)),)),
+    ChoiceDelta(1, tool_calls=(ToolCallDelta(0, id="call_1", name="get_weather", arguments='{"city": '),)),
+    ChoiceDelta(0, text="lo", logprobs=(upstream_logprob("lo", -0.2),), finish_reason="stop"),
+    ChoiceDelta(1, tool_calls=(ToolCallDelta(0, arguments='"Paris"}'),), finish_reason="tool_calls"),
+    Usage(prompt_tokens=12, completion_tokens=5, cached_tokens=8),
+]
+COMPLETION_BODY = {"prompt": "Look at", "echo": True, "logprobs": 2, "max_tokens": 2}
+COMPLETION_EVENTS = [
+    ChoiceDelta(0, text=" the", logprobs=(upstream_logprob(" the", -0.3),)),
+    ChoiceDelta(0, text=" sky", logprobs=(upstream_logprob(" sky", -0.4, (" sea", -1.9)),), finish_reason="length"),
+    Usage(prompt_tokens=2, completion_tokens=2),
+]
+
+
+# ---- what the server sends ----------------------------------------------------------------------
+
+
+def test_a_chat_completion_is_the_sdks_chat_completion(scripted):
+    body = scripted.answer("/v1/chat/completions", CHAT_BODY, CHAT_EVENTS).json()
+    completion = validate_strictly(ChatCompletion, body)
+    text, call = completion.choices
+    assert (text.index, text.message.content, text.message.tool_calls, text.finish_reason) == (0, "Hello", None, "stop")
+    assert [(e.token, e.bytes, [t.token for t in e.top_logprobs]) for e in text.logprobs.content] == [
+        ("Hel", list(b"Hel"), ["Hel"]), ("lo", list(b"lo"), ["lo"])]
+    assert (call.index, call.message.content, call.finish_reason) == (1, None, "tool_calls")
+    [tool_call] = call.message.tool_calls
+    assert (tool_call.id, tool_call.function.name, tool_call.function.arguments) == (
+        "call_1", "get_weather", '{"city": "Paris"}')
+    assert (completion.usage.total_tokens, completion.usage.prompt_tokens_details.cached_tokens) == (17, 8)
+    # OpenAI's optional fields go out as null, never left out.
+    message = body["choices"][0]["message"]
+    assert body["system_fingerprint"] is None and message["refusal"] is None and message["tool_calls"] is None
+
+
+def test_a_chat_stream_is_the_sdks_chunks_each_delta_carrying_only_what_changed(scripted):
+    response = scripted.answer("/v1/chat/completions", {**CHAT_BODY, "stream": True,
+                                                        "stream_options": {"include_usage": True}}, CHAT_EVENTS)
+    *events, done = sse_events(response.text)
+    assert done == (None, "[DONE]")
+    chunks = [validate_strictly(ChatCompletionChunk, data) for _, data in events]
+    assert len({(chunk.id, chunk.created) for chunk in chunks}) == 1
+    # usage rides on every chunk (null) and is counted on the last, which has no choices
+    assert [chunk.usage for chunk in chunks[:-1]] == [None] * (len(chunks) - 1) and "usage" in events[0][1]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 17
+    choices = [data["choices"] for _, data in events[:-1]]
+    assert all(len(c) == 1 for c in choices)
+    assert [(c[0]["index"], c[0]["delta"], c[0]["finish_reason"]) for c in choices] == [
+        (0, {"role": "assistant", "content": ""}, None),
+        (1, {"role": "assistant", "content": ""}, None),
+        (0, {"content": "Hel"}, None),
+        (1, {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": '{"city": '}}]}, None),
+        (0, {"content": "lo"}, None),
+        (0, {}, "stop"),
+        (1, {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}, None),
+        (1, {}, "tool_calls"),
+    ]
+    assert choices[2][0]["logprobs"] == {"content": [{"token": "Hel", "logprob": -0.1, "bytes": list(b"Hel"),
+                                                      "top_logprobs": [{"token": "Hel", "logprob": -0.1,
+                                                                        "bytes": list(b"Hel")}]}],
+                                         "refusal": None}
+
+
+def test_a_completion_is_the_sdks_completion_streamed_or_not(scripted):
+    body = scripted.answer("/v1/completions", COMPLETION_BODY, COMPLETION_EVENTS).json()
+    [choice] = validate_strictly(Completion, body).choices
+    assert (choice.text, choice.finish_reason) == ("Look at the sky", "length")
+    assert (choice.logprobs.tokens, choice.logprobs.text_offset) == ([" the", " sky"], [7, 11])
+    assert choice.logprobs.top_logprobs == [{" the": -0.3}, {" sky": -0.4, " sea": -1.9}]
+
+    response = scripted.answer("/v1/completions", {**COMPLETION_BODY, "stream": True,
+                                                   "stream_options": {"include_usage": True}}, COMPLETION_EVENTS)
+    *events, done = sse_events(response.text)
+    assert done == (None, "[DONE]")
+    chunks = [data for _, data in events]
+    # OpenAI streams Completion objects whose finish_reason is null until a choice's last; the
+    # SDK's type (made for the whole response) has no null there, so the check fills one in.
+    finish_reasons = [c["finish_reason"] for chunk in chunks for c in chunk["choices"]]
+    assert finish_reasons == [None, None, "length"]
+    for chunk in chunks:
+        validate_strictly(Completion, {**chunk, "choices": [{**c, "finish_reason": c["finish_reason"] or "stop"}
+                                                            for c in chunk["choices"]]})
+    assert "".join(c["text"] for chunk in chunks for c in chunk["choices"]) == "Look at the sky"
+    assert [c["logprobs"]["text_offset"] for chunk in chunks[1:3] for c in chunk["choices"]] == [[7], [11]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 4
+
+
+def test_a_stream_that_fails_ends_with_an_openai_error_event_then_done(scripted):
+    failure = BadGatewayError("Upstream scripted broke off.")
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    response = scripted.answer("/v1/chat/completions", body, [ChoiceDelta(0, text="Hi"), failure])
+    *_, (_, error), done = sse_events(response.text)
+    assert done == (None, "[DONE]") and set(error) == {"error"}
+    sent = validate_strictly(ErrorObject, error["error"])
+    assert (sent.type, sent.code, sent.message) == ("upstream_error", failure.code, failure.message)
+
+
+def test_models_are_the_sdks_model_with_tokenways_extensions(scripted):
+    listing = scripted.request("GET", "/v1/models").json()
+    assert set(listing) == {"object", "data"} and listing["object"] == "list"
+    [card] = [validate_strictly(Model, data, MODEL_EXTENSIONS) for data in listing["data"]]
+    assert card.id == MODEL and card.model_extra == {"kind": "chat", "max_model_len": 4096, "aliases": []}
+    assert scripted.request("GET", f"/v1/models/{MODEL}").json() == listing["data"][0]
+
+
+def test_engine_logprobs_render_in_both_of_openais_shapes():
+    vocab = {1: "Hé", 2: "llo", 3: "Hi"}
+    token_text = TokenText(SimpleNamespace(tokenizer=SimpleNamespace(token_text=vocab.__getitem__)))
+    logprobs = [TokenLogprob(1, -0.1, 1, [(1, -0.1), (3, -2.3)]), TokenLogprob(2, -0.2, 1, [(2, -0.2)])]
+    chat = validate_strictly(ChoiceLogprobs, token_text.chat_logprobs(logprobs, top_n=1))
+    assert [(e.token, e.bytes, [t.token for t in e.top_logprobs]) for e in chat.content] == [
+        ("Hé", list("Hé".encode()), ["Hé"]), ("llo", list(b"llo"), ["llo"])]
+    legacy = validate_strictly(Logprobs, token_text.completion_logprobs(logprobs, offset=5))
+    assert legacy.text_offset == [5, 7] and legacy.top_logprobs == [{"Hé": -0.1, "Hi": -2.3}, {"llo": -0.2}]
+
+
+def test_the_sdk_reads_what_the_server_sends_and_the_server_reads_what_the_sdk_sends(scripted):
+    received = []
+    client = openai.OpenAI(api_key="k", base_url="http://t/v1", max_retries=0, _strict_response_validation=True,
+                           http_client=httpx2.Client(transport=scripted.sdk_transport(received)))
+    scripted.replica.events = CHAT_EVENTS
+    completion = client.chat.completions.create(model=MODEL, **CHAT_BODY)
+    assert completion.choices[1].message.tool_calls[0].function.arguments == '{"city": "Paris"}'
+    stream = client.chat.completions.create(model=MODEL, stream=True, stream_options={"include_usage": True},
+                                            **CHAT_BODY)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == 0) \
+        == "Hello"
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 8
+    scripted.replica.events = COMPLETION_EVENTS
+    assert client.completions.create(model=MODEL, **COMPLETION_BODY).choices[0].text == "Look at the sky"
+    assert [model.id for model in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert [ChatCompletionRequest.model_validate(body).stream for body in received[:2]] == [None, True]
+
+
+# ---- what the SDK sends -------------------------------------------------------------------------
+
+# Any valid body: these tests check the request the SDK sent, not the reply.
+CHAT_REPLY = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m", "choices": [
+    {"index": 0, "message": {"role": "assistant", "content": '{"name": "Paris"}'}, "finish_reason": "stop"}]}
+
+
+def make_sdk(reply: dict):
+    """An openai client whose transport records each body and answers with `reply`."""
     bodies = []
 
     def handler(request):
-        body = json.loads(request.content) if request.content else None
-        bodies.append(body)
-        return reply(request.url.path, body)
+        bodies.append(json.loads(request.content) if request.content else None)
+        return httpx2.Response(200, json=reply)
 
-    client = openai.OpenAI(api_key="k", base_url="http://t/v1", max_retries=0, _strict_response_validation=True,
+    client = openai.OpenAI(api_key="k", base_url="http://t/v1", max_retries=0,
                            http_client=httpx2.Client(transport=httpx2.MockTransport(handler)))
     return client, bodies
 
 
-def json_reply(model: pydantic.BaseModel):
-    return lambda path, body: httpx2.Response(200, json=model.model_dump(mode="json"))
-
-
-def sse_reply(events: list[pydantic.BaseModel]):
-    text = "".join(f"data: {e.model_dump_json(exclude_none=True)}\n\n" for e in events) + "data: [DONE]\n\n"
-    return lambda path, body: httpx2.Response(200, content=text.encode(), headers={"content-type": "text/event-stream"})
-
-
-def chat_completion(message: ChatCompletionMessage, finish_reason="stop", logprobs=None) -> ChatCompletion:
-    return ChatCompletion(id="chatcmpl-1", created=1, model="m", usage=USAGE, choices=[
-        ChatCompletionChoice(index=0, message=message, finish_reason=finish_reason, logprobs=logprobs)])
-
-
-def test_sdk_chat_request_with_every_parameter_parses_and_response_parses_back():
-    top = [TopLogprob(token="Hi", logprob=-0.1, bytes=[72, 105])]
-    logprobs = ChoiceLogprobs(content=[TokenLogprob(token="Hi", logprob=-0.1, bytes=[72, 105], top_logprobs=top)])
-    call = ToolCallOut(id="call_1", function=FunctionCallOut(name="get_weather", arguments='{"city": "Paris"}'))
-    reply = chat_completion(ChatCompletionMessage(content="Hi", tool_calls=[call]), "tool_calls", logprobs)
-    client, bodies = make_sdk(json_reply(reply))
-    result = client.chat.completions.create(
+def test_sdk_chat_request_with_every_parameter_parses():
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    client, bodies = make_sdk(CHAT_REPLY)
+    client.chat.completions.create(
         model="m",
         messages=[
             {"role": "developer", "content": "Be brief."},
             {"role": "system", "content": [{"type": "text", "text": "Really."}]},
             {"role": "user", "content": [{"type": "text", "text": "Weather?"}], "name": "ann"},
-            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]},
         ],
         max_completion_tokens=64, max_tokens=32, temperature=0.7, top_p=0.9, n=2, seed=-3, stop=["\n\n", "END"],
@@ -105,70 +228,31 @@ def test_sdk_chat_request_with_every_parameter_parses_and_response_parses_back()
     assert req.response_format.json_schema.schema_ == {"type": "object"}
     assert req.template_messages()[0] == {"role": "system", "content": "Be brief."}  # developer -> system
     assert req.template_messages()[2] == {"role": "user", "content": "Weather?", "name": "ann"}
-    assert req.template_messages()[3] == {"role": "assistant", "content": "", "tool_calls": [call.model_dump()]}
+    assert req.template_messages()[3] == {"role": "assistant", "content": "", "tool_calls": [call]}
     assert req.template_messages()[4] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
     assert req.template_tools() == [WEATHER_TOOL]
-    assert result.choices[0].message.tool_calls[0].function.arguments == '{"city": "Paris"}'
-    assert result.choices[0].logprobs.content[0].top_logprobs[0].bytes == [72, 105]
-    assert result.usage.prompt_tokens_details.cached_tokens == 8
 
 
 def test_sdk_parse_helpers_send_bodies_we_accept():
     class City(pydantic.BaseModel):
         name: str
 
-    client, bodies = make_sdk(json_reply(chat_completion(ChatCompletionMessage(content='{"name": "Paris"}'))))
-    parsed = client.chat.completions.parse(model="m", messages=[{"role": "user", "content": "x"}],
-                                           response_format=City, tools=[pydantic_function_tool(City)])
-    ChatCompletionRequest.model_validate(bodies[0])
-    assert parsed.choices[0].message.parsed == City(name="Paris")
-
-
-def test_sdk_streaming_chat():
-    def chunk(delta=None, finish_reason=None, usage=None):
-        choices = [ChatCompletionChunkChoice(index=0, delta=delta, finish_reason=finish_reason)] if delta else []
-        return ChatCompletionChunk(id="chatcmpl-1", created=1, model="m", choices=choices, usage=usage)
-
-    fn = ChoiceDeltaFunction
-    events = [
-        chunk(ChoiceDelta(role="assistant", content="")),
-        chunk(ChoiceDelta(content="Hel")),
-        chunk(ChoiceDelta(content="lo")),
-        chunk(ChoiceDelta(tool_calls=[ChoiceDeltaToolCall(index=0, id="call_1", type="function",
-                                                          function=fn(name="get_weather", arguments=""))])),
-        chunk(ChoiceDelta(tool_calls=[ChoiceDeltaToolCall(index=0, function=fn(arguments='{"city": "P"}'))])),
-        chunk(ChoiceDelta(), finish_reason="tool_calls"),
-        chunk(usage=USAGE),
-    ]
-    client, bodies = make_sdk(sse_reply(events))
-    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True,
-                                            stream_options={"include_usage": True})
-    received = list(stream)
+    client, bodies = make_sdk(CHAT_REPLY)
+    client.chat.completions.parse(model="m", messages=[{"role": "user", "content": "x"}], response_format=City,
+                                  tools=[pydantic_function_tool(City)])
     req = ChatCompletionRequest.model_validate(bodies[0])
-    assert req.stream and req.stream_options.include_usage
-    assert "".join(c.choices[0].delta.content or "" for c in received if c.choices) == "Hello"
-    assert received[4].choices[0].delta.tool_calls[0].function.arguments == '{"city": "P"}'
-    assert received[-1].choices == [] and received[-1].usage.total_tokens == 15
+    assert req.response_format.json_schema.name == "City" and req.template_tools()[0]["function"]["name"] == "City"
 
 
-def test_sdk_legacy_completion_and_models():
-    # OpenAI sends null for an echoed first token; the SDK's strict types do not allow it, so not here.
-    logprobs = CompletionLogprobs(tokens=["a", "b"], token_logprobs=[-0.2, -0.5],
-                                  top_logprobs=[{"a": -0.2}, {"b": -0.5}], text_offset=[0, 1])
-    reply = Completion(id="cmpl-1", created=1, model="m", usage=USAGE, choices=[
-        CompletionChoice(index=0, text="ab", logprobs=logprobs, finish_reason="length")])
-    client, bodies = make_sdk(json_reply(reply))
-    result = client.completions.create(model="m", prompt=[[1, 2], [3]], max_tokens=5, echo=True, logprobs=5,
-                                       n=2, best_of=2, seed=1, stop="x", suffix=None, extra_body={"top_k": 5})
+def test_sdk_legacy_completion_request_parses():
+    client, bodies = make_sdk({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+                               "choices": [{"index": 0, "text": "ab", "finish_reason": "length"}]})
+    client.completions.create(model="m", prompt=[[1, 2], [3]], max_tokens=5, echo=True, logprobs=5, n=2, best_of=2,
+                              seed=1, stop="x", suffix=None, extra_body={"top_k": 5})
     req = CompletionRequest.model_validate(bodies[0])
     assert req.prompts == [[1, 2], [3]] and req.max_tokens == 5 and req.logprobs == 5
-    assert result.choices[0].logprobs.top_logprobs == [{"a": -0.2}, {"b": -0.5}]
     assert CompletionRequest.model_validate({"model": "m", "prompt": [1, 2]}).prompts == [[1, 2]]
     assert CompletionRequest.model_validate({"model": "m", "prompt": "hi"}).max_tokens == 16
-
-    models = ModelList(data=[Model(id="m", created=1, owned_by="tokenway", max_model_len=2048)])
-    client, _ = make_sdk(json_reply(models))
-    assert [m.id for m in client.models.list()] == ["m"]
 
 
 def test_tokenize_and_detokenize_requests():

@@ -1,11 +1,9 @@
-"""The Anthropic Messages API (/v1/messages), field for field as the anthropic SDK names it
-(anthropic/types/message.py, usage.py, raw_message_stream_event.py, message_create_params.py).
+"""The Anthropic Messages API's requests (/v1/messages), field for field as the anthropic SDK
+names them (anthropic/types/message_create_params.py); what the server sends back is
+protocol/anthropic_bodies.py's.
 
     MessagesRequest ── to_chat_messages / to_chat_tools ──► the OpenAI-style messages and tools
                                                            our chat templates take
-    engine output (text, tool calls, finish_reason) ── map_stop_reason, to_content_blocks ──►
-    Message, or the stream: message_start, content_block_start / _delta / _stop ..., message_delta,
-    message_stop (ping between any of them; error replaces the rest)
 
 Same rules as the OpenAI schemas: unknown top-level fields are a 400, nested unknown keys are
 ignored (cache_control, citations), types are strict, images are refused (text-only models).
@@ -16,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from tokenway.protocol.errors import short_repr
 from tokenway.protocol.openai_messages import (
@@ -31,7 +29,6 @@ from tokenway.protocol.openai_messages import (
     fail,
 )
 
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "refusal"]
 _TEXT_ONLY = frozenset({"image", "document", "search_result"})
 
 
@@ -219,128 +216,3 @@ def to_chat_tools(req: MessagesRequest) -> list[dict[str, Any]] | None:
                                           **({"description": tool.description} if tool.description else {})}}
         for tool in req.tools
     ]
-
-
-# ---- engine output -> Message ------------------------------------------------------------------
-
-
-def map_stop_reason(finish_reason: str, stop_reason: int | str | None = None) -> StopReason:
-    """An OpenAI / engine finish_reason as Anthropic's stop_reason. A "stop" caused by a stop
-    string (stop_reason is that string) is "stop_sequence"; by end-of-sequence, "end_turn"."""
-    if finish_reason == "stop":
-        return "stop_sequence" if isinstance(stop_reason, str) else "end_turn"
-    reasons: dict[str, StopReason] = {"length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
-    if finish_reason not in reasons:
-        raise ValueError(f"no Anthropic stop_reason for finish_reason {finish_reason!r}")
-    return reasons[finish_reason]
-
-
-def to_content_blocks(
-    text: str | None, tool_calls: list[dict[str, Any]] | None = None
-) -> list[TextBlock | ToolUseBlock]:
-    """Generated text and OpenAI-style tool calls as content blocks. Each call's arguments
-    must be a JSON object (the tool-call parser only emits such calls)."""
-    blocks: list[TextBlock | ToolUseBlock] = [TextBlock(text=text)] if text else []
-    for call in tool_calls or ():
-        arguments = json.loads(call["function"]["arguments"] or "{}")
-        if not isinstance(arguments, dict):
-            raise ValueError(f"tool call {call['id']} arguments are not a JSON object")  # noqa: TRY004  # noqa: TRY004
-        blocks.append(ToolUseBlock(id=call["id"], name=call["function"]["name"], input=arguments))
-    return blocks
-
-
-class MessageUsage(BaseModel):
-    """The SDK's Usage (renamed so the OpenAPI document does not collide with OpenAI's)."""
-
-    input_tokens: int  # prompt tokens not read from the prefix cache
-    output_tokens: int
-    cache_read_input_tokens: int | None = None
-    cache_creation_input_tokens: int | None = None
-
-
-class Message(BaseModel):
-    id: str  # "msg_..."
-    type: Literal["message"] = "message"
-    role: Literal["assistant"] = "assistant"
-    content: list[TextBlock | ToolUseBlock]
-    model: str
-    stop_reason: StopReason | None = None  # None only in message_start
-    stop_sequence: str | None = None
-    usage: MessageUsage
-
-
-# ---- streaming events (SSE "event:" is each event's type) --------------------------------------
-
-
-class MessageStartEvent(BaseModel):
-    type: Literal["message_start"] = "message_start"
-    message: Message  # content [], stop_reason None
-
-
-class ContentBlockStartEvent(BaseModel):
-    type: Literal["content_block_start"] = "content_block_start"
-    index: int
-    content_block: TextBlock | ToolUseBlock  # text "" or input {}: the deltas fill them in
-
-
-class TextDelta(BaseModel):
-    type: Literal["text_delta"] = "text_delta"
-    text: str
-
-
-class InputJSONDelta(BaseModel):
-    type: Literal["input_json_delta"] = "input_json_delta"
-    partial_json: str  # a fragment; the fragments of one block concatenate to its input JSON
-
-
-class ContentBlockDeltaEvent(BaseModel):
-    type: Literal["content_block_delta"] = "content_block_delta"
-    index: int
-    delta: TextDelta | InputJSONDelta
-
-
-class ContentBlockStopEvent(BaseModel):
-    type: Literal["content_block_stop"] = "content_block_stop"
-    index: int
-
-
-class MessageDelta(BaseModel):
-    stop_reason: StopReason | None = None
-    stop_sequence: str | None = None
-
-
-class MessageDeltaUsage(BaseModel):
-    output_tokens: int  # cumulative
-    input_tokens: int | None = None
-    cache_read_input_tokens: int | None = None
-    cache_creation_input_tokens: int | None = None
-
-
-class MessageDeltaEvent(BaseModel):
-    type: Literal["message_delta"] = "message_delta"
-    delta: MessageDelta
-    usage: MessageDeltaUsage
-
-
-class MessageStopEvent(BaseModel):
-    type: Literal["message_stop"] = "message_stop"
-
-
-class PingEvent(BaseModel):
-    type: Literal["ping"] = "ping"
-
-
-class ErrorDetail(BaseModel):
-    type: str  # errors.TokenwayError.anthropic_type
-    message: str
-
-
-class ErrorEvent(BaseModel):
-    type: Literal["error"] = "error"
-    error: ErrorDetail
-
-
-StreamEvent = (
-    MessageStartEvent | ContentBlockStartEvent | ContentBlockDeltaEvent | ContentBlockStopEvent
-    | MessageDeltaEvent | MessageStopEvent | PingEvent | ErrorEvent
-)

@@ -28,9 +28,10 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, NotRequired
 
 import pydantic
+from typing_extensions import TypedDict  # pydantic reads only this one before Python 3.12
 
 MAX_ECHOED_CHARS = 100  # a value echoed back in a message is cut to this
 MAX_MESSAGE_CHARS = 300
@@ -219,12 +220,38 @@ class GatewayTimeoutError(TokenwayError):
     default_code = "upstream_timeout"
 
 
-def openai_error_body(err: TokenwayError) -> dict[str, Any]:
+class ErrorObject(TypedDict):
+    """OpenAI's error object (the openai SDK's ErrorObject)."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(TypedDict):
+    error: ErrorObject
+
+
+class AnthropicErrorObject(TypedDict):
+    type: str  # TokenwayError.anthropic_type
+    message: str
+
+
+class AnthropicErrorBody(TypedDict):
+    """Anthropic's error body, and its stream's `error` event (the anthropic SDK's ErrorResponse)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorObject
+    request_id: NotRequired[str]
+
+
+def openai_error_body(err: TokenwayError) -> ErrorBody:
     return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
 
 
-def anthropic_error_body(err: TokenwayError, request_id: str | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"type": "error", "error": {"type": err.anthropic_type, "message": err.message}}
+def anthropic_error_body(err: TokenwayError, request_id: str | None = None) -> AnthropicErrorBody:
+    body: AnthropicErrorBody = {"type": "error", "error": {"type": err.anthropic_type, "message": err.message}}
     if request_id is not None:
         body["request_id"] = request_id
     return body

@@ -3,12 +3,40 @@
     request body ──► ChatCompletionRequest | CompletionRequest    (openai_requests.py, built from
                                                                   openai_messages.py's parts)
     gateway      ──► frontend: req.template_messages(), req.template_tools(), sampling fields
-    response     ◄── ChatCompletion | ChatCompletionChunk | Completion | CompletionChunk
-                                                                 (openai_responses.py)
+    response     ◄── ChatCompletion | ChatCompletionChunk | Completion | CompletionChunk, ModelList ...
+                                                 (openai_bodies.py: TypedDicts the renderers return)
 
 A failed parse is a pydantic.ValidationError; errors.from_validation_error makes it a 400.
 """
 
+from tokenway.protocol.openai_bodies import (
+    ChatCompletion,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionMessage,
+    ChatCompletionMessageToolCall,
+    ChatCompletionTokenLogprob,
+    ChatFinishReason,
+    ChoiceDelta,
+    ChoiceDeltaToolCall,
+    ChoiceDeltaToolCallFunction,
+    ChoiceLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
+    CompletionFinishReason,
+    CompletionLogprobs,
+    CompletionUsage,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TokenizeResponse,
+    ToolCallFunction,
+    TopLogprob,
+)
 from tokenway.protocol.openai_messages import (
     ChatMessage,
     ContentPart,
@@ -33,41 +61,15 @@ from tokenway.protocol.openai_requests import (
     SamplingRequest,
     TokenizeRequest,
 )
-from tokenway.protocol.openai_responses import (
-    ChatCompletion,
-    ChatCompletionChoice,
-    ChatCompletionChunk,
-    ChatCompletionChunkChoice,
-    ChatCompletionMessage,
-    ChoiceDelta,
-    ChoiceDeltaFunction,
-    ChoiceDeltaToolCall,
-    ChoiceLogprobs,
-    Completion,
-    CompletionChoice,
-    CompletionChunk,
-    CompletionChunkChoice,
-    CompletionLogprobs,
-    DetokenizeResponse,
-    FunctionCallOut,
-    Model,
-    ModelList,
-    PromptTokensDetails,
-    TokenizeResponse,
-    TokenLogprob,
-    ToolCallOut,
-    TopLogprob,
-    Usage,
-)
 
 __all__ = [
     "ChatCompletion", "ChatCompletionChoice", "ChatCompletionChunk", "ChatCompletionChunkChoice",
-    "ChatCompletionMessage", "ChatCompletionRequest", "ChatMessage", "ChoiceDelta", "ChoiceDeltaFunction",
-    "ChoiceDeltaToolCall", "ChoiceLogprobs", "Completion", "CompletionChoice", "CompletionChunk",
-    "CompletionChunkChoice", "CompletionLogprobs", "CompletionRequest", "ContentPart", "DetokenizeRequest",
-    "DetokenizeResponse", "FunctionCall", "FunctionCallOut", "FunctionDefinition", "JSONSchemaFormat", "Model",
-    "ModelList", "NamedToolChoice", "PromptTokensDetails", "RefusalPart", "ResponseFormat",
-    "ResponseFormatJSONObject", "ResponseFormatJSONSchema", "ResponseFormatText", "SamplingRequest",
-    "StreamOptions", "TextPart", "TokenLogprob", "TokenizeRequest", "TokenizeResponse", "Tool", "ToolCall",
-    "ToolCallOut", "TopLogprob", "Usage",
+    "ChatCompletionMessage", "ChatCompletionMessageToolCall", "ChatCompletionRequest", "ChatCompletionTokenLogprob",
+    "ChatFinishReason", "ChatMessage", "ChoiceDelta", "ChoiceDeltaToolCall", "ChoiceDeltaToolCallFunction",
+    "ChoiceLogprobs", "Completion", "CompletionChoice", "CompletionChunk", "CompletionChunkChoice",
+    "CompletionFinishReason", "CompletionLogprobs", "CompletionRequest", "CompletionUsage", "ContentPart",
+    "DetokenizeRequest", "DetokenizeResponse", "FunctionCall", "FunctionDefinition", "JSONSchemaFormat", "ModelCard",
+    "ModelList", "NamedToolChoice", "PromptTokensDetails", "RefusalPart", "ResponseFormat", "ResponseFormatJSONObject",
+    "ResponseFormatJSONSchema", "ResponseFormatText", "SamplingRequest", "StreamOptions", "TextPart",
+    "TokenizeRequest", "TokenizeResponse", "Tool", "ToolCall", "ToolCallFunction", "TopLogprob",
 ]

@@ -9,21 +9,26 @@ import dataclasses
 import json
 from collections.abc import AsyncIterator
 from functools import partial
+from typing import Any, Literal
 
 from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenway.gateway.call import Call
-from tokenway.protocol.anthropic import (
-    MessagesRequest,
-    ToolChoiceTool,
+from tokenway.protocol.anthropic import MessagesRequest, ToolChoiceTool, to_chat_messages, to_chat_tools
+from tokenway.protocol.anthropic_bodies import (
+    ContentBlock,
+    InputJSONDelta,
+    Message,
+    MessageUsage,
+    StopReason,
+    StreamEvent,
+    TextDelta,
     map_stop_reason,
-    to_chat_messages,
-    to_chat_tools,
 )
 from tokenway.protocol.errors import anthropic_error_body
-from tokenway.protocol.job import GenerationJob, ToolCallDelta
+from tokenway.protocol.job import ChoiceDelta, GenerationJob, ToolCallDelta
 from tokenway.protocol.sampling import SamplingParams
 from tokenway.safety.channels import ChatInput, screen_chat
 from tokenway.server import sse
@@ -89,14 +94,16 @@ def prepare_messages(services: Services, body: MessagesRequest, call: Call) -> P
     return prepared(services, call, job, services.catalog.frontend(model), policy, reply_format)
 
 
-def content_blocks(result: ChoiceResult) -> list[dict]:
+def content_blocks(result: ChoiceResult) -> list[ContentBlock]:
     """The reply's content blocks: its text, then its tool calls."""
-    uses = [{"type": "tool_use", "id": c.id, "name": c.name, "input": tool_input}
-            for c in result.tool_calls if (tool_input := tool_input_of(c.arguments)) is not None]
-    return ([{"type": "text", "text": result.text}] if result.text or not uses else []) + uses
+    uses: list[ContentBlock] = [{"type": "tool_use", "id": c.id, "name": c.name, "input": tool_input}
+                                for c in result.tool_calls if (tool_input := tool_input_of(c.arguments)) is not None]
+    if result.text or not uses:
+        return [{"type": "text", "text": result.text}, *uses]
+    return uses
 
 
-def tool_input_of(arguments: str) -> dict | None:
+def tool_input_of(arguments: str) -> dict[str, Any] | None:
     """A tool call's arguments as Anthropic's `input` object; None for arguments that are no
     JSON object (a call cut short), which are dropped."""
     try:
@@ -106,14 +113,17 @@ def tool_input_of(arguments: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def stop_fields(completion) -> tuple[str, str | None]:
-    stop_sequence = completion.stop_reason if isinstance(completion.stop_reason, str) else None
-    if completion.finish_reason == "abort":
+def stop_fields(completion: ChoiceResult | ChoiceDelta) -> tuple[StopReason, str | None]:
+    """stop_reason and stop_sequence of a finished choice; an abort (the caller's own stop, a
+    drained replica) ended the turn."""
+    finish_reason = completion.finish_reason
+    if finish_reason is None or finish_reason == "abort":
         return "end_turn", None
-    return map_stop_reason(completion.finish_reason, stop_sequence), stop_sequence
+    stop_sequence = completion.stop_reason if isinstance(completion.stop_reason, str) else None
+    return map_stop_reason(finish_reason, stop_sequence), stop_sequence
 
 
-def usage(generation: Generation, output_tokens: int | None = None) -> dict:
+def usage(generation: Generation, output_tokens: int | None = None) -> MessageUsage:
     # Anthropic counts cached prompt tokens apart: input_tokens are the uncached ones.
     usage = generation.usage()
     return {"input_tokens": usage["prompt_tokens"] - generation.num_cached_tokens,
@@ -121,44 +131,46 @@ def usage(generation: Generation, output_tokens: int | None = None) -> dict:
             "cache_read_input_tokens": generation.num_cached_tokens, "cache_creation_input_tokens": 0}
 
 
-async def message_response(generation: Generation) -> dict:
+async def message_response(generation: Generation) -> Message:
     final = (await generation.final_outputs())[0]
-    blocks = content_blocks(final)
     stop_reason, stop_sequence = stop_fields(final)
-    return {"id": generation.request_id, "type": "message", "role": "assistant", "content": blocks,
+    return {"id": generation.request_id, "type": "message", "role": "assistant", "content": content_blocks(final),
             "model": generation.model, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
             "usage": usage(generation)}
 
 
+def event(payload: StreamEvent) -> bytes:
+    """One stream event, its SSE name its type."""
+    return sse.named_event(payload["type"], payload)
+
+
 def message_stream(generation: Generation) -> AsyncIterator[bytes]:
     """Anthropic's framing: an error is an `event: error`; success ends with message_stop."""
-    return framed_stream(message_events(generation), generation,
-                         lambda exc: [sse.named_event("error", anthropic_error_body(exc))],
-                         [sse.named_event("message_stop", {"type": "message_stop"})])
+    return framed_stream(message_events(generation), generation, lambda exc: [event(anthropic_error_body(exc))],
+                         [event({"type": "message_stop"})])
 
 
 async def message_events(generation: Generation) -> AsyncIterator[bytes]:
-    yield sse.named_event("message_start", {"type": "message_start", "message": {
+    yield event({"type": "message_start", "message": {
         "id": generation.request_id, "type": "message", "role": "assistant", "content": [],
         "model": generation.model, "stop_reason": None, "stop_sequence": None, "usage": usage(generation, 0)}})
     blocks = BlockWriter()
-    stop: tuple[str, str | None] | None = None
+    stop: tuple[StopReason, str | None] | None = None
     async for delta in generation.outputs():
         if delta.text:
-            for event in blocks.text(delta.text):
-                yield event
+            for block_event in blocks.text(delta.text):
+                yield block_event
         for piece in delta.tool_calls:
-            for event in blocks.tool_call(piece):
-                yield event
+            for block_event in blocks.tool_call(piece):
+                yield block_event
         if delta.finish_reason is None:
             continue
-        for event in blocks.close(empty_text=True):
-            yield event
+        for block_event in blocks.close(empty_text=True):
+            yield block_event
         stop = stop_fields(delta)
     if stop is not None:  # after the replica's usage, which follows its last delta
-        yield sse.named_event("message_delta", {
-            "type": "message_delta", "delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
-            "usage": usage(generation)})
+        yield event({"type": "message_delta", "delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
+                     "usage": usage(generation)})
 
 
 class BlockWriter:
@@ -169,27 +181,25 @@ class BlockWriter:
 
     def __init__(self) -> None:
         self.num_blocks = 0
-        self.open: str | None = None  # the open block's type
+        self.open: Literal["text", "tool_use"] | None = None  # the open block's type
 
-    def _start(self, block: dict) -> list[bytes]:
+    def _start(self, block: ContentBlock) -> list[bytes]:
         events = self.close()
-        events.append(sse.named_event("content_block_start", {
-            "type": "content_block_start", "index": self.num_blocks, "content_block": block}))
+        events.append(event({"type": "content_block_start", "index": self.num_blocks, "content_block": block}))
         if self.num_blocks == 0:
-            events.append(sse.named_event("ping", {"type": "ping"}))
+            events.append(event({"type": "ping"}))
         self.open = block["type"]
         return events
 
-    def _delta(self, delta: dict) -> bytes:
-        return sse.named_event("content_block_delta", {"type": "content_block_delta", "index": self.num_blocks,
-                                                       "delta": delta})
+    def _delta(self, delta: TextDelta | InputJSONDelta) -> bytes:
+        return event({"type": "content_block_delta", "index": self.num_blocks, "delta": delta})
 
     def text(self, text: str) -> list[bytes]:
         events = self._start({"type": "text", "text": ""}) if self.open != "text" else []
         return [*events, self._delta({"type": "text_delta", "text": text})]
 
     def tool_call(self, piece: ToolCallDelta) -> list[bytes]:
-        events = []
+        events: list[bytes] = []
         if piece.id is not None or self.open != "tool_use":
             events = self._start({"type": "tool_use", "id": piece.id or "", "name": piece.name or "", "input": {}})
         if piece.arguments:
@@ -204,4 +214,4 @@ class BlockWriter:
             return []
         self.open = None
         self.num_blocks += 1
-        return [sse.named_event("content_block_stop", {"type": "content_block_stop", "index": self.num_blocks - 1})]
+        return [event({"type": "content_block_stop", "index": self.num_blocks - 1})]

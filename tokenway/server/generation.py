@@ -16,7 +16,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -27,6 +27,7 @@ from tokenway.gateway.admission import admit
 from tokenway.gateway.call import Call, CallOutcome
 from tokenway.protocol.errors import InternalServerError, TokenwayError
 from tokenway.protocol.job import ChoiceDelta, ReplicaEvent, ToolCallDelta, Usage
+from tokenway.protocol.openai_bodies import CompletionUsage
 from tokenway.safety.screen import ReplyScreen
 from tokenway.server import sse
 from tokenway.server.http import ClientDisconnected, unless_disconnected
@@ -59,9 +60,6 @@ class ToolCall:
     id: str
     name: str
     arguments: str = ""
-
-    def openai(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 async def admitted(services: Services, call: Call, prepared: PreparedCall) -> Generation:
@@ -257,8 +255,8 @@ class Generation:
         if gatekeeper is not None:
             await gatekeeper.commit(self.call)
 
-    async def json_response(self, request: Request, work: Awaitable[dict], id_header: str = "x-request-id"
-                            ) -> Response:
+    async def json_response(self, request: Request, work: Awaitable[Mapping[str, object]],
+                            id_header: str = "x-request-id") -> Response:
         """Await the response body unless the client leaves first; log and time it either way."""
         try:
             body = await unless_disconnected(request, work)
@@ -277,7 +275,7 @@ class Generation:
     def num_completion_tokens(self) -> int:
         return self.reported.completion_tokens if self.reported is not None else sum(self.completion_tokens)
 
-    def usage(self) -> dict:
+    def usage(self) -> CompletionUsage:
         num_prompt_tokens = self.reported.prompt_tokens if self.reported is not None else self.num_prompt_tokens
         return usage_dict(num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
 
@@ -409,7 +407,7 @@ def log_request(request_id: str, model: str, clock: StageClock, outcome: CallOut
     }))
 
 
-def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict:
+def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> CompletionUsage:
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,

@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter
 from starlette.requests import Request
 
@@ -17,6 +15,7 @@ from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.templating import context_window, prompt_fields, templated_token_ids
 from tokenway.gateway.auth import Principal
 from tokenway.protocol.errors import ContextLengthExceededError, InvalidRequestError
+from tokenway.protocol.openai_bodies import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from tokenway.protocol.openai_requests import DetokenizeRequest, TokenizeRequest
 from tokenway.server.http import offload, parse_body
 from tokenway.server.routes import call_of, schema_extra
@@ -27,7 +26,7 @@ def router(services: Services) -> APIRouter:
     api = APIRouter()
     catalog = services.catalog
 
-    def model_card(name: str) -> dict[str, Any]:
+    def model_card(name: str) -> ModelCard:
         if name in catalog.embedding_model_names:
             embedder = services.embedder
             assert embedder is not None, "embedding models are listed only while their engine is loaded"
@@ -35,8 +34,8 @@ def router(services: Services) -> APIRouter:
                     "kind": "embeddings", "dimensions": embedder.dimensions,
                     "max_model_len": embedder.model.max_input_tokens}
         aliases = sorted(alias for alias, target in catalog.aliases.items() if target == name)
-        card: dict[str, Any] = {"id": name, "object": "model", "created": services.created, "owned_by": "tokenway",
-                                "kind": "chat", "max_model_len": catalog.max_model_len(name), "aliases": aliases}
+        card: ModelCard = {"id": name, "object": "model", "created": services.created, "owned_by": "tokenway",
+                           "kind": "chat", "max_model_len": catalog.max_model_len(name), "aliases": aliases}
         gatekeeper = services.gatekeeper
         if gatekeeper is not None and name in gatekeeper.prices:
             card["pricing"] = gatekeeper.prices.price(name).to_dict()  # USD per million tokens
@@ -55,7 +54,7 @@ def router(services: Services) -> APIRouter:
         return frontend
 
     @api.get("/v1/models")
-    async def list_models(request: Request) -> dict:
+    async def list_models(request: Request) -> ModelList:
         """The models the caller's key may use, as OpenAI lists those a key has access to."""
         principal = call_of(request).start.principal
         return {"object": "list", "data": [model_card(name)
@@ -63,7 +62,7 @@ def router(services: Services) -> APIRouter:
                                            if principal.may_use(name)]}
 
     @api.get("/v1/models/{model_id:path}")
-    async def get_model(request: Request, model_id: str) -> dict:
+    async def get_model(request: Request, model_id: str) -> ModelCard:
         principal = call_of(request).start.principal
         if model_id in catalog.embedding_model_names:
             return model_card(services.resolve_model(model_id, principal, kind="embeddings"))
@@ -71,7 +70,7 @@ def router(services: Services) -> APIRouter:
 
     @api.post("/tokenize", openapi_extra=schema_extra(TokenizeRequest))
     @api.post("/v1/tokenize", include_in_schema=False)  # under the SDKs' base URL: client.post("/tokenize")
-    async def tokenize(request: Request) -> dict:
+    async def tokenize(request: Request) -> TokenizeResponse:
         body = await parse_body(request, TokenizeRequest, services.body_parser)
         frontend = tokenizing_frontend(body.model, call_of(request).start.principal)
         tokens = await offload(request, services.body_parser.inline_bytes, tokenize_request, frontend, body,
@@ -79,7 +78,7 @@ def router(services: Services) -> APIRouter:
         return {"tokens": tokens, "count": len(tokens), "max_model_len": frontend.max_model_len}
 
     @api.post("/detokenize", openapi_extra=schema_extra(DetokenizeRequest))
-    async def detokenize(request: Request) -> dict:
+    async def detokenize(request: Request) -> DetokenizeResponse:
         body = await parse_body(request, DetokenizeRequest, services.body_parser)
         frontend = tokenizing_frontend(body.model, call_of(request).start.principal)
         vocab_size = frontend.vocab_size

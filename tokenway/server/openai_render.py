@@ -1,48 +1,77 @@
 """OpenAI's response shapes for a Generation: /v1/chat/completions and /v1/completions as one
 JSON body, or as SSE chunks framed the OpenAI way (an error is a `data: {"error": ...}` event;
-both ways end with `data: [DONE]`). Logprobs in OpenAI's two shapes (TokenText)."""
+both ways end with `data: [DONE]`). Logprobs in OpenAI's two shapes (TokenText).
+
+Every body is one of protocol/openai_bodies.py's TypedDicts, written as a dict literal: pyright
+checks each key and value, and a chunk costs no more than the dict it is.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from tokenway.frontend.model import ModelFrontend
 from tokenway.protocol.errors import openai_error_body
 from tokenway.protocol.job import ToolCallDelta
+from tokenway.protocol.openai_bodies import (
+    ChatCompletion,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionMessageToolCall,
+    ChatCompletionTokenLogprob,
+    ChatFinishReason,
+    ChoiceDeltaToolCall,
+    ChoiceDeltaToolCallFunction,
+    ChoiceLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
+    CompletionFinishReason,
+    CompletionLogprobs,
+    CompletionUsage,
+    TopLogprob,
+)
 from tokenway.protocol.openai_requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from tokenway.protocol.outputs import TokenLogprob
 from tokenway.server import sse
-from tokenway.server.generation import Generation, framed_stream
+from tokenway.server.generation import Generation, ToolCall, framed_stream
+
+# An upstream's logprobs entry: OpenAI's chat shape already (token, logprob, bytes, top_logprobs).
+UpstreamLogprob = dict[str, Any]
 
 
 class TokenText:
     """Logprobs in OpenAI's two shapes, with token texts from the tokenizer's shared cache. An
-    upstream's logprobs come OpenAI-shaped already (dicts, chat's shape) and pass through."""
+    upstream's entries come OpenAI-shaped (routing/openai_upstream.py) and pass on, their known
+    keys only."""
 
     def __init__(self, frontend: ModelFrontend | None) -> None:
         self.text: Callable[[int], str] = frontend.tokenizer.token_text if frontend is not None else _no_tokenizer
 
-    def chat_logprobs(self, logprobs: Sequence[TokenLogprob | dict], top_n: int) -> list[dict]:
-        entries = []
-        for lp in logprobs:
-            if isinstance(lp, dict):
-                entries.append(lp | {"top_logprobs": (lp.get("top_logprobs") or [])[:top_n]})
-                continue
-            token = self.text(lp.token_id)
-            entries.append({
-                "token": token,
-                "logprob": lp.logprob,
-                "bytes": list(token.encode()),
-                "top_logprobs": [
-                    {"token": (t := self.text(tid)), "logprob": value, "bytes": list(t.encode())}
-                    for tid, value in lp.top[:top_n]
-                ],
-            })
-        return entries
+    def chat_logprobs(self, logprobs: Sequence[TokenLogprob | UpstreamLogprob], top_n: int) -> ChoiceLogprobs:
+        return {"content": [self._chat_entry(lp, top_n) for lp in logprobs], "refusal": None}
 
-    def completion_logprobs(self, logprobs: Sequence[TokenLogprob | dict], offset: int) -> dict:
-        tokens, token_logprobs, tops, offsets = [], [], [], []
+    def _chat_entry(self, lp: TokenLogprob | UpstreamLogprob, top_n: int) -> ChatCompletionTokenLogprob:
+        if isinstance(lp, dict):
+            top: list[TopLogprob] = [{"token": t["token"], "logprob": t["logprob"], "bytes": t.get("bytes")}
+                                     for t in (lp.get("top_logprobs") or [])[:top_n]]
+            return {"token": lp["token"], "logprob": lp["logprob"], "bytes": lp.get("bytes"), "top_logprobs": top}
+        token = self.text(lp.token_id)
+        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode()),
+                "top_logprobs": [{"token": (t := self.text(tid)), "logprob": value, "bytes": list(t.encode())}
+                                 for tid, value in lp.top[:top_n]]}
+
+    def completion_logprobs(self, logprobs: Sequence[TokenLogprob | UpstreamLogprob], offset: int
+                            ) -> CompletionLogprobs:
+        """offset: where the first token starts in the choice's text (after an echoed prompt)."""
+        tokens: list[str] = []
+        token_logprobs: list[float] = []
+        tops: list[dict[str, float]] = []
+        offsets: list[int] = []
         for lp in logprobs:
             if isinstance(lp, dict):
                 token, logprob = lp["token"], lp["logprob"]
@@ -62,23 +91,16 @@ def _no_tokenizer(token_id: int) -> str:
     raise AssertionError("token ids come only from replicas of a model tokenway has the tokenizer of")
 
 
-def chunk_encoder(generation: Generation, object_name: str, with_usage: bool) -> Callable[..., bytes]:
-    """The SSE event for one chunk of a stream; `usage` rides on every chunk when asked for
-    (null until the last), as OpenAI sends it."""
-    created = int(time.time())
-
-    def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
-        payload = {"id": generation.request_id, "object": object_name, "created": created,
-                   "model": generation.model, "choices": choices, "system_fingerprint": None}
-        if with_usage:
-            payload["usage"] = usage
-        return sse.data_event(payload)
-
-    return chunk
+def completion_finish_reason(reason: str | None) -> CompletionFinishReason:
+    """A choice's finish_reason in OpenAI's words: an abort (the caller's own stop, a drained
+    replica) and any reason OpenAI has no word for are "stop"."""
+    if reason in ("length", "content_filter"):
+        return reason
+    return "stop"
 
 
-def openai_finish_reason(reason: str | None) -> str | None:
-    return "stop" if reason == "abort" else reason
+def chat_finish_reason(reason: str | None) -> ChatFinishReason:
+    return "tool_calls" if reason == "tool_calls" else completion_finish_reason(reason)
 
 
 def include_usage(body: SamplingRequest) -> bool:
@@ -89,88 +111,104 @@ def include_usage(body: SamplingRequest) -> bool:
 # ---- chat ------------------------------------------------------------------------------
 
 
-async def chat_response(body: ChatCompletionRequest, generation: Generation) -> dict:
+async def chat_response(body: ChatCompletionRequest, generation: Generation) -> ChatCompletion:
     token_text = TokenText(generation.frontend)
-    choices = []
+    top_n = body.top_logprobs or 0
+    choices: list[ChatCompletionChoice] = []
     for result in await generation.final_outputs():
-        finish_reason = openai_finish_reason(result.finish_reason)
-        if result.tool_calls:
-            message = {"role": "assistant", "content": result.text or None,
-                       "tool_calls": [call.openai() for call in result.tool_calls]}
-        else:
-            message = {"role": "assistant", "content": result.text}
-        choice = {"index": result.index, "message": message, "finish_reason": finish_reason, "logprobs": None}
+        tool_calls = [message_tool_call(call) for call in result.tool_calls] or None
+        logprobs = None
         if body.logprobs and result.logprobs is not None:
-            choice["logprobs"] = {"content": token_text.chat_logprobs(result.logprobs, body.top_logprobs or 0)}
-        choices.append(choice)
-    return {
-        "id": generation.request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": generation.model,
-        "choices": choices,
-        "usage": generation.usage(),
-        "system_fingerprint": None,
-    }
+            logprobs = token_text.chat_logprobs(result.logprobs, top_n)
+        choices.append({
+            "index": result.index,
+            "message": {"role": "assistant", "content": (result.text or None) if tool_calls else result.text,
+                        "refusal": None, "tool_calls": tool_calls},
+            "logprobs": logprobs,
+            "finish_reason": chat_finish_reason(result.finish_reason),
+        })
+    return {"id": generation.request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": generation.model, "choices": choices, "usage": generation.usage(),
+            "system_fingerprint": None}
+
+
+def message_tool_call(call: ToolCall) -> ChatCompletionMessageToolCall:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 async def chat_stream(body: ChatCompletionRequest, generation: Generation) -> AsyncIterator[bytes]:
     token_text = TokenText(generation.frontend)
+    top_n = body.top_logprobs or 0
     with_usage = include_usage(body)
-    chunk = chunk_encoder(generation, "chat.completion.chunk", with_usage)
+    created = int(time.time())
+
+    def chunk(choices: list[ChatCompletionChunkChoice], usage: CompletionUsage | None = None) -> bytes:
+        payload: ChatCompletionChunk = {"id": generation.request_id, "object": "chat.completion.chunk",
+                                        "created": created, "model": generation.model, "choices": choices,
+                                        "system_fingerprint": None}
+        if with_usage:  # on every chunk, null until the last, as OpenAI sends it
+            payload["usage"] = usage
+        return sse.data_event(payload)
 
     for index in range(generation.num_choices):
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
     async for delta in generation.outputs():
         index = delta.index
-        finish_reason = openai_finish_reason(delta.finish_reason)
-        logprobs = None
-        if body.logprobs and delta.logprobs is not None:
-            logprobs = {"content": token_text.chat_logprobs(delta.logprobs, body.top_logprobs or 0)}
+        logprobs = token_text.chat_logprobs(delta.logprobs, top_n) if body.logprobs and delta.logprobs else None
         if delta.text or logprobs:
             yield chunk([{"index": index, "delta": {"content": delta.text}, "logprobs": logprobs,
                           "finish_reason": None}])
         if delta.tool_calls:
             yield chunk([{"index": index, "delta": {"tool_calls": [tool_call_piece(p) for p in delta.tool_calls]},
                           "logprobs": None, "finish_reason": None}])
-        if finish_reason is not None:
-            yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
+        if delta.finish_reason is not None:
+            yield chunk([{"index": index, "delta": {}, "logprobs": None,
+                          "finish_reason": chat_finish_reason(delta.finish_reason)}])
     if with_usage:
         yield chunk([], generation.usage())
 
 
-def tool_call_piece(piece: ToolCallDelta) -> dict:
+def tool_call_piece(piece: ToolCallDelta) -> ChoiceDeltaToolCall:
     """A streamed tool call's piece in OpenAI's delta.tool_calls: id, type and name on its first."""
-    function = {"arguments": piece.arguments}
+    function: ChoiceDeltaToolCallFunction = {"arguments": piece.arguments}
     if piece.name is not None:
-        function = {"name": piece.name} | function
-    head = {"id": piece.id, "type": "function"} if piece.id is not None else {}
-    return {"index": piece.index, **head, "function": function}
+        function = {"name": piece.name, "arguments": piece.arguments}
+    if piece.id is None:
+        return {"index": piece.index, "function": function}
+    return {"index": piece.index, "id": piece.id, "type": "function", "function": function}
 
 
 # ---- completions -----------------------------------------------------------------------
 
 
-async def completion_response(body: CompletionRequest, generation: Generation, echo: str) -> dict:
+async def completion_response(body: CompletionRequest, generation: Generation, echo: str) -> Completion:
     token_text = TokenText(generation.frontend)
-    choices = []
+    choices: list[CompletionChoice] = []
     for result in await generation.final_outputs():
         logprobs = None
         if body.logprobs is not None and result.logprobs is not None:
             logprobs = token_text.completion_logprobs(result.logprobs, len(echo))
         choices.append({"index": result.index, "text": echo + result.text, "logprobs": logprobs,
-                        "finish_reason": openai_finish_reason(result.finish_reason)})
+                        "finish_reason": completion_finish_reason(result.finish_reason)})
     return {"id": generation.request_id, "object": "text_completion", "created": int(time.time()),
-            "model": generation.model, "choices": choices, "usage": generation.usage(), "system_fingerprint": None}
+            "model": generation.model, "choices": choices, "usage": generation.usage(),
+            "system_fingerprint": None}
 
 
 async def completion_stream(body: CompletionRequest, generation: Generation, echo: str
                             ) -> AsyncIterator[bytes]:
     token_text = TokenText(generation.frontend)
     with_usage = include_usage(body)
-    chunk = chunk_encoder(generation, "text_completion", with_usage)
+    created = int(time.time())
     offsets = [len(echo)] * generation.num_choices
+
+    def chunk(choices: list[CompletionChunkChoice], usage: CompletionUsage | None = None) -> bytes:
+        payload: CompletionChunk = {"id": generation.request_id, "object": "text_completion", "created": created,
+                                    "model": generation.model, "choices": choices, "system_fingerprint": None}
+        if with_usage:
+            payload["usage"] = usage
+        return sse.data_event(payload)
 
     if echo:
         for index in range(generation.num_choices):
@@ -178,10 +216,10 @@ async def completion_stream(body: CompletionRequest, generation: Generation, ech
     async for delta in generation.outputs():
         index = delta.index
         logprobs = None
-        if body.logprobs is not None and delta.logprobs is not None:
+        if body.logprobs is not None and delta.logprobs:
             logprobs = token_text.completion_logprobs(delta.logprobs, offsets[index])
         offsets[index] += len(delta.text)
-        finish_reason = openai_finish_reason(delta.finish_reason)
+        finish_reason = None if delta.finish_reason is None else completion_finish_reason(delta.finish_reason)
         if delta.text or logprobs or finish_reason:
             yield chunk([{"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": finish_reason}])
     if with_usage:
