@@ -87,14 +87,19 @@ async def one_round(base_url: str, prompts: list[list[int]], output_len: int, sc
 def micro_costs() -> dict[str, float]:
     """The instrumentation's own CPU time, in process: per call, per token, per scrape."""
     sys.path.insert(0, str(REPO))
+    from tokenway.engine.stats import EngineStats
     from tokenway.gateway.call import Call, CallOutcome, CallStart, RouteChoice
     from tokenway.observability.observer import Observer
     from tokenway.observability.traces import Trace
+    from tokenway.server.stats import ServerStats
     from tokenway.stages import STAGES, StageClock
 
-    stats = {"num_running": 16, "num_waiting": 0, "num_pending_http": 16, "kv_blocks_total": 5825,
-             "kv_blocks_free": 5000, "prefix_cache_hit_rate": 0.1, "prefix_cache_queried_tokens": 10_000,
-             "prefix_cache_hit_tokens": 1_000, "num_preemptions": 0}
+    engine = EngineStats(num_running=16, num_waiting=0, kv_blocks_total=5825, kv_blocks_free=5000,
+                         prefix_cache_hit_rate=0.1, prefix_cache_queried_tokens=10_000, prefix_cache_hit_tokens=1_000,
+                         num_preemptions=0, num_steps=0, spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
+                         spec_decode_num_accepted_tokens=0, spec_decode_acceptance_rate=0.0,
+                         spec_decode_mean_accepted_length=0.0)
+    stats = ServerStats(engine, num_pending_http=16, replicas={})
     observer = Observer(lambda: stats)
     clock = StageClock()
     for stage in STAGES[:-1]:

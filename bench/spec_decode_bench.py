@@ -72,7 +72,7 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, concurrency:
         outputs += [o.outputs[0].token_ids for o in llm.generate(batch, params)]
     elapsed = time.perf_counter() - started
     after = llm.engine.snapshot()
-    counts = {key: after[key] - before[key] for key in
+    counts = {key: getattr(after, key) - getattr(before, key) for key in
               ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")}
     return sum(map(len, outputs)) / elapsed, outputs, counts
 

@@ -35,6 +35,7 @@ from tokenway.server import connections
 if TYPE_CHECKING:
     from tokenway.gateway.gatekeeper import Gatekeeper
     from tokenway.observability.observer import Observer
+    from tokenway.server.stats import ServerStats
 
 # flag dest -> (type, default); the config file uses the same names (dashes or underscores).
 SERVE_OPTIONS = {
@@ -414,7 +415,7 @@ def check_tls(options: dict) -> None:
         raise ValueError(f"ssl: cannot load {certfile} with {keyfile}: {exc}") from None
 
 
-def build_observer(engine_stats: Callable[[], dict], gatekeeper: Gatekeeper | None, options: dict) -> Observer:
+def build_observer(stats: Callable[[], ServerStats], gatekeeper: Gatekeeper | None, options: dict) -> Observer:
     """The Observer over the server's /engine/stats reader (Services.build hands it in)."""
     from tokenway.observability.observer import Observer
 
@@ -427,7 +428,7 @@ def build_observer(engine_stats: Callable[[], dict], gatekeeper: Gatekeeper | No
                                 server_port=options["port"])
         print(f"tokenway: exporting spans to {endpoint}", file=sys.stderr, flush=True)
     ledger_stats = gatekeeper.ledger.stats if gatekeeper is not None else None
-    return Observer(engine_stats, trace_capacity=options["trace_capacity"], exporter=exporter,
+    return Observer(stats, trace_capacity=options["trace_capacity"], exporter=exporter,
                     ledger_stats=ledger_stats)
 
 

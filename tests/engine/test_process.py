@@ -65,7 +65,7 @@ def test_a_stop_string_ends_the_request_in_the_engine_too(engine, offline):
     deltas, last = asyncio.run(collect(engine, prompt_ids(engine, TEXTS[0]), params))
     assert last.outputs[0].finish_reason == "stop" and last.outputs[0].stop_reason == stop
     assert last.outputs[0].text == offline[0].text[: offline[0].text.index(stop)]
-    assert wait_until(lambda: engine.stats()["num_running"] == 0)  # told to finish, not left decoding to 64
+    assert wait_until(lambda: engine.stats().num_running == 0)  # told to finish, not left decoding to 64
 
 
 def test_logprobs_and_cached_tokens_cross_as_the_in_process_engine_gives_them(engine, llm):
@@ -90,8 +90,8 @@ def test_leaving_early_aborts_in_the_engine(engine):
                 break
 
     asyncio.run(main())
-    assert wait_until(lambda: engine.stats()["num_running"] == 0 and engine.stats()["num_waiting"] == 0)
-    assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"]
+    assert wait_until(lambda: engine.stats().num_running == 0 and engine.stats().num_waiting == 0)
+    assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
 
 
 def test_bad_prompts_are_refused_on_the_callers_side(engine):
@@ -116,6 +116,6 @@ def test_a_killed_engine_fails_what_was_in_flight_and_comes_back(engine):
     with pytest.raises(EngineDeadError):  # refused at once while it restarts, before anything queues
         engine.validate_prompt(prompt_ids(engine, TEXTS[1]), GREEDY)
     assert wait_until(lambda: engine.is_alive, timeout=120)
-    assert engine.pid != dead_pid and engine.stats()["engine_restarts"] == 1
+    assert engine.pid != dead_pid and engine.stats().engine_restarts == 1
     _, last = asyncio.run(collect(engine, prompt_ids(engine, TEXTS[1]), GREEDY))
     assert last.outputs[0].finish_reason == "length" and len(last.outputs[0].token_ids) == 16

@@ -290,10 +290,10 @@ def test_greedy_is_plain_greedy_token_for_token_batched_chunked_and_from_the_pre
     assert generate_ids(spec_llm, prompts, GREEDY) == expected
     # The counters reach the snapshot (/engine/stats) and /metrics.
     stats, spec = core.snapshot(), core.scheduler.spec_decoding_stats
-    assert stats["spec_decode_num_drafts"] == spec.num_drafts > 0
-    assert stats["spec_decode_num_draft_tokens"] == spec.num_draft_tokens > stats["spec_decode_num_accepted_tokens"] > 0
-    assert stats["spec_decode_acceptance_rate"] == spec.acceptance_rate
-    assert stats["spec_decode_mean_accepted_length"] == spec.mean_accepted_length > 1.0
+    assert stats.spec_decode_num_drafts == spec.num_drafts > 0
+    assert stats.spec_decode_num_draft_tokens == spec.num_draft_tokens > stats.spec_decode_num_accepted_tokens > 0
+    assert stats.spec_decode_acceptance_rate == spec.acceptance_rate
+    assert stats.spec_decode_mean_accepted_length == spec.mean_accepted_length > 1.0
     families = {family.name: family for family in EngineCollector(lambda: stats).collect()}
     assert families["tokenway_spec_decode_num_accepted_tokens"].samples[0].value == spec.num_accepted_tokens
     assert families["tokenway_spec_decode_acceptance_ratio"].samples[0].value == spec.acceptance_rate

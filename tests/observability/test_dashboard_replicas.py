@@ -1,6 +1,6 @@
 """The dashboard's Replicas panel as a person sees it: headless Chromium opens /dashboard, served
 by the real observability routes (uvicorn on loopback) over an Observer whose stats the test
-sets: a pure gateway (no engine keys: the engine panels are greyed out, nothing reads NaN), then
+sets: a pure gateway (no engine: the engine panels are greyed out, nothing reads NaN), then
 a server with a local engine."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from tokenway.observability.observer import Observer
 from tokenway.server.observability_api import observability_router
+from tokenway.server.stats import ServerStats
 
 from ..e2e import test_dashboard as e2e_dashboard
 from .test_replicas import ENGINE_SERVER_STATS, GATEWAY_STATS
@@ -29,7 +30,7 @@ class DashboardServer:
     """The observability routes alone, in a thread; `stats` is what the Observer reads."""
 
     def __init__(self) -> None:
-        self.stats: dict = GATEWAY_STATS
+        self.stats: ServerStats = GATEWAY_STATS
         self.observer = Observer(lambda: self.stats)
         app = FastAPI()
         app.include_router(observability_router(self.observer, gatekeeper=None, admin_key=None))

@@ -1,6 +1,7 @@
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tokenway.engine.stats import EngineStats
 from tokenway.gateway.call import Call, CallOutcome, CallStart, RouteChoice
 from tokenway.observability.metrics import Metrics
 from tokenway.observability.observer import Observer
@@ -8,11 +9,14 @@ from tokenway.observability.traces import Trace, TraceRing, render_summary, rend
 from tokenway.protocol.job import GenerationJob
 from tokenway.protocol.sampling import SamplingParams
 from tokenway.routing.router import ReplicaChoice
+from tokenway.server.stats import ServerStats
 from tokenway.stages import STAGES, StageClock
 
-ENGINE_STATS = {"num_running": 2, "num_waiting": 1, "num_pending_http": 3, "kv_blocks_total": 100,
-                "kv_blocks_free": 75, "prefix_cache_hit_rate": 0.25, "prefix_cache_queried_tokens": 400,
-                "prefix_cache_hit_tokens": 100, "num_preemptions": 4}
+ENGINE = EngineStats(num_running=2, num_waiting=1, kv_blocks_total=100, kv_blocks_free=75, prefix_cache_hit_rate=0.25,
+                     prefix_cache_queried_tokens=400, prefix_cache_hit_tokens=100, num_preemptions=4, num_steps=50,
+                     spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0, spec_decode_num_accepted_tokens=0,
+                     spec_decode_acceptance_rate=0.0, spec_decode_mean_accepted_length=0.0)
+ENGINE_STATS = ServerStats(ENGINE, num_pending_http=3, replicas={})  # a local engine, no other replica
 
 
 def make_trace(request_id: str = "chatcmpl-1", status: int = 200, total_ms: float = 100.0, **fields) -> Trace:
@@ -152,4 +156,5 @@ def test_observer_samples_throughput_once_per_interval():
     snapshot = observer.snapshot(limit=10)
     assert snapshot["stages"] == list(STAGES)
     assert [t["request_id"] for t in snapshot["traces"]] == ["chatcmpl-1"]
-    assert snapshot["summary"]["num_completed"] == 1 and snapshot["engine"] == ENGINE_STATS
+    assert snapshot["summary"]["num_completed"] == 1
+    assert snapshot["engine"] == {**ENGINE.to_dict(), "num_pending_http": 3}

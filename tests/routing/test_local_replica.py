@@ -72,6 +72,6 @@ def test_closing_the_iterator_aborts_every_choice(replica):
 
     asyncio.run(main())
     deadline = time.monotonic() + 10
-    while replica.stats()["num_running"] + replica.stats()["num_waiting"] and time.monotonic() < deadline:
+    while replica.stats().num_running + replica.stats().num_waiting and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert replica.stats()["num_running"] == 0 and replica.stats()["num_waiting"] == 0
+    assert replica.stats().num_running == 0 and replica.stats().num_waiting == 0

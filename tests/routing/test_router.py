@@ -51,8 +51,8 @@ class FakeReplica:
     async def probe(self) -> bool:
         return True
 
-    def stats(self) -> dict:
-        return {}
+    def stats(self) -> None:
+        return None
 
     async def aclose(self) -> None:
         pass

@@ -5,10 +5,13 @@ test_worker.py drives a real worker)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 
+from tokenway.engine.stats import EngineStats
 from tokenway.protocol.errors import (
     BadGatewayError,
     GatewayTimeoutError,
@@ -127,3 +130,24 @@ def test_fetch_tokenizer_writes_only_the_known_file_names(stub, tmp_path):
     with pytest.raises(BadGatewayError, match="malformed tokenizer"):
         asyncio.run(fetch())
     assert not (tmp_path / "escape.json").exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_probe_reads_the_engines_counts_and_a_malformed_state_is_a_bad_gateway(stub):
+    counts = {field.name: 1 for field in dataclasses.fields(EngineStats)}
+    state = {"model": "m", "ready": True, "num_in_flight": 0, "kv_cache_usage": 0.5, "engine": counts}
+    missing = {**state, "engine": {key: value for key, value in counts.items() if key != "num_steps"}}
+    stub.script(*(Reply(headers={"content-type": "application/json"}, chunks=(json.dumps(body).encode(),))
+                  for body in (state, missing)))
+
+    async def main() -> tuple[EngineStats | None, EngineStats | None, EngineStats | None]:
+        async with WorkerReplica("w1", stub.base_url.removesuffix("/v1"), SECRET_ENV) as replica:
+            before = replica.stats()
+            assert await replica.probe() is True
+            read = replica.stats()
+            with pytest.raises(BadGatewayError, match=r"malformed state \(engine: num_steps: missing\)"):
+                await replica.probe()
+            return before, read, replica.stats()
+
+    before, read, after = asyncio.run(main())
+    assert before is None and read == EngineStats(**counts)
+    assert after is read  # a malformed state leaves the last good counts

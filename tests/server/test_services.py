@@ -1,5 +1,5 @@
 """What the routes share, built once: the catalog's answers for a request's `model`, the
-capacity counter's 503, and /engine/stats typed at the engine's boundary."""
+capacity counter's 503, and /engine/stats as the engine's counts, then the server's."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import dataclasses
 import pytest
 
 from tokenway.engine.client import AsyncEngine
+from tokenway.engine.stats import EngineStats
 from tokenway.protocol.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
 from tokenway.routing.router import Router
 from tokenway.server.services import Capacity, ModelCatalog, ServerConfig, Services, local_router
-from tokenway.server.stats import EngineStats, ServerStats
+from tokenway.server.stats import ServerStats
 
 CATALOG = ModelCatalog(("chat-a", "chat-b"), context_windows={"chat-a": 4096, "chat-b": 8192},
                        aliases={"a": "chat-a"}, embedding_model_names=("embed",))
@@ -53,32 +54,24 @@ def test_services_are_frozen_and_share_one_capacity_with_the_stats_reader():
         services.router = Router({})  # type: ignore[misc]
     services.capacity.take(5)
     [read] = observed
-    assert read() == {"num_pending_http": 5, "replicas": {}}  # a gateway only: no engine counts
+    assert read() == ServerStats(None, 5, {})  # a gateway only: no engine counts
+    assert read().to_dict() == {"num_pending_http": 5, "replicas": {}}
     assert services.capacity.max_pending_requests == 7
 
 
-def test_engine_stats_keep_every_count_the_engine_publishes_in_its_order(llm):
+def test_the_payload_is_the_engines_counts_in_their_order_then_the_servers(llm):
     engine = AsyncEngine(core=llm.engine)
     try:
-        snapshot = engine.stats()
         stats = ServerStats.read(engine, local_router(engine, ("m",), 4), 2)
         assert stats.engine is not None
-        # The engine's own dict, typed here: a count it adds (or drops) must be added here too.
-        assert stats.engine.to_dict() == snapshot and list(stats.engine.to_dict()) == list(snapshot)
         payload = stats.to_dict()
-        assert list(payload)[-2:] == ["num_pending_http", "replicas"] and payload["num_pending_http"] == 2
+        # A thread engine: no engine_pid or engine_restarts.
+        counts = [field.name for field in dataclasses.fields(EngineStats)][:-2]
+        assert list(payload) == [*counts, "num_pending_http", "replicas"] and payload["num_pending_http"] == 2
+        assert {key: payload[key] for key in counts} == stats.engine.to_dict()
+        assert payload["kv_blocks_total"] == llm.engine.kv_manager.num_blocks
         assert stats.with_pool_totals({"local"})["replicas"] == {
             "local": {"num_replicas": 1, "num_available": 1, "num_in_flight": 0, "num_outstanding_tokens": 0}}
         assert stats.with_pool_totals(set())["replicas"] == {}
     finally:
         engine.shutdown()
-
-
-def test_a_process_engine_adds_its_pid_and_restarts():
-    published = {field.name: 0 for field in dataclasses.fields(EngineStats)
-                 if field.name not in ("engine_pid", "engine_restarts")}
-    stats = EngineStats.from_snapshot({**published, "engine_pid": 4242, "engine_restarts": 1})
-    assert stats.to_dict() == {**published, "engine_pid": 4242, "engine_restarts": 1}
-    assert "engine_pid" not in EngineStats.from_snapshot(published).to_dict()
-    with pytest.raises(KeyError):
-        EngineStats.from_snapshot({"num_running": 1})

@@ -19,11 +19,14 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 from tokenway.config import EngineConfig
 from tokenway.engine.core import EngineCore
+from tokenway.engine.stats import EngineStats
 from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.output import RequestOutput, RequestState
 from tokenway.frontend.prompt_check import PromptChecker
@@ -38,9 +41,21 @@ class EngineDeadError(RuntimeError):
     """The engine has stopped (or is restarting); no request can be served now."""
 
 
+class CallerState(Protocol):
+    """What folds a request's outputs on the caller's side: a RequestState (the engine thread
+    detokenizes with it), or engine/process.py's _Remote (rebuilt from the engine process's deltas)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+StateT = TypeVar("StateT", bound=CallerState)
+
+
 @dataclass(slots=True)
-class _Add:
-    state: RequestState
+class _Add(Generic[StateT]):
+    state: StateT
     outputs: asyncio.Queue
     loop: asyncio.AbstractEventLoop
 
@@ -50,12 +65,23 @@ class _Abort:
     request_id: str
 
 
-def fold_outputs(live: dict[str, _Add], engine_outputs: list[EngineOutput]
-                 ) -> tuple[list[tuple[_Add, RequestOutput]], list[tuple[str, str | None]]]:
+class _Folds(Protocol):
+    """A live request whose engine outputs are folded here (an _Add, or the engine process's own)."""
+
+    @property
+    def state(self) -> RequestState: ...
+
+
+FoldsT = TypeVar("FoldsT", bound=_Folds)
+
+
+def fold_outputs(live: dict[str, FoldsT], engine_outputs: list[EngineOutput]
+                 ) -> tuple[list[tuple[FoldsT, RequestOutput]], list[tuple[str, int | str | None]]]:
     """Fold one step's outputs into their requests: (what to deliver, requests a stop string
     ended that the engine must now finish: (request_id, stop_reason)). Finished requests leave
     `live`; outputs of requests no longer live are dropped."""
-    deliveries, stopped = [], []
+    deliveries: list[tuple[FoldsT, RequestOutput]] = []
+    stopped: list[tuple[str, int | str | None]] = []
     for engine_output in engine_outputs:
         entry = live.get(engine_output.request_id)
         if entry is None:
@@ -71,7 +97,7 @@ def fold_outputs(live: dict[str, _Add], engine_outputs: list[EngineOutput]
     return deliveries, stopped
 
 
-def deliver(items: list[tuple[_Add, object]]) -> None:
+def deliver(items: Sequence[tuple[_Add[Any], object]]) -> None:
     """Hand results (RequestOutputs or exceptions) to their callers: one wake-up per event loop."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
     for entry, item in items:
@@ -98,7 +124,7 @@ class EngineClient:
     max_model_len: int
     _prompts: PromptChecker
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    def _submit(self, command: _Add[Any] | _Abort) -> None:
         raise NotImplementedError
 
     @property
@@ -107,11 +133,11 @@ class EngineClient:
         return ModelFrontend(self.tokenizer, self._prompts, is_local=True)
 
     def _request_state(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                       params: SamplingParams) -> RequestState:
+                       params: SamplingParams) -> CallerState:
         """What folds this request's outputs on this side (the engine thread detokenizes with it)."""
         return RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """What runs, what waits, how full the KV cache is (EngineCore.snapshot; may be one step stale)."""
         raise NotImplementedError
 
@@ -136,7 +162,7 @@ class EngineClient:
         params: SamplingParams,
         request_id: str | None = None,
         prompt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield a RequestOutput per step that releases something; the last has finished=True.
         Raises ValueError (before anything runs) for a bad prompt, EngineDeadError when the
         engine is down or dies meanwhile. Leaving the loop early, or cancelling the task,
@@ -169,29 +195,26 @@ class AsyncEngine(EngineClient):
     embedding (`--engine-process` runs engine/process.py's ProcessEngine instead)."""
 
     def __init__(self, config: EngineConfig | None = None, core: EngineCore | None = None) -> None:
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add[Any] | _Abort | None] = queue.SimpleQueue()  # None: stop
         # request_id -> (state, queue, loop); touched only by the engine thread.
-        self._live: dict[str, _Add] = {}
+        self._live: dict[str, _Add[RequestState]] = {}
         self._stopped = threading.Event()
-        self._loaded = threading.Event()
-        self._error: BaseException | None = None
-        self.core = core
-        self._thread = threading.Thread(target=self._run, args=(config or EngineConfig(),), name="tokenway-engine",
-                                        daemon=True)
+        loaded: Future[EngineCore] = Future()
+        self._thread = threading.Thread(target=self._run, args=(config or EngineConfig(), core, loaded),
+                                        name="tokenway-engine", daemon=True)
         self._thread.start()
-        self._loaded.wait()
-        if self.core is None:
-            raise self._error  # the model failed to load: the same ValueError the caller would get
+        # The model failed to load: result() raises the same ValueError the caller would get.
+        self.core = loaded.result()
         # What callers may read of the engine; nothing else of the core is theirs to touch.
         self.tokenizer = self.core.tokenizer
         self.vocab_size = self.core.model_config.vocab_size
         self.max_model_len = self.core.max_model_len
         self._prompts = self.core.prompts
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    def _submit(self, command: _Add[Any] | _Abort) -> None:
         self._commands.put(command)
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         return self.core.snapshot()  # read without a lock: a count may be one step stale, never torn
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -204,24 +227,21 @@ class AsyncEngine(EngineClient):
 
     # -- engine thread ---------------------------------------------------------------
 
-    def _run(self, config: EngineConfig) -> None:
+    def _run(self, config: EngineConfig, core: EngineCore | None, loaded: Future[EngineCore]) -> None:
         # The model is loaded, and every step runs, on this thread only: torch's OpenMP
         # pool then belongs to it alone. A second pool, left on the main thread by loading
         # there, competes for the same cores (measured ~15% slower steps on 2 cores).
         try:
-            if self.core is None:
-                self.core = EngineCore(config)
+            core = core if core is not None else EngineCore(config)
         except BaseException as exc:
-            self._error = exc
             self._stopped.set()
+            loaded.set_exception(exc)
             return
-        finally:
-            self._loaded.set()
-        core = self.core
+        loaded.set_result(core)
         try:
             while True:
                 # Block only when there is nothing to step.
-                if not self._drain(block=not core.has_unfinished_requests()):
+                if not self._drain(core, block=not core.has_unfinished_requests()):
                     break
                 if not core.has_unfinished_requests():
                     continue
@@ -237,16 +257,15 @@ class AsyncEngine(EngineClient):
                 for request_id, stop_reason in stopped:  # in the same step: nothing more is computed
                     core.finish_request(request_id, stop_reason)
                 deliver(deliveries)
-        except BaseException as exc:  # pragma: no cover - the thread must never die silently
+        except BaseException:  # pragma: no cover - the thread must never die silently
             logger.exception("engine thread died")
-            self._error = exc
         finally:
             self._stopped.set()
             dead = EngineDeadError("the engine stopped")
             deliver([(live, dead) for live in self._live.values()])
             self._live.clear()
 
-    def _drain(self, block: bool) -> bool:
+    def _drain(self, core: EngineCore, block: bool) -> bool:
         """Apply queued commands; False when asked to stop."""
         while True:
             try:
@@ -255,17 +274,17 @@ class AsyncEngine(EngineClient):
                 return True
             block = False
             if command is None:
-                self.core.abort_requests(list(self._live))
+                core.abort_requests(list(self._live))
                 return False
             if isinstance(command, _Add):
                 request_id = command.state.request_id
                 try:
-                    self.core.add_request(request_id, command.state.prompt_token_ids, command.state.params)
+                    core.add_request(request_id, command.state.prompt_token_ids, command.state.params)
                 except ValueError as exc:
                     deliver([(command, exc)])
                     continue
                 self._live[request_id] = command
             elif (live := self._live.pop(command.request_id, None)) is not None:
                 # The caller may still be listening (an explicit abort): tell it.
-                for engine_output in self.core.abort_requests([command.request_id]):
+                for engine_output in core.abort_requests([command.request_id]):
                     deliver([(live, live.state.process(engine_output))])

@@ -16,7 +16,6 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +25,7 @@ from tokenway.engine.runner import ModelRunner, kv_bytes_per_block
 from tokenway.engine.sampler import Sampler, SamplingMetadata
 from tokenway.engine.scheduler import Scheduler
 from tokenway.engine.spec_decode import NgramProposer
+from tokenway.engine.stats import EngineStats
 from tokenway.frontend.prompt_check import PromptChecker, eos_token_ids, resolve_max_model_len
 from tokenway.frontend.structured_output import StructuredOutputManager
 from tokenway.frontend.tokenizer import Tokenizer
@@ -67,13 +67,6 @@ def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.
     return device, torch.bfloat16 if cpu_has_bf16() else torch.float32
 
 
-@dataclass(slots=True)
-class StepStats:
-    num_steps: int = 0
-    num_prompt_tokens_computed: int = 0
-    num_generated_tokens: int = 0
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -112,11 +105,13 @@ class EngineCore:
         backends = select_kernels(model.linear_kernels(), config.linear_kernels)
         packed = sum(backend == "onednn" for backend in backends.values())
 
+        kv_cache_memory = config.kv_cache_memory
+        assert isinstance(kv_cache_memory, int), "EngineConfig.__post_init__ parses it into bytes"
         block_bytes = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
-        num_blocks = config.kv_cache_memory // block_bytes
+        num_blocks = kv_cache_memory // block_bytes
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
-                f"kv_cache_memory: {config.kv_cache_memory} bytes hold {num_blocks} blocks "
+                f"kv_cache_memory: {kv_cache_memory} bytes hold {num_blocks} blocks "
                 f"({num_blocks * config.block_size} tokens), fewer than max_model_len ({self.max_model_len}); "
                 f"raise kv_cache_memory to at least {-(-self.max_model_len // config.block_size) * block_bytes} "
                 f"or lower max_model_len"
@@ -127,7 +122,7 @@ class EngineCore:
         # to its pool as requests run.
         num_layers = self.model_config.num_hidden_layers
         layer_block_bytes = block_bytes // num_layers
-        kv_groups = plan_groups(config.kv_cache_memory, layer_block_bytes,
+        kv_groups = plan_groups(kv_cache_memory, layer_block_bytes,
                                 [self.model_config.window(layer) for layer in range(num_layers)], config.block_size,
                                 config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.kv_manager = KVCacheManager(block_size=config.block_size,
@@ -146,7 +141,7 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                          self.eos_token_ids)
         self.prompts = PromptChecker(self.model_config.vocab_size, self.max_model_len, self.structured_output)
-        self.stats = StepStats()
+        self.num_steps = 0  # steps that ran a batch, since start
         if config.show_progress:
             print(
                 f"tokenway: loaded {config.model} ({self.model_config.architecture}, {self.dtype}, {self.device}) "
@@ -178,22 +173,24 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
         return self.scheduler.abort_requests(request_ids)
 
-    def finish_request(self, request_id: str, stop_reason: str | None = None) -> None:
+    def finish_request(self, request_id: str, stop_reason: int | str | None = None) -> None:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> EngineStats:
         """What runs, what waits, how full the KV cache is: the engine's published counts."""
-        kv = self.kv_manager
-        spec = self.scheduler.spec_decoding_stats
-        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-                "kv_blocks_total": kv.num_blocks, "kv_blocks_free": kv.num_free_blocks,
-                "prefix_cache_hit_rate": kv.prefix_cache_hit_rate, "prefix_cache_queried_tokens": kv.num_queried_tokens,
-                "prefix_cache_hit_tokens": kv.num_hit_tokens, "num_preemptions": self.scheduler.num_preemptions,
-                "num_steps": self.stats.num_steps, "spec_decode_num_drafts": spec.num_drafts,
-                "spec_decode_num_draft_tokens": spec.num_draft_tokens,
-                "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
-                "spec_decode_acceptance_rate": spec.acceptance_rate,
-                "spec_decode_mean_accepted_length": spec.mean_accepted_length}
+        kv, scheduler = self.kv_manager, self.scheduler
+        spec = scheduler.spec_decoding_stats
+        return EngineStats(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks,
+            prefix_cache_hit_rate=kv.prefix_cache_hit_rate, prefix_cache_queried_tokens=kv.num_queried_tokens,
+            prefix_cache_hit_tokens=kv.num_hit_tokens, num_preemptions=scheduler.num_preemptions,
+            num_steps=self.num_steps, spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_acceptance_rate=spec.acceptance_rate,
+            spec_decode_mean_accepted_length=spec.mean_accepted_length,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished_requests > 0
@@ -213,6 +210,5 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(
             scheduler_output, sampled.sampled_token_ids, sampled.logprobs, sampled.num_accepted_tokens
         )
-        self.stats.num_steps += 1
-        self.stats.num_generated_tokens += sum(len(output.new_token_ids) for output in outputs)
+        self.num_steps += 1
         return outputs

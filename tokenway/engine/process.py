@@ -21,6 +21,7 @@ is started again, with a backoff while it keeps failing to start.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -30,9 +31,11 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 from tokenway.config import EngineConfig
 from tokenway.engine.client import EngineClient, EngineDeadError, _Abort, _Add, deliver, fold_outputs
+from tokenway.engine.stats import EngineStats
 from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.output import CompletionOutput, RequestMetrics, RequestOutput, RequestState
 from tokenway.models.loader import resolve_model
@@ -56,23 +59,22 @@ class ProcessEngine(EngineClient):
         self.vocab_size, self.max_model_len = frontend.vocab_size, frontend.max_model_len
         self._config = config
         self._lock = threading.Lock()  # guards _live, _child, _alive
-        self._live: dict[str, _Add] = {}
+        self._live: dict[str, _Add[_Remote]] = {}
         self._child: _Child | None = None
         self._alive = False
         self._closing = False
-        self._snapshot: dict = {}
         self.num_restarts = 0
         self._niceness = niceness
         child = _Child.start(config, niceness)  # the first start's failure is the caller's error
         ready = child.wait_ready()
         if isinstance(ready, BaseException):
             raise ready
-        self._snapshot = ready
+        self._snapshot = ready  # the engine's latest counts: each step's message brings them
         self._attach(child)
 
     # -- caller side -------------------------------------------------------------------
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    def _submit(self, command: _Add[Any] | _Abort) -> None:
         with self._lock:
             child = self._child if self._alive else None
             if isinstance(command, _Add):
@@ -89,8 +91,8 @@ class ProcessEngine(EngineClient):
                        params: SamplingParams) -> _Remote:
         return _Remote(request_id, prompt, prompt_token_ids, params)
 
-    def stats(self) -> dict:
-        return {**self._snapshot, "engine_pid": self.pid, "engine_restarts": self.num_restarts}
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(self._snapshot, engine_pid=self.pid, engine_restarts=self.num_restarts)
 
     @property
     def is_alive(self) -> bool:
@@ -202,7 +204,7 @@ class _Child:
         results_write.close()
         return cls(process, commands_write, results_read)
 
-    def wait_ready(self) -> dict | BaseException:
+    def wait_ready(self) -> EngineStats | BaseException:
         """The engine's first snapshot, or why it could not start."""
         try:
             message = self.results.recv()
@@ -305,9 +307,10 @@ def _step_delta(output: RequestOutput) -> tuple:
     if completion.logprobs is not None and completion.delta_token_ids:
         new_logprobs = completion.logprobs[len(completion.logprobs) - len(completion.delta_token_ids):]
     metrics = output.metrics
+    times = None if metrics is None else (metrics.arrival_time, metrics.first_scheduled_time,
+                                          metrics.first_token_time, metrics.last_token_time)
     return (output.request_id, completion.delta_text, completion.delta_token_ids, new_logprobs,
-            completion.finish_reason, completion.stop_reason, output.num_cached_tokens, output.cache_reason,
-            (metrics.arrival_time, metrics.first_scheduled_time, metrics.first_token_time, metrics.last_token_time))
+            completion.finish_reason, completion.stop_reason, output.num_cached_tokens, output.cache_reason, times)
 
 
 class _Remote:
@@ -335,4 +338,4 @@ class _Remote:
                                       None if self.logprobs is None else list(self.logprobs), text, list(token_ids))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
                              finished=finish_reason is not None, num_cached_tokens=num_cached_tokens,
-                             cache_reason=cache_reason, metrics=RequestMetrics(*times))
+                             cache_reason=cache_reason, metrics=None if times is None else RequestMetrics(*times))

@@ -274,7 +274,7 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: str | None = None) -> None:
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         """Finish a request from outside the step (e.g. a stop string the frontend matched)."""
         request = self.requests.get(request_id)
         if request is None:

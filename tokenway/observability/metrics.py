@@ -2,20 +2,21 @@
 
 Request metrics are observed once per call from its Trace (and inter-token latency once per
 engine output); engine gauges and the replicas' health and load are read from the server's
-stats (/engine/stats) when Prometheus scrapes, so neither the engine thread nor the router
-touches a metric. Each server has its own CollectorRegistry.
+stats (ServedStats: /engine/stats) when Prometheus scrapes, so neither the engine thread nor the
+router touches a metric. Each server has its own CollectorRegistry.
 
     Trace ──► Metrics.observe     tokenway_requests_total{model,...}, latency histograms by model,
                                   tokenway_routed_*{pool,replica}: the same calls by the replica
                                   that ran them ("" for calls that never reached one)
-    stats ──► EngineCollector     tokenway_requests_running, tokenway_kv_cache_*, ... (a server
-                                  with a local engine only: a pure gateway's stats have no engine keys)
-          └─► ReplicaCollector    tokenway_replica_*{pool,replica}: health, load, calls, tokens
+    stats ──► EngineCollector     .engine: tokenway_requests_running, tokenway_kv_cache_*, ... (a
+                                  server with a local engine only: a pure gateway's engine is None)
+          └─► ReplicaCollector    .replicas: tokenway_replica_*{pool,replica}: health, load, calls, tokens
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -28,13 +29,12 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tokenway.engine.stats import EngineStats
 from tokenway.observability.traces import Trace
 from tokenway.stages import STAGES
 
-# What EngineCollector reads: present in the stats of a server that runs a local engine, absent
-# from a pure gateway's (which hold only num_pending_http and replicas).
-ENGINE_KEYS = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "prefix_cache_hit_rate",
-               "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_preemptions")
+# pool -> replica -> its health, load and tallies (Router.stats)
+PoolReplicas = Mapping[str, Mapping[str, Mapping[str, Any]]]
 
 # Buckets in seconds. Latency: 1 ms .. 2 min; per token: 1 ms .. 2.5 s; stages: 10 µs .. 2 min.
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -45,8 +45,24 @@ STAGE_BUCKETS = (0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005
                  0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 
 
+class ServedStats(Protocol):
+    """What observability reads of the server's stats (server/stats.py's ServerStats)."""
+
+    @property
+    def engine(self) -> EngineStats | None:
+        """The local engine's counts; None on a pure gateway."""
+        ...
+
+    @property
+    def replicas(self) -> PoolReplicas: ...
+
+    def to_dict(self) -> dict[str, Any]:
+        """The /engine/stats payload."""
+        ...
+
+
 class Metrics:
-    def __init__(self, engine_stats: Callable[[], dict] | None = None,
+    def __init__(self, stats: Callable[[], ServedStats] | None = None,
                  ledger_stats: Callable[[], dict] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -98,9 +114,9 @@ class Metrics:
         self.routed_e2e = histogram("tokenway_routed_e2e_request_latency_seconds",
                                     "From request received to the last byte sent, by replica.", LATENCY_BUCKETS,
                                     ("pool", "replica"))
-        if engine_stats is not None:
-            r.register(EngineCollector(engine_stats))
-            r.register(ReplicaCollector(lambda: engine_stats().get("replicas", {})))
+        if stats is not None:
+            r.register(EngineCollector(lambda: stats().engine))
+            r.register(ReplicaCollector(lambda: stats().replicas))
         if ledger_stats is not None:
             r.register(LedgerCollector(ledger_stats))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
@@ -150,53 +166,48 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def runs_engine(stats: dict) -> bool:
-    """Whether `stats` (/engine/stats) are of a server running a local engine, with its counts."""
-    return all(key in stats for key in ENGINE_KEYS)
-
-
 class EngineCollector(Collector):
-    """Engine gauges, read at scrape time from `engine_stats()` (a dict like /engine/stats);
-    none at all for a server without a local engine."""
+    """Engine gauges, read at scrape time from `engine_stats()`; none at all for a server
+    without a local engine (None)."""
 
-    def __init__(self, engine_stats: Callable[[], dict]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats | None]) -> None:
         self.engine_stats = engine_stats
 
     def collect(self) -> Iterator:
         stats = self.engine_stats()
-        if not runs_engine(stats):
+        if stats is None:
             return
-        used = stats["kv_blocks_total"] - stats["kv_blocks_free"]
+        used = stats.kv_blocks_total - stats.kv_blocks_free
         yield GaugeMetricFamily("tokenway_requests_running", "Requests in the running batch.",
-                                value=stats["num_running"])
+                                value=stats.num_running)
         yield GaugeMetricFamily("tokenway_requests_waiting", "Requests waiting for the engine.",
-                                value=stats["num_waiting"])
+                                value=stats.num_waiting)
         yield GaugeMetricFamily("tokenway_kv_cache_blocks_used", "KV blocks held by requests.", value=used)
         yield GaugeMetricFamily("tokenway_kv_cache_blocks_total", "KV blocks in the pool.",
-                                value=stats["kv_blocks_total"])
+                                value=stats.kv_blocks_total)
         yield GaugeMetricFamily("tokenway_kv_cache_usage_ratio", "Fraction of KV blocks held by requests.",
-                                value=used / stats["kv_blocks_total"] if stats["kv_blocks_total"] else 0.0)
+                                value=used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
         yield GaugeMetricFamily("tokenway_prefix_cache_hit_ratio",
                                 "Prompt tokens hit / looked up in the prefix cache since start.",
-                                value=stats["prefix_cache_hit_rate"])
+                                value=stats.prefix_cache_hit_rate)
         yield CounterMetricFamily("tokenway_prefix_cache_queried_tokens", "Prompt tokens looked up in the cache.",
-                                  value=stats["prefix_cache_queried_tokens"])
+                                  value=stats.prefix_cache_queried_tokens)
         yield CounterMetricFamily("tokenway_prefix_cache_hit_tokens", "Prompt tokens found in the cache.",
-                                  value=stats["prefix_cache_hit_tokens"])
+                                  value=stats.prefix_cache_hit_tokens)
         yield CounterMetricFamily("tokenway_preemptions", "Requests preempted to free KV blocks.",
-                                  value=stats["num_preemptions"])
-        if "spec_decode_num_drafts" in stats:  # an engine that speculates (or could); vLLM's names
-            yield CounterMetricFamily("tokenway_spec_decode_num_drafts",
-                                      "Verify steps of a request with drafted tokens (speculative decoding).",
-                                      value=stats["spec_decode_num_drafts"])
-            yield CounterMetricFamily("tokenway_spec_decode_num_draft_tokens", "Tokens drafted for verification.",
-                                      value=stats["spec_decode_num_draft_tokens"])
-            yield CounterMetricFamily("tokenway_spec_decode_num_accepted_tokens",
-                                      "Drafted tokens the verification accepted.",
-                                      value=stats["spec_decode_num_accepted_tokens"])
-            yield GaugeMetricFamily("tokenway_spec_decode_acceptance_ratio",
-                                    "Accepted / drafted tokens since start (0 before any draft).",
-                                    value=stats["spec_decode_acceptance_rate"])
+                                  value=stats.num_preemptions)
+        # vLLM's names; 0 for an engine that does not speculate.
+        yield CounterMetricFamily("tokenway_spec_decode_num_drafts",
+                                  "Verify steps of a request with drafted tokens (speculative decoding).",
+                                  value=stats.spec_decode_num_drafts)
+        yield CounterMetricFamily("tokenway_spec_decode_num_draft_tokens", "Tokens drafted for verification.",
+                                  value=stats.spec_decode_num_draft_tokens)
+        yield CounterMetricFamily("tokenway_spec_decode_num_accepted_tokens",
+                                  "Drafted tokens the verification accepted.",
+                                  value=stats.spec_decode_num_accepted_tokens)
+        yield GaugeMetricFamily("tokenway_spec_decode_acceptance_ratio",
+                                "Accepted / drafted tokens since start (0 before any draft).",
+                                value=stats.spec_decode_acceptance_rate)
 
     def describe(self) -> Iterator:
         return iter(())
@@ -225,7 +236,7 @@ class ReplicaCollector(Collector):
     its health, load and tallies since start (Router.stats, the "replicas" of /engine/stats).
     Label sets are bounded by the configured replicas."""
 
-    def __init__(self, replica_stats: Callable[[], dict[str, dict[str, dict]]]) -> None:
+    def __init__(self, replica_stats: Callable[[], PoolReplicas]) -> None:
         self.replica_stats = replica_stats
 
     def collect(self) -> Iterator:

@@ -3,9 +3,9 @@
 One per server, used from the event loop thread only. Off (`--no-observability`) means no
 Observer at all: the request path checks `state.observer is None` and does nothing more.
 
-`engine_stats()` is /engine/stats: the local engine's counts (absent on a pure gateway) and
-"replicas", pool -> replica -> health, load and tallies. The dashboard's snapshot hands them
-on as "engine" (None without a local engine) and "replicas".
+`stats()` is the server's /engine/stats (ServedStats): the local engine's counts (None on a
+pure gateway) and the replicas, pool -> replica -> health, load and tallies. The dashboard's
+snapshot hands them on as "engine" (None without a local engine) and "replicas".
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from tokenway.observability.metrics import Metrics, runs_engine
+from tokenway.engine.stats import EngineStats
+from tokenway.observability.metrics import Metrics, ServedStats
 from tokenway.observability.traces import Trace, TraceRing, summarize
 from tokenway.stages import STAGES
 
@@ -26,12 +27,12 @@ NUM_SAMPLES = 300  # five minutes of one-second points
 
 
 class Observer:
-    def __init__(self, engine_stats: Callable[[], dict], trace_capacity: int = 2048, exporter=None,
+    def __init__(self, stats: Callable[[], ServedStats], trace_capacity: int = 2048, exporter=None,
                  now: Callable[[], float] = time.time, ledger_stats: Callable[[], dict] | None = None) -> None:
-        self.engine_stats = engine_stats
+        self.stats = stats
         self.now = now
         self.traces = TraceRing(trace_capacity)
-        self.metrics = Metrics(engine_stats, ledger_stats)
+        self.metrics = Metrics(stats, ledger_stats)
         self.exporter = exporter  # an OtelExporter, or None
         self.num_generated_tokens = 0  # counted as tokens stream out, for throughput over time
         self.num_finished_requests = 0
@@ -71,20 +72,23 @@ class Observer:
             "t": now,
             "tokens_per_s": (self.num_generated_tokens - last[1]) / elapsed,
             "requests_per_s": (self.num_finished_requests - last[2]) / elapsed,
-            **engine_sample(self.engine_stats()),
+            **engine_sample(self.stats().engine),
         })
 
     def snapshot(self, limit: int = 50, summary_over: int = 500) -> dict:
         """What /dashboard/api/snapshot returns."""
         self.maybe_sample()
-        stats = self.engine_stats()
+        stats = self.stats()
+        engine = None
+        if stats.engine is not None:  # the payload's engine counts, num_pending_http with them
+            engine = {key: value for key, value in stats.to_dict().items() if key != "replicas"}
         return {
             "stages": list(STAGES),
             "traces": [t.to_dict() for t in self.traces.recent(limit)],
             "summary": summarize(self.traces.recent(summary_over)),
             "timeseries": list(self.samples),
-            "engine": {k: v for k, v in stats.items() if k != "replicas"} if runs_engine(stats) else None,
-            "replicas": stats.get("replicas", {}),
+            "engine": engine,
+            "replicas": stats.replicas,
         }
 
     def close(self) -> None:
@@ -92,13 +96,13 @@ class Observer:
             self.exporter.shutdown()
 
 
-def engine_sample(stats: dict) -> dict:
+def engine_sample(stats: EngineStats | None) -> dict:
     """A time-series point's engine part: None for each without a local engine (a gap in the charts)."""
-    if not runs_engine(stats):
+    if stats is None:
         return dict.fromkeys(("kv_blocks_used", "kv_blocks_total", "kv_usage", "running", "waiting",
                               "prefix_cache_hit_rate"))
-    total = stats["kv_blocks_total"]
-    used = total - stats["kv_blocks_free"]
+    total = stats.kv_blocks_total
+    used = total - stats.kv_blocks_free
     return {"kv_blocks_used": used, "kv_blocks_total": total, "kv_usage": used / total if total else 0.0,
-            "running": stats["num_running"], "waiting": stats["num_waiting"],
-            "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"]}
+            "running": stats.num_running, "waiting": stats.num_waiting,
+            "prefix_cache_hit_rate": stats.prefix_cache_hit_rate}

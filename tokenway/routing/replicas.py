@@ -16,11 +16,12 @@ replica's health.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Protocol
 
 from tokenway.engine.client import EngineClient, EngineDeadError
+from tokenway.engine.stats import EngineStats
 from tokenway.frontend.output import RequestOutput
 from tokenway.protocol.errors import InternalServerError, ServiceUnavailableError, invalid_value
 from tokenway.protocol.job import ChoiceDelta, GenerationJob, ReplicaEvent, Usage
@@ -31,11 +32,14 @@ class Replica(Protocol):
     name: str
     kind: str  # "engine", "worker", "openai", "anthropic"
 
-    def generate(self, job: GenerationJob) -> AsyncIterator[ReplicaEvent]: ...
+    def generate(self, job: GenerationJob) -> AsyncGenerator[ReplicaEvent, None]: ...
 
     async def probe(self) -> bool: ...
 
-    def stats(self) -> dict: ...
+    def stats(self) -> EngineStats | None:
+        """The counts of the tokenway engine the replica runs on, as of its last read (no I/O);
+        None where it publishes none (an upstream, a worker not probed yet)."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -50,7 +54,7 @@ class LocalReplica:
         self.engine = engine
         self.name = name
 
-    async def generate(self, job: GenerationJob) -> AsyncIterator[ReplicaEvent]:
+    async def generate(self, job: GenerationJob) -> AsyncGenerator[ReplicaEvent, None]:
         assert job.prompt_token_ids is not None, "the local engine runs templated jobs"
         prompt_token_ids = list(job.prompt_token_ids)
         num_completion_tokens = [0] * job.n
@@ -78,7 +82,7 @@ class LocalReplica:
     async def probe(self) -> bool:
         return self.engine.is_alive
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         return self.engine.stats()
 
     async def aclose(self) -> None:
@@ -109,7 +113,7 @@ def choice_delta(index: int, output: RequestOutput) -> ChoiceDelta:
 
 
 async def run_choices(engine: EngineClient, request_id: str, prompt_token_ids: list[int],
-                      params_list: list[SamplingParams]) -> AsyncIterator[tuple[int, RequestOutput]]:
+                      params_list: list[SamplingParams]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """(choice index, output) of the call's engine requests, as they come. Closing this (or an
     error) closes every request's generator, which aborts it in the engine."""
     if len(params_list) == 1:

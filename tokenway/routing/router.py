@@ -18,7 +18,7 @@ replica the call ran on, and why (ReplicaChoice): the trace's routing stage.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -138,7 +138,7 @@ class Router:
                 await replica.aclose()
 
     async def generate(self, job: GenerationJob, on_replica: Callable[[ReplicaChoice], None]
-                       ) -> AsyncIterator[ReplicaEvent]:
+                       ) -> AsyncGenerator[ReplicaEvent, None]:
         """The job's events from the first replica able to run it (see the module's docstring)."""
         chain = self._fallback_chain(job.model)
         refusal: RoutingError | None = None

@@ -26,11 +26,12 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
+from tokenway.engine.stats import EngineStats
 from tokenway.protocol.errors import BadGatewayError, InternalServerError, ServiceUnavailableError
 from tokenway.protocol.job import ChoiceDelta, GenerationJob, ReplicaEvent, ReplicaStats, Usage
 from tokenway.routing import wire
@@ -118,12 +119,12 @@ class WorkerReplica(HTTPReplica):
         self.name = name
         self.http = UpstreamHTTP(name, base_url.rstrip("/") + wire.PREFIX, headers, timeouts, limits,
                                  health_path="state")
-        self._state: dict[str, Any] = {}  # the last /state read (by probe or state): stats() serves it
+        self._engine_stats: EngineStats | None = None  # of the last /state read (by probe or state)
 
     def __repr__(self) -> str:
         return f"WorkerReplica(name={self.name!r}, base_url={self.http.base_url!r})"
 
-    async def generate(self, job: GenerationJob) -> AsyncIterator[ReplicaEvent]:
+    async def generate(self, job: GenerationJob) -> AsyncGenerator[ReplicaEvent, None]:
         if job.prompt_token_ids is None:  # the gateway has the model's tokenizer for every worker pool
             raise InternalServerError(f"Replica {self.name} is a tokenway worker: the call needs prompt token ids.")
         body = {"request_id": job.request_id, "prompt_token_ids": list(job.prompt_token_ids),
@@ -143,7 +144,10 @@ class WorkerReplica(HTTPReplica):
         state = await self.http.get_json("state", self.http.timeouts.probe)
         if not isinstance(state, dict) or not isinstance(state.get("engine"), dict):
             raise BadGatewayError(f"Worker {self.name} sent a malformed state.")
-        self._state = state
+        try:
+            self._engine_stats = EngineStats.from_dict(state["engine"])
+        except ValueError as exc:
+            raise BadGatewayError(f"Worker {self.name} sent a malformed state (engine: {exc}).") from None
         return state
 
     async def probe(self) -> bool:
@@ -153,15 +157,10 @@ class WorkerReplica(HTTPReplica):
             raise ServiceUnavailableError(f"Worker {self.name}'s engine is not running.", retry_after=1)
         return True
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats | None:
         """The worker's engine stats as of the last probe (as LocalReplica.stats gives its
-        engine's), with the worker's own num_in_flight and kv_cache_usage; {} before any.
-        No I/O here: the health checker's probes keep it fresh."""
-        state = self._state
-        if not state:
-            return {}
-        return {**state["engine"], "num_in_flight": state.get("num_in_flight"),
-                "kv_cache_usage": state.get("kv_cache_usage")}
+        engine's); None before any. No I/O here: the health checker's probes keep it fresh."""
+        return self._engine_stats
 
     async def fetch_tokenizer(self, cache_dir: str | Path) -> Path:
         """The worker's tokenizer files, written under cache_dir in a directory named by their

@@ -130,12 +130,12 @@ class Services:
     def build(cls, settings: ServerConfig, catalog: ModelCatalog, router: Router, *,
               engine: EngineClient | None = None, embedder: EmbeddingEngine | None = None,
               gatekeeper: Gatekeeper | None = None,
-              observer_for: Callable[[Callable[[], dict]], Observer] | None = None,
+              observer_for: Callable[[Callable[[], ServerStats]], Observer] | None = None,
               body_parser: BodyParser | None = None) -> Services:
         """The record, with its capacity and (given observer_for) the observer made from the
         /engine/stats reader they share."""
         capacity = Capacity(settings.max_pending_requests)
-        stats = partial(_stats_payload, engine, router, capacity)
+        stats = partial(_read_stats, engine, router, capacity)
         return cls(settings, catalog, router, capacity, engine, embedder, gatekeeper,
                    observer_for(stats) if observer_for is not None else None, body_parser or BodyParser())
 
@@ -170,5 +170,5 @@ def local_router(engine: EngineClient, chat_model_names: tuple[str, ...], max_pe
     return Router(dict.fromkeys(chat_model_names, local))
 
 
-def _stats_payload(engine: EngineClient | None, router: Router, capacity: Capacity) -> dict:
-    return ServerStats.read(engine, router, capacity.num_in_flight).to_dict()
+def _read_stats(engine: EngineClient | None, router: Router, capacity: Capacity) -> ServerStats:
+    return ServerStats.read(engine, router, capacity.num_in_flight)

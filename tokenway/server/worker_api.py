@@ -109,13 +109,13 @@ def create_worker_app(engine: EngineClient, model_name: str, secret: str | None,
 
     async def state(request: Request) -> Response:
         stats = engine.stats()
-        total, free = stats.get("kv_blocks_total"), stats.get("kv_blocks_free")
+        total, free = stats.kv_blocks_total, stats.kv_blocks_free
         return JSONResponse({
             "model": model_name, "ready": engine.is_alive, "max_model_len": engine.max_model_len,
             "vocab_size": engine.vocab_size, "block_size": block_size, "num_in_flight": load.num_in_flight,
             "max_pending_requests": load.max_pending_requests,
             "kv_cache_usage": 1.0 - free / total if total else None,
-            "engine": stats,
+            "engine": stats.to_dict(),  # EngineStats.from_dict on the gateway (WorkerReplica.state)
         })
 
     async def tokenizer(request: Request) -> Response:

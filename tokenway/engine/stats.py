@@ -1,0 +1,81 @@
+"""EngineStats: what the engine publishes of itself (as vLLM's SchedulerStats), made once a
+step by the engine and read by everything above it as the same frozen value.
+
+    EngineCore.snapshot() ─► EngineStats ─(pickled, in each step's message)─► ProcessEngine
+        ─► + engine_pid, engine_restarts (dataclasses.replace) ─► EngineClient.stats()
+              ├─► server/stats.py ServerStats ─► /engine/stats; the Observer's gauges and dashboard
+              └─► worker_api.py /worker/v1/state "engine" ─(JSON)─► WorkerReplica: from_dict
+
+The field list lives here only: the payload's keys, their order and the JSON parse follow it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import UnionType
+from typing import Any, get_args, get_type_hints
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's counts (what runs, what waits, how full the KV cache is; totals since start),
+    and its process's where it steps in one of its own. Field order is the payload's key order."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    prefix_cache_hit_rate: float  # hit / queried tokens; 0.0 before any lookup
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+    num_steps: int
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    spec_decode_acceptance_rate: float  # accepted / drafted tokens; 0.0 before any draft
+    spec_decode_mean_accepted_length: float
+    engine_pid: int | None = None  # None (both): the engine steps in a thread of this process
+    engine_restarts: int | None = None
+
+    def to_dict(self) -> dict[str, int | float | None]:
+        """The payload (/engine/stats, a worker's state): every field in order, engine_pid and
+        engine_restarts only where the engine runs in a process of its own."""
+        stats = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        if self.engine_pid is None and self.engine_restarts is None:
+            del stats["engine_pid"], stats["engine_restarts"]
+        return stats
+
+    @classmethod
+    def from_dict(cls, payload: Mapping[str, object]) -> EngineStats:
+        """to_dict's inverse, for stats that crossed as JSON (a worker's state). Raises ValueError
+        naming the first count that is missing or not a number of its type; keys it does not
+        know are ignored (a newer engine's counts)."""
+        values: dict[str, Any] = {}  # each checked against its field's type below
+        for name, kinds in _FIELD_KINDS:
+            value = payload.get(name)
+            # A bool is an int to isinstance, and never a count.
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                if name not in payload:
+                    raise ValueError(f"{name}: missing")
+                raise ValueError(f"{name}: expected {' or '.join(kind.__name__ for kind in kinds)}, "
+                                 f"got {type(value).__name__}")
+            values[name] = value
+        return cls(**values)
+
+
+def _field_kinds() -> tuple[tuple[str, tuple[type, ...]], ...]:
+    """(field, the types its JSON value may have), in field order: its annotation's (None where
+    it says `| None`: absent means None), and int wherever float (0.0 may come as 0)."""
+    hints = get_type_hints(EngineStats)
+    kinds = []
+    for field in dataclasses.fields(EngineStats):
+        hint = hints[field.name]
+        types = get_args(hint) if isinstance(hint, UnionType) else (hint,)
+        kinds.append((field.name, (*types, int) if float in types else types))
+    return tuple(kinds)
+
+
+_FIELD_KINDS = _field_kinds()
