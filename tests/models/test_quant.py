@@ -194,6 +194,10 @@ def test_unsupported_shapes_are_refused():
         quant.QuantKernel(torch.zeros(4, 84, dtype=torch.uint8), "Q2_K", 256)
     with pytest.raises(ValueError, match="Q4_K blocks"):
         quant.QuantKernel(torch.zeros(4, 100, dtype=torch.uint8), "Q4_K", 256)
+    with pytest.raises(ValueError, match="^blocks: needed unless the weight comes relaid$"):
+        quant.QuantKernel(None, "Q4_K", 256)
+    with pytest.raises(ValueError, match="^out_features: needed with a relaid weight$"):
+        quant.QuantKernel(None, "Q4_K", 256, relaid=torch.zeros(1, 1, dtype=torch.uint8))
     blocks, _ = quantized(8, 128, "Q8_0")
     kernel = quant.QuantKernel(blocks, "Q8_0", 128)
     with pytest.raises(RuntimeError, match="bytes expected for 8 rows of 64 in_features"):

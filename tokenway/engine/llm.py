@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenway.config import EngineConfig
 from tokenway.engine.core import EngineCore
 from tokenway.frontend.output import RequestOutput, RequestState
 from tokenway.models.loader import DEFAULT_MODEL
 from tokenway.protocol.sampling import SamplingParams, choice_params
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing's own from Python 3.13
 
 PromptLike = str | dict[str, Any]
 
@@ -58,8 +61,7 @@ class LLM:
         tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # a single conversation
+        batch = [conversations] if _is_one_conversation(conversations) else conversations
         prompts = [
             {
                 "prompt_token_ids": self.tokenizer.encode(
@@ -68,7 +70,7 @@ class LLM:
                     add_special_tokens=False,
                 )
             }
-            for c in conversations
+            for c in batch
         ]
         return self.generate(prompts, sampling_params)
 
@@ -118,3 +120,8 @@ class LLM:
             first.request_id = child_ids[0].split("-")[0]
             results.append(first)
         return results
+
+
+def _is_one_conversation(conversations: list[dict] | Sequence[list[dict]]) -> TypeIs[list[dict]]:
+    """A conversation's messages, rather than a batch of conversations."""
+    return bool(conversations) and isinstance(conversations[0], dict)

@@ -95,8 +95,8 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """Applies logit_bias, min_tokens and the penalties. Modifies logits (num_rows, vocab), contiguous."""
     flat = logits.view(-1)  # flat indices are row * vocab_size + token_id
-    if md.logit_bias_index is not None:
-        flat.index_add_(0, md.logit_bias_index, md.logit_bias_values)
+    if md.logit_bias is not None:
+        flat.index_add_(0, *md.logit_bias)
     if md.min_tokens_index is not None:
         flat.index_fill_(0, md.min_tokens_index, float("-inf"))
     if md.output_token_index is None:

@@ -37,8 +37,8 @@ class SamplingMetadata:
     max_num_logprobs: int  # max k over the rows that ask
 
     # Logit processing, over all rows, in this order.
-    logit_bias_index: torch.Tensor | None  # (num_biases,) int64 flat index
-    logit_bias_values: torch.Tensor | None  # (num_biases,) float32
+    # (flat index (num_biases,) int64, values (num_biases,) float32); None when no row has a bias
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None
     min_tokens_index: torch.Tensor | None  # (num_banned,) int64 flat index of EOS/stop ids to forbid
     repetition_penalties: torch.Tensor | None  # (num_rows, 1) float32; 1.0 on rows without
     prompt_token_index: torch.Tensor | None  # (num_tokens,) int64 flat index; rows with a repetition penalty
@@ -67,7 +67,7 @@ class SamplingMetadata:
     @property
     def needs_processing(self) -> bool:
         return (
-            self.logit_bias_index is not None
+            self.logit_bias is not None
             or self.min_tokens_index is not None
             or self.repetition_penalties is not None
             or self.presence_penalties is not None
@@ -160,8 +160,7 @@ class SamplingMetadata:
             num_logprobs=num_logprobs,
             logprob_row_ids=_int64(logprob_row_ids) if logprob_row_ids else None,
             max_num_logprobs=max((k for k in num_logprobs if k is not None), default=0),
-            logit_bias_index=_int64(bias_index) if bias_index else None,
-            logit_bias_values=torch.tensor(bias_values, dtype=torch.float32) if bias_values else None,
+            logit_bias=(_int64(bias_index), torch.tensor(bias_values, dtype=torch.float32)) if bias_index else None,
             min_tokens_index=_int64(min_tokens_index) if min_tokens_index else None,
             repetition_penalties=_column(repetition) if has_repetition else None,
             prompt_token_index=(

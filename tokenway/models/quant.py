@@ -218,9 +218,13 @@ class QuantKernel:
         self.qtype_id = GGML_TYPE_IDS[qtype]
         self.in_features = in_features
         if relaid is None:
+            if blocks is None:
+                raise ValueError("blocks: needed unless the weight comes relaid")
             self.out_features = blocks.shape[0]
             self.weight = relayout(blocks, qtype, in_features)  # uint8 (groups, bytes per group)
         else:
+            if out_features is None:
+                raise ValueError("out_features: needed with a relaid weight")
             self.out_features = out_features
             expected = relaid_shape(qtype, out_features, in_features)
             if relaid.dtype != torch.uint8 or tuple(relaid.shape) != expected:

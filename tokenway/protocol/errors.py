@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal, NotRequired
 
 import pydantic
@@ -312,7 +312,7 @@ def param_from_loc(loc: Sequence[str | int]) -> str | None:
     return truncate(param) if param else None
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: Mapping[str, Any]) -> str:
     kind, ctx, value = error.get("type", ""), error.get("ctx") or {}, error.get("input")
     if kind in _BOUND_PHRASES:
         op, key = _BOUND_PHRASES[kind]

@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NoReturn
 
 from tokenway.protocol.errors import FieldError
 
@@ -35,33 +35,18 @@ class StructuredOutputSpec:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        def fail(message: str) -> None:
-            raise FieldError("response_format", message)
-
         if self.kind not in KINDS:
-            fail(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+            _fail(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         needed = {"json_object": None, "json_schema": "schema", "regex": "pattern", "grammar": "grammar"}[self.kind]
         for name in ("schema", "pattern", "grammar"):
             if name != needed and getattr(self, name) is not None:
-                fail(f"{name} is not used by kind {self.kind!r}")
+                _fail(f"{name} is not used by kind {self.kind!r}")
         if self.kind == "json_schema":
-            schema = self.schema
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as exc:
-                    fail(f"schema is not valid JSON ({exc})")
-            if not isinstance(schema, Mapping):
-                fail(f"schema must be a JSON object, got {type(schema).__name__}")
-            try:
-                text = json.dumps(dict(schema), separators=(",", ":"), ensure_ascii=False)
-            except (TypeError, ValueError) as exc:
-                fail(f"schema is not JSON-serializable ({exc})")
-            object.__setattr__(self, "schema", text)
+            object.__setattr__(self, "schema", _schema_text(self.schema))
         elif needed is not None:
             value = getattr(self, needed)
             if not isinstance(value, str) or not value:
-                fail(f"kind {self.kind!r} needs a non-empty string {needed}")
+                _fail(f"kind {self.kind!r} needs a non-empty string {needed}")
 
     @classmethod
     def json_object(cls) -> StructuredOutputSpec:
@@ -69,11 +54,30 @@ class StructuredOutputSpec:
 
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | str) -> StructuredOutputSpec:
-        return cls("json_schema", schema=schema)  # type: ignore[arg-type]  # __post_init__ makes it text
+        return cls("json_schema", schema=_schema_text(schema))
 
     @classmethod
     def regex(cls, pattern: str) -> StructuredOutputSpec:
         return cls("regex", pattern=pattern)
+
+
+def _fail(message: str) -> NoReturn:
+    raise FieldError("response_format", message)
+
+
+def _schema_text(schema: object) -> str:
+    """A JSON schema object (a dict or its JSON text) as compact JSON text, its key order kept."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            _fail(f"schema is not valid JSON ({exc})")
+    if not isinstance(schema, Mapping):
+        _fail(f"schema must be a JSON object, got {type(schema).__name__}")
+    try:
+        return json.dumps(dict(schema), separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        _fail(f"schema is not JSON-serializable ({exc})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +105,7 @@ class SamplingParams:
     structured_output: StructuredOutputSpec | None = None  # constrain the output to a schema, regex or grammar
 
     def __post_init__(self) -> None:
-        def fail(field_name: str, message: str) -> None:
+        def fail(field_name: str, message: str) -> NoReturn:
             raise FieldError(field_name, message)
 
         if not isinstance(self.n, int) or self.n < 1:
