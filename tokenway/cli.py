@@ -229,6 +229,7 @@ def add_serve_parser(sub) -> None:
 def run_serve(options: dict) -> int:
     import uvicorn
 
+    from tokenway.conversations import open_response_store
     from tokenway.engine.client import AsyncEngine
     from tokenway.engine.process import ProcessEngine
     from tokenway.frontend.tool_parsers import FORMATS
@@ -290,6 +291,8 @@ def run_serve(options: dict) -> int:
     embedder = build_embedder() if serve_embeddings else None
     embedding_model_names = (DEFAULT_EMBEDDING_MODEL,) if embedder else ()
     observer_for = partial(build_observer, gatekeeper=gatekeeper, options=options) if options["observability"] else None
+    # Stored responses (/v1/responses) live with the ledger; with no gateway, in memory.
+    response_store = open_response_store(database_url(options) if options["gateway"] else "memory")
     scheme = "https" if options["ssl_certfile"] else "http"
 
     async def main() -> bool:
@@ -312,7 +315,7 @@ def run_serve(options: dict) -> int:
             for frontend in catalog.frontends.values():
                 frontend.tokenizer.special_tokens_in_messages = True
         services = Services.build(server_config, catalog, router, engine=engine, embedder=embedder,
-                                  gatekeeper=gatekeeper, observer_for=observer_for)
+                                  gatekeeper=gatekeeper, observer_for=observer_for, response_store=response_store)
         server = Server(uvicorn.Config(
             create_app(services), host=server_config.host, port=server_config.port, log_level="warning",
             access_log=False, lifespan="off",
@@ -338,10 +341,12 @@ def run_serve(options: dict) -> int:
         gc.collect()
         gc.freeze()
         await server.serve()
+        await services.background.aclose()  # each background response stored as ended, billed, traced
         await router.aclose()
         await services.body_parser.close()
         if gatekeeper is not None:
             await gatekeeper.close()  # flush the ledger
+        await response_store.close()
         if services.observer is not None:
             await asyncio.to_thread(services.observer.close)  # flush spans (bounded: 5 s)
         return server.started
@@ -432,6 +437,18 @@ def build_observer(stats: Callable[[], ServerStats], gatekeeper: Gatekeeper | No
                     ledger_stats=ledger_stats)
 
 
+def database_path(options: dict) -> Path:
+    """The SQLite file of the keys (and, without --ledger-url, the ledger and stored responses)."""
+    from tokenway.keys_cli import default_db_path
+
+    return Path(options["db"]) if options["db"] else default_db_path()
+
+
+def database_url(options: dict) -> str:
+    """The ledger's database, which stored responses share."""
+    return options["ledger_url"] or f"sqlite:///{database_path(options).resolve()}"
+
+
 def build_gatekeeper(options: dict, registry=None):
     from tokenway.billing.ledger import Ledger
     from tokenway.billing.pricing import PriceTable
@@ -439,16 +456,15 @@ def build_gatekeeper(options: dict, registry=None):
     from tokenway.gateway.gatekeeper import Defaults, Gatekeeper
     from tokenway.gateway.keystore import KeyStore
     from tokenway.gateway.limits import make_limiter
-    from tokenway.keys_cli import default_db_path
 
-    db = Path(options["db"]) if options["db"] else default_db_path()
+    db = database_path(options)
     db.parent.mkdir(parents=True, exist_ok=True)
     defaults = Defaults(rpm=options["default_rpm"], tpm=options["default_tpm"], tpd=options["default_tpd"],
                         max_concurrent=options["default_max_concurrent"], max_tokens=options["default_max_tokens"],
                         max_messages=options["max_messages"])
     # The journal makes a row crash-safe before its response ends, without a DB commit
     # on that path (billing/journal.py); one per gateway and database, replayed on its next start.
-    ledger = Ledger(options["ledger_url"] or f"sqlite:///{db.resolve()}", journal_dir=db.parent,
+    ledger = Ledger(database_url(options), journal_dir=db.parent,
                     journal_name=str(options["port"]))
     return Gatekeeper(
         keys=KeyStore(db),

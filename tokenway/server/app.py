@@ -2,6 +2,7 @@
 middleware (gateway_middleware.py: the body-size limit, auth, the stage clock, the ledger row).
 
     openai_api       /v1/chat/completions, /v1/completions
+    responses_api    /v1/responses (and a stored response's routes), /v1/responses/input_tokens
     anthropic_api    /v1/messages
     moderations_api  /v1/moderations
     embeddings_api   /v1/embeddings
@@ -42,6 +43,7 @@ from tokenway.protocol.openai_requests import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tokenway.protocol.responses import InputTokensRequest, ResponsesRequest
 from tokenway.server import (
     admin_api,
     anthropic_api,
@@ -51,6 +53,7 @@ from tokenway.server import (
     observability_api,
     openai_api,
     ops_api,
+    responses_api,
 )
 from tokenway.server.gateway_middleware import GatewayMiddleware, error_response
 from tokenway.server.http import ClientDisconnected
@@ -60,10 +63,10 @@ from tokenway.server.services import Services
 logger = logging.getLogger(__name__)
 
 # The request bodies the API routes parse themselves, in the OpenAPI document's components.
-REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, MessagesRequest, EmbeddingRequest, TokenizeRequest,
-                  DetokenizeRequest)
+REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, ResponsesRequest, InputTokensRequest, MessagesRequest,
+                  EmbeddingRequest, TokenizeRequest, DetokenizeRequest)
 # In the order their routes appear in the OpenAPI document.
-ROUTERS = (openai_api, anthropic_api, moderations_api, embeddings_api, models_api, ops_api, admin_api,
+ROUTERS = (openai_api, responses_api, anthropic_api, moderations_api, embeddings_api, models_api, ops_api, admin_api,
            observability_api)
 
 

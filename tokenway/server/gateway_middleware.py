@@ -41,10 +41,11 @@ def error_response(request_path: str, exc: TokenwayError, request_id: str | None
 
 
 # The calls that generate: each writes exactly one ledger row and one trace, whatever happens to it.
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/embeddings"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                              "/v1/embeddings"})
 # Routes whose bodies may be large (prompts, token ids) get --max-body-bytes; every other
 # route (admin, usage, traces, ...) is capped at SMALL_BODY_BYTES.
-LARGE_BODY_PATHS = GENERATION_PATHS | {"/tokenize", "/detokenize"}
+LARGE_BODY_PATHS = GENERATION_PATHS | {"/v1/responses/input_tokens", "/tokenize", "/detokenize"}
 SMALL_BODY_BYTES = 64 * 1024
 
 

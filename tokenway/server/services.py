@@ -6,7 +6,7 @@
     Capacity       the engine requests in flight, against --max-pending-requests (mutable:
                    the one counter a request changes, owned here, held by Services)
     Services       the settings, the catalog and the collaborators: router, engine, embedder,
-                   gatekeeper, observer, capacity, body parser
+                   gatekeeper, observer, capacity, body parser, response store, background responses
 
 Stage functions (frontend/templating.py, safety/, gateway/admission.py) take typed inputs;
 Services only wires them for the routes (server/prepare.py, the *_api.py routers).
@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
+from tokenway.conversations import ResponseStore
 from tokenway.embeddings import EmbeddingEngine
 from tokenway.engine.client import EngineClient
 from tokenway.frontend.model import ModelFrontend
@@ -30,6 +31,7 @@ from tokenway.routing.replicas import LocalReplica
 from tokenway.routing.router import Pool, Router
 from tokenway.safety.screen import SafetyPolicy
 from tokenway.server.body_parser import BodyParser
+from tokenway.server.responses_tasks import BackgroundResponses
 from tokenway.server.stats import ServerStats
 
 
@@ -125,19 +127,22 @@ class Services:
     observer: Observer | None = None  # None: no traces, metrics or dashboard (--no-observability)
     body_parser: BodyParser = field(default_factory=BodyParser)
     created: int = field(default_factory=lambda: int(time.time()))
+    response_store: ResponseStore | None = None  # /v1/responses' stored responses; None: none kept (tests)
+    background: BackgroundResponses = field(default_factory=BackgroundResponses)  # background responses running
 
     @classmethod
     def build(cls, settings: ServerConfig, catalog: ModelCatalog, router: Router, *,
               engine: EngineClient | None = None, embedder: EmbeddingEngine | None = None,
               gatekeeper: Gatekeeper | None = None,
               observer_for: Callable[[Callable[[], ServerStats]], Observer] | None = None,
-              body_parser: BodyParser | None = None) -> Services:
+              body_parser: BodyParser | None = None, response_store: ResponseStore | None = None) -> Services:
         """The record, with its capacity and (given observer_for) the observer made from the
         /engine/stats reader they share."""
         capacity = Capacity(settings.max_pending_requests)
         stats = partial(_read_stats, engine, router, capacity)
         return cls(settings, catalog, router, capacity, engine, embedder, gatekeeper,
-                   observer_for(stats) if observer_for is not None else None, body_parser or BodyParser())
+                   observer_for(stats) if observer_for is not None else None, body_parser or BodyParser(),
+                   response_store=response_store)
 
     def resolve_model(self, name: str | None, principal: Principal | None = None, kind: str = "chat") -> str:
         """The catalog's served name for a request's `model` (404, 400), and 403 for one the

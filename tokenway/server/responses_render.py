@@ -1,0 +1,341 @@
+"""OpenAI's Responses shapes for a Generation: the Response object, and the typed event stream.
+
+    response_base(body, prepared)          the Response as created: every echoed field, no output
+    OutputItems.feed(delta) ... .close()   the reply's output items as its deltas arrive (and, for
+                                           a stream, the events each delta makes)
+    finished / failed(base, items, ...)    the Response at its end
+    response_json / response_stream        one JSON body, or the SSE events framed the OpenAI way
+
+A stream goes: response.created, response.in_progress, then per output item
+output_item.added, [content_part.added, output_text.delta ..., output_text.done,
+content_part.done | function_call_arguments.delta ..., function_call_arguments.done],
+output_item.done; and response.completed (response.incomplete where max_output_tokens or the
+safety stage cut it). Every event is named (`event: <type>`) and numbered (sequence_number, from
+0). An error after the stream began is an `error` event, then response.failed. Usage is the chat
+path's (Generation.usage), renamed; tool calls are its parsed pieces (ToolCallDelta).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+from tokenway.protocol.errors import InternalServerError, TokenwayError
+from tokenway.protocol.job import ChoiceDelta
+from tokenway.protocol.responses import (
+    AllowedToolsChoice,
+    FunctionChoice,
+    FunctionTool,
+    NamespaceTool,
+    ResponsesRequest,
+    TextFormatJSONSchema,
+)
+from tokenway.protocol.responses_bodies import (
+    ErrorEvent,
+    FunctionCallItem,
+    FunctionToolBody,
+    IncompleteDetails,
+    ItemStatus,
+    LifecycleEvent,
+    LifecycleType,
+    Logprob,
+    NamespaceToolBody,
+    OutputItem,
+    OutputMessageItem,
+    OutputText,
+    Response,
+    ResponseStreamEvent,
+    ResponseUsage,
+)
+from tokenway.server import sse
+from tokenway.server.generation import STREAM_FAILED, Generation, framed_stream
+from tokenway.server.openai_render import TokenText
+from tokenway.server.prepare import new_id
+from tokenway.server.responses_prepare import PreparedResponse
+
+logger = logging.getLogger(__name__)
+
+# What happens to a finished Response before the client sees it: it is stored (or not).
+OnEnd = Callable[[Response], Awaitable[None]]
+
+
+def response_base(body: ResponsesRequest, prepared: PreparedResponse) -> Response:
+    """The response as created (in_progress, no output): what every later state copies."""
+    job = prepared.call.job
+    text = body.text
+    reasoning = body.reasoning
+    return {
+        "id": job.request_id, "object": "response", "created_at": prepared.created_at, "status": "in_progress",
+        "background": bool(body.background), "completed_at": None, "error": None, "incomplete_details": None,
+        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+        "max_tool_calls": body.max_tool_calls, "metadata": body.metadata or {}, "model": job.model, "output": [],
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": body.previous_response_id, "prompt_cache_key": body.prompt_cache_key,
+        "reasoning": {"effort": reasoning.effort if reasoning else None,
+                      "summary": reasoning.summary if reasoning else None},
+        "safety_identifier": body.safety_identifier, "service_tier": "default", "store": body.stored,
+        "temperature": job.params.temperature, "text": {
+            "format": _text_format(body), "verbosity": text.verbosity if text and text.verbosity else "medium"},
+        "tool_choice": _tool_choice(body), "tools": [_tool(tool) for tool in body.tools or ()],
+        "top_logprobs": body.top_logprobs or 0, "top_p": job.params.top_p, "truncation": body.truncation or "disabled",
+        "usage": None, "user": body.user,
+    }
+
+
+def _text_format(body: ResponsesRequest) -> dict[str, Any]:
+    fmt = body.text.format if body.text is not None else None
+    if isinstance(fmt, TextFormatJSONSchema):
+        return {"type": "json_schema", "name": fmt.name, "schema": fmt.schema_, "description": fmt.description,
+                "strict": fmt.strict}
+    return {"type": fmt.type if fmt is not None else "text"}
+
+
+def _tool_choice(body: ResponsesRequest) -> str | dict[str, Any]:
+    choice = body.tool_choice
+    if isinstance(choice, FunctionChoice):
+        return {"type": "function", "name": choice.name}
+    if isinstance(choice, AllowedToolsChoice):
+        return {"type": "allowed_tools", "mode": choice.mode,
+                "tools": [{"type": "function", "name": tool.name} for tool in choice.tools]}
+    return choice or "auto"
+
+
+def _tool(tool: FunctionTool | NamespaceTool) -> FunctionToolBody | NamespaceToolBody:
+    if isinstance(tool, NamespaceTool):
+        return {"type": "namespace", "name": tool.name, "description": tool.description,
+                "tools": [_function(function) for function in tool.tools]}
+    return _function(tool)
+
+
+def _function(tool: FunctionTool) -> FunctionToolBody:
+    return {"type": "function", "name": tool.name, "description": tool.description, "parameters": tool.parameters,
+            "strict": tool.strict is not False}
+
+
+class OutputItems:
+    """A reply's output items as its deltas arrive (Generation.outputs(): screened, and its tool
+    calls parsed into pieces): text opens a message item, a tool call's first piece (id, name) a
+    function_call item, and the next item closes the open one. With `stream`, feed() and close()
+    return the events each step makes; without, they build the items only.
+
+    A reasoning parser, when it lands, opens a ReasoningItem here from the delta's thinking."""
+
+    def __init__(self, stream: bool, sequence: Iterator[int], token_text: TokenText | None, top_logprobs: int,
+                 namespaces: dict[str, str] | None = None) -> None:
+        self.items: list[OutputItem] = []
+        self.namespaces = namespaces or {}  # function name -> its namespace tool's name
+        self.stream = stream
+        self.sequence = sequence  # the stream's sequence_number, shared with its lifecycle events
+        self.token_text = token_text  # None: no logprobs asked for
+        self.top_logprobs = top_logprobs
+        self._message: OutputMessageItem | None = None  # the open message, its text in _texts until closed
+        self._texts: list[str] = []
+        self._logprobs: list[Logprob] = []
+        self._call: FunctionCallItem | None = None  # the open call, its arguments in _arguments
+        self._arguments: list[str] = []
+        self._call_index = -1  # the open call's index among the reply's calls
+
+    def feed(self, delta: ChoiceDelta) -> list[ResponseStreamEvent]:
+        events: list[ResponseStreamEvent] = []
+        logprobs = self._logprobs_of(delta)
+        if delta.text or logprobs:
+            if self._message is None:
+                events += self._open_message()
+            self._texts.append(delta.text)
+            self._logprobs += logprobs
+            if self.stream:
+                assert self._message is not None
+                events.append({"type": "response.output_text.delta", "sequence_number": next(self.sequence),
+                               "item_id": self._message["id"], "output_index": len(self.items) - 1,
+                               "content_index": 0, "delta": delta.text, "logprobs": logprobs})
+        for piece in delta.tool_calls:
+            if self._call is None or piece.index != self._call_index:
+                events += self._close("completed")
+                call: FunctionCallItem = {"id": new_id("fc_"), "type": "function_call", "call_id": piece.id or "",
+                                          "name": piece.name or "", "arguments": "", "status": "in_progress"}
+                if call["name"] in self.namespaces:
+                    call["namespace"] = self.namespaces[call["name"]]
+                self._call, self._call_index = call, piece.index
+                events += self._added(call)
+            if piece.arguments:
+                self._arguments.append(piece.arguments)
+                if self.stream:
+                    assert self._call is not None
+                    events.append({"type": "response.function_call_arguments.delta",
+                                   "sequence_number": next(self.sequence), "item_id": self._call["id"],
+                                   "output_index": len(self.items) - 1, "delta": piece.arguments})
+        return events
+
+    def close(self, finish_reason: str | None) -> list[ResponseStreamEvent]:
+        """End the reply: its last item is cut (incomplete) where max_output_tokens or the safety
+        stage ended it; a reply of nothing is one empty message, as OpenAI sends it."""
+        events = [] if self.items else self._open_message()
+        return events + self._close("incomplete" if finish_reason in ("length", "content_filter") else "completed")
+
+    def _logprobs_of(self, delta: ChoiceDelta) -> list[Logprob]:
+        if self.token_text is None or not delta.logprobs:
+            return []
+        return self.token_text.chat_logprobs(delta.logprobs, self.top_logprobs)["content"]
+
+    def _open_message(self) -> list[ResponseStreamEvent]:
+        events = self._close("completed")
+        message: OutputMessageItem = {"id": new_id("msg_"), "type": "message", "role": "assistant",
+                                      "status": "in_progress", "content": []}
+        self._message = message
+        events += self._added(message)
+        if self.stream:
+            events.append({"type": "response.content_part.added", "sequence_number": next(self.sequence),
+                           "item_id": message["id"], "output_index": len(self.items) - 1, "content_index": 0,
+                           "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
+        return events
+
+    def _added(self, item: OutputItem) -> list[ResponseStreamEvent]:
+        self.items.append(item)
+        if not self.stream:
+            return []
+        return [{"type": "response.output_item.added", "sequence_number": next(self.sequence),
+                 "output_index": len(self.items) - 1, "item": item.copy()}]
+
+    def _close(self, status: ItemStatus) -> list[ResponseStreamEvent]:
+        """Finish the open item (its text or arguments joined once) with `status`."""
+        events: list[ResponseStreamEvent] = []
+        index = len(self.items) - 1
+        if self._message is not None:
+            message, self._message = self._message, None
+            part: OutputText = {"type": "output_text", "text": "".join(self._texts), "annotations": [],
+                                "logprobs": self._logprobs}
+            self._texts, self._logprobs = [], []
+            message["content"], message["status"] = [part], status
+            if self.stream:
+                item_id = message["id"]
+                events.append({"type": "response.output_text.done", "sequence_number": next(self.sequence),
+                               "item_id": item_id, "output_index": index, "content_index": 0, "text": part["text"],
+                               "logprobs": part["logprobs"]})
+                events.append({"type": "response.content_part.done", "sequence_number": next(self.sequence),
+                               "item_id": item_id, "output_index": index, "content_index": 0, "part": part})
+        elif self._call is not None:
+            call, self._call = self._call, None
+            call["arguments"], call["status"] = "".join(self._arguments), status
+            self._arguments = []
+            if self.stream:
+                events.append({"type": "response.function_call_arguments.done", "sequence_number": next(self.sequence),
+                               "item_id": call["id"], "output_index": index, "arguments": call["arguments"]})
+        else:
+            return events
+        if self.stream:
+            events.append({"type": "response.output_item.done", "sequence_number": next(self.sequence),
+                           "output_index": index, "item": self.items[index]})
+        return events
+
+
+def response_usage(generation: Generation) -> ResponseUsage:
+    """The chat path's usage, in the Responses API's names."""
+    usage = generation.usage()
+    return {"input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                                     "cache_write_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},  # a reasoning parser's count, when one lands
+            "total_tokens": usage["total_tokens"]}
+
+
+def finished(base: Response, generation: Generation, items: OutputItems) -> Response:
+    """The response as its reply ended: completed, or incomplete where it was cut."""
+    reason = generation.finish_reasons[0]
+    incomplete: IncompleteDetails | None = {"reason": "max_output_tokens"} if reason == "length" else \
+        {"reason": "content_filter"} if reason == "content_filter" else None
+    response = base.copy()
+    response["status"] = "completed" if incomplete is None else "incomplete"
+    response["incomplete_details"] = incomplete
+    response["completed_at"] = int(time.time()) if incomplete is None else None
+    response["output"] = items.items
+    response["usage"] = response_usage(generation)
+    return response
+
+
+def failed(base: Response, generation: Generation | None, items: OutputItems | None, error: TokenwayError
+           ) -> Response:
+    """The response as an error ended it, with what it had made so far."""
+    response = base.copy()
+    response["status"] = "failed"
+    response["error"] = {"code": error_code(error), "message": error.message}
+    if items is not None:
+        response["output"] = items.items
+    if generation is not None:
+        response["usage"] = response_usage(generation)
+    return response
+
+
+def error_code(error: TokenwayError) -> str:
+    """The Response error's code, in OpenAI's vocabulary for it."""
+    if error.status == 429:
+        return "rate_limit_exceeded"
+    if error.status == 400:
+        return "invalid_prompt"
+    return "server_error"
+
+
+def lifecycle(kind: LifecycleType, sequence: Iterator[int], response: Response) -> LifecycleEvent:
+    return {"type": kind, "sequence_number": next(sequence), "response": response}
+
+
+def named(event: ResponseStreamEvent) -> bytes:
+    return sse.named_event(event["type"], event)
+
+
+async def response_json(base: Response, generation: Generation, items: OutputItems, on_end: OnEnd | None
+                        ) -> Response:
+    """Run the reply to its end: the Response, stored (on_end) before it is returned."""
+    async for delta in generation.outputs():
+        items.feed(delta)
+    items.close(generation.finish_reasons[0])
+    response = finished(base, generation, items)
+    if on_end is not None:
+        await on_end(response)
+    return response
+
+
+class ResponseStream:
+    """One response's SSE stream: its events, and what ends it (response.completed, made and
+    stored once the reply has ended: framed_stream sends `closing` after the ledger row is
+    durable), or the error and response.failed."""
+
+    def __init__(self, base: Response, generation: Generation, items: OutputItems, on_end: OnEnd | None) -> None:
+        self.base, self.generation, self.items, self.on_end = base, generation, items, on_end
+        self.sequence = items.sequence
+        self.closing: list[bytes] = []  # filled by events() at the reply's end
+
+    def framed(self) -> AsyncIterator[bytes]:
+        return framed_stream(self.events(), self.generation, self.error_events, self.closing)
+
+    async def events(self) -> AsyncIterator[bytes]:
+        base, generation, items = self.base, self.generation, self.items
+        yield named(lifecycle("response.created", self.sequence, base))
+        yield named(lifecycle("response.in_progress", self.sequence, base))
+        try:
+            async for delta in generation.outputs():
+                for event in items.feed(delta):
+                    yield named(event)
+        except Exception as exc:
+            error = exc if isinstance(exc, TokenwayError) else InternalServerError(STREAM_FAILED)
+            if self.on_end is not None:
+                try:
+                    await self.on_end(failed(base, generation, items, error))
+                except TokenwayError as store_error:  # the stream's own error is the one to tell
+                    logger.warning("response %s: its failure is not stored: %s", base["id"], store_error.message)
+            raise
+        for event in items.close(generation.finish_reasons[0]):
+            yield named(event)
+        response = finished(base, generation, items)
+        if self.on_end is not None:
+            await self.on_end(response)
+        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+        self.closing.append(named(lifecycle(kind, self.sequence, response)))
+
+    def error_events(self, error: TokenwayError) -> list[bytes]:
+        event: ErrorEvent = {"type": "error", "sequence_number": next(self.sequence), "code": error.code or error.type,
+                             "message": error.message, "param": error.param}
+        return [named(event), named(lifecycle("response.failed", self.sequence,
+                                              failed(self.base, self.generation, self.items, error)))]
