@@ -25,7 +25,7 @@ def test_no_5xx_on_generated_requests(server):
             if isinstance(case.body, dict):
                 if "model" in case.body:
                     case.body["model"] = "smollm2-135m-instruct"  # reach past the 404 into generation
-                for key in ("max_tokens", "max_completion_tokens"):
+                for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                     # null means "up to the context window" (8,192 tokens here): at a fuzzed
                     # temperature that can outlast the call's timeout, so it is bounded too.
                     if key in case.body and case.body[key] is None or (
@@ -38,6 +38,8 @@ def test_no_5xx_on_generated_requests(server):
                 if ("messages" in case.body or "prompt" in case.body) and (
                         "max_tokens" not in case.body and "max_completion_tokens" not in case.body):
                     case.body["max_tokens"] = 8
+                if op.label == "POST /v1/responses" and "max_output_tokens" not in case.body:
+                    case.body["max_output_tokens"] = 8  # a background one would run on past the case
                 if isinstance(case.body.get("n"), int) and case.body["n"] > 2:
                     case.body["n"] = 2
             response = case.call(base_url=server.base_url, timeout=60)
