@@ -87,7 +87,7 @@ def test_a_function_tools_round_trip_through_previous_response_id(client):
     first, call = weather_call(client)
     second = client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER], tool_choice="none",
                                      input=[{"type": "function_call_output", "call_id": call.call_id,
-                                             "output": RESULT}], max_output_tokens=40, temperature=0)
+                                             "output": RESULT}], max_output_tokens=24, temperature=0)
     assert second.output_text and second.previous_response_id == first.id
     [item] = client.responses.input_items.list(second.id).data
     assert (item.type, item.call_id, item.output) == ("function_call_output", call.call_id, RESULT)
@@ -99,7 +99,7 @@ def test_a_function_tools_round_trip_through_previous_response_id(client):
              *[item.model_dump(exclude_none=True) for item in unstored.output],
              {"type": "function_call_output", "call_id": unstored_call.call_id, "output": RESULT}]
     passed_back = client.responses.create(model=MODEL, input=items, tools=[WEATHER], tool_choice="none", store=False,
-                                          max_output_tokens=40, temperature=0)
+                                          max_output_tokens=24, temperature=0)
     assert unstored_call.arguments == call.arguments and passed_back.output_text == second.output_text
 
 
@@ -165,7 +165,7 @@ def test_the_openai_agents_sdk_runs_an_agent_with_a_function_tool(server):
         base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120))
     agent = agents.Agent(name="weather", instructions="Answer weather questions with the get_weather tool.",
                          tools=[get_weather], model=model,
-                         model_settings=agents.ModelSettings(temperature=0, max_tokens=80, tool_choice="required"))
+                         model_settings=agents.ModelSettings(temperature=0, max_tokens=48, tool_choice="required"))
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
     assert looked_up and isinstance(result.final_output, str) and result.final_output.strip()
     kinds = [item.type for item in result.new_items]
