@@ -48,6 +48,8 @@
 #include <utility>
 #include <vector>
 
+#include "pool.h"
+
 namespace {
 
 #include "vec.h"
@@ -495,7 +497,7 @@ void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, co
   if constexpr (std::is_same_v<T, uint16_t>)
     if (kDotProducts && head_dim % 32 == 0) attend = attend_dot;
   std::atomic<int64_t> next{0};
-  auto work = [&](int64_t, int64_t) {
+  auto work = [&](int64_t) {
     Scratch scratch(max_queries, head_dim, max_positions);
     std::vector<T> zeros(head_dim, T(0));
     std::vector<const T*> queries(max_queries);
@@ -516,7 +518,10 @@ void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, co
       }
     }
   };
-  if (threads > 1) at::parallel_for(0, threads, 1, work); else work(0, 1);
+  // One piece a thread, each taking items until none is left; on the pool the step's matmuls use (pool.h).
+  tokenway_native::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    for (int64_t piece = first; piece < last; ++piece) work(piece);
+  });
 
   // Merge each split row's partial softmaxes: rescale each to the largest max, then normalise.
   std::vector<int> split;
@@ -524,7 +529,7 @@ void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, co
     if (parts[row].size() > 1 || (parts[row].size() == 1 && segments[parts[row][0].first].partial >= 0)) split.push_back(row);
   if (split.empty()) return;
   const int64_t pairs = int64_t(split.size()) * p.kv_heads;
-  at::parallel_for(0, pairs, std::max<int64_t>(1, pairs / threads), [&](int64_t first, int64_t last) {
+  tokenway_native::parallel_for(0, pairs, std::max<int64_t>(1, pairs / threads), [&](int64_t first, int64_t last) {
     std::vector<float> merged(head_dim);
     std::vector<int64_t> slots;
     for (int64_t pair = first; pair < last; ++pair) {

@@ -12,6 +12,8 @@
 // Float32 arithmetic as torch's operators do it (products rounded before sums where torch rounds
 // them; bfloat16 rounding to nearest even, c10::BFloat16's own), so outputs equal the torch
 // path's up to the order of a norm's sum.
+//
+// Their loops over rows run on the pool the matmuls and attention use (pool.h).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,10 +22,13 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "pool.h"
 
 namespace {
 
@@ -43,7 +48,10 @@ void rope_rows(const float* qkv, int64_t row_stride, const float* cos_table, con
                const int64_t* positions, const int64_t* slots, T* q_out, T* k_cache, T* v_cache, int64_t tokens,
                int64_t heads, int64_t kv_heads, int64_t dim) {
   const int64_t half = dim / 2, items_per_token = heads + 2 * kv_heads;
-  at::parallel_for(0, tokens * items_per_token, 64, [&](int64_t first, int64_t last) {
+  // At least ~16K values a thread: a decode token's heads (96 of 64 for SmolLM2-1.7B) are a few
+  // microseconds of work, less than a parallel region costs.
+  const int64_t grain = std::max<int64_t>(64, (int64_t(1) << 14) / dim);
+  tokenway_native::parallel_for(0, tokens * items_per_token, grain, [&](int64_t first, int64_t last) {
     for (int64_t item = first; item < last; ++item) {
       const int64_t t = item / items_per_token, h = item % items_per_token;
       const float* src = qkv + t * row_stride + h * dim;
@@ -127,7 +135,7 @@ void add_rms_norm_(at::Tensor x, at::Tensor residual, const at::Tensor& weight, 
   float* xs = x.data_ptr<float>();
   float* rs = residual.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+  tokenway_native::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
     for (int64_t row = first; row < last; ++row) {
       float* xr = xs + row * hidden;
       float* rr = rs + row * hidden;
@@ -144,7 +152,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float* xs = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   float* os = out.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+  tokenway_native::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
     for (int64_t row = first; row < last; ++row) norm_row(xs + row * hidden, w, os + row * hidden, hidden, float(eps));
   });
   return out;
@@ -193,7 +201,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
+  tokenway_native::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
     for (int64_t row = first; row < last; ++row) o[row] = argmax_row(x + row * n, n);
   });
   return out;
@@ -207,7 +215,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({rows, width}, gate_up.options());
   const float* src = gate_up.data_ptr<float>();
   float* dst = out.data_ptr<float>();
-  at::parallel_for(0, rows, 4, [&](int64_t first, int64_t last) {
+  tokenway_native::parallel_for(0, rows, 4, [&](int64_t first, int64_t last) {
     for (int64_t row = first; row < last; ++row) {
       const float* gate = src + row * 2 * width;
       const float* up = gate + width;

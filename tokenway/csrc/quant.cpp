@@ -10,8 +10,9 @@
 // llama.cpp's Q8 dot products), bfloat16 and float32. They are written once over 16-lane vectors
 // (quant_simd.h): one AVX512 register or two AVX2 ones. Elsewhere a scalar loop computes float32 products from the decoded rows.
 //
-// Work: groups of 16 rows in chunks (parallel; a chunk's weights stay in L2 across token tiles),
-// tokens in tiles of up to 8 (4 with AVX2's 16 registers).
+// Work: groups of 16 rows in chunks (parallel, on the helper threads of pool.h, which this
+// library owns; a chunk's weights stay in L2 across token tiles), tokens in tiles of up to 8 (4
+// with AVX2's 16 registers).
 //
 // TOKENWAY_LIBRARY names the operator library: native.py builds variants of this file for other
 // instruction sets (TOKENWAY_NATIVE_ISA) under their own names, so they load beside this one.
@@ -32,11 +33,24 @@
 #include <type_traits>
 #include <vector>
 
+#include "pool.h"
+
 #ifndef TOKENWAY_LIBRARY
 #define TOKENWAY_LIBRARY tokenway_quant
 #endif
 
 namespace {
+
+using tokenway_native::ChunkPool;
+
+// This process's pool (pool.h): a forked child has none of its parent's helper threads.
+ChunkPool& pool() {
+  static std::mutex made;
+  static ChunkPool* instance = nullptr;  // never freed: its detached helpers outlive any owner
+  const std::lock_guard<std::mutex> lock(made);
+  if (instance == nullptr || instance->owner() != getpid()) instance = new ChunkPool(getpid());
+  return *instance;
+}
 
 #include "vec.h"
 #include "quant_format.h"
@@ -140,21 +154,20 @@ void matmul(const Weights& w, const void* x, bool x_is_float, Products products,
   chunks = std::min(groups, (chunks + threads - 1) / threads * threads);
   const int64_t groups_per_chunk = (groups + chunks - 1) / chunks;
   // Chunks are handed out one at a time, so a thread the OS preempts (the HTTP server and the
-  // clients share these cores) holds up at most the chunk it is in.
-  std::atomic<int64_t> next{0};
+  // clients share these cores) holds up at most the chunk it is in; and through the pool, whose
+  // caller never waits for a helper that has not started (pool.h), rather than OpenMP's team.
   with_qtype(w.qtype, [&](auto q) {
     constexpr QType Q = decltype(q)::value;
-    at::parallel_for(0, std::min(threads, chunks), 1, [&](int64_t, int64_t) {
-      for (int64_t chunk; (chunk = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-        const int64_t begin = chunk * groups_per_chunk, end = std::min(groups, begin + groups_per_chunk);
-        if (begin >= end) continue;
-        switch (products) {
-          case Products::kInt8: groups_times_tokens<Q, Products::kInt8>(w, begin, end, a, tokens, y, ldy); break;
-          case Products::kBFloat16: groups_times_tokens<Q, Products::kBFloat16>(w, begin, end, a, tokens, y, ldy); break;
-          case Products::kFloat32: groups_times_tokens<Q, Products::kFloat32>(w, begin, end, a, tokens, y, ldy); break;
-        }
+    auto run_chunk = [&](int64_t chunk) {
+      const int64_t begin = chunk * groups_per_chunk, end = std::min(groups, begin + groups_per_chunk);
+      if (begin >= end) return;
+      switch (products) {
+        case Products::kInt8: groups_times_tokens<Q, Products::kInt8>(w, begin, end, a, tokens, y, ldy); break;
+        case Products::kBFloat16: groups_times_tokens<Q, Products::kBFloat16>(w, begin, end, a, tokens, y, ldy); break;
+        case Products::kFloat32: groups_times_tokens<Q, Products::kFloat32>(w, begin, end, a, tokens, y, ldy); break;
       }
-    });
+    };
+    pool().run(chunks, int(threads), run_chunk);
   });
 }
 
@@ -171,7 +184,7 @@ void matmul(const Weights& w, const void* input, bool /*x_is_float: always*/, Pr
 void decode_rows(const Weights& w, const int64_t* rows, int64_t count, float* out) {
   with_qtype(w.qtype, [&](auto q) {
     constexpr QType Q = decltype(q)::value;
-    at::parallel_for(0, count, 16, [&](int64_t first, int64_t last) {
+    tokenway_native::parallel_for(0, count, 16, [&](int64_t first, int64_t last) {
       for (int64_t i = first; i < last; ++i) {
         const int64_t r = rows == nullptr ? i : rows[i];
         decode_row<Q>(w.group(r / kRows), int(r % kRows), w.k, out + i * w.k);
@@ -184,7 +197,7 @@ void decode_rows(const Weights& w, const int64_t* rows, int64_t count, float* ou
 void matmul(const Weights& w, const void* input, bool, Products, int64_t tokens, float* y, int64_t ldy) {
   const float* x = static_cast<const float*>(input);
   const int64_t k = w.k;
-  at::parallel_for(0, w.n, 16, [&](int64_t first, int64_t last) {
+  tokenway_native::parallel_for(0, w.n, 16, [&](int64_t first, int64_t last) {
     std::vector<float> weight(k);
     for (int64_t r = first; r < last; ++r) {
       decode_rows(w, &r, 1, weight.data());
@@ -319,4 +332,6 @@ TOKENWAY_DEFINE_LIBRARY(TOKENWAY_LIBRARY, m) {
   m.def("has_products(str products) -> bool", &has_products);
   m.def("dequantize(Tensor weight, int n, int k, int qtype, ScalarType dtype) -> Tensor", &dequantize);
   m.def("embedding(Tensor weight, int n, int k, int qtype, Tensor ids) -> Tensor", &embedding);
+  // The pool's address, for the other libraries' kernels (attention.cpp) to share its helpers.
+  m.def("parallel_pool() -> int", [] { return reinterpret_cast<int64_t>(&pool()); });
 }

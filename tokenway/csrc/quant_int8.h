@@ -42,7 +42,7 @@ void quantize_int8(QType qtype, const void* x, bool x_is_float, int64_t tokens, 
   const float* xf = static_cast<const float*>(x);
   const uint16_t* xh = static_cast<const uint16_t*>(x);
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / k);  // a decode step's tokens: one thread
-  at::parallel_for(0, tokens, grain, [&](int64_t first, int64_t last) {
+  tokenway_native::parallel_for(0, tokens, grain, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       const TokenTile tile = tile_of(t, tokens);
       const int64_t lane = t - tile.first;
