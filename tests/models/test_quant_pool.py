@@ -15,7 +15,8 @@ import torch
 
 from tokenway.models import quant
 
-pytestmark = pytest.mark.skipif(not quant.available(), reason="the quant kernel has no vector path on this CPU")
+# Any build: the vector paths' chunks and the plain-C++ one's rows run on the pool alike.
+pytestmark = pytest.mark.skipif(quant._ops() is None, reason="the quant kernel does not build here")
 
 ROWS, COLS = 4096, 512  # 256 groups of 16 rows: many chunks
 
