@@ -311,6 +311,9 @@ def run_serve(options: dict) -> int:
             assert engine is not None, "without a registry the local engine serves every name"
             router = local_router(engine, names, server_config.max_pending_requests)
             catalog = ModelCatalog.local(engine.frontend, names, aliases, embedding_model_names)
+            # A conversation comes back longer on every turn (a chat's messages, a response's stored
+            # chain): its earlier turns' ids are kept, as routing/build.py keeps them for a pool.
+            engine.frontend.tokenizer.enable_segment_cache()
         if options["special_tokens_in_messages"]:
             for frontend in catalog.frontends.values():
                 frontend.tokenizer.special_tokens_in_messages = True
