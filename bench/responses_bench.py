@@ -129,8 +129,12 @@ def overhead(client: httpx.Client, rounds: int) -> None:
         print(f"   {name:24}" + "".join(f"{statistics.median(stage_ms[name][stage]):13.3f}" for stage in STAGES))
 
 
+SAMPLES = 7  # calls a figure of part 2 is the median of
+
+
 def conversation(client: httpx.Client, num_turns: int) -> list[dict]:
-    print(f"\n2. a stored conversation of {num_turns} turns, each continued by previous_response_id")
+    print(f"\n2. a stored conversation of {num_turns} turns, each continued by previous_response_id "
+          f"(medians of {SAMPLES} continuations, not stored)")
     print(f"{'turn':>5} {'input tokens':>13} {'routing ms':>11} {'tokenize ms':>12}")
     messages: list[dict] = []
     previous_id = None
@@ -138,6 +142,12 @@ def conversation(client: httpx.Client, num_turns: int) -> list[dict]:
         text = f"Turn {turn}: tell me one short fact about the number {turn}, in a sentence or two."
         body = {"model": MODEL, "input": text, "max_output_tokens": 24, "temperature": 0,
                 "previous_response_id": previous_id}
+        if turn in (1, 10, 25, num_turns):
+            samples = [client.post("/v1/responses", json={**body, "max_output_tokens": 1, "store": False})
+                       for _ in range(SAMPLES)]
+            routing = statistics.median(server_timing(r).get("routing", 0.0) for r in samples)
+            tokenize = statistics.median(server_timing(r).get("tokenize", 0.0) for r in samples)
+            print(f"{turn:5} {samples[0].json()['usage']['input_tokens']:13} {routing:11.2f} {tokenize:12.2f}")
         response = client.post("/v1/responses", json=body)
         assert response.status_code == 200, response.text
         created = response.json()
@@ -145,18 +155,11 @@ def conversation(client: httpx.Client, num_turns: int) -> list[dict]:
         reply = "".join(part["text"] for item in created["output"] if item["type"] == "message"
                         for part in item["content"])
         messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
-        if turn in (1, 10, 25, num_turns):
-            timing = server_timing(response)
-            print(f"{turn:5} {created['usage']['input_tokens']:13} {timing.get('routing', 0.0):11.2f} "
-                  f"{timing.get('tokenize', 0.0):12.2f}")
     prompt = messages[:-1]  # the last turn's prompt: every turn before, and its own input
-    chat_ms = []
-    for _ in range(3):  # the same conversation as chat messages: what the chat path's templating costs
-        response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": prompt, "max_tokens": 1,
-                                                              "temperature": 0})
-        assert response.status_code == 200, response.text
-        chat_ms.append(server_timing(response).get("tokenize", 0.0))
-    print(f"   the same {num_turns} turns sent to /v1/chat/completions: tokenize {statistics.median(chat_ms):.2f} ms")
+    chat = [client.post("/v1/chat/completions", json={"model": MODEL, "messages": prompt, "max_tokens": 1,
+                                                      "temperature": 0}) for _ in range(SAMPLES)]
+    tokenize = statistics.median(server_timing(r).get("tokenize", 0.0) for r in chat)
+    print(f"   the same {num_turns} turns as messages to /v1/chat/completions: tokenize {tokenize:.2f} ms")
     return prompt
 
 
@@ -167,20 +170,27 @@ def tokenize_in_process(messages: list[dict]) -> None:
 
     tokenizer = ModelFrontend.from_dir(resolve_model(DEFAULT_MODEL)).tokenizer
     previous = tokenizer.apply_chat_template(messages[:-2], add_generation_prompt=True)
-    start = time.perf_counter()
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    template_ms = (time.perf_counter() - start) * 1000
-    start = time.perf_counter()
-    whole = tokenizer.hf.encode(text, add_special_tokens=False).ids
-    whole_ms = (time.perf_counter() - start) * 1000
-    cached_ms = float("nan")
-    if tokenizer.enable_segment_cache():
-        tokenizer.encode(previous, add_special_tokens=False)  # the turn before, as the server saw it
+
+    def timed(work) -> float:
         start = time.perf_counter()
-        assert tokenizer.encode(text, add_special_tokens=False) == whole
-        cached_ms = (time.perf_counter() - start) * 1000
-    print(f"\n   the last turn's prompt ({len(whole)} tokens), in process: chat template {template_ms:.2f} ms, "
-          f"tokenized whole {whole_ms:.2f} ms, with the segment cache warm {cached_ms:.2f} ms")
+        work()
+        return (time.perf_counter() - start) * 1000
+
+    template_ms = statistics.median(timed(lambda: tokenizer.apply_chat_template(messages)) for _ in range(SAMPLES))
+    whole = tokenizer.hf.encode(text, add_special_tokens=False).ids
+    whole_ms = statistics.median(timed(lambda: tokenizer.hf.encode(text, add_special_tokens=False))
+                                 for _ in range(SAMPLES))
+    cached_ms = []
+    for _ in range(SAMPLES):
+        if not tokenizer.enable_segment_cache():  # a fresh cache each time, warm from the turn before only
+            break
+        tokenizer.encode(previous, add_special_tokens=False)
+        cached_ms.append(timed(lambda: tokenizer.encode(text, add_special_tokens=False)))
+    assert tokenizer.encode(text, add_special_tokens=False) == whole
+    print(f"\n   the last turn's prompt ({len(whole)} tokens), in process (medians of {SAMPLES}): chat template "
+          f"{template_ms:.2f} ms, tokenized whole {whole_ms:.2f} ms, with the segment cache warm from the turn "
+          f"before {statistics.median(cached_ms) if cached_ms else float('nan'):.2f} ms")
 
 
 def main() -> None:
