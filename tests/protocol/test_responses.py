@@ -24,10 +24,12 @@ from tokenway.protocol.errors import BadGatewayError, InvalidRequestError
 from tokenway.protocol.job import ChoiceDelta, ToolCallDelta, Usage
 from tokenway.protocol.responses import InputTokensRequest, ResponsesRequest
 from tokenway.routing.router import Pool, Router
+from tokenway.safety.screen import SafetyPolicy
 from tokenway.server.app import create_app
 from tokenway.server.services import ModelCatalog, ServerConfig, Services
 
 from .conftest import MODEL, ScriptedReplica, ScriptedServer, sse_events, validate_strictly
+from .test_openai_schemas import upstream_logprob
 
 OPENAI_EXTENSIONS = frozenset({"store"})  # sent by OpenAI, not declared by the SDK's Response
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather", "strict": True,
@@ -45,13 +47,13 @@ CALL_EVENTS = [ChoiceDelta(0, text="Let me look."),
 class ResponsesServer(ScriptedServer):
     """ScriptedServer's app, keeping responses in memory."""
 
-    def __init__(self) -> None:
+    def __init__(self, safety: SafetyPolicy | None = None) -> None:
         self.replica = ScriptedReplica()
         catalog = ModelCatalog((MODEL,), context_windows={MODEL: 4096})
         router = Router({MODEL: Pool.of(MODEL, [self.replica])})
         self.store = open_response_store("memory")
-        self.app = create_app(Services.build(ServerConfig(served_model_names=(MODEL,)), catalog, router,
-                                             response_store=self.store))
+        settings = ServerConfig(served_model_names=(MODEL,), safety=safety or SafetyPolicy())
+        self.app = create_app(Services.build(settings, catalog, router, response_store=self.store))
 
     def create(self, events: list, **body) -> httpx.Response:
         self.replica.events = events
@@ -322,3 +324,43 @@ def test_the_sdks_input_tokens_body_is_accepted():
     body = InputTokensRequest.model_validate({"model": MODEL, "input": "hi", "personality": "friendly",
                                               "truncation": "auto", "tools": [WEATHER]})
     assert body.chat_tools() is not None
+
+
+def test_sampling_fields_reach_the_job_and_logprobs_come_back_when_included(responses):
+    logprob_events = [ChoiceDelta(0, text="Hel", logprobs=(upstream_logprob("Hel", -0.1, ("Hi", -2.5)),)),
+                      ChoiceDelta(0, text="lo", logprobs=(upstream_logprob("lo", -0.2),), finish_reason="stop"),
+                      Usage(prompt_tokens=3, completion_tokens=2)]
+    body = {"input": "hi", "temperature": 0.3, "top_p": 0.9, "max_output_tokens": 7, "top_logprobs": 1,
+            "include": ["message.output_text.logprobs"]}
+    response = responses.create(logprob_events, **body).json()
+    params = responses.replica.jobs[-1].params
+    assert (params.temperature, params.top_p, params.max_tokens, params.logprobs) == (0.3, 0.9, 7, 1)
+    [part] = validate_strictly(Response, response, OPENAI_EXTENSIONS).output[0].content
+    assert [(lp.token, [top.token for top in lp.top_logprobs]) for lp in part.logprobs] == [("Hel", ["Hel"]),
+                                                                                              ("lo", ["lo"])]
+    events = stream_events(responses.create(logprob_events, stream=True, **body).text)
+    deltas = [event for event in events if event["type"] == "response.output_text.delta"]
+    assert [delta["logprobs"][0]["token"] for delta in deltas] == ["Hel", "lo"]
+    without = responses.create(logprob_events, input="hi").json()
+    assert responses.replica.jobs[-1].params.logprobs is None and without["output"][0]["content"][0]["logprobs"] == []
+
+
+CARD = "4111 1111 1111 1111"
+
+
+def test_the_servers_safety_policy_reads_every_item_and_the_reply():
+    server = ResponsesServer(SafetyPolicy(input="block", output="redact", categories=frozenset({"credit_card"})))
+    try:
+        refused = server.create(TEXT_EVENTS, tools=[WEATHER], input=[
+            {"role": "user", "content": "Pay for the weather report."},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": f"Charged to {CARD}."}])
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "content_policy_violation"
+        assert CARD not in refused.text and server.replica.jobs == []
+        leaky = [ChoiceDelta(0, text=f"Your card is {CARD}.", finish_reason="stop"),
+                 Usage(prompt_tokens=3, completion_tokens=9)]
+        for stream in (False, True):
+            answered = server.create(leaky, input="Which card did I use?", stream=stream)
+            assert answered.status_code == 200 and CARD not in answered.text and "Your card is" in answered.text
+    finally:
+        asyncio.run(server.store.close())

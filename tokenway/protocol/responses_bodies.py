@@ -29,6 +29,19 @@ ItemStatus = Literal["in_progress", "completed", "incomplete"]
 Logprob = ChatCompletionTokenLogprob
 
 
+class DeltaTopLogprob(TypedDict):
+    token: str
+    logprob: float
+
+
+class DeltaLogprob(TypedDict):
+    """A streamed text delta's token: OpenAI sends these without the bytes."""
+
+    token: str
+    logprob: float
+    top_logprobs: list[DeltaTopLogprob]
+
+
 # ---- items --------------------------------------------------------------------------------------
 
 
@@ -238,7 +251,7 @@ class TextDeltaEvent(TypedDict):
     output_index: int
     content_index: int
     delta: str
-    logprobs: list[Logprob]
+    logprobs: list[DeltaLogprob]
 
 
 class TextDoneEvent(TypedDict):
@@ -248,7 +261,7 @@ class TextDoneEvent(TypedDict):
     output_index: int
     content_index: int
     text: str
-    logprobs: list[Logprob]
+    logprobs: list[DeltaLogprob]
 
 
 class ArgumentsDeltaEvent(TypedDict):

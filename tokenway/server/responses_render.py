@@ -33,6 +33,7 @@ from tokenway.protocol.responses import (
     TextFormatJSONSchema,
 )
 from tokenway.protocol.responses_bodies import (
+    DeltaLogprob,
     ErrorEvent,
     FunctionCallItem,
     FunctionToolBody,
@@ -149,7 +150,7 @@ class OutputItems:
                 assert self._message is not None
                 events.append({"type": "response.output_text.delta", "sequence_number": next(self.sequence),
                                "item_id": self._message["id"], "output_index": len(self.items) - 1,
-                               "content_index": 0, "delta": delta.text, "logprobs": logprobs})
+                               "content_index": 0, "delta": delta.text, "logprobs": streamed(logprobs)})
         for piece in delta.tool_calls:
             if self._call is None or piece.index != self._call_index:
                 events += self._close("completed")
@@ -212,7 +213,7 @@ class OutputItems:
                 item_id = message["id"]
                 events.append({"type": "response.output_text.done", "sequence_number": next(self.sequence),
                                "item_id": item_id, "output_index": index, "content_index": 0, "text": part["text"],
-                               "logprobs": part["logprobs"]})
+                               "logprobs": streamed(part["logprobs"])})
                 events.append({"type": "response.content_part.done", "sequence_number": next(self.sequence),
                                "item_id": item_id, "output_index": index, "content_index": 0, "part": part})
         elif self._call is not None:
@@ -228,6 +229,13 @@ class OutputItems:
             events.append({"type": "response.output_item.done", "sequence_number": next(self.sequence),
                            "output_index": index, "item": self.items[index]})
         return events
+
+
+def streamed(logprobs: list[Logprob]) -> list[DeltaLogprob]:
+    """Logprobs as a stream's text events carry them: without the bytes."""
+    return [{"token": lp["token"], "logprob": lp["logprob"],
+             "top_logprobs": [{"token": top["token"], "logprob": top["logprob"]} for top in lp["top_logprobs"]]}
+            for lp in logprobs]
 
 
 def response_usage(generation: Generation) -> ResponseUsage:
