@@ -383,3 +383,11 @@ HUGE = "x" * 1_000_000
 def test_messages_stay_short_for_huge_values(patch):
     err = chat_error(patch)
     assert len(err.message) <= MAX_MESSAGE_CHARS and len(err.param or "") <= 100
+
+
+@pytest.mark.parametrize("kind", [{}, [], 3, None])
+def test_a_content_part_whose_type_is_no_string_is_a_validation_error(kind):
+    # A dict or list as the tag once reached a dict lookup (unhashable: a 500).
+    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": kind, "text": "x"}]}]}
+    with pytest.raises(pydantic.ValidationError, match="type must be one of"):
+        ChatCompletionRequest.model_validate(body)

@@ -58,9 +58,9 @@ def tagged_union(*members: type[BaseModel], what: str, text_only: frozenset[str]
         if not isinstance(value, dict):
             raise fail("object_type", "each {what} must be a JSON object, got {got}", what=what, got=short_repr(value))
         kind = value.get("type")
-        if kind in kind_to_tag:
+        if isinstance(kind, str) and kind in kind_to_tag:  # a list or object is no tag (nor hashable)
             return value
-        if kind in text_only:
+        if isinstance(kind, str) and kind in text_only:
             raise fail("text_only", "this model accepts text only; {what} type {got} is not supported",
                        what=what, got=short_repr(kind))
         expected = ", ".join(repr(k) for k in kind_to_tag)
@@ -69,7 +69,7 @@ def tagged_union(*members: type[BaseModel], what: str, text_only: frozenset[str]
 
     def tag_of(value: Any) -> str | None:
         kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-        return kind_to_tag.get(kind)
+        return kind_to_tag.get(kind) if isinstance(kind, str) else None
 
     choices = tuple(Annotated[member, Tag(member.__name__)] for member in members)
     return Annotated[Union[choices], Discriminator(tag_of), BeforeValidator(check_kind)]  # noqa: UP007
