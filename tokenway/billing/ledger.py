@@ -26,8 +26,9 @@ from tokenway.billing.dead_letters import DeadLetters
 from tokenway.billing.journal import Journal, database_id
 from tokenway.billing.pending import Pending
 from tokenway.billing.record import UsageRecord
-from tokenway.billing.store import USAGE_FIELDS, LedgerStore, LedgerUnavailable, is_transient, open_store
+from tokenway.billing.store import USAGE_FIELDS, LedgerStore, LedgerUnavailable, open_store
 from tokenway.billing.writer import LedgerWriter, Seed, Write, close_quietly
+from tokenway.sql import is_transient
 
 __all__ = ["USAGE_FIELDS", "Ledger", "LedgerHealth", "LedgerUnavailable", "UsageRecord"]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, LiteralString
+from typing import LiteralString
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
@@ -11,6 +11,7 @@ from psycopg.types.json import Jsonb
 
 from tokenway.billing.record import COLUMNS, UsageRecord
 from tokenway.billing.store import USAGE_COUNTS, USAGE_FIELDS, usage_filter
+from tokenway.sql import pg_timeouts
 
 # Any constant: serializes CREATE TABLE IF NOT EXISTS between gateways starting together
 # (concurrent creates of one table can fail on the catalog's unique index).
@@ -30,19 +31,10 @@ _INSERT: LiteralString = (f"INSERT INTO usage_ledger ({', '.join(COLUMNS)}) VALU
 _DAY = "to_char(to_timestamp(finished_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
 
 
-def _timeouts(url: str) -> dict[str, Any]:
-    """libpq's timeouts, unless the url sets them: without them a database host that vanished
-    (no RST, as in a network partition) holds the ledger's writer in connect() or a COMMIT for
-    minutes, where its outage handling wants a prompt error to retry after."""
-    defaults = {"connect_timeout": 5, "tcp_user_timeout": 15_000}  # seconds; milliseconds
-    given = conninfo_to_dict(url)
-    return {name: value for name, value in defaults.items() if name not in given}
-
-
 class PostgresStore:
     def __init__(self, url: str) -> None:
         # autocommit: reads leave no transaction open; writes use explicit transaction blocks.
-        self._conn = psycopg.connect(url, autocommit=True, **_timeouts(url))
+        self._conn = psycopg.connect(url, autocommit=True, **pg_timeouts(conninfo_to_dict(url)))
         with self._conn.transaction():
             self._conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_ID,))
             self._conn.execute(_SCHEMA)

@@ -81,14 +81,6 @@ def is_row_fault(exc: BaseException) -> bool:
                                     and getattr(exc, "sqlstate", None) is None)
 
 
-def is_transient(exc: BaseException) -> bool:
-    """A failure of the connection or the server, which a new connection may not have."""
-    if isinstance(exc, (OSError, sqlite3.OperationalError)):
-        return True
-    psycopg = sys.modules.get("psycopg")
-    return psycopg is not None and isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
-
-
 def usage_filter(key_id: str | None, since: float | None, until: float | None,
                  mark: LiteralString) -> tuple[LiteralString, list]:
     """The WHERE clause of usage(): since inclusive, until exclusive, on finished_at. Literal

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sqlite3
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, LiteralString, Protocol, cast
 
@@ -115,15 +113,6 @@ def chain_sql(mark: LiteralString, output: LiteralString) -> LiteralString:
         " FROM stored_responses AS r JOIN conversation ON r.id = conversation.previous_response_id"
         f" WHERE r.key_id = {mark} AND conversation.depth < {mark})"
         " SELECT id, previous_response_id, status, model, input_items, output FROM conversation ORDER BY depth DESC")
-
-
-def is_transient(exc: BaseException) -> bool:
-    """A failure of the connection or the server (down, restarting, a dropped connection, a
-    lock held past the timeout), which a new connection or a later try may not have."""
-    if isinstance(exc, (OSError, sqlite3.OperationalError)):
-        return True
-    psycopg = sys.modules.get("psycopg")  # looked up, not imported: SQLite-only servers never load it
-    return psycopg is not None and isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
 
 
 def close_quietly(backend: ResponseBackend | None) -> None:

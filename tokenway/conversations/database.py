@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from tokenway.conversations.backend import ResponseBackend, close_quietly, is_transient
+from tokenway.conversations.backend import ResponseBackend, close_quietly
 from tokenway.conversations.store import (
     DEFAULT_CHAIN_LIMIT,
     MAX_PAGE_ITEMS,
@@ -40,6 +40,7 @@ from tokenway.conversations.store import (
     check_status,
 )
 from tokenway.protocol.errors import FieldError, truncate
+from tokenway.sql import is_transient
 
 logger = logging.getLogger(__name__)
 

@@ -29,6 +29,7 @@ from tokenway.conversations.backend import (
     update_sql,
 )
 from tokenway.conversations.store import JSONObject, ResponseStatus, StoredResponse, Turn
+from tokenway.sql import pg_timeouts
 
 # Any constant (not the ledger's): serializes CREATE TABLE IF NOT EXISTS between gateways starting
 # together (concurrent creates of one table can fail on the catalog's unique index).
@@ -57,8 +58,7 @@ def connect_kwargs(url: str) -> dict[str, Any]:
         given = conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:
         raise ValueError(f"response store url: {exc}") from None
-    defaults = {"connect_timeout": 5, "tcp_user_timeout": 15_000}  # seconds; milliseconds
-    return {"autocommit": True, **{name: value for name, value in defaults.items() if name not in given}}
+    return {"autocommit": True, **pg_timeouts(given)}
 
 
 def _jsonb_dumps(value: Any) -> str:
