@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, get_args
 
 from tokenway.protocol.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError, truncate
+from tokenway.protocol.responses_bodies import ResponseStatus
 
 # A JSON object as decoded (a dict at run time, which json.dumps needs); read-only to the store's
 # callers, and a protocol TypedDict passes as one.
 JSONObject = Mapping[str, Any]
-ResponseStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled", "incomplete"]
 STATUSES: tuple[ResponseStatus, ...] = get_args(ResponseStatus)
 FINAL_STATUSES: frozenset[ResponseStatus] = frozenset({"completed", "failed", "cancelled", "incomplete"})
 # The statuses an update to a status may replace: forward only, never from a final one.
