@@ -137,8 +137,9 @@ class ChoiceDelta:
     (stop, length, tool_calls, content_filter) and is set on the choice's last event only."""
 
     index: int
-    text: str = ""
+    text: str = ""  # the reply's content (a reasoning model's thinking goes to `reasoning`)
     token_ids: tuple[int, ...] = ()  # where the replica reports them (tokenway engines)
+    reasoning: str = ""  # a reasoning model's thinking released since the last event
     tool_calls: tuple[ToolCallDelta, ...] = ()
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or token that ended it, if known
@@ -159,6 +160,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, those spent thinking
     counted_by: Literal["replica", "tokenizer", "estimate"] = "replica"  # who counted them
     cache_reason: str | None = None  # tokenway engines: why the prefix cache stopped where it did
 

@@ -81,6 +81,36 @@ def _schema_text(schema: object) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class ReasoningBudget:
+    """How many tokens a reasoning model's thinking part may take. The engine counts the tokens
+    between the part's opening and closing sequences; when max_tokens are spent and the part is
+    still open, it writes end_token_ids itself (the model's own closing tag), so the reply goes
+    on to its answer. Token ids, not text: the engine never detokenizes.
+
+    start_token_ids open the part in the output (Qwen3 writes `<think>` first); starts_open says
+    the prompt opened it already (a template whose generation prompt ends in `<think>`)."""
+
+    max_tokens: int
+    end_token_ids: tuple[int, ...]
+    start_token_ids: tuple[int, ...] = ()
+    starts_open: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            _fail_field("reasoning_budget", f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+        object.__setattr__(self, "end_token_ids", tuple(int(t) for t in self.end_token_ids))
+        object.__setattr__(self, "start_token_ids", tuple(int(t) for t in self.start_token_ids))
+        if not self.end_token_ids:
+            _fail_field("reasoning_budget", "end_token_ids must not be empty")
+        if not self.starts_open and not self.start_token_ids:
+            _fail_field("reasoning_budget", "needs start_token_ids unless the prompt opens the part (starts_open)")
+
+
+def _fail_field(field_name: str, message: str) -> NoReturn:
+    raise FieldError(field_name, message)
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Checked once, at construction."""
 
@@ -103,6 +133,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k >= 0: chosen token plus k alternatives
     skip_special_tokens: bool = True
     structured_output: StructuredOutputSpec | None = None  # constrain the output to a schema, regex or grammar
+    reasoning_budget: ReasoningBudget | None = None  # a reasoning model's thinking, ended by the engine when spent
 
     def __post_init__(self) -> None:
         def fail(field_name: str, message: str) -> NoReturn:

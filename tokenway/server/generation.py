@@ -51,6 +51,7 @@ class ChoiceResult:
     stop_reason: int | str | None
     logprobs: list | None  # engine TokenLogprob per token (an upstream's: OpenAI-shaped dicts), where given
     tool_calls: tuple[ToolCall, ...] = ()  # the calls completed, in order; text is then the content around them
+    reasoning: str = ""  # a reasoning model's thinking, apart from text
 
 
 @dataclass(slots=True)
