@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tokenway.protocol.errors import FieldError
-from tokenway.protocol.sampling import SamplingParams
+from tokenway.protocol.sampling import SamplingParams, ThinkingRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +46,9 @@ class GenerationJob:
     # absolute time.monotonic() by which the call must be done (None: no deadline)
     deadline: float | None = None
     stream: bool = False  # the caller takes SSE (every replica streams to the gateway either way)
+    # what the caller asked of a reasoning model's thinking: an upstream sends it in its API's
+    # terms; the local engine has it as params.reasoning_budget already (None: the model's default)
+    thinking: ThinkingRequest | None = None
     # The templated prompt's length; without it (an upstream templates), an estimate: counted
     # once, here, as limits, the balancer and usage each ask for it.
     num_prompt_tokens: int = field(default=0, init=False, repr=False, compare=False)

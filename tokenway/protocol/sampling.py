@@ -106,6 +106,41 @@ class ReasoningBudget:
             _fail_field("reasoning_budget", "needs start_token_ids unless the prompt opens the part (starts_open)")
 
 
+@dataclass(frozen=True, slots=True)
+class ThinkingRequest:
+    """What a call asks of a reasoning model's thinking, whatever API it came through (chat's
+    reasoning_effort and chat_template_kwargs, Responses' reasoning.effort, Anthropic's
+    thinking). The local model's frontend turns it into its template's switch and a
+    ReasoningBudget; an upstream replica into its API's own field."""
+
+    enabled: bool | None = None  # None: the model's default (what its template does unasked)
+    budget_tokens: int | None = None  # None: unbounded (max_tokens still bounds the whole reply)
+
+    def __post_init__(self) -> None:
+        if self.budget_tokens is not None and (not isinstance(self.budget_tokens, int) or self.budget_tokens < 0):
+            _fail_field("budget_tokens", f"must be an integer >= 0, got {self.budget_tokens!r}")
+
+
+# OpenAI's reasoning effort levels as thinking budgets, LiteLLM's mapping onto Anthropic's
+# budget_tokens (so one effort costs the same tokens whichever way a call reaches a model);
+# "none" turns thinking off where the model's template can.
+EFFORT_BUDGETS: Mapping[str, int] = MappingProxyType({
+    "none": 0, "minimal": 128, "low": 1024, "medium": 2048, "high": 4096, "xhigh": 8192,
+})
+
+
+def effort_thinking(effort: str | None) -> ThinkingRequest | None:
+    """The ThinkingRequest an OpenAI reasoning effort names; None for no effort (the model's
+    default). An unknown level raises FieldError("reasoning_effort")."""
+    if effort is None:
+        return None
+    if effort not in EFFORT_BUDGETS:
+        _fail_field("reasoning_effort", f"must be one of {', '.join(EFFORT_BUDGETS)}, got {effort!r}")
+    if effort == "none":
+        return ThinkingRequest(enabled=False)
+    return ThinkingRequest(enabled=True, budget_tokens=EFFORT_BUDGETS[effort])
+
+
 def _fail_field(field_name: str, message: str) -> NoReturn:
     raise FieldError(field_name, message)
 
