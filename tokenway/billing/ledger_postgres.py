@@ -23,6 +23,7 @@ CREATE TABLE IF NOT EXISTS usage_ledger (
     cost_usd DOUBLE PRECISION NOT NULL, finish_reason TEXT, error TEXT, status INTEGER NOT NULL,
     stages_ms JSONB NOT NULL, started_at DOUBLE PRECISION NOT NULL, finished_at DOUBLE PRECISION NOT NULL);
 ALTER TABLE usage_ledger ADD COLUMN IF NOT EXISTS trace JSONB NOT NULL DEFAULT '{}';
+ALTER TABLE usage_ledger ADD COLUMN IF NOT EXISTS reasoning_tokens INTEGER NOT NULL DEFAULT 0;
 CREATE INDEX IF NOT EXISTS usage_ledger_key_finished ON usage_ledger (key_id, finished_at);
 CREATE INDEX IF NOT EXISTS usage_ledger_finished ON usage_ledger (finished_at);
 """
@@ -60,7 +61,8 @@ class PostgresStore:
         where, params = usage_filter(key_id, since, until, "%s")
         rows = self._conn.execute(
             f"SELECT key_id, {_DAY} AS day, model, {USAGE_COUNTS}, SUM(prompt_tokens)::bigint,"
-            " SUM(cached_tokens)::bigint, SUM(completion_tokens)::bigint, SUM(cost_usd) FROM usage_ledger" + where +
+            " SUM(cached_tokens)::bigint, SUM(completion_tokens)::bigint, SUM(reasoning_tokens)::bigint,"
+            " SUM(cost_usd) FROM usage_ledger" + where +
             " GROUP BY key_id, day, model ORDER BY key_id, day, model", params).fetchall()
         return [dict(zip(USAGE_FIELDS, row)) for row in rows]
 

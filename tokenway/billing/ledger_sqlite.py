@@ -15,7 +15,7 @@ CREATE TABLE IF NOT EXISTS usage_ledger (
     prompt_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
     cost_usd REAL NOT NULL, finish_reason TEXT, error TEXT, status INTEGER NOT NULL,
     stages_ms TEXT NOT NULL, started_at REAL NOT NULL, finished_at REAL NOT NULL,
-    trace TEXT NOT NULL DEFAULT '{}');
+    trace TEXT NOT NULL DEFAULT '{}', reasoning_tokens INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS usage_ledger_key_finished ON usage_ledger (key_id, finished_at);
 CREATE INDEX IF NOT EXISTS usage_ledger_finished ON usage_ledger (finished_at);
 """
@@ -32,6 +32,8 @@ class SqliteStore:
         columns = {row[1] for row in self._conn.execute("PRAGMA table_info(usage_ledger)")}
         if columns and "trace" not in columns:  # a ledger from before traces were kept
             self._conn.execute("ALTER TABLE usage_ledger ADD COLUMN trace TEXT NOT NULL DEFAULT '{}'")
+        if columns and "reasoning_tokens" not in columns:  # ... and before reasoning tokens were
+            self._conn.execute("ALTER TABLE usage_ledger ADD COLUMN reasoning_tokens INTEGER NOT NULL DEFAULT 0")
         self._conn.executescript(_SQLITE_SCHEMA)
         self._insert_sql = (f"INSERT INTO usage_ledger ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
                             " ON CONFLICT (request_id) DO NOTHING")
@@ -58,7 +60,8 @@ class SqliteStore:
         where, params = usage_filter(key_id, since, until, "?")
         rows = self._conn.execute(
             f"SELECT key_id, date(finished_at, 'unixepoch') AS day, model, {USAGE_COUNTS}, SUM(prompt_tokens),"
-            " SUM(cached_tokens), SUM(completion_tokens), SUM(cost_usd) FROM usage_ledger" + where +
+            " SUM(cached_tokens), SUM(completion_tokens), SUM(reasoning_tokens), SUM(cost_usd) FROM usage_ledger" +
+            where +
             " GROUP BY key_id, day, model ORDER BY key_id, day, model", params).fetchall()
         return [dict(zip(USAGE_FIELDS, row)) for row in rows]
 

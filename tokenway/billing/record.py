@@ -8,14 +8,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+# Columns added since the first schema come last, as each migration appends them (and rows
+# journaled before them read back with their defaults).
 COLUMNS = ("request_id", "key_id", "model", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_usd",
-           "finish_reason", "error", "status", "stages_ms", "started_at", "finished_at", "trace")
+           "finish_reason", "error", "status", "stages_ms", "started_at", "finished_at", "trace", "reasoning_tokens")
 JSON_COLUMNS = ("stages_ms", "trace")
 
 
 @dataclass(slots=True)
 class UsageRecord:
-    """One request's bill. cached_tokens is part of prompt_tokens; timestamps are unix seconds."""
+    """One request's bill. cached_tokens is part of prompt_tokens, reasoning_tokens (a reasoning
+    model's thinking) of completion_tokens; timestamps are unix seconds."""
 
     request_id: str
     key_id: str
@@ -33,6 +36,7 @@ class UsageRecord:
     # The rest of the request's trace (observability/traces.py) as of the commit: endpoint,
     # ttft_ms, tpot_ms, total_ms, cache_reason... so `tokenway trace` outlives the ring.
     trace: dict = field(default_factory=dict)
+    reasoning_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Whatever text a client managed to put in (a lone surrogate in an echoed model name, a
@@ -46,7 +50,7 @@ class UsageRecord:
         self.trace = storable(self.trace)
         if not self.request_id:
             raise ValueError("request_id must not be empty")
-        if min(self.prompt_tokens, self.cached_tokens, self.completion_tokens) < 0:
+        if min(self.prompt_tokens, self.cached_tokens, self.completion_tokens, self.reasoning_tokens) < 0:
             raise ValueError("token counts must be >= 0")
         if self.cached_tokens > self.prompt_tokens:
             raise ValueError(f"cached_tokens ({self.cached_tokens}) exceeds prompt_tokens ({self.prompt_tokens})")

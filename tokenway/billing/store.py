@@ -11,7 +11,7 @@ from typing import LiteralString, Protocol
 from tokenway.billing.record import UsageRecord
 
 USAGE_FIELDS = ("key_id", "day", "model", "requests", "refused_requests", "prompt_tokens", "cached_tokens",
-                "completion_tokens", "cost_usd")
+                "completion_tokens", "reasoning_tokens", "cost_usd")
 # A refusal is a call answered 4xx before anything ran: no token counted. A 499 (the client
 # left) and a 5xx are billed for whatever they used, and count among the requests served.
 _REFUSED = "status BETWEEN 400 AND 498 AND prompt_tokens = 0 AND completion_tokens = 0"

@@ -7,12 +7,18 @@ template has one (tool_format(): Hermes/Qwen2.5 <tool_call>, Llama 3.x JSON, Mis
 reply is read by that format's parser (tool_parsers.py); tool_choice "required" or a named
 function constrains the reply to the format's calls. A template without tools gets the
 generic format (tools.py): the tools in the system prompt, the reply constrained to its JSON.
+
+A reasoning model (a template that thinks, or serve --reasoning-parser): the call's
+ThinkingRequest sets the template's own switch (enable_thinking) and, with a budget, the
+engine's ReasoningBudget; the rendered prompt says whether the reply starts inside its thinking
+(reasoning_parsers.py reads it).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,9 +26,23 @@ import llguidance
 
 from tokenway.frontend import special_text
 from tokenway.frontend import tools as generic_tools
+from tokenway.frontend.reasoning_parsers import (
+    ReasoningFormat,
+    check_reasoning_parser,
+    prompt_reasoning,
+    template_reasoning_parser,
+    thinking_budget,
+)
 from tokenway.frontend.tokenizer import Tokenizer
 from tokenway.frontend.tool_parsers import FORMATS, ReplyFormat
 from tokenway.protocol.errors import FieldError
+from tokenway.protocol.sampling import ReasoningBudget, ThinkingRequest
+
+# What the server hands every template itself: a caller's chat_template_kwargs may not set it.
+_SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                        "unk_token", "pad_token", "raise_exception", "strftime_now"})
+# The variable hybrid templates (Qwen3's, SmolLM3's) turn thinking off with.
+THINKING_SWITCH = "enable_thinking"
 
 
 @dataclass(slots=True)
@@ -33,6 +53,8 @@ class ChatPrompt:
     json_object: bool = False
     grammar: str | None = None  # a Lark grammar (llguidance) the reply must match: a native format's calls
     reply_format: ReplyFormat | None = None  # how the reply's tool calls are read; None: no tools
+    reasoning: ReasoningFormat | None = None  # how the reply's thinking is read; None: no thinking to read
+    reasoning_budget: ReasoningBudget | None = None  # the engine's bound on the thinking; None: unbounded
 
 
 def text_content(content: Any) -> str:
@@ -82,6 +104,45 @@ def tool_format(tokenizer: Tokenizer, override: str | None = None) -> str:
     return "generic"
 
 
+def reasoning_parser_name(tokenizer: Tokenizer, override: str | None = None) -> str | None:
+    """The thinking format for a model: `override` (--reasoning-parser) where given, else the
+    one its chat template shows; None: the model does not think."""
+    if override is not None:
+        return check_reasoning_parser(override)
+    return None if tokenizer.chat_template_is_fallback else template_reasoning_parser(tokenizer.chat_template)
+
+
+def template_kwargs_for(tokenizer: Tokenizer, thinking: ThinkingRequest | None,
+                        template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The variables a call hands the template beyond the messages: the caller's own (vLLM's
+    chat_template_kwargs, which win), and the thinking switch a ThinkingRequest sets where the
+    template has one."""
+    kwargs: dict[str, Any] = {}
+    if thinking is not None and thinking.enabled is not None and THINKING_SWITCH in tokenizer.template_variables:
+        kwargs[THINKING_SWITCH] = thinking.enabled
+    for key, value in (template_kwargs or {}).items():
+        if key in _SERVER_TEMPLATE_VARIABLES:
+            raise FieldError("chat_template_kwargs", f"{key!r} is set by the server, not by chat_template_kwargs")
+        kwargs[key] = value
+    return kwargs
+
+
+def _reasoning(prompt: ChatPrompt, tokenizer: Tokenizer, name: str, text: str, kwargs: Mapping[str, Any],
+               thinking: ThinkingRequest | None, continues: bool) -> None:
+    """How the reply's thinking is read, and its budget: none where the template's switch is
+    off; a budget of 0 where thinking is asked off and the template has no switch (the engine
+    then closes the part at once)."""
+    if kwargs.get(THINKING_SWITCH) is False and THINKING_SWITCH in tokenizer.template_variables:
+        return
+    fmt = prompt.reasoning = prompt_reasoning(name, text, continues)
+    if fmt is None or thinking is None:
+        return
+    budget = 0 if thinking.enabled is False else thinking.budget_tokens
+    if budget is not None:
+        prompt.reasoning_budget = thinking_budget(fmt, budget, tokenizer.chat_template,
+                                                  lambda tag: tokenizer.encode(tag, add_special_tokens=False))
+
+
 def build_chat_prompt(
     tokenizer: Tokenizer,
     messages: list[dict],
@@ -92,6 +153,9 @@ def build_chat_prompt(
     max_num_tokens: int | None = None,
     tool_parser: str | None = None,
     continue_final_message: bool = False,
+    reasoning_parser: str | None = None,
+    thinking: ThinkingRequest | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> ChatPrompt:
     """Raises PromptTooLong when the rendered prompt certainly exceeds max_num_tokens.
 
@@ -100,11 +164,15 @@ def build_chat_prompt(
 
     parallel_tool_calls None (the caller did not say): several calls a reply in a native
     format; one in the generic format, as llama.cpp does: the models it serves are those
-    whose templates know no tools, often small ones, which repeat a call over and over."""
+    whose templates know no tools, often small ones, which repeat a call over and over.
+
+    reasoning_parser: the thinking format (--reasoning-parser; None: the template's); thinking:
+    what the call asks of it; template_kwargs: the caller's variables for the template."""
     escaped = None
     rendered_tools = tools  # as the template shows them; the constraints are built from `tools` as sent
+    kwargs = template_kwargs_for(tokenizer, thinking, template_kwargs)
     if not tokenizer.special_tokens_in_messages:
-        (messages, rendered_tools), escaped = special_text.escape(tokenizer, [messages, tools])
+        (messages, rendered_tools, kwargs), escaped = special_text.escape(tokenizer, [messages, tools, kwargs])
     messages = normalize_messages(messages)
     prompt = ChatPrompt(prompt_token_ids=[])
     fmt = tool_format(tokenizer, tool_parser)
@@ -133,12 +201,16 @@ def build_chat_prompt(
             prompt.json_schema = response_format["json_schema"].get("schema") or {}
         elif kind == "json_object":
             prompt.json_object = True
-    if continue_final_message and messages[-1]["content"]:
-        text = _continuing(tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=template_tools),
-                           messages[-1]["content"])
+    continues = continue_final_message and bool(messages[-1]["content"])
+    if continues:
+        text = _continuing(tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=template_tools,
+                                                         **kwargs), messages[-1]["content"])
     else:  # an empty reply begun is no reply begun
         text = tokenizer.apply_chat_template(messages[:-1] if continue_final_message else messages,
-                                             add_generation_prompt=True, tools=template_tools)
+                                             add_generation_prompt=True, tools=template_tools, **kwargs)
+    name = reasoning_parser_name(tokenizer, reasoning_parser)
+    if name is not None:
+        _reasoning(prompt, tokenizer, name, text, kwargs, thinking, continues)
     if escaped is None:
         prompt.prompt_token_ids = tokenizer.encode(text, add_special_tokens=False, max_num_tokens=max_num_tokens)
     else:

@@ -6,7 +6,7 @@ templated ids (templated_token_ids)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -17,7 +17,7 @@ from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.tokenizer import PromptTooLong
 from tokenway.protocol.errors import ContextLengthExceededError
 from tokenway.protocol.openai_requests import ChatCompletionRequest, TokenizeRequest
-from tokenway.protocol.sampling import StructuredOutputSpec
+from tokenway.protocol.sampling import StructuredOutputSpec, ThinkingRequest
 
 
 @contextmanager
@@ -33,13 +33,16 @@ def context_window(frontend: ModelFrontend, param: str) -> Iterator[int]:
 
 def template_chat(frontend: ModelFrontend, messages: list[dict], tools: list[dict] | None, tool_choice: Any,
                   parallel_tool_calls: bool | None, response_format: dict | None, tool_parser: str | None,
-                  continue_final_message: bool = False) -> ChatPrompt:
+                  continue_final_message: bool = False, *, reasoning_parser: str | None = None,
+                  thinking: ThinkingRequest | None = None, template_kwargs: Mapping[str, Any] | None = None
+                  ) -> ChatPrompt:
     """A chat call's prompt for its model, the same for every chat API; a prompt known to
     exceed the window is the context-length 400 before it is all tokenized."""
     with context_window(frontend, "messages") as window:
         return build_chat_prompt(frontend.tokenizer, messages, tools, tool_choice, parallel_tool_calls,
                                  response_format, max_num_tokens=window, tool_parser=tool_parser,
-                                 continue_final_message=continue_final_message)
+                                 continue_final_message=continue_final_message, reasoning_parser=reasoning_parser,
+                                 thinking=thinking, template_kwargs=template_kwargs)
 
 
 def structured_output_spec(prompt: ChatPrompt) -> StructuredOutputSpec | None:
@@ -81,13 +84,16 @@ def prompt_fields(body: ChatCompletionRequest | TokenizeRequest) -> tuple[list[d
 
 def templated_token_ids(frontend: ModelFrontend, messages: list[dict], tools: list[dict] | None, tool_choice: Any,
                         parallel_tool_calls: bool | None, response_format: dict | None, tool_parser: str | None,
-                        window_limit: bool = True) -> list[int]:
+                        window_limit: bool = True, *, thinking: ThinkingRequest | None = None,
+                        template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Template messages (to_template_dict's) and prompt fields -> the chat call's prompt ids,
-    as the chat path templates them; over the window a 400 unless window_limit is False."""
+    as the chat path templates them (thinking: the template's switch, as the call sets it);
+    over the window a 400 unless window_limit is False."""
     with context_window(frontend, "messages") as window:
         token_ids = build_chat_prompt(frontend.tokenizer, messages, tools, tool_choice, parallel_tool_calls,
                                       response_format, max_num_tokens=window if window_limit else None,
-                                      tool_parser=tool_parser).prompt_token_ids
+                                      tool_parser=tool_parser, thinking=thinking,
+                                      template_kwargs=template_kwargs).prompt_token_ids
     if len(token_ids) > window and window_limit:
         raise ContextLengthExceededError(len(token_ids), None, window, param="messages")
     return token_ids

@@ -73,21 +73,31 @@ class Tokenizer:
         )
         # A model without a chat template (a base model) is templated as ChatML, as llama.cpp
         # does: chat clients work, and `chat_template_is_fallback` lets the log say so.
-        self.chat_template_is_fallback = chat_template is None
+        is_fallback = chat_template is None
         if chat_template is None:
             adds_bos = self.bos_token_id is not None and (self._prepend_bos or adds_special)
             chat_template = _CHATML_WITH_BOS if adds_bos else CHATML
-        self.chat_template = chat_template
-        env = _chat_template_env()
-        try:
-            self._template = env.from_string(chat_template)
-            variables = jinja2.meta.find_undeclared_variables(env.parse(chat_template))
-        except jinja2.TemplateSyntaxError as exc:
-            raise ValueError(f"{source}: chat template is not valid jinja ({exc})") from None
-        self._template_supports_tools = "tools" in variables
+        self.use_chat_template(chat_template, source)
+        self.chat_template_is_fallback = is_fallback
         self._source = source
         self.max_token_chars = _max_token_chars(hf)
         self.segment_cache = None  # see enable_segment_cache
+
+    def use_chat_template(self, chat_template: str, source: str = "chat template") -> None:
+        """Render chats with `chat_template` from now on (serve --chat-template replaces the
+        model's own at start-up, before any request). A ValueError for a template that is not
+        valid Jinja."""
+        env = _chat_template_env()
+        try:
+            template = env.from_string(chat_template)
+            variables = jinja2.meta.find_undeclared_variables(env.parse(chat_template))
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"{source}: chat template is not valid jinja ({exc})") from None
+        self.chat_template, self._template = chat_template, template
+        # The variables the template reads: its switches (enable_thinking), a caller's kwargs.
+        self.template_variables = frozenset(variables)
+        self._template_supports_tools = "tools" in variables
+        self.chat_template_is_fallback = False
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:

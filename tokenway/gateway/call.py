@@ -68,6 +68,7 @@ class CallOutcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, those a reasoning model spent thinking
     max_choice_tokens: int = 0  # the longest choice's completion tokens (TPOT is per choice)
     finish_reason: str | None = None
     error: str | None = None
@@ -84,7 +85,8 @@ class CallOutcome:
 
     def unbilled(self) -> CallOutcome:
         """The same outcome with no tokens: a call that generated nothing."""
-        return dataclasses.replace(self, prompt_tokens=0, cached_tokens=0, completion_tokens=0, max_choice_tokens=0)
+        return dataclasses.replace(self, prompt_tokens=0, cached_tokens=0, completion_tokens=0, reasoning_tokens=0,
+                                   max_choice_tokens=0)
 
 
 class Call:

@@ -296,6 +296,7 @@ class Gatekeeper:
             prompt_tokens=outcome.prompt_tokens,
             cached_tokens=outcome.cached_tokens,
             completion_tokens=outcome.completion_tokens,
+            reasoning_tokens=outcome.reasoning_tokens,
             cost_usd=trace.cost_usd,
             finish_reason=outcome.finish_reason,
             error=outcome.error,

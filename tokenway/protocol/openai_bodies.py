@@ -32,11 +32,16 @@ class PromptTokensDetails(TypedDict):
     cached_tokens: int  # prompt tokens served from the prefix cache
 
 
+class CompletionTokensDetails(TypedDict):
+    reasoning_tokens: int  # of completion_tokens, those a reasoning model spent thinking
+
+
 class CompletionUsage(TypedDict):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
 
 
 # ---- logprobs -----------------------------------------------------------------------------------
@@ -88,6 +93,10 @@ class ChatCompletionMessage(TypedDict):
     content: str | None  # None only beside tool_calls
     refusal: None
     tool_calls: list[ChatCompletionMessageToolCall] | None
+    # A reasoning model's thinking, where it thought: under both names clients read, llama.cpp's
+    # and the first vLLM's (reasoning_content), and vLLM's and OpenRouter's now (reasoning).
+    reasoning_content: NotRequired[str]
+    reasoning: NotRequired[str]
 
 
 class ChatCompletionChoice(TypedDict):
@@ -122,6 +131,8 @@ class ChoiceDeltaToolCall(TypedDict):
 class ChoiceDelta(TypedDict):
     role: NotRequired[Literal["assistant"]]  # on each choice's first chunk only
     content: NotRequired[str]
+    reasoning_content: NotRequired[str]  # thinking, as the message's (both names)
+    reasoning: NotRequired[str]
     tool_calls: NotRequired[list[ChoiceDeltaToolCall]]
 
 

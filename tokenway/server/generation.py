@@ -6,6 +6,10 @@ made, once.
                                                   final_outputs(): [ChoiceResult] by index
                  ─► finish(status, error) ─► CallOutcome ─► the ledger row and the trace
 
+Each delta from the replica is read in order: a reasoning model's thinking split off its text
+(reasoning_parsers.py: `reasoning`, and the tokens spent thinking), the content's tool calls
+(tool_parsers.py), then the safety stage's output check, of both parts.
+
 The API modules (openai_render.py, anthropic_api.py) only render: deltas into their API's
 events, results into their API's body. framed_stream frames any API's events the same way.
 """
@@ -26,9 +30,9 @@ from starlette.responses import JSONResponse, Response
 from tokenway.gateway.admission import admit
 from tokenway.gateway.call import Call, CallOutcome
 from tokenway.protocol.errors import InternalServerError, TokenwayError
-from tokenway.protocol.job import ChoiceDelta, ReplicaEvent, ToolCallDelta, Usage
+from tokenway.protocol.job import ChoiceDelta, ReplicaEvent, ToolCallDelta, Usage, estimate_tokens
 from tokenway.protocol.openai_bodies import CompletionUsage
-from tokenway.safety.screen import ReplyScreen
+from tokenway.safety.screen import OutputScreen, ReplyScreen
 from tokenway.server import sse
 from tokenway.server.http import ClientDisconnected, unless_disconnected
 from tokenway.server.prepare import PreparedCall, guard, replica_events
@@ -93,6 +97,14 @@ class Generation:
         self.finish_reasons: list[str | None] = [None] * job.n
         self.stop_reasons: list[int | str | None] = [None] * job.n
         self.tool_calls: list[list[ToolCall]] = [[] for _ in range(job.n)]
+        self.reasonings: list[list[str]] = [[] for _ in range(job.n)]
+        self.reasoning_tokens = [0] * job.n  # of completion_tokens, those spent thinking
+        # A reasoning model's reply is split as it streams (before its tool calls are read: they
+        # are in the content); a replica that splits it itself (an upstream) sends `reasoning`.
+        reasoning = prepared.reasoning
+        token_text = self.frontend.tokenizer.token_text if self.frontend is not None else None
+        self.reasoning_parsers = [reasoning.parser(token_text) for _ in range(job.n)] \
+            if reasoning is not None else None
         # A reply in a tool-call format is read as it streams: its deltas carry content and
         # call pieces (ToolCallDelta), as a replica that makes calls itself (an upstream) sends.
         reply_format = prepared.reply_format
@@ -100,6 +112,10 @@ class Generation:
         # The safety stage's output check, per choice, on the content (after the tool-call parser).
         policy = self.policy = prepared.policy
         self.screens = [ReplyScreen(policy) for _ in range(job.n)] if policy.output != "off" else None
+        # ... and on the thinking, by a screen of its own (it goes out as a part of its own),
+        # finished when the thinking is (the content, a call or the end follows).
+        self.thinking_screens = [OutputScreen(policy) for _ in range(job.n)] if policy.output != "off" else None
+        self.thinking_unscreened = [False] * job.n  # thinking fed to its screen since it last finished
         self.num_cached_tokens = 0
         self.cache_reason: str | None = None
         self.reported: Usage | None = None  # the replica's own count, once it sends it
@@ -163,6 +179,11 @@ class Generation:
                         observer.on_tokens(self.model, num_new, gap)
                         last_token_times[index] = now
                     self.completion_tokens[index] += num_new
+                    if self.reasoning_parsers is not None:
+                        event = self._split(event)
+                    elif event.reasoning:  # split by the replica: its tokens where it says, else an estimate
+                        self.reasoning_tokens[index] += num_new if num_new and not event.text \
+                            else estimate_tokens(event.reasoning)
                     if self.parsers is not None:
                         event = self._parsed(event)
                     if self.screens is not None:
@@ -171,6 +192,8 @@ class Generation:
                             continue
                     if event.text:
                         self.texts[index].append(event.text)
+                    if event.reasoning:
+                        self.reasonings[index].append(event.reasoning)
                     choice_logprobs = self.logprobs[index]
                     if event.logprobs and choice_logprobs is not None:
                         choice_logprobs.extend(event.logprobs)
@@ -186,6 +209,20 @@ class Generation:
                         break  # every choice has ended, one by the safety stage: the replica stops (aclose)
         finally:
             await self.aclose()
+
+    def _split(self, event: ChoiceDelta) -> ChoiceDelta:
+        """A reasoning model's delta as thinking (`reasoning`) and content (`text`); at the
+        reply's end the text held back is placed. The choice's thinking tokens are counted by
+        token as the parser places them."""
+        assert self.reasoning_parsers is not None, "only a reasoning model's reply is split"
+        parser = self.reasoning_parsers[event.index]
+        parsed = parser.feed(event.text, event.token_ids)
+        reasoning, content = parsed.reasoning, parsed.content
+        if event.finish_reason is not None:
+            rest = parser.finish()
+            reasoning, content = reasoning + rest.reasoning, content + rest.content
+        self.reasoning_tokens[event.index] = parser.num_reasoning_tokens
+        return dataclasses.replace(event, text=content, reasoning=event.reasoning + reasoning)
 
     def _parsed(self, event: ChoiceDelta) -> ChoiceDelta:
         """A delta of a tool-call format's reply as content and call pieces. At the reply's end
@@ -209,19 +246,36 @@ class Generation:
         """A delta's content as the safety stage lets it out (safety/screen.py): redacted, held
         back while a finding may still be forming, or cut at a finding the policy blocks, where
         the choice ends with content_filter. None for a choice that has ended so."""
-        assert self.screens is not None, "only a reply under an output policy is screened"
-        screen = self.screens[event.index]
-        if screen.blocked:
+        assert self.screens is not None and self.thinking_screens is not None, \
+            "only a reply under an output policy is screened"
+        index = event.index
+        screen, thinking = self.screens[index], self.thinking_screens[index]
+        if screen.blocked or thinking.blocked:
             return None
-        text, calls = screen.screen(event.text, event.tool_calls, final=event.finish_reason is not None)
+        final = event.finish_reason is not None
+        reasoning = event.reasoning
+        if reasoning:
+            reasoning = thinking.feed(reasoning).text
+            self.thinking_unscreened[index] = True
+        if self.thinking_unscreened[index] and not thinking.blocked and (event.text or event.tool_calls or final):
+            reasoning += thinking.finish().text  # the thinking is over: what its screen held goes out
+            self.thinking_unscreened[index] = False
+        if thinking.blocked:
+            return dataclasses.replace(event, reasoning=reasoning, text="", tool_calls=(),
+                                       finish_reason="content_filter", stop_reason=None)
+        text, calls = screen.screen(event.text, event.tool_calls, final=final)
         if screen.blocked:
-            return dataclasses.replace(event, text=text, tool_calls=calls, finish_reason="content_filter",
-                                       stop_reason=None)
-        return dataclasses.replace(event, text=text, tool_calls=calls)
+            return dataclasses.replace(event, reasoning=reasoning, text=text, tool_calls=calls,
+                                       finish_reason="content_filter", stop_reason=None)
+        return dataclasses.replace(event, reasoning=reasoning, text=text, tool_calls=calls)
 
     def text(self, index: int) -> str:
         """Choice `index`'s text so far (in a tool-call format, its content)."""
         return "".join(self.texts[index])
+
+    def reasoning(self, index: int) -> str:
+        """Choice `index`'s thinking so far (a reasoning model's)."""
+        return "".join(self.reasonings[index])
 
     def completed_tool_calls(self, index: int) -> tuple[ToolCall, ...]:
         """The choice's calls as they went out (screened), those completed: by the replica, or
@@ -237,7 +291,7 @@ class Generation:
         async for _ in self.outputs():
             pass
         return [ChoiceResult(i, self.text(i), self.finish_reasons[i], self.stop_reasons[i], self.logprobs[i],
-                             self.completed_tool_calls(i)) for i in range(self.num_choices)]
+                             self.completed_tool_calls(i), self.reasoning(i)) for i in range(self.num_choices)]
 
     async def start_stream(self, request: Request) -> None:
         """start(), raced against the client leaving; a refusal is the call's outcome."""
@@ -276,9 +330,19 @@ class Generation:
     def num_completion_tokens(self) -> int:
         return self.reported.completion_tokens if self.reported is not None else sum(self.completion_tokens)
 
+    @property
+    def num_reasoning_tokens(self) -> int:
+        """The call's thinking tokens, all choices: the replica's count where it sends one, else
+        tokenway's (by token where the replica reports tokens), never above the completion's."""
+        reported = self.reported
+        if reported is not None and reported.reasoning_tokens:
+            return reported.reasoning_tokens
+        return min(sum(self.reasoning_tokens), self.num_completion_tokens)
+
     def usage(self) -> CompletionUsage:
         num_prompt_tokens = self.reported.prompt_tokens if self.reported is not None else self.num_prompt_tokens
-        return usage_dict(num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
+        return usage_dict(num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens,
+                          self.num_reasoning_tokens)
 
     def json_complete(self) -> bool | None:
         """For a call that asked for JSON (a schema, json_object) or tools: whether every choice
@@ -301,9 +365,12 @@ class Generation:
         """The output check's part of the outcome: what it found, did, and took."""
         if self.screens is None:
             return {}
-        categories = tuple(sorted(set().union(*(screen.categories for screen in self.screens))))
+        thinking = self.thinking_screens or []
+        categories = tuple(sorted(set().union(*(screen.categories for screen in self.screens),
+                                              *(screen.categories for screen in thinking))))
+        seconds = sum(screen.seconds for screen in self.screens) + sum(screen.seconds for screen in thinking)
         return {"safety_output": categories, "safety_output_action": self.policy.output if categories
-                else None, "safety_output_ms": sum(screen.seconds for screen in self.screens) * 1000}
+                else None, "safety_output_ms": seconds * 1000}
 
     def finish(self, status: int = 200, error: str | None = None) -> None:
         """The call's outcome, made once from the counts as they stand, and its log line."""
@@ -312,8 +379,8 @@ class Generation:
         outcome = CallOutcome(  # Call.end bills nothing of a call its replica never started
             status, prompt_tokens=reported.prompt_tokens if reported is not None else self.num_prompt_tokens,
             cached_tokens=self.num_cached_tokens, completion_tokens=self.num_completion_tokens,
-            max_choice_tokens=max(self.completion_tokens), finish_reason=reasons[0] if reasons else None,
-            error=error, cache_reason=self.cache_reason,
+            reasoning_tokens=self.num_reasoning_tokens, max_choice_tokens=max(self.completion_tokens),
+            finish_reason=reasons[0] if reasons else None, error=error, cache_reason=self.cache_reason,
             json_complete=self.json_complete() if status == 200 else None, **self.safety_output())
         self.call.end(outcome)
         log_request(self.request_id, self.model, self.clock, outcome)
@@ -346,7 +413,8 @@ def mark_stage_times(clock: StageClock, delta: ChoiceDelta) -> None:
     that does not report engine times (a remote one) ends queue and prefill at its first event."""
     times = delta.engine_times
     first_scheduled, first_token, last_token = times if times is not None else (None, None, None)
-    if not delta.token_ids and not delta.text and delta.finish_reason is None and times is None:
+    if not delta.token_ids and not delta.text and not delta.reasoning and delta.finish_reason is None \
+            and times is None:
         return
     now = time.monotonic()
     if times is None:
@@ -408,10 +476,12 @@ def log_request(request_id: str, model: str, clock: StageClock, outcome: CallOut
     }))
 
 
-def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> CompletionUsage:
+def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int,
+               num_reasoning_tokens: int = 0) -> CompletionUsage:
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
         "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": num_reasoning_tokens},
     }

@@ -3,7 +3,8 @@ every API. An API's adaptor (openai_api.py, anthropic_api.py) runs the first one
 thread for a large body (http.offload), and returns a PreparedCall; its route runs the rest:
 
     body ─► route (the served model) ─► screen (safety: the input check)
-         ─► chat_prompt: the frontend's template, max_tokens capped (gateway/admission.py)
+         ─► chat_prompt: the frontend's template (a reasoning model's switch and budget),
+            max_tokens capped (gateway/admission.py)
          ─► SamplingParams ─► GenerationJob ─► prepared(): the call's job, the engine's checks
          ─► PreparedCall
     PreparedCall ─► admitted (generation.py): guard (a guard model's verdict), admit (budget
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -24,13 +25,14 @@ from typing import Any, cast
 
 from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.model import ModelFrontend
+from tokenway.frontend.reasoning_parsers import ReasoningFormat
 from tokenway.frontend.templating import structured_output_spec, template_chat
 from tokenway.frontend.tool_parsers import ReplyFormat
 from tokenway.gateway.admission import cap_max_tokens
 from tokenway.gateway.call import Call, RouteChoice
 from tokenway.protocol.errors import ContentPolicyViolationError, InvalidRequestError, invalid_value
 from tokenway.protocol.job import GenerationJob, ReplicaEvent, estimate_chat_tokens
-from tokenway.protocol.sampling import SamplingParams, StructuredOutputSpec
+from tokenway.protocol.sampling import ReasoningBudget, SamplingParams, StructuredOutputSpec, ThinkingRequest
 from tokenway.routing.replicas import engine_unavailable
 from tokenway.routing.router import ReplicaChoice, Router
 from tokenway.safety.channels import ChatInput, PromptText
@@ -50,6 +52,7 @@ class PreparedCall:
     policy: SafetyPolicy  # the call's safety policy: the guard and the output check read it
     reply_format: ReplyFormat | None = None  # how the reply's tool calls are read; None: no tools (or the upstream's)
     echo: str = ""  # a completion's prompt text, before each choice's text (echo: true)
+    reasoning: ReasoningFormat | None = None  # how the reply's thinking is read; None: no thinking to read
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,11 @@ class ChatTemplating:
     messages: tuple[dict, ...]  # as the safety stage passed them (redacted, under a redact policy)
     structured: StructuredOutputSpec | None  # what the reply is constrained to (JSON, a tool-call grammar)
     reply_format: ReplyFormat | None  # how the reply's tool calls are read; None: no tools (or the upstream's)
+    # How the reply's thinking is read (Generation splits it off the content); None: no thinking
+    # to read (the model has no reasoning format, its thinking is off, or an upstream templates).
+    reasoning: ReasoningFormat | None = None
+    # The engine's bound on the thinking (SamplingParams.reasoning_budget); None: unbounded.
+    reasoning_budget: ReasoningBudget | None = None
 
     @property
     def skip_special_tokens(self) -> bool:
@@ -103,11 +111,15 @@ def screen(call: Call, policy: SafetyPolicy, texts: Iterable[PromptText], param:
 
 def chat_prompt(services: Services, call: Call, model: str, chat: ChatInput, tool_choice: Any,
                 requested_max_tokens: int | None, param: str, num_messages: int,
-                parallel_tool_calls: bool | None = None, continue_final_message: bool = False) -> ChatTemplating:
+                parallel_tool_calls: bool | None = None, continue_final_message: bool = False,
+                thinking: ThinkingRequest | None = None, template_kwargs: Mapping[str, Any] | None = None
+                ) -> ChatTemplating:
     """A chat call's prompt for its model (stage 3), the same for every chat API: templated
     and checked against the window where tokenway has the model's tokenizer; else left to the
     upstream, with max_tokens checked against the config's window and an estimated prompt.
-    `chat` is the input as the safety stage passed it, so a redacted prompt is templated once."""
+    `chat` is the input as the safety stage passed it, so a redacted prompt is templated once.
+    `thinking` sets a reasoning model's template switch and budget (the upstream's job carries
+    it otherwise); template_kwargs go to the chat template as they are (vLLM's chat_template_kwargs)."""
     frontend = services.catalog.frontend(model)
     principal = call.start.principal
     if frontend is None:
@@ -116,12 +128,21 @@ def chat_prompt(services: Services, call: Call, model: str, chat: ChatInput, too
                                     estimate_chat_tokens(chat.messages, chat.tools), requested_max_tokens, param,
                                     num_messages=num_messages, exact=False)
         return ChatTemplating(None, window, max_tokens, tuple(chat.messages), None, None)
-    prompt = template_chat(frontend, chat.messages, chat.tools, tool_choice, parallel_tool_calls, chat.response_format,
-                           services.tool_parser(frontend), continue_final_message)
+    with field_errors():  # a template that fails on these messages, a chat_template_kwargs it is refused
+        prompt = template_chat(frontend, chat.messages, chat.tools, tool_choice, parallel_tool_calls,
+                               chat.response_format, services.tool_parser(frontend), continue_final_message,
+                               reasoning_parser=reasoning_parser(services, frontend), thinking=thinking,
+                               template_kwargs=template_kwargs)
     max_tokens = cap_max_tokens(services.gatekeeper, principal, frontend.max_model_len, len(prompt.prompt_token_ids),
                                 requested_max_tokens, param, num_messages=num_messages)
     return ChatTemplating(tuple(prompt.prompt_token_ids), frontend.max_model_len, max_tokens, tuple(chat.messages),
-                          structured_output_spec(prompt), prompt.reply_format)
+                          structured_output_spec(prompt), prompt.reply_format, prompt.reasoning,
+                          prompt.reasoning_budget)
+
+
+def reasoning_parser(services: Services, frontend: ModelFrontend) -> str | None:
+    """--reasoning-parser, for the local model; None: the model's template decides."""
+    return services.settings.reasoning_parser if frontend.is_local else None
 
 
 @contextmanager
@@ -134,7 +155,8 @@ def field_errors() -> Iterator[None]:
 
 
 def prepared(services: Services, call: Call, job: GenerationJob, frontend: ModelFrontend | None,
-             policy: SafetyPolicy, reply_format: ReplyFormat | None = None, echo: str = "") -> PreparedCall:
+             policy: SafetyPolicy, reply_format: ReplyFormat | None = None, echo: str = "", *,
+             reasoning: ReasoningFormat | None = None) -> PreparedCall:
     """The call's job, made: from here a 400 or 429 is billed with its prompt, under its id.
     The engine's own checks (vocabulary, window, a response_format that cannot be satisfied)
     run now, so they are a 400 before any byte of a stream is sent."""
@@ -152,7 +174,7 @@ def prepared(services: Services, call: Call, job: GenerationJob, frontend: Model
         raise InvalidRequestError(f"logprobs: not available on this server (its safety policy "
                                   f"{policy.output}s output)", param="logprobs")
     call.clock.end("tokenize")
-    return PreparedCall(job, frontend, policy, reply_format, echo)
+    return PreparedCall(job, frontend, policy, reply_format, echo, reasoning)
 
 
 async def guard(services: Services, call: Call, prepared_call: PreparedCall) -> None:

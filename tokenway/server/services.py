@@ -46,6 +46,7 @@ class ServerConfig:
     graceful_shutdown_seconds: float = 30.0
     admin_key: str | None = None  # guards /admin; None disables the admin API
     tool_parser: str | None = None  # the local model's tool-call format (--tool-parser); None: its template's
+    reasoning_parser: str | None = None  # the local model's thinking format (--reasoning-parser); None: its template's
     safety: SafetyPolicy = SafetyPolicy()  # the safety stage's checks (--safety-input, --safety-output)
     model_safety: Mapping[str, SafetyPolicy] = field(default_factory=dict)  # a model's own ([models.safety])
 
