@@ -60,6 +60,8 @@ SERVE_OPTIONS = {
     "prompt_lookup_max": (int, 4),
     "prompt_lookup_min": (int, 2),
     "tool_parser": (str, None),  # the local model's tool-call format; default: the one its chat template has
+    "reasoning_parser": (str, None),  # the local model's thinking format; default: the one its chat template has
+    "chat_template": (str, None),  # a Jinja file rendering chats for the local model, instead of its own template
     # True: special-token strings inside messages are read as the control tokens (default: as text)
     "special_tokens_in_messages": (bool, False),
     # the safety stage (safety/screen.py): off | flag | redact | block, and which categories
@@ -164,6 +166,11 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--tool-parser", choices=["generic", "hermes", "llama3_json", "mistral"],
                        help="the tool-call format of the model's replies (default: the one its chat template "
                             "renders tools in; generic for a template without tools)")
+    serve.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"],
+                       help="how the model's replies mark their thinking, sent apart as reasoning_content "
+                            "(default: qwen3 where its chat template writes <think>; none otherwise)")
+    serve.add_argument("--chat-template", help="a Jinja file that renders chats for the model instead of its own "
+                                               "chat template (as vLLM's --chat-template)")
     serve.add_argument("--special-tokens-in-messages", dest="special_tokens_in_messages", action="store_const",
                        const=True, help="read special-token strings inside messages (<|im_start|>...) as the "
                                         "control tokens; by default they are text, so a caller cannot forge a turn")
@@ -232,6 +239,7 @@ def run_serve(options: dict) -> int:
     from tokenway.conversations import open_response_store
     from tokenway.engine.client import AsyncEngine
     from tokenway.engine.process import ProcessEngine
+    from tokenway.frontend.reasoning_parsers import check_reasoning_parser
     from tokenway.frontend.tool_parsers import FORMATS
     from tokenway.server.app import create_app
     from tokenway.server.services import ModelCatalog, ServerConfig, Services, local_router
@@ -270,6 +278,7 @@ def run_serve(options: dict) -> int:
                                  max_pending_requests=options["max_pending_requests"],
                                  graceful_shutdown_seconds=options["graceful_shutdown_seconds"],
                                  admin_key=admin_key(options), tool_parser=options["tool_parser"],
+                                 reasoning_parser=options["reasoning_parser"],
                                  safety=safety_policy(options),
                                  model_safety={e.name: e.safety for e in registry.models if e.safety is not None}
                                  if registry is not None else {})
@@ -282,6 +291,9 @@ def run_serve(options: dict) -> int:
                              f"({', '.join(names)})")
     if options["tool_parser"] not in (None, *FORMATS):
         raise ValueError(f"tool_parser: expected one of {', '.join(FORMATS)}, got {options['tool_parser']!r}")
+    if options["reasoning_parser"] is not None:
+        check_reasoning_parser(options["reasoning_parser"])
+    chat_template = read_chat_template(options["chat_template"])
     engine = None
     if registry is None or registry.local_model("chat") is not None:  # else a gateway only: no model here
         engine = (ProcessEngine(engine_config, options["engine_niceness"]) if options["engine_process"]
@@ -314,6 +326,11 @@ def run_serve(options: dict) -> int:
             # A conversation comes back longer on every turn (a chat's messages, a response's stored
             # chain): its earlier turns' ids are kept, as routing/build.py keeps them for a pool.
             engine.frontend.tokenizer.enable_segment_cache()
+        if chat_template is not None:
+            if engine is None:
+                raise ValueError("chat_template: there is no local model to render chats for (every model's "
+                                 "replicas are remote)")
+            engine.frontend.tokenizer.use_chat_template(chat_template, options["chat_template"])
         if options["special_tokens_in_messages"]:
             for frontend in catalog.frontends.values():
                 frontend.tokenizer.special_tokens_in_messages = True
@@ -406,6 +423,16 @@ def admin_key(options: dict) -> str | None:
             raise ValueError(f"admin_key_file: {options['admin_key_file']} is empty")
         return key
     return options["admin_key"] or os.environ.get("TOKENWAY_ADMIN_KEY") or None
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """--chat-template's text (None: the model's own template), read before the model loads."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"chat_template: cannot read {path}: {exc}") from None
 
 
 def check_tls(options: dict) -> None:

@@ -189,6 +189,10 @@ class ChatMessage(WireModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = Field(default=None, validate_default=True)
     content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
+    # An assistant turn's thinking passed back (a reasoning model's reply, as the server sent it):
+    # llama.cpp's and the first vLLM's name, and vLLM's now. Other roles' are ignored.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("tool_call_id")
     @classmethod
@@ -223,8 +227,9 @@ class ChatMessage(WireModel):
         return "\n".join(part.text if isinstance(part, TextPart) else part.refusal for part in self.content)
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The OpenAI-style dict our chat templates take: content always a string, and
-        "developer" (OpenAI's newer name for system) as "system", which templates know."""
+        """The OpenAI-style dict our chat templates take: content always a string, "developer"
+        (OpenAI's newer name for system) as "system", which templates know, and an assistant
+        turn's thinking where it is passed back."""
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": self.text}
         if self.name is not None:
@@ -233,6 +238,10 @@ class ChatMessage(WireModel):
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thinking is not None and self.role == "assistant":
+            # Under both names: Qwen3's template reads reasoning_content, vLLM hands templates reasoning.
+            message["reasoning_content"] = message["reasoning"] = thinking
         return message
 
 

@@ -29,6 +29,7 @@ from tokenway.protocol.openai_messages import (
     check_stop,
     fail,
 )
+from tokenway.protocol.sampling import EFFORT_BUDGETS, ThinkingRequest, effort_thinking
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -93,7 +94,7 @@ class SamplingRequest(RequestModel):
 
 # Known OpenAI parameters this server cannot honour: a 400 naming them beats silently ignoring.
 _UNSUPPORTED_CHAT_PARAMS = (
-    "audio", "modalities", "prediction", "web_search_options", "functions", "function_call", "reasoning_effort",
+    "audio", "modalities", "prediction", "web_search_options", "functions", "function_call",
 )
 
 
@@ -109,6 +110,10 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
     # vLLM's: the last (assistant) message is the reply's beginning, which goes on from it.
     continue_final_message: bool = False
+    # A reasoning model's thinking: OpenAI's effort (a budget, or "none": off where the template
+    # can turn it off), and vLLM's variables for the chat template (enable_thinking).
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     # Accepted and ignored, as above.
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
@@ -120,7 +125,6 @@ class ChatCompletionRequest(SamplingRequest):
     web_search_options: Any = None
     functions: Any = None
     function_call: Any = None
-    reasoning_effort: Any = None
 
     @property
     def max_output_tokens(self) -> int | None:
@@ -128,6 +132,11 @@ class ChatCompletionRequest(SamplingRequest):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [message.to_template_dict() for message in self.messages]
+
+    @property
+    def thinking(self) -> ThinkingRequest | None:
+        """What the call asks of a reasoning model's thinking (None: the model's default)."""
+        return effort_thinking(self.reasoning_effort)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         if not self.tools or self.tool_choice == "none":
@@ -147,6 +156,14 @@ class ChatCompletionRequest(SamplingRequest):
             raise fail("continue_final_message",
                        "continue_final_message needs the last message to be the assistant's reply begun")
         return self
+
+    @field_validator("reasoning_effort")
+    @classmethod
+    def _effort_level(cls, value: str | None) -> str | None:
+        if value is not None and value not in EFFORT_BUDGETS:
+            raise fail("reasoning_effort", "must be one of {levels}, got {got}",
+                       levels=", ".join(EFFORT_BUDGETS), got=short_repr(value))
+        return value
 
     @field_validator("tools")
     @classmethod

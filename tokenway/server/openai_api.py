@@ -21,7 +21,7 @@ from tokenway.gateway.call import Call
 from tokenway.protocol.errors import InvalidRequestError
 from tokenway.protocol.job import GenerationJob, estimate_tokens
 from tokenway.protocol.openai_requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from tokenway.protocol.sampling import SamplingParams, StructuredOutputSpec
+from tokenway.protocol.sampling import ReasoningBudget, SamplingParams, StructuredOutputSpec
 from tokenway.safety.channels import ChatInput, screen_chat, screen_prompts
 from tokenway.safety.screen import SafetyPolicy
 from tokenway.server.generation import admitted
@@ -80,7 +80,8 @@ def router(services: Services) -> APIRouter:
 
 
 def openai_sampling(body: SamplingRequest, max_tokens: int | None, structured: StructuredOutputSpec | None,
-                    logprobs: int | None, skip_special_tokens: bool = True) -> SamplingParams:
+                    logprobs: int | None, skip_special_tokens: bool = True,
+                    reasoning_budget: ReasoningBudget | None = None) -> SamplingParams:
     """The OpenAI fields as SamplingParams; a value they refuse is the 400 naming its field."""
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     with field_errors():
@@ -103,6 +104,7 @@ def openai_sampling(body: SamplingRequest, max_tokens: int | None, structured: S
             logprobs=logprobs,
             structured_output=structured,
             skip_special_tokens=skip_special_tokens,
+            reasoning_budget=reasoning_budget,
         )
 
 
@@ -123,17 +125,20 @@ def prepare_chat(services: Services, body: ChatCompletionRequest, call: Call) ->
                        ChatInput(body.template_messages(), body.template_tools(), response_format))
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     logprobs = top_logprobs if body.logprobs else None
+    thinking = body.thinking
     templating = chat_prompt(services, call, model, chat, tool_choice, body.max_output_tokens, param,
-                             len(body.messages), body.parallel_tool_calls, body.continue_final_message)
+                             len(body.messages), body.parallel_tool_calls, body.continue_final_message,
+                             thinking=thinking, template_kwargs=body.chat_template_kwargs)
     params = openai_sampling(body, templating.max_tokens, templating.structured, logprobs,
-                             templating.skip_special_tokens)
+                             templating.skip_special_tokens, templating.reasoning_budget)
     tools = chat.tools
     job = GenerationJob(new_id("chatcmpl-"), model, "chat", params, n=body.n or 1, messages=templating.messages,
                         tools=tuple(tools) if tools else None, tool_choice=tool_choice,
                         parallel_tool_calls=body.parallel_tool_calls is not False,
                         response_format=chat.response_format, prompt_token_ids=templating.prompt_token_ids,
-                        context_window=templating.context_window, stream=bool(body.stream))
-    return prepared(services, call, job, services.catalog.frontend(model), policy, templating.reply_format)
+                        context_window=templating.context_window, stream=bool(body.stream), thinking=thinking)
+    return prepared(services, call, job, services.catalog.frontend(model), policy, templating.reply_format,
+                    reasoning=templating.reasoning)
 
 
 # ---- completions -----------------------------------------------------------------------

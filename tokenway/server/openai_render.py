@@ -20,9 +20,11 @@ from tokenway.protocol.openai_bodies import (
     ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
+    ChatCompletionMessage,
     ChatCompletionMessageToolCall,
     ChatCompletionTokenLogprob,
     ChatFinishReason,
+    ChoiceDelta,
     ChoiceDeltaToolCall,
     ChoiceDeltaToolCallFunction,
     ChoiceLogprobs,
@@ -120,10 +122,13 @@ async def chat_response(body: ChatCompletionRequest, generation: Generation) -> 
         logprobs = None
         if body.logprobs and result.logprobs is not None:
             logprobs = token_text.chat_logprobs(result.logprobs, top_n)
+        message: ChatCompletionMessage = {"role": "assistant", "refusal": None, "tool_calls": tool_calls,
+                                          "content": (result.text or None) if tool_calls else result.text}
+        if result.reasoning:
+            message["reasoning_content"] = message["reasoning"] = result.reasoning
         choices.append({
             "index": result.index,
-            "message": {"role": "assistant", "content": (result.text or None) if tool_calls else result.text,
-                        "refusal": None, "tool_calls": tool_calls},
+            "message": message,
             "logprobs": logprobs,
             "finish_reason": chat_finish_reason(result.finish_reason),
         })
@@ -156,8 +161,8 @@ async def chat_stream(body: ChatCompletionRequest, generation: Generation) -> As
     async for delta in generation.outputs():
         index = delta.index
         logprobs = token_text.chat_logprobs(delta.logprobs, top_n) if body.logprobs and delta.logprobs else None
-        if delta.text or logprobs:
-            yield chunk([{"index": index, "delta": {"content": delta.text}, "logprobs": logprobs,
+        if delta.text or delta.reasoning or logprobs:
+            yield chunk([{"index": index, "delta": content_piece(delta.text, delta.reasoning), "logprobs": logprobs,
                           "finish_reason": None}])
         if delta.tool_calls:
             yield chunk([{"index": index, "delta": {"tool_calls": [tool_call_piece(p) for p in delta.tool_calls]},
@@ -167,6 +172,17 @@ async def chat_stream(body: ChatCompletionRequest, generation: Generation) -> As
                           "finish_reason": chat_finish_reason(delta.finish_reason)}])
     if with_usage:
         yield chunk([], generation.usage())
+
+
+def content_piece(text: str, reasoning: str) -> ChoiceDelta:
+    """A delta's content and thinking, each only where there is some (a delta bearing neither,
+    logprobs only, carries an empty content)."""
+    piece: ChoiceDelta = {}
+    if reasoning:
+        piece["reasoning_content"] = piece["reasoning"] = reasoning
+    if text or not reasoning:
+        piece["content"] = text
+    return piece
 
 
 def tool_call_piece(piece: ToolCallDelta) -> ChoiceDeltaToolCall:
