@@ -6,7 +6,7 @@ staying valid); generated splits and disguises, all blocked; and benign text nev
 alone or joined with its neighbours.
 
 Requests are built as the adaptors build them (server/openai_api.py prepare_chat,
-server/anthropic_api.py prepare), so what is screened is what the template gets."""
+server/anthropic_prepare.py prepare_messages), so what is screened is what the template gets."""
 
 from __future__ import annotations
 
@@ -18,13 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.safety.test_detectors import load_lines
-from tokenway.protocol.anthropic import MessagesRequest, to_chat_messages
+from tokenway.protocol.anthropic import MessagesRequest, to_chat_messages, to_chat_tools
 from tokenway.protocol.openai_requests import ChatCompletionRequest
 from tokenway.safety.channels import ChatInput, PromptText
 from tokenway.safety.detectors import detect
 from tokenway.safety.normalize import normalize
 from tokenway.safety.screen import InputScreening, SafetyPolicy, screen_input
-from tokenway.server.anthropic_api import openai_tools
 
 CARD = "4111 1111 1111 1111"
 CARDS = ("4111111111111111", "5555555555554444", "378282246310005", "6011111111111117", "3530111333300000",
@@ -45,9 +44,9 @@ def openai_input(**body) -> ChatInput:
 
 
 def anthropic_input(**body) -> ChatInput:
-    """A Messages body's template input, as anthropic_api.prepare makes it."""
+    """A Messages body's template input, as prepare_messages makes it."""
     request = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, **body})
-    return ChatInput(to_chat_messages(request), openai_tools(request)[0])
+    return ChatInput(to_chat_messages(request), to_chat_tools(request))
 
 
 def screened(chat: ChatInput | list[PromptText], mode: str = "block") -> InputScreening:

@@ -1,0 +1,197 @@
+"""The tools of an Anthropic Messages request (anthropic/types/tool_union_param.py) and its
+tool_choice, as the chat templates take them.
+
+    custom tool (no type, or "custom")      -> a function with the caller's input_schema
+    bash_*, text_editor_*, memory_*         -> Anthropic-defined client tools: the caller runs them,
+                                               the model gets their documented input schema
+    computer_*                              -> 400: it acts on screenshots a text-only model cannot read
+    web_search_*, web_fetch_*, code_execution_*, tool_search_*, advisor_*, *_toolset_*, mcp_toolset
+                                            -> 400 naming the type: server tools, which Anthropic
+                                               runs and this server does not
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Discriminator, Field, Tag, field_validator, model_validator
+
+from tokenway.protocol.anthropic_blocks import CacheControl
+from tokenway.protocol.errors import short_repr
+from tokenway.protocol.openai_messages import TaggedUnion, WireModel, check_json_schema, fail
+
+_BASH = {
+    "description": "Run commands in a bash shell. The shell's state (working directory, variables) persists "
+                   "between calls. Long outputs are truncated.",
+    "parameters": {"type": "object", "properties": {
+        "command": {"type": "string", "description": "The bash command to run. Required unless the tool is being "
+                                                     "restarted."},
+        "restart": {"type": "boolean", "description": "Specifying true will restart this tool. Otherwise, leave "
+                                                      "this unspecified."}}},
+}
+
+
+def _editor(commands: tuple[str, ...]) -> dict[str, Any]:
+    return {
+        "description": "View, create and edit text files. `view` shows a file with line numbers (or lists a "
+                       "directory); `create` writes a new file; `str_replace` replaces old_str, which must occur "
+                       "exactly once, with new_str; `insert` puts new_str after line insert_line (0: the start)"
+                       + ("; `undo_edit` reverts the last edit of path." if "undo_edit" in commands else "."),
+        "parameters": {"type": "object", "properties": {
+            "command": {"type": "string", "enum": list(commands)},
+            "path": {"type": "string", "description": "Absolute path to the file or directory."},
+            "file_text": {"type": "string", "description": "The content of the file to create."},
+            "old_str": {"type": "string", "description": "The text to replace, exactly as in the file."},
+            "new_str": {"type": "string", "description": "The new text (str_replace, insert)."},
+            "insert_line": {"type": "integer", "description": "The line after which new_str is inserted."},
+            "view_range": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2,
+                           "description": "[start, end] lines to view, 1-based; end -1 reads to the end."}},
+            "required": ["command", "path"]},
+    }
+
+
+_MEMORY = {
+    "description": "A directory of memory files (/memories) kept across conversations: view, create, "
+                   "str_replace, insert, delete or rename files there. Check it before starting a task.",
+    "parameters": {"type": "object", "properties": {
+        "command": {"type": "string", "enum": ["view", "create", "str_replace", "insert", "delete", "rename"]},
+        "path": {"type": "string"}, "view_range": {"type": "array", "items": {"type": "integer"}},
+        "file_text": {"type": "string"}, "old_str": {"type": "string"}, "new_str": {"type": "string"},
+        "insert_line": {"type": "integer"}, "insert_text": {"type": "string"},
+        "old_path": {"type": "string"}, "new_path": {"type": "string"}},
+        "required": ["command"]},
+}
+
+_EDITOR_V1 = _editor(("view", "create", "str_replace", "insert", "undo_edit"))
+_EDITOR_V2 = _editor(("view", "create", "str_replace", "insert"))  # Claude 4's editor has no undo_edit
+# Anthropic-defined client tools: type -> (the name the type fixes, its description and schema).
+CLIENT_TOOLS: dict[str, tuple[str, dict[str, Any]]] = {
+    "bash_20241022": ("bash", _BASH),
+    "bash_20250124": ("bash", _BASH),
+    "text_editor_20241022": ("str_replace_editor", _EDITOR_V1),
+    "text_editor_20250124": ("str_replace_editor", _EDITOR_V1),
+    "text_editor_20250429": ("str_replace_based_edit_tool", _EDITOR_V2),
+    "text_editor_20250728": ("str_replace_based_edit_tool", _EDITOR_V2),
+    "memory_20250818": ("memory", _MEMORY),
+}
+_SERVER_TOOL_PREFIXES = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_", "advisor_",
+                         "browser_toolset_", "computer_toolset_", "mcp_toolset")
+
+
+class CustomTool(WireModel):
+    type: Literal["custom"] | None = None
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")]
+    description: str | None = None
+    input_schema: dict[str, Any]
+    input_examples: list[dict[str, Any]] | None = None
+    cache_control: CacheControl | None = None
+    # Accepted, nothing to change: calls are held to the schema wherever the tool format allows
+    # (docs/api.md, Tools); every tool is in the prompt (there is no tool search to defer to);
+    # only the model calls tools here; input streams as it is written.
+    strict: bool | None = None
+    defer_loading: bool | None = None
+    allowed_callers: list[str] | None = None
+    eager_input_streaming: bool | None = None
+
+    @field_validator("input_schema")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_json_schema(value, object_root=True)
+
+    def chat_tool(self) -> dict[str, Any]:
+        description = self.description or ""
+        if self.input_examples:  # Anthropic shows them to the model with the tool
+            examples = "\n".join(json.dumps(example, ensure_ascii=False) for example in self.input_examples)
+            description = f"{description}\n\nExample inputs:\n{examples}".strip()
+        return {"type": "function", "function": {"name": self.name, "parameters": self.input_schema,
+                                                 **({"description": description} if description else {})}}
+
+
+class ClientTool(WireModel):
+    """An Anthropic-defined tool the caller runs (bash, the text editor, memory): its type fixes
+    its name and its input schema."""
+
+    type: str
+    name: str
+    cache_control: CacheControl | None = None
+    max_characters: int | None = None  # the caller's own cut of what `view` returns
+    strict: bool | None = None
+    defer_loading: bool | None = None
+    allowed_callers: list[str] | None = None
+    input_examples: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _name_fits_type(self) -> ClientTool:
+        expected = CLIENT_TOOLS[self.type][0] if self.type in CLIENT_TOOLS else None
+        if expected is None:
+            raise fail("tool_type", "type must be one of {expected}, got {got}",
+                       expected=", ".join(repr(k) for k in CLIENT_TOOLS), got=short_repr(self.type))
+        if self.name != expected:
+            raise fail("tool_name", "a {kind} tool is named {expected}, got {got}", kind=self.type,
+                       expected=repr(expected), got=short_repr(self.name))
+        return self
+
+    def chat_tool(self) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": self.name, **CLIENT_TOOLS[self.type][1]}}
+
+
+def _tool_kind(value: Any) -> Any:
+    if not isinstance(value, dict):
+        raise fail("object_type", "each tool must be a JSON object, got {got}", got=short_repr(value))
+    kind = value.get("type")
+    if kind is None or kind == "custom" or kind in CLIENT_TOOLS:
+        return value
+    if not isinstance(kind, str):
+        raise fail("tool_type", "type must be a string, got {got}", got=short_repr(kind))
+    if kind.startswith("computer_"):
+        raise fail("tool_type", "tool type {got}: the computer use tool acts on screenshots, which this "
+                   "text-only model cannot read", got=short_repr(kind))
+    if kind.startswith(_SERVER_TOOL_PREFIXES):
+        raise fail("server_tool", "tool type {got} is a server tool, which Anthropic's servers run and this "
+                   "server does not; define it as a custom tool (name, input_schema) and run it client-side",
+                   got=short_repr(kind))
+    raise fail("tool_type", "type must be 'custom' (or absent), or one of {expected}, got {got}",
+               expected=", ".join(repr(k) for k in CLIENT_TOOLS), got=short_repr(kind))
+
+
+def _tool_tag(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "CustomTool" if kind in (None, "custom") else "ClientTool"  # CamelCase: left out of an error's param
+
+
+Tool = Annotated[Annotated[CustomTool, Tag("CustomTool")] | Annotated[ClientTool, Tag("ClientTool")],
+                 Discriminator(_tool_tag), BeforeValidator(_tool_kind)]
+
+
+# ---- tool_choice --------------------------------------------------------------------------------
+
+
+class ToolChoiceAuto(WireModel):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceAny(WireModel):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceNone(WireModel):
+    type: Literal["none"]
+
+
+class ToolChoiceTool(WireModel):
+    type: Literal["tool"]
+    name: str
+    disable_parallel_tool_use: bool | None = None
+
+
+ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceNone | ToolChoiceTool, TaggedUnion("tool_choice")]
+
+
+def chat_tool_choice(choice: ToolChoice | None) -> str | dict[str, Any]:
+    """tool_choice as the chat templates take it (OpenAI's)."""
+    if isinstance(choice, ToolChoiceTool):
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"any": "required", "none": "none"}.get(choice.type if choice is not None else "auto", "auto")
