@@ -1,5 +1,5 @@
 """A real HTTP server on loopback (uvicorn, h11, in a thread) whose answers each test scripts,
-for the OpenAI and Anthropic upstream clients.
+for the upstream clients: OpenAI chat completions, Anthropic Messages, OpenAI Responses.
 
     with StubUpstream() as stub:
         stub.script(Reply(chunks=(openai_chunk(text="Hi"), DONE)))
@@ -55,6 +55,60 @@ def openai_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int 
 
 def anthropic_event(kind: str, **fields: Any) -> bytes:
     return sse({"type": kind, **fields}, event=kind)
+
+
+def responses_event(kind: str, **fields: Any) -> bytes:
+    """One event of OpenAI's Responses stream (named, as OpenAI sends them)."""
+    return sse({"type": kind, **fields}, event=kind)
+
+
+def responses_final(status: str = "completed", input_tokens: int = 10, output_tokens: int = 5, cached_tokens: int = 0,
+                    reasoning_tokens: int = 0, incomplete_reason: str | None = None) -> bytes:
+    """A Responses stream's last event, its response's usage in it."""
+    usage = {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+             "total_tokens": input_tokens + output_tokens}
+    response = {"id": "resp_up", "object": "response", "status": status, "usage": usage,
+                "incomplete_details": {"reason": incomplete_reason} if incomplete_reason else None}
+    return responses_event(f"response.{status}", response=response)
+
+
+def text_item(output_index: int, *pieces: str) -> tuple[bytes, ...]:
+    """A Responses stream's message item, its text in these pieces."""
+    item = {"id": f"msg_{output_index}", "type": "message", "role": "assistant", "status": "in_progress",
+            "content": []}
+    return (responses_event("response.output_item.added", output_index=output_index, item=item),
+            responses_event("response.content_part.added", item_id=item["id"], output_index=output_index,
+                            content_index=0, part={"type": "output_text", "text": "", "annotations": []}),
+            *(responses_event("response.output_text.delta", item_id=item["id"], output_index=output_index,
+                              content_index=0, delta=piece, logprobs=[]) for piece in pieces),
+            responses_event("response.output_text.done", item_id=item["id"], output_index=output_index,
+                            content_index=0, text="".join(pieces)),
+            responses_event("response.output_item.done", output_index=output_index,
+                            item={**item, "status": "completed"}))
+
+
+def call_item(output_index: int, call_id: str, *pieces: str) -> tuple[bytes, ...]:
+    """... a function_call item (get_weather), its arguments in these pieces."""
+    item = {"id": f"fc_{output_index}", "type": "function_call", "call_id": call_id, "name": "get_weather",
+            "arguments": "", "status": "in_progress"}
+    return (responses_event("response.output_item.added", output_index=output_index, item=item),
+            *(responses_event("response.function_call_arguments.delta", item_id=item["id"],
+                              output_index=output_index, delta=piece) for piece in pieces),
+            responses_event("response.function_call_arguments.done", item_id=item["id"], output_index=output_index,
+                            arguments="".join(pieces)),
+            responses_event("response.output_item.done", output_index=output_index,
+                            item={**item, "arguments": "".join(pieces), "status": "completed"}))
+
+
+def reasoning_item(output_index: int, kind: str, *pieces: str) -> tuple[bytes, ...]:
+    """... a reasoning item, its text in `kind` deltas: reasoning_text or reasoning_summary_text."""
+    item = {"id": f"rs_{output_index}", "type": "reasoning", "summary": []}
+    return (responses_event("response.output_item.added", output_index=output_index, item=item),
+            *(responses_event(f"response.{kind}.delta", item_id=item["id"], output_index=output_index,
+                              **({"summary_index": 0} if "summary" in kind else {"content_index": 0}), delta=piece)
+              for piece in pieces),
+            responses_event("response.output_item.done", output_index=output_index, item=item))
 
 
 @dataclass

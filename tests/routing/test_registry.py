@@ -260,7 +260,7 @@ ERRORS = [
     # kinds
     ([model(kind="completion")], {}, "models[0].kind: must be one of chat, embeddings, got 'completion'"),
     ([model("m", {"kind": "vllm"})], {},
-     "models[0].replicas[0].kind: must be one of local, worker, openai, anthropic, got 'vllm'"),
+     "models[0].replicas[0].kind: must be one of local, worker, openai, anthropic, responses, got 'vllm'"),
     ([model("m", WORKER, kind="embeddings")], {},
      "models[0].replicas[0].kind: a worker replica cannot serve an embeddings model; use local or openai"),
     # numbers
@@ -300,8 +300,8 @@ ERRORS = [
      ("models[0].replicas[0].api_key_env: must name an environment variable (letters, digits, _), "
       "not hold the key itself")),
     ([model("m", OPENAI)], {},
-     ("models[0].context_window: required for a model with an openai or anthropic replica (tokenway cannot ask "
-      "them; the window check and /v1/models need it)")),
+     ("models[0].context_window: required for a model with an openai, anthropic or responses replica (tokenway "
+      "cannot ask them; the window check and /v1/models need it)")),
     # names and aliases
     ([model("a"), model("a", WORKER)], {}, "models[1].name: 'a' is already the name of models[0]"),
     ([model("a", aliases=["x"]), model("b", WORKER, aliases=["y", "x"])], {},

@@ -3,9 +3,14 @@ to_chat_messages, so an OpenAI client reaches Claude (and an Anthropic client, w
 converted to OpenAI messages on the way in, gets its own shapes back unchanged).
 
     GenerationJob (OpenAI chat messages) ── messages_body ──► POST {base_url}/messages, stream=true
-    message_start (usage) · content_block_start text | tool_use (id, name) · content_block_delta
-    text_delta | input_json_delta · message_delta (stop_reason, usage) · message_stop
-        ──► ChoiceDelta ... ──► one Usage
+    message_start (usage) · content_block_start text | thinking | tool_use (id, name) ·
+    content_block_delta text_delta | thinking_delta | input_json_delta · message_delta
+    (stop_reason, usage) · message_stop
+        ──► ChoiceDelta ... (thinking as its `reasoning`) ──► one Usage
+
+The job's ThinkingRequest goes as `thinking` (thinking_config: what Anthropic would refuse is
+left to the model's default instead). A reasoning_content the conversation carries is not sent:
+Anthropic takes back only its own signed thinking blocks.
 
 n > 1 runs n concurrent upstream calls merged into one stream, choice i from call i; their
 usages are summed, so the prompt counts n times, as the upstream bills it. Not translatable,
@@ -16,7 +21,6 @@ penalties, min_p, min_tokens.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
@@ -33,11 +37,14 @@ from tokenway.routing.upstream import (
     UpstreamTimeouts,
     api_key_from_env,
     counted_usage,
+    merge_streams,
     parse_json_object,
+    sum_usages,
 )
 from tokenway.routing.upstream_errors import stream_error
 
 ANTHROPIC_VERSION = "2023-06-01"
+MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
 FINISH_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "pause_turn": "stop", "max_tokens": "length",
                   "model_context_window_exceeded": "length", "tool_use": "tool_calls", "refusal": "content_filter"}
 
@@ -118,14 +125,23 @@ def messages_body(job: GenerationJob, model: str, default_max_tokens: int) -> di
         raise InvalidRequestError(f"{refused} is not supported by this model's upstream (Anthropic Messages).",
                                   param=refused)
     system, messages = to_anthropic_messages(job.messages)
-    body: dict[str, Any] = {"model": model, "max_tokens": params.max_tokens or default_max_tokens, "messages": messages}
+    max_tokens = params.max_tokens or default_max_tokens
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "messages": messages}
     if system:
         body["system"] = system
-    body["temperature"] = params.temperature
-    if params.top_p != 1.0:  # newer Claude models refuse temperature and top_p together
-        body["top_p"] = params.top_p
-    if params.top_k > 0:
-        body["top_k"] = params.top_k
+    thinking = thinking_config(job, max_tokens)
+    if thinking is not None:
+        body["thinking"] = thinking
+    if thinking is not None and thinking["type"] != "disabled":
+        # Anthropic refuses a temperature other than 1, top_k, and top_p below 0.95 with thinking on.
+        if params.top_p < 1.0:
+            body["top_p"] = max(params.top_p, 0.95)
+    else:
+        body["temperature"] = params.temperature
+        if params.top_p != 1.0:  # newer Claude models refuse temperature and top_p together
+            body["top_p"] = params.top_p
+        if params.top_k > 0:
+            body["top_k"] = params.top_k
     if params.stop:
         body["stop_sequences"] = list(params.stop)
     if job.tools:
@@ -137,6 +153,37 @@ def messages_body(job: GenerationJob, model: str, default_max_tokens: int) -> di
         ]
         body["tool_choice"] = to_anthropic_tool_choice(job.tool_choice, job.parallel_tool_calls)
     return body | {"stream": True}
+
+
+def thinking_config(job: GenerationJob, max_tokens: int) -> dict[str, Any] | None:
+    """The job's ThinkingRequest as Anthropic's `thinking`: disabled; enabled with budget_tokens
+    (at least Anthropic's minimum, below max_tokens); adaptive for thinking on without a budget
+    (the models since Claude 4.6 choose their own). None (the model's default) when it asks
+    nothing, and where Anthropic would refuse thinking: a budget that cannot fit below
+    max_tokens, a tool_choice that forces a call, and a tool loop under way, whose last
+    assistant turn Anthropic wants back with its signed thinking block, which tokenway does not
+    keep (thinking resumes at the next user turn)."""
+    thinking = job.thinking
+    if thinking is None or thinking.enabled is None and thinking.budget_tokens is None:
+        return None
+    if thinking.enabled is False or thinking.budget_tokens == 0:
+        return {"type": "disabled"}
+    if job.tools and job.tool_choice not in ("auto", "none") or _in_tool_loop(job.messages):
+        return None
+    if thinking.budget_tokens is None:
+        return {"type": "adaptive"}
+    if max_tokens <= MIN_THINKING_BUDGET:
+        return None
+    return {"type": "enabled", "budget_tokens": min(max(thinking.budget_tokens, MIN_THINKING_BUDGET), max_tokens - 1)}
+
+
+def _in_tool_loop(messages: Sequence[dict[str, Any]]) -> bool:
+    """Whether the conversation continues an assistant turn that called tools (only their
+    results follow it)."""
+    for message in reversed(messages):
+        if message.get("role") != "tool":
+            return message.get("role") == "assistant" and bool(message.get("tool_calls"))
+    return False
 
 
 class _MessageReader:
@@ -180,17 +227,23 @@ class _MessageReader:
             return self._delta(text=payload["content_block"].get("text") or "")
         if kind == "content_block_delta" and payload["delta"]["type"] == "text_delta":
             return self._delta(text=payload["delta"]["text"])
+        if kind == "content_block_start" and payload["content_block"]["type"] == "thinking":
+            return self._delta(reasoning=payload["content_block"].get("thinking") or "")
+        if kind == "content_block_delta" and payload["delta"]["type"] == "thinking_delta":
+            return self._delta(reasoning=payload["delta"]["thinking"])
         if kind == "content_block_delta" and payload["delta"]["type"] == "input_json_delta":
             call_index = self.block_to_call[int(payload["index"])]
             return self._delta(tool_call=ToolCallDelta(call_index, arguments=payload["delta"]["partial_json"]))
-        return None  # ping, content_block_stop, thinking, and event kinds Anthropic may add
+        # ping, content_block_stop, a thinking block's signature, redacted_thinking (encrypted: nothing
+        # to show), and event kinds Anthropic may add
+        return None
 
-    def _delta(self, text: str = "", tool_call: ToolCallDelta | None = None) -> ChoiceDelta | None:
+    def _delta(self, text: str = "", tool_call: ToolCallDelta | None = None, reasoning: str = "") -> ChoiceDelta | None:
         if tool_call is not None:
             self.texts.append((tool_call.name or "") + tool_call.arguments)
             return ChoiceDelta(self.index, tool_calls=(tool_call,))
-        self.texts.append(text)
-        return ChoiceDelta(self.index, text=text) if text else None
+        self.texts.append(text + reasoning)
+        return ChoiceDelta(self.index, text=text, reasoning=reasoning) if text or reasoning else None
 
     def usage(self) -> Usage | None:
         """Anthropic's input_tokens leaves out the prompt read from or written to its cache;
@@ -201,14 +254,6 @@ class _MessageReader:
         cached = fields.get("cache_read_input_tokens", 0)
         return Usage(fields.get("input_tokens", 0) + cached + fields.get("cache_creation_input_tokens", 0),
                      fields.get("output_tokens", 0), cached_tokens=cached)
-
-
-def sum_usages(usages: Sequence[Usage]) -> Usage:
-    """One Usage for n calls; counted_by is the least exact of theirs."""
-    kinds = {u.counted_by for u in usages}
-    counted_by = "estimate" if "estimate" in kinds else "tokenizer" if "tokenizer" in kinds else "replica"
-    return Usage(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
-                 cached_tokens=sum(u.cached_tokens for u in usages), counted_by=counted_by)
 
 
 class AnthropicUpstream(HTTPReplica):
@@ -241,7 +286,7 @@ class AnthropicUpstream(HTTPReplica):
         body = messages_body(job, self.model, self.default_max_tokens)
         readers = [_MessageReader(self.name, index) for index in range(job.n)]
         calls = [self._call(body, job.deadline, reader) for reader in readers]
-        async with aclosing(calls[0] if job.n == 1 else _merge(calls)) as deltas:
+        async with aclosing(calls[0] if job.n == 1 else merge_streams(calls)) as deltas:
             async for delta in deltas:
                 yield delta
         yield sum_usages([reader.usage() or counted_usage(job, ["".join(reader.texts)], self._count_tokens)
@@ -256,38 +301,3 @@ class AnthropicUpstream(HTTPReplica):
                     yield delta
         if not reader.stopped or reader.finish_reason is None:
             raise BadGatewayError(f"Upstream {self.name} ended the stream before the message finished.")
-
-
-
-_END = object()
-
-
-async def _merge(streams: Sequence[AsyncGenerator[ChoiceDelta, None]]) -> AsyncGenerator[ChoiceDelta, None]:
-    """The streams' deltas in arrival order. The first failure, or the reader stopping, cancels
-    every call (each closes its upstream response as it unwinds)."""
-    queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=16)
-
-    async def pump(stream: AsyncGenerator[ChoiceDelta, None]) -> None:
-        try:
-            async with aclosing(stream):
-                async for delta in stream:
-                    await queue.put(delta)
-            await queue.put(_END)
-        except Exception as exc:  # noqa: BLE001  # handed to the reader, which raises it
-            await queue.put(exc)
-
-    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
-    try:
-        num_ended = 0
-        while num_ended < len(tasks):
-            item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item is _END:
-                num_ended += 1
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,7 +1,8 @@
 """The registry's chat models as pools `tokenway serve` routes to.
 
     Registry (the config file) ─► per chat model: its replicas (LocalReplica, WorkerReplica,
-        OpenAIUpstream, AnthropicUpstream), their breakers and active probes, its Balancer
+        OpenAIUpstream, AnthropicUpstream, ResponsesUpstream), their breakers and active probes,
+        its Balancer
         ─► Pool ─► Router (with the fallback chain)
     and per model the ModelFrontend its jobs are templated with: the local engine's, or one
     built from the tokenizer files a worker of the pool sends (workers run token ids only).
@@ -29,6 +30,7 @@ from tokenway.routing.openai_upstream import OpenAIUpstream
 from tokenway.routing.registry import Registry
 from tokenway.routing.registry_config import ModelEntry, ReplicaSpec
 from tokenway.routing.replicas import LocalReplica, Replica
+from tokenway.routing.responses_upstream import ResponsesUpstream
 from tokenway.routing.router import Pool, Router
 from tokenway.routing.upstream import CountTokens
 from tokenway.routing.worker_replica import WorkerReplica
@@ -97,10 +99,13 @@ def _templated_replica(entry: ModelEntry, spec: ReplicaSpec, engine: EngineClien
     return WorkerReplica(spec.name, spec.url, spec.secret_env, timeouts=entry.upstream_timeouts())
 
 
+UPSTREAM_CLASSES = {"openai": OpenAIUpstream, "anthropic": AnthropicUpstream, "responses": ResponsesUpstream}
+
+
 def _upstream(entry: ModelEntry, spec: ReplicaSpec, count_tokens: CountTokens | None
-              ) -> OpenAIUpstream | AnthropicUpstream:
+              ) -> OpenAIUpstream | AnthropicUpstream | ResponsesUpstream:
     assert spec.url is not None and spec.model is not None, "ReplicaSpec requires an upstream's url and model"
-    kind = OpenAIUpstream if spec.kind == "openai" else AnthropicUpstream
+    kind = UPSTREAM_CLASSES[spec.kind]
     return kind(spec.name, spec.url, spec.model, spec.api_key_env, timeouts=entry.upstream_timeouts(),
                 count_tokens=count_tokens)
 

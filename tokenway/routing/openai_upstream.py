@@ -5,9 +5,13 @@ or a provider.
         (always stream=True with stream_options.include_usage, so the first token is forwarded
         the moment it exists) ── each chunk's choices ──► ChoiceDelta ... ── [DONE] ──► one Usage
 
-Usage is the upstream's last `usage` object; an upstream that sends none is counted by
-upstream.counted_usage. The stream is complete when every one of the n choices has a
-finish_reason; [DONE] ends reading (a clean end of body without it is accepted).
+A reasoning model's thinking comes as each delta's reasoning_content (or reasoning) and goes out
+as ChoiceDelta.reasoning; the job's ThinkingRequest goes as reasoning_effort (and, with
+sampling_extensions, as chat_template_kwargs.enable_thinking, the switch vLLM, SGLang and
+llama.cpp hand a template that thinks). Usage is the upstream's last `usage` object, its
+reasoning_tokens included; an upstream that sends none is counted by upstream.counted_usage.
+The stream is complete when every one of the n choices has a finish_reason; [DONE] ends
+reading (a clean end of body without it is accepted).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from tokenway.routing.upstream import (
     api_key_from_env,
     counted_usage,
     parse_json_object,
+    reasoning_effort,
 )
 from tokenway.routing.upstream_errors import stream_error
 
@@ -63,13 +68,28 @@ def chat_body(job: GenerationJob, model: str, extensions: bool = False) -> dict[
     if not job.messages:
         raise InvalidRequestError("An OpenAI-compatible upstream needs the chat messages, not token ids.",
                                   param="messages")
-    body: dict[str, Any] = {"model": model, "messages": list(job.messages)}
+    # An assistant's earlier thinking goes back only to the servers that read it (vLLM, SGLang,
+    # llama.cpp: `extensions`); OpenAI's chat API has no such message field.
+    messages = list(job.messages) if extensions else [_without_reasoning(message) for message in job.messages]
+    body: dict[str, Any] = {"model": model, "messages": messages}
+    effort = reasoning_effort(job.thinking)
+    if effort is not None:
+        body["reasoning_effort"] = effort
+    if extensions and job.thinking is not None and job.thinking.enabled is not None:
+        # The switch of a template that thinks (Qwen3's, DeepSeek-R1's distills) on vLLM and its kin.
+        body["chat_template_kwargs"] = {"enable_thinking": job.thinking.enabled}
     if job.tools:  # tool_choice without tools is a 400 at OpenAI
         body.update(tools=list(job.tools), tool_choice=job.tool_choice, parallel_tool_calls=job.parallel_tool_calls)
     if job.response_format is not None:
         body["response_format"] = job.response_format
     body.update(sampling_fields(job.params, job.n, chat=True, extensions=extensions))
     return body | {"stream": True, "stream_options": {"include_usage": True}}
+
+
+def _without_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    if "reasoning_content" not in message:
+        return message
+    return {key: value for key, value in message.items() if key != "reasoning_content"}
 
 
 def completion_body(job: GenerationJob, model: str, extensions: bool = False) -> dict[str, Any]:
@@ -107,8 +127,10 @@ class _ChunkReader:
             usage = payload.get("usage")
             if isinstance(usage, dict) and "prompt_tokens" in usage:
                 details = usage.get("prompt_tokens_details") or {}
+                output_details = usage.get("completion_tokens_details") or {}
                 self.usage = Usage(int(usage["prompt_tokens"]), int(usage.get("completion_tokens") or 0),
-                                   cached_tokens=int(details.get("cached_tokens") or 0))
+                                   cached_tokens=int(details.get("cached_tokens") or 0),
+                                   reasoning_tokens=int(output_details.get("reasoning_tokens") or 0))
             return [delta for choice in payload.get("choices") or () if (delta := self._choice(choice)) is not None]
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise BadGatewayError(f"Upstream {self.name} sent a malformed chunk ({type(exc).__name__}).") from None
@@ -119,6 +141,10 @@ class _ChunkReader:
             raise IndexError(index)
         delta = (choice.get("delta") or {}) if self.chat else choice
         text = delta.get("content" if self.chat else "text") or ""
+        # vLLM (before 0.11), SGLang, DeepSeek and llama.cpp name it reasoning_content; vLLM since, reasoning.
+        reasoning = (delta.get("reasoning_content") or delta.get("reasoning") or "") if self.chat else ""
+        if not isinstance(reasoning, str):
+            raise TypeError("reasoning")
         tool_calls = tuple(
             ToolCallDelta(int(call.get("index", position)), id=call.get("id"),
                           name=(call.get("function") or {}).get("name"),
@@ -132,12 +158,12 @@ class _ChunkReader:
             logprobs = None
         finish_reason = choice.get("finish_reason")
         stop_reason = choice.get("stop_reason")  # vLLM: the stop string or token id
-        if not (text or tool_calls or logprobs or finish_reason):
+        if not (text or reasoning or tool_calls or logprobs or finish_reason):
             return None  # the role-only opening delta and keep-alives: nothing to forward
-        self.texts[index].append(text + "".join((c.name or "") + c.arguments for c in tool_calls))
+        self.texts[index].append(reasoning + text + "".join((c.name or "") + c.arguments for c in tool_calls))
         if finish_reason is not None:
             self.finished_indexes.add(index)
-        return ChoiceDelta(index, text=text, tool_calls=tool_calls, finish_reason=finish_reason,
+        return ChoiceDelta(index, text=text, reasoning=reasoning, tool_calls=tool_calls, finish_reason=finish_reason,
                            stop_reason=stop_reason if isinstance(stop_reason, (int, str)) else None,
                            logprobs=logprobs or None)
 

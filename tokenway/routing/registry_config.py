@@ -4,7 +4,7 @@ entry from the parsed TOML, checking every key as it goes. Nothing here connects
 
     [[models]] table ──parse_model──► ModelEntry
         name, aliases, kind                          what clients call it; chat or embeddings
-        [[models.replicas]] ──parse_replica──► ReplicaSpec (local | worker | openai | anthropic)
+        [[models.replicas]] ──parse_replica──► ReplicaSpec (local | worker | openai | anthropic | responses)
         context_window, max_in_flight, *timeout_s    ─► context_window, BalancerConfig.max_in_flight, ModelTimeouts
         fallbacks, prices, balancer, breaker, health ─► fallbacks, ModelPrice, BalancerConfig, BreakerConfig,
                                                         HealthCheckConfig
@@ -33,14 +33,16 @@ if TYPE_CHECKING:  # upstream.py imports the engine's types, and torch with them
     from tokenway.routing.upstream import UpstreamTimeouts
 
 ModelKind = Literal["chat", "embeddings"]
-ReplicaKind = Literal["local", "worker", "openai", "anthropic"]
+ReplicaKind = Literal["local", "worker", "openai", "anthropic", "responses"]
 MODEL_KINDS: tuple[ModelKind, ...] = ("chat", "embeddings")
-REPLICA_KINDS: tuple[ReplicaKind, ...] = ("local", "worker", "openai", "anthropic")
+REPLICA_KINDS: tuple[ReplicaKind, ...] = ("local", "worker", "openai", "anthropic", "responses")
+# Upstreams: another server templates and counts the model's calls; tokenway sends messages.
+UPSTREAM_KINDS: tuple[ReplicaKind, ...] = ("openai", "anthropic", "responses")
 # A worker speaks only generation (wire.py); Anthropic has no embeddings API.
 MODEL_KIND_TO_REPLICA_KINDS: Mapping[ModelKind, tuple[ReplicaKind, ...]] = {
     "chat": REPLICA_KINDS, "embeddings": ("local", "openai")}
 _URL_EXAMPLES = {"worker": "http://10.0.0.11:8100", "openai": "http://10.0.0.20:8000/v1",
-                 "anthropic": "https://api.anthropic.com/v1"}
+                 "anthropic": "https://api.anthropic.com/v1", "responses": "https://api.openai.com/v1"}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MAX_NAME_CHARS = 256
 
@@ -94,6 +96,8 @@ class ReplicaSpec:
     openai     an OpenAI-compatible base URL, /v1 included (vLLM, SGLang, llama.cpp, a provider);
                model: the upstream's name for the model. api_key_env: the variable with its key
     anthropic  an Anthropic Messages base URL, /v1 included; model and api_key_env as openai
+    responses  a base URL that speaks OpenAI's Responses API (POST /responses), /v1 included: for
+               models served only there (OpenAI's newest); model and api_key_env as openai
     """
 
     kind: ReplicaKind
@@ -122,7 +126,7 @@ class ReplicaSpec:
         check_name(self.name, "name")
         if self.secret_env is not None and self.kind != "worker":
             raise ValueError(f"secret_env: only a worker has one; {a(self.kind)} replica's key is api_key_env")
-        if self.api_key_env is not None and self.kind not in ("openai", "anthropic"):
+        if self.api_key_env is not None and self.kind not in UPSTREAM_KINDS:
             raise ValueError(f"api_key_env: {a(self.kind)} replica has none" +
                              ("; a worker's secret is secret_env" if self.kind == "worker" else ""))
         for key in ("secret_env", "api_key_env"):
@@ -133,7 +137,7 @@ class ReplicaSpec:
                                  "not hold the key itself")
         if self.kind == "worker" and self.model is not None:
             raise ValueError("model: a worker serves the model it loaded (tokenway worker --model)")
-        if self.kind in ("openai", "anthropic") and self.model is None:
+        if self.kind in UPSTREAM_KINDS and self.model is None:
             raise ValueError(f"model: required for {a(self.kind)} replica (the upstream's name for the model)")
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
             raise ValueError(f"model: must be a non-empty string, got {self.model!r}")
@@ -210,8 +214,8 @@ class ModelEntry:
                                  "be the same replica twice")
         if self.context_window is not None:
             check_count(self.context_window, "context_window")
-        elif self.kind == "chat" and any(r.kind in ("openai", "anthropic") for r in self.replicas):
-            raise ValueError("context_window: required for a model with an openai or anthropic replica "
+        elif self.kind == "chat" and any(r.kind in UPSTREAM_KINDS for r in self.replicas):
+            raise ValueError("context_window: required for a model with an openai, anthropic or responses replica "
                              "(tokenway cannot ask them; the window check and /v1/models need it)")
 
     @property

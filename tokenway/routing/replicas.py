@@ -30,7 +30,7 @@ from tokenway.protocol.sampling import SamplingParams, choice_params
 
 class Replica(Protocol):
     name: str
-    kind: str  # "engine", "worker", "openai", "anthropic"
+    kind: str  # "engine", "worker", "openai", "anthropic", "responses"
 
     def generate(self, job: GenerationJob) -> AsyncGenerator[ReplicaEvent, None]: ...
 

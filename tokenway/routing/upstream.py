@@ -48,6 +48,7 @@ import math
 import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Self
 from urllib.parse import urlsplit
@@ -58,7 +59,8 @@ from tokenway.protocol.errors import (
     TokenwayError,
     truncate,
 )
-from tokenway.protocol.job import GenerationJob, Usage, estimate_tokens
+from tokenway.protocol.job import ChoiceDelta, GenerationJob, Usage, estimate_tokens
+from tokenway.protocol.sampling import EFFORT_BUDGETS, ThinkingRequest
 from tokenway.routing.http_client import ConnectionPool, HTTPError, Response
 from tokenway.routing.sse_decoder import MAX_EVENT_CHARS, EventTooLargeError, SSEDecoder, SSEEvent
 from tokenway.routing.upstream_errors import error_for_status
@@ -131,6 +133,34 @@ def counted_usage(job: GenerationJob, completion_texts: Sequence[str], count_tok
         return Usage(num_prompt_tokens, num_completion_tokens, counted_by="tokenizer")
     return Usage(job.num_prompt_tokens, sum(map(estimate_tokens, completion_texts)),
                  counted_by="estimate")
+
+
+def sum_usages(usages: Sequence[Usage]) -> Usage:
+    """One Usage for n calls (an upstream that takes one choice a call); counted_by is the least
+    exact of theirs."""
+    kinds = {u.counted_by for u in usages}
+    counted_by = "estimate" if "estimate" in kinds else "tokenizer" if "tokenizer" in kinds else "replica"
+    return Usage(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
+                 cached_tokens=sum(u.cached_tokens for u in usages),
+                 reasoning_tokens=sum(u.reasoning_tokens for u in usages), counted_by=counted_by)
+
+
+# ---- reasoning --------------------------------------------------------------------------------------
+
+
+def reasoning_effort(thinking: ThinkingRequest | None) -> str | None:
+    """What a ThinkingRequest asks in OpenAI's reasoning effort terms, for an upstream that takes
+    those: "none" for thinking off; for a budget, the highest level whose budget
+    (sampling.EFFORT_BUDGETS) fits in it, "minimal" below them all. None (send no effort: the
+    model's default) when it asks nothing, or thinking on without a budget."""
+    if thinking is None or thinking.enabled is None and thinking.budget_tokens is None:
+        return None
+    if thinking.enabled is False or thinking.budget_tokens == 0:
+        return "none"
+    if thinking.budget_tokens is None:
+        return None
+    fitting = [level for level, budget in EFFORT_BUDGETS.items() if 0 < budget <= thinking.budget_tokens]
+    return fitting[-1] if fitting else "minimal"
 
 
 def api_key_from_env(api_key_env: str | None) -> str | None:
@@ -296,6 +326,41 @@ class UpstreamHTTP:
         if response.status >= 300:
             raise error_for_status(self.name, response.status, body, response.headers)
         return True
+
+
+_END = object()
+
+
+async def merge_streams(streams: Sequence[AsyncGenerator[ChoiceDelta, None]]) -> AsyncGenerator[ChoiceDelta, None]:
+    """The streams' deltas in arrival order: n choices as n concurrent calls, for an upstream
+    that makes one choice a call. The first failure, or the reader stopping, cancels every call
+    (each closes its upstream response as it unwinds)."""
+    queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=16)
+
+    async def pump(stream: AsyncGenerator[ChoiceDelta, None]) -> None:
+        try:
+            async with aclosing(stream):
+                async for delta in stream:
+                    await queue.put(delta)
+            await queue.put(_END)
+        except Exception as exc:  # noqa: BLE001  # handed to the reader, which raises it
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        num_ended = 0
+        while num_ended < len(tasks):
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is _END:
+                num_ended += 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class HTTPReplica:
