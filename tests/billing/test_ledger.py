@@ -68,14 +68,14 @@ async def test_usage_groups_each_key_by_utc_day_and_model_and_counts_refusals_ap
         await asyncio.gather(*(ledger.record(rec) for rec in records))
         key_a = [
             {"key_id": "key-a", "day": "2024-03-01", "model": "m1", "requests": 5, "refused_requests": 1,
-             "prompt_tokens": 37, "cached_tokens": 4, "completion_tokens": 3, "cost_usd": 0.75},
+             "prompt_tokens": 37, "cached_tokens": 4, "completion_tokens": 3, "reasoning_tokens": 0, "cost_usd": 0.75},
             {"key_id": "key-a", "day": "2024-03-01", "model": "m2", "requests": 1, "refused_requests": 2,
-             "prompt_tokens": 30, "cached_tokens": 1, "completion_tokens": 3, "cost_usd": 1.0},
+             "prompt_tokens": 30, "cached_tokens": 1, "completion_tokens": 3, "reasoning_tokens": 0, "cost_usd": 1.0},
             {"key_id": "key-a", "day": "2024-03-02", "model": "m1", "requests": 1, "refused_requests": 0,
-             "prompt_tokens": 40, "cached_tokens": 2, "completion_tokens": 4, "cost_usd": 2.0},
+             "prompt_tokens": 40, "cached_tokens": 2, "completion_tokens": 4, "reasoning_tokens": 0, "cost_usd": 2.0},
         ]
         key_b = [{"key_id": "key-b", "day": "2024-03-01", "model": "m1", "requests": 1, "refused_requests": 0,
-                  "prompt_tokens": 50, "cached_tokens": 0, "completion_tokens": 5, "cost_usd": 4.0}]
+                  "prompt_tokens": 50, "cached_tokens": 0, "completion_tokens": 5, "reasoning_tokens": 0, "cost_usd": 4.0}]
         assert await ledger.usage("key-a") == key_a
         assert await ledger.usage(None) == key_a + key_b
         assert await ledger.usage("key-a", since=DAY2) == key_a[2:]  # since inclusive

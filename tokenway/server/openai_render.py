@@ -122,8 +122,8 @@ async def chat_response(body: ChatCompletionRequest, generation: Generation) -> 
         logprobs = None
         if body.logprobs and result.logprobs is not None:
             logprobs = token_text.chat_logprobs(result.logprobs, top_n)
-        message: ChatCompletionMessage = {"role": "assistant", "refusal": None, "tool_calls": tool_calls,
-                                          "content": (result.text or None) if tool_calls else result.text}
+        message: ChatCompletionMessage = {"role": "assistant", "content": (result.text or None) if tool_calls
+                                          else result.text, "refusal": None, "tool_calls": tool_calls}
         if result.reasoning:
             message["reasoning_content"] = message["reasoning"] = result.reasoning
         choices.append({
