@@ -83,6 +83,28 @@ def test_native_kernel_equals_attention_over_whole_contexts(dtype):
     torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_empty_context_reads_zeros(dtype):
+    """A row with no context is zeros, whatever memory its output was given (the kernel writes
+    the other rows whole and clears only the empty ones); calls in a row reuse freed buffers."""
+    kernel = native_kernel(dtype)
+    torch.manual_seed(4)
+    block_size, kv_heads, heads, head_dim = 16, 2, 32, 64
+    k_cache = torch.randn(8 * block_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(8 * block_size, kv_heads, head_dim).to(dtype)
+    tables = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
+    for _ in range(3):
+        filler = torch.full((3, heads, head_dim), 7.0, dtype=dtype)  # leaves non-zero memory behind
+        del filler
+        q = torch.randn(3, heads, head_dim).to(dtype)
+        got = kernel(q, k_cache, v_cache, tables, torch.tensor([20, 0, 5], dtype=torch.int32), block_size, 0.125)
+        assert torch.count_nonzero(got[1]) == 0
+        expected = reference_decode(q[[0, 2]].float(), k_cache.float(), v_cache.float(), [[0, 1], [4, 5]], [20, 5],
+                                    0.125, block_size)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got[[0, 2]].double(), expected, atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 64), (torch.bfloat16, 64), (torch.bfloat16, 128)])
 def test_native_cascade_equals_attention_over_whole_contexts(dtype, head_dim):
     """Two groups of rows behind shared prefixes (one of 20 rows: several blocks of queries, the

@@ -610,7 +610,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                     "row ", row, " does not hold its leader's prefix block ", b);
     }
   }
-  at::Tensor out = at::zeros({batch, heads, head_dim}, q.options());  // zeros: an empty context reads nothing
+  // Every row with a context is written whole by run(); an empty context reads nothing, so its row
+  // is zeros. at::zeros would fill the whole output on OpenMP's team, whose threads then contend
+  // for the cores with the pool's helpers: with (16, 32, 128) outputs (an 8B at 16 streams) that
+  // one fill per layer cost more than the layer's attention.
+  at::Tensor out = at::empty({batch, heads, head_dim}, q.options());
+  const int64_t row_bytes = int64_t(heads) * head_dim * int64_t(q.element_size());
+  for (int row = 0; row < batch; ++row)
+    if (lens[row] == 0) std::memset(static_cast<char*>(out.data_ptr()) + row * row_bytes, 0, size_t(row_bytes));
   auto problem = [&](auto* elem) {
     using T = std::remove_pointer_t<decltype(elem)>;
     return Problem<T>{reinterpret_cast<const T*>(q.data_ptr()), q.stride(0), q.stride(1),

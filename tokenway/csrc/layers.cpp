@@ -30,6 +30,8 @@
 #include <string>
 #include <vector>
 
+#include "pool.h"
+
 namespace {
 
 constexpr int kMatmuls = 4;  // qkv, o, gate_up, down
@@ -177,7 +179,15 @@ at::Tensor decode(const c10::intrusive_ptr<Stack>& s, const at::Tensor& x, const
     ops.add_rms_norm_.call(h, residual, layer.post_norm, s->eps);
     h = linear(ops.silu_and_mul.call(linear(h, layer.gate_up)), layer.down);
   }
-  return h + residual;
+  // h += residual on the pool's helpers (pool.h): an ATen add would wake OpenMP's team, whose
+  // threads then contend for the cores with the pool's (see attention.cpp's output).
+  const at::Tensor rest = residual.contiguous();
+  float* out = h.data_ptr<float>();
+  const float* add = rest.data_ptr<float>();
+  tokenway_native::parallel_for(0, h.numel(), int64_t(1) << 15, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) out[i] += add[i];
+  });
+  return h;
 }
 
 }  // namespace
