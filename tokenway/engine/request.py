@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenway.engine.thinking import ThinkingState
 from tokenway.frontend.structured_output import GrammarMatcher
 from tokenway.protocol.sampling import SamplingParams
 
@@ -66,7 +67,12 @@ class Request:
     first_scheduled_time: float | None = None
     # Where the output is in its structured-output grammar; set by the engine core when the
     # request is added, advanced by the scheduler per sampled token, dropped when it finishes.
+    # Always the grammar that constrains the next token: with a reasoning budget it waits in
+    # `thinking` until the thinking part closes.
     grammar: GrammarMatcher | None = None
+    # Where the output is in a reasoning model's thinking part (engine/thinking.py); None
+    # without a reasoning budget.
+    thinking: ThinkingState | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -76,6 +82,10 @@ class Request:
             if seed is None:
                 seed = random.SystemRandom().getrandbits(63)
             self.generator = torch.Generator().manual_seed(seed % (2**64))
+        budget = self.sampling_params.reasoning_budget
+        if budget is not None and self.thinking is None:
+            self.thinking = ThinkingState.start(budget, self.grammar)
+            self.grammar = None
 
     @property
     def num_tokens(self) -> int:

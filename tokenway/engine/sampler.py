@@ -9,6 +9,10 @@ Stages, in vLLM's order (each skipped when no row uses it):
      q ~ Exp(1) drawn from the request's own generator; top_p is then enforced on the
      race's winner, sorting only the rows whose winner fell outside the nucleus (the result
      is the same as filtering before the race).
+  5. rows with a forced token (a spent reasoning budget writing the end of the thinking part,
+     engine/thinking.py) have it overwrite what they drew: their logits are never masked, so their
+     logprobs are what the model gave the token, and no other stage (min_tokens, a logit_bias)
+     can keep it from being written.
 
 Speculative decoding (engine/spec_decode.py) gives a request with k drafts k + 1 rows (see
 SamplingMetadata). Stages 1-2 run per row as usual; then each row gets the token the request
@@ -55,7 +59,10 @@ class Sampler:
         needs_processing = md.needs_processing or grammar_bitmask is not None
         if md.all_greedy and not needs_processing and md.logprob_row_ids is None:
             # The common path. No float32 cast: it is exact, so the argmax would not change.
-            token_ids = argmax_rows(logits).tolist()
+            greedy_ids = argmax_rows(logits)
+            if md.forced_tokens is not None:
+                greedy_ids[md.forced_tokens[0]] = md.forced_tokens[1]
+            token_ids = greedy_ids.tolist()
             return SamplerOutput(token_ids, [None] * md.num_rows, _count_accepted(token_ids, md))
 
         model_logits = logits
@@ -75,6 +82,8 @@ class Sampler:
             apply_grammar_bitmask(logits, grammar_bitmask)
 
         token_ids = _sample(logits, md)  # (num_rows,) int64
+        if md.forced_tokens is not None:
+            token_ids[md.forced_tokens[0]] = md.forced_tokens[1]
         logprobs: list[TokenLogprob | None] = [None] * md.num_rows
         if raw_logprobs is not None:
             _fill_logprobs(logprobs, raw_logprobs, token_ids, md)

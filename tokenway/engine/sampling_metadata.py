@@ -11,6 +11,10 @@ Under speculative decoding (engine/spec_decode.py) a request with k drafts has k
 per verified position: row j is the request as it would be had it emitted drafts[:j] (its
 penalties count them, min_tokens sees them), and verifies drafts[j] (the last row verifies
 nothing: it draws the token after the drafts).
+
+A row can have its token fixed in advance (forced_tokens): a reasoning budget that is spent
+writes the end of the thinking part (engine/thinking.py). Its logits are left as they are, so
+its logprobs are the model's; the Sampler overwrites the row's sampled token.
 """
 
 from __future__ import annotations
@@ -60,6 +64,10 @@ class SamplingMetadata:
     request_row_starts: torch.Tensor | None = None  # (num_requests,) int64 each request's first row
     row_draft_token_ids: torch.Tensor | None = None  # (num_rows,) int64 the draft a row verifies; -1: none
 
+    # (row ids (num_forced,) int64, token ids (num_forced,) int64): rows that must emit that token
+    # whatever they sample; None when no row must.
+    forced_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+
     @property
     def all_greedy(self) -> bool:
         return not self.generators
@@ -104,6 +112,9 @@ class SamplingMetadata:
 
         request_row_starts: list[int] = []
         row_draft_token_ids: list[int] = []
+        forced_rows: list[int] = []
+        forced_token_ids: list[int] = []
+        request_forced: list[int | None] | None = None  # per row of the current request, its forced token
         for row, (request, drafts, num_drafted) in enumerate(_rows(requests, spec_token_ids)):
             params = request.sampling_params
             base = row * vocab_size
@@ -111,6 +122,12 @@ class SamplingMetadata:
                 if num_drafted == 0:
                     request_row_starts.append(row)
                 row_draft_token_ids.append(drafts[num_drafted] if num_drafted < len(drafts) else -1)
+            if request.thinking is not None:
+                if num_drafted == 0:
+                    request_forced = request.thinking.forced_token_ids(request.output_token_ids, drafts)
+                if request_forced is not None and (forced := request_forced[num_drafted]) is not None:
+                    forced_rows.append(row)
+                    forced_token_ids.append(forced)
             num_output_tokens = request.num_output_tokens + num_drafted
             if params.logprobs is not None:
                 num_logprobs[row] = params.logprobs
@@ -181,6 +198,7 @@ class SamplingMetadata:
             spec_token_ids=spec_token_ids,
             request_row_starts=_int64(request_row_starts) if spec_token_ids is not None else None,
             row_draft_token_ids=_int64(row_draft_token_ids) if spec_token_ids is not None else None,
+            forced_tokens=(_int64(forced_rows), _int64(forced_token_ids)) if forced_rows else None,
         )
 
 

@@ -14,6 +14,10 @@ With a proposer (engine/spec_decode.py), a decode request also takes the drafts 
 it this step: 1 + k tokens against the budget and the KV cache (the drafts are the first thing
 given up when blocks run out). update_from_output then counts as computed only the tokens the
 verification kept; the KV slots of rejected drafts are simply overwritten later.
+
+A reasoning budget (engine/thinking.py) advances, like the grammar, only on appended tokens. Its
+forced tokens need nothing here: a verify step forces each of its rows as a plain decode step
+would at that position, so a draft is kept only where it is the forced token.
 """
 
 from __future__ import annotations
@@ -187,9 +191,13 @@ class Scheduler:
 
     def _propose(self, request: Request, max_num_drafts: int) -> tuple[int, ...]:
         """Drafts for a decode request: none under a grammar (it would have to check each draft
-        before the model sees it), and never more than the output may still grow by after the
-        step's own token (max_tokens, the context window), so a verify step never runs past them."""
-        if self.proposer is None or request.grammar is not None:
+        before the model sees it), nor while one waits for the thinking part to close (the rows
+        after a close inside the drafts would go unchecked), and never more than the output may
+        still grow by after the step's own token (max_tokens, the context window), so a verify
+        step never runs past them."""
+        thinking = request.thinking
+        if self.proposer is None or request.grammar is not None or (thinking is not None
+                                                                     and thinking.grammar is not None):
             return ()
         params = request.sampling_params
         max_num_drafts = min(max_num_drafts, self.max_model_len - request.num_tokens - 1)
@@ -242,6 +250,10 @@ class Scheduler:
                 request.append_output_token_ids(token_id)
                 if request.grammar is not None:
                     request.grammar.accept_token(token_id)
+                thinking = request.thinking
+                if thinking is not None and thinking.advance(request.output_token_ids):
+                    # The part closed with this token: a grammar constrains the answer from the next.
+                    request.grammar, thinking.grammar = thinking.grammar, None
                 status = self._check_stop(request, token_id)
                 if status is not None:
                     del new_token_ids[position + 1 :], new_logprobs[position + 1 :]
@@ -292,6 +304,8 @@ class Scheduler:
     ) -> EngineOutput:
         request.status = status
         request.grammar = None
+        if request.thinking is not None:
+            request.thinking.grammar = None
         self.kv_manager.free(request)
         del self.requests[request.request_id]
         return self._output(request, new_token_ids, new_logprobs)

@@ -18,11 +18,13 @@ Drafts live only in the step's SchedulerOutput, never in Request.all_token_ids: 
 manager caches a block only once it is full of known tokens, so no block is ever cached
 holding a rejected draft.
 
-Not drafted for: requests under a structured-output grammar (each draft would have to pass the
-grammar before the model sees it), and the last token a request may still emit (max_tokens,
-the context window). Every other sampling parameter holds per verified position: penalties
-and min_tokens count the drafts before it, logprobs come from its raw logits, and a stop
-token or stop string inside an accepted run ends the output there.
+Not drafted for: requests under a structured-output grammar, or with one waiting for their
+thinking part to close (each draft would have to pass the grammar before the model sees it),
+and the last token a request may still emit (max_tokens, the context window). Every other
+sampling parameter holds per verified position: penalties and min_tokens count the drafts
+before it, logprobs come from its raw logits, a reasoning budget forces the token it would force
+there (engine/thinking.py), and a stop token or stop string inside an accepted run ends the
+output there.
 """
 
 from __future__ import annotations
