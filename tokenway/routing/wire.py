@@ -4,7 +4,8 @@ A gateway templates, parses tools and bills; a worker only runs token ids.
 
     POST /worker/v1/generate   {"request_id", "prompt_token_ids": [...], "params": {...}, "n"}
         params: every SamplingParams field but n (params_to_dict); structured_output is
-        {"kind", "schema", "pattern", "grammar"} or null; logit_bias keys are token ids as text
+        {"kind", "schema", "pattern", "grammar"} or null; reasoning_budget is {"max_tokens",
+        "end_token_ids", "start_token_ids", "starts_open"} or null; logit_bias keys are token ids as text
       200 text/event-stream, one `data:` line an event:
         {"index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason",      a choice's delta, as released
          "num_cached_tokens", "cache_reason"}
@@ -39,7 +40,7 @@ from pydantic import ConfigDict, Field
 
 from tokenway.protocol.errors import FieldError
 from tokenway.protocol.outputs import TokenLogprob
-from tokenway.protocol.sampling import SamplingParams, StructuredOutputSpec
+from tokenway.protocol.sampling import ReasoningBudget, SamplingParams, StructuredOutputSpec
 
 PREFIX = "/worker/v1"
 MAX_CHOICES = 128
@@ -56,6 +57,15 @@ class WireStructuredOutput(pydantic.BaseModel):
     json_schema: str | None = Field(None, alias="schema")  # compact JSON text, as StructuredOutputSpec keeps it
     pattern: str | None = None
     grammar: str | None = None
+
+
+class WireReasoningBudget(pydantic.BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    max_tokens: int
+    end_token_ids: list[int]
+    start_token_ids: list[int] = []
+    starts_open: bool = False
 
 
 class WireParams(pydantic.BaseModel):
@@ -82,6 +92,7 @@ class WireParams(pydantic.BaseModel):
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_output: WireStructuredOutput | None = None
+    reasoning_budget: WireReasoningBudget | None = None
 
 
 class GenerateBody(pydantic.BaseModel):
@@ -95,7 +106,7 @@ class GenerateBody(pydantic.BaseModel):
 
 def params_to_dict(params: SamplingParams) -> dict[str, Any]:
     """Every field (never a default left for the worker to fill in), JSON-ready."""
-    spec = params.structured_output
+    spec, budget = params.structured_output, params.reasoning_budget
     return {
         "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p,
         "seed": params.seed, "presence_penalty": params.presence_penalty,
@@ -106,12 +117,15 @@ def params_to_dict(params: SamplingParams) -> dict[str, Any]:
         "ignore_eos": params.ignore_eos, "logprobs": params.logprobs, "skip_special_tokens": params.skip_special_tokens,
         "structured_output": None if spec is None else {"kind": spec.kind, "schema": spec.schema,
                                                         "pattern": spec.pattern, "grammar": spec.grammar},
+        "reasoning_budget": None if budget is None else {
+            "max_tokens": budget.max_tokens, "end_token_ids": list(budget.end_token_ids),
+            "start_token_ids": list(budget.start_token_ids), "starts_open": budget.starts_open},
     }
 
 
 def params_from_wire(wire: WireParams) -> SamplingParams:
     """Raises ValueError naming the field ("top_p: must be in (0, 1], ...")."""
-    fields = wire.model_dump(exclude={"structured_output", "logit_bias"})
+    fields = wire.model_dump(exclude={"structured_output", "logit_bias", "reasoning_budget"})
     if wire.logit_bias is not None:
         try:
             fields["logit_bias"] = {int(token_id): bias for token_id, bias in wire.logit_bias.items()}
@@ -121,6 +135,10 @@ def params_from_wire(wire: WireParams) -> SamplingParams:
     if spec is not None:
         fields["structured_output"] = StructuredOutputSpec(spec.kind, schema=spec.json_schema, pattern=spec.pattern,
                                                            grammar=spec.grammar)
+    budget = wire.reasoning_budget
+    if budget is not None:
+        fields["reasoning_budget"] = ReasoningBudget(budget.max_tokens, tuple(budget.end_token_ids),
+                                                     tuple(budget.start_token_ids), budget.starts_open)
     return SamplingParams(n=1, stop=tuple(fields.pop("stop")), stop_token_ids=tuple(fields.pop("stop_token_ids")),
                           **fields)
 
