@@ -75,7 +75,8 @@ async def test_usage_groups_each_key_by_utc_day_and_model_and_counts_refusals_ap
              "prompt_tokens": 40, "cached_tokens": 2, "completion_tokens": 4, "reasoning_tokens": 0, "cost_usd": 2.0},
         ]
         key_b = [{"key_id": "key-b", "day": "2024-03-01", "model": "m1", "requests": 1, "refused_requests": 0,
-                  "prompt_tokens": 50, "cached_tokens": 0, "completion_tokens": 5, "reasoning_tokens": 0, "cost_usd": 4.0}]
+                  "prompt_tokens": 50, "cached_tokens": 0, "completion_tokens": 5, "reasoning_tokens": 0,
+                  "cost_usd": 4.0}]
         assert await ledger.usage("key-a") == key_a
         assert await ledger.usage(None) == key_a + key_b
         assert await ledger.usage("key-a", since=DAY2) == key_a[2:]  # since inclusive
