@@ -88,6 +88,8 @@ SERVE_OPTIONS = {
     "db": (str, None),  # SQLite file for API keys and (by default) the ledger
     "ledger_url": (str, None),  # "sqlite:///path" or "postgresql://..."; default: the db file
     "limits_url": (str, "memory"),  # "memory" (one process) or "redis://host:port" (shared)
+    "responses_ttl": (str, None),  # stored responses deleted this long after they were made (30d, 12h); None: kept
+    "responses_lease_seconds": (float, 60.0),  # a background response outliving its server this long is failed
     "limits_on_error": (str, "open"),  # while that Redis is down: "open" admits without it, "closed" 503s
     "admin_key": (str, None),  # guards /admin; better from $TOKENWAY_ADMIN_KEY or admin_key_file
     "admin_key_file": (str, None),  # a file holding the admin key (first line)
@@ -214,6 +216,8 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--db", help="SQLite file for API keys and the usage ledger (default: the keys CLI's)")
     serve.add_argument("--ledger-url", help="sqlite:///path or postgresql://... for the usage ledger")
     serve.add_argument("--limits-url", help="'memory' (default) or redis://host:port to share limits and budgets")
+    serve.add_argument("--responses-ttl", help="delete stored responses (/v1/responses) this long after they were "
+                       "made, e.g. 30d, 12h, 3600 (default: kept until deleted)")
     serve.add_argument("--limits-on-error", choices=["open", "closed"],
                        help="while the --limits-url Redis is down: open admits calls without its limits (budgets "
                             "by the ledger's spend), closed refuses them with 503 limits_unavailable (default open)")
@@ -236,7 +240,7 @@ def add_serve_parser(sub) -> None:
 def run_serve(options: dict) -> int:
     import uvicorn
 
-    from tokenway.conversations import open_response_store
+    from tokenway.conversations import open_response_store, parse_duration
     from tokenway.engine.client import AsyncEngine
     from tokenway.engine.process import ProcessEngine
     from tokenway.frontend.reasoning_parsers import check_reasoning_parser
@@ -285,6 +289,9 @@ def run_serve(options: dict) -> int:
     check_tls(options)
     # A bad value is one line now, not after loading.
     connection_policy = connections.ConnectionPolicy.from_options(options)
+    responses_ttl_s = parse_duration(options["responses_ttl"], "responses_ttl") if options["responses_ttl"] else None
+    if not options["responses_lease_seconds"] > 0:
+        raise ValueError(f"responses_lease_seconds: must be > 0, got {options['responses_lease_seconds']!r}")
     for policy in (server_config.safety, *server_config.model_safety.values()):
         if policy.guard_model is not None and policy.guard_model not in names and policy.guard_model not in aliases:
             raise ValueError(f"safety guard_model: {policy.guard_model!r} is not a served chat model "
@@ -348,6 +355,7 @@ def run_serve(options: dict) -> int:
                                f"/v1/completions{', /v1/embeddings' if embedder else ''}; Anthropic /v1/messages)")
         await services.body_parser.start()
         router.start()
+        services.background.start(response_store, lease_s=options["responses_lease_seconds"], ttl_s=responses_ttl_s)
         if gatekeeper is not None:
             auth = "on" if gatekeeper.auth_required else "OFF (no API key exists and the server binds loopback)"
             print(f"tokenway: auth {auth}; limits {options['limits_url']}; ledger {gatekeeper.ledger.url}",

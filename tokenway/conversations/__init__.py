@@ -8,6 +8,7 @@ made it, in the ledger's database (SQLite or PostgreSQL), or in memory without o
 
 from tokenway.conversations.store import (
     FINAL_STATUSES,
+    RUNNING_STATUSES,
     ConversationTooLongError,
     InputItemsPage,
     PreviousResponseNotFoundError,
@@ -17,9 +18,10 @@ from tokenway.conversations.store import (
     StoredResponse,
     Turn,
     open_response_store,
+    parse_duration,
     response_not_found,
 )
 
-__all__ = ["FINAL_STATUSES", "ConversationTooLongError", "InputItemsPage", "PreviousResponseNotFoundError",
-           "ResponseStatus", "ResponseStore", "ResponseStoreUnavailable", "StoredResponse", "Turn",
-           "open_response_store", "response_not_found"]
+__all__ = ["FINAL_STATUSES", "RUNNING_STATUSES", "ConversationTooLongError", "InputItemsPage",
+           "PreviousResponseNotFoundError", "ResponseStatus", "ResponseStore", "ResponseStoreUnavailable",
+           "StoredResponse", "Turn", "open_response_store", "parse_duration", "response_not_found"]

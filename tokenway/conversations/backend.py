@@ -3,28 +3,52 @@ time), the SQL its two dialects share, and which failures are the database's rat
 The backends: sqlite_backend.py (also the in-memory store) and postgres_backend.py.
 
 One table, stored_responses, a row per response, its payloads (input_items, response,
-metadata) as JSON text in SQLite and JSONB in PostgreSQL. Every query finds rows by id, the
-primary key, and nothing else: get, update, delete, input_items, and each step of chain's walk
-from a response to the one it continues. So the key needs no index of its own: it is checked on
-the row the id found.
+metadata) as JSON text in SQLite and JSONB in PostgreSQL. The API's queries find rows by id,
+the primary key, and nothing else: get, update, delete, input_items, and each step of chain's
+walk from a response to the one it continues. So the key needs no index of its own: it is
+checked on the row the id found. The upkeep's two scans have an index each: purge's by
+created_at, expire's by lease_until over the rows still running only (a partial index: the
+finished ones, nearly all, are not in it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, LiteralString, Protocol, cast
 
-from tokenway.conversations.store import STATUSES, JSONObject, ResponseStatus, StoredResponse, Turn
+from tokenway.conversations.store import (
+    FINAL_STATUSES,
+    RUNNING_STATUSES,
+    STATUSES,
+    JSONObject,
+    ResponseStatus,
+    StoredResponse,
+    Turn,
+)
 
 COLUMNS: tuple[LiteralString, ...] = ("id", "key_id", "created_at", "status", "model", "previous_response_id",
-                                      "instructions", "input_items", "response", "metadata")
+                                      "instructions", "input_items", "response", "metadata", "lease_until")
 assert tuple(field.name for field in dataclasses.fields(StoredResponse)) == COLUMNS
 JSON_COLUMNS = frozenset({"input_items", "response", "metadata"})
 
-# Made of STATUSES' literals alone (pyright cannot follow a literal through the join).
-STATUS_CHECK = cast(LiteralString, "status IN (" + ", ".join(f"'{status}'" for status in STATUSES) + ")")
+
+
+def _status_in(statuses: Iterable[str]) -> LiteralString:
+    # Made of the status literals alone (pyright cannot follow a literal through the join).
+    return cast(LiteralString, "status IN (" + ", ".join(f"'{status}'" for status in sorted(statuses)) + ")")
+
+
+STATUS_CHECK = _status_in(STATUSES)
+RUNNING = _status_in(RUNNING_STATUSES)
+FINAL = _status_in(FINAL_STATUSES)
+# The upkeep's indexes (made after the table, and after the migration that adds lease_until).
+INDEXES: tuple[LiteralString, ...] = (
+    "CREATE INDEX IF NOT EXISTS stored_responses_created_at ON stored_responses (created_at)",
+    f"CREATE INDEX IF NOT EXISTS stored_responses_running ON stored_responses (lease_until) WHERE {RUNNING}",
+)
+PURGE_BATCH = 500  # rows a purge deletes a statement: a write lock (SQLite's is the ledger's too) held briefly
 
 
 class ResponseBackend(Protocol):
@@ -51,6 +75,23 @@ class ResponseBackend(Protocol):
 
     def input_items(self, response_id: str, key_id: str) -> tuple[JSONObject, ...] | None: ...
 
+    def renew(self, response_ids: Sequence[str], lease_until: float) -> int:
+        """The running ones' leases set to lease_until; how many."""
+        ...
+
+    def stale(self, now: float, unleased_before: float) -> list[tuple[str, JSONObject]]:
+        """(id, response) of every response running whose lease has passed, or that has none and
+        was made before unleased_before."""
+        ...
+
+    def expire(self, response_id: str, response: JSONObject, now: float, unleased_before: float) -> bool:
+        """Stored failed (as `response` renders it), if it is still stale (as stale() says)."""
+        ...
+
+    def purge(self, created_before: float, limit: int) -> int:
+        """Up to `limit` finished responses created before then, deleted; how many."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -68,9 +109,9 @@ def row_values(response: StoredResponse, encode: Callable[[Any], Any]) -> tuple:
 
 def from_row(row: Sequence[Any], decode: Callable[[Any], Any]) -> StoredResponse:
     (response_id, key_id, created_at, status, model, previous_response_id, instructions, input_items, response,
-     metadata) = row
+     metadata, lease_until) = row
     return StoredResponse(response_id, key_id, created_at, cast(ResponseStatus, status), model, previous_response_id,
-                          instructions, tuple(decode(input_items)), decode(response), decode(metadata))
+                          instructions, tuple(decode(input_items)), decode(response), decode(metadata), lease_until)
 
 
 def turn_from_row(row: Sequence[Any], decode: Callable[[Any], Any]) -> Turn:
@@ -113,6 +154,35 @@ def chain_sql(mark: LiteralString, output: LiteralString) -> LiteralString:
         " FROM stored_responses AS r JOIN conversation ON r.id = conversation.previous_response_id"
         f" WHERE r.key_id = {mark} AND conversation.depth < {mark})"
         " SELECT id, previous_response_id, status, model, input_items, output FROM conversation ORDER BY depth DESC")
+
+
+def renew_sql(mark: LiteralString, num_ids: int) -> LiteralString:
+    ids = cast(LiteralString, ", ".join(mark for _ in range(num_ids)))
+    return f"UPDATE stored_responses SET lease_until = {mark} WHERE id IN ({ids}) AND {RUNNING}"
+
+
+def _stale(mark: LiteralString) -> LiteralString:
+    """Parameters: now, unleased_before. A row without a lease was made by a server from before
+    leases: one of those may still be running it, for a while."""
+    return f"{RUNNING} AND (lease_until < {mark} OR lease_until IS NULL AND created_at < {mark})"
+
+
+def stale_sql(mark: LiteralString) -> LiteralString:
+    return f"SELECT id, response FROM stored_responses WHERE {_stale(mark)}"
+
+
+def expire_sql(mark: LiteralString) -> LiteralString:
+    """Parameters: response, id, now, unleased_before. Staleness is checked again here: a
+    renewal since stale() read the row keeps it running."""
+    return (f"UPDATE stored_responses SET status = 'failed', response = {mark}, lease_until = NULL WHERE id = {mark}"
+            f" AND {_stale(mark)}")
+
+
+def purge_sql(mark: LiteralString) -> LiteralString:
+    """Parameters: created_before, limit. A subquery's LIMIT: both dialects take it (SQLite's
+    DELETE ... LIMIT is a compile-time option)."""
+    return (f"DELETE FROM stored_responses WHERE id IN (SELECT id FROM stored_responses WHERE created_at < {mark}"
+            f" AND {FINAL} LIMIT {mark})")
 
 
 def close_quietly(backend: ResponseBackend | None) -> None:

@@ -18,12 +18,12 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from tokenway.conversations.backend import ResponseBackend, close_quietly
+from tokenway.conversations.backend import PURGE_BATCH, ResponseBackend, close_quietly
 from tokenway.conversations.store import (
     DEFAULT_CHAIN_LIMIT,
     MAX_PAGE_ITEMS,
@@ -48,6 +48,10 @@ T = TypeVar("T")
 
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 5.0
+RENEW_BATCH = 500  # ids a statement: far below either database's bound on parameters
+# A response running without a lease was made by a server from before leases (a gateway not yet
+# upgraded, sharing the database): it is abandoned only once it is older than any reply takes.
+UNLEASED_GRACE_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +123,36 @@ class SqlResponseStore:
         data = ordered[start:start + limit]
         return InputItemsPage(data, data[0]["id"] if data else None, data[-1]["id"] if data else None,
                               start + limit < len(ordered))
+
+    async def renew(self, response_ids: Sequence[str], lease_until: float) -> int:
+        if not response_ids:
+            return 0
+
+        def renew_all(backend: ResponseBackend) -> int:
+            return sum(backend.renew(response_ids[start:start + RENEW_BATCH], lease_until)
+                       for start in range(0, len(response_ids), RENEW_BATCH))
+
+        return await self._run(renew_all)
+
+    async def expire(self, now: float, abandon: Callable[[JSONObject], JSONObject]) -> tuple[str, ...]:
+        unleased_before = now - UNLEASED_GRACE_S
+
+        def expire_stale(backend: ResponseBackend) -> tuple[str, ...]:
+            return tuple(response_id for response_id, response in backend.stale(now, unleased_before)
+                         if backend.expire(response_id, abandon(response), now, unleased_before))
+
+        return await self._run(expire_stale)
+
+    async def purge(self, created_before: float) -> int:
+        def purge_all(backend: ResponseBackend) -> int:
+            num_deleted = 0
+            while (num := backend.purge(created_before, PURGE_BATCH)) > 0:
+                num_deleted += num
+                if num < PURGE_BATCH:
+                    break
+            return num_deleted
+
+        return await self._run(purge_all)
 
     async def close(self) -> None:
         if self._closed:

@@ -9,6 +9,7 @@ object's keys in its own order (shorter keys first), not the order they were wri
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any, LiteralString
 
 import psycopg
@@ -17,14 +18,19 @@ from psycopg.types.json import Jsonb
 
 from tokenway.conversations.backend import (
     COLUMNS,
+    INDEXES,
     STATUS_CHECK,
     chain_sql,
     delete_sql,
     dumps,
+    expire_sql,
     from_row,
     insert_sql,
+    purge_sql,
+    renew_sql,
     row_values,
     select_sql,
+    stale_sql,
     turn_from_row,
     update_sql,
 )
@@ -38,13 +44,20 @@ _SCHEMA: LiteralString = f"""
 CREATE TABLE IF NOT EXISTS stored_responses (
     id TEXT PRIMARY KEY, key_id TEXT NOT NULL, created_at DOUBLE PRECISION NOT NULL,
     status TEXT NOT NULL CHECK ({STATUS_CHECK}), model TEXT NOT NULL, previous_response_id TEXT,
-    instructions TEXT, input_items JSONB NOT NULL, response JSONB NOT NULL, metadata JSONB NOT NULL);
+    instructions TEXT, input_items JSONB NOT NULL, response JSONB NOT NULL, metadata JSONB NOT NULL,
+    lease_until DOUBLE PRECISION);
 """
+# A table made before lease_until existed gains it.
+_MIGRATIONS: tuple[LiteralString, ...] = (
+    "ALTER TABLE stored_responses ADD COLUMN IF NOT EXISTS lease_until DOUBLE PRECISION", *INDEXES)
 _INSERT = insert_sql("%s")
 _SELECT = select_sql(", ".join(COLUMNS), "%s")
 _SELECT_INPUT_ITEMS = select_sql("input_items", "%s")
 _DELETE = delete_sql("%s")
 _CHAIN = chain_sql("%s", "COALESCE(r.response -> 'output', '[]'::jsonb)")
+_STALE = stale_sql("%s")
+_EXPIRE = expire_sql("%s")
+_PURGE = purge_sql("%s")
 # \u0000 in JSON text, as an escape (an even run of backslashes before it, none at all included),
 # not as the text "\\u0000" a string may hold.
 _NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
@@ -82,6 +95,8 @@ class PostgresBackend:
             with self._conn.transaction():
                 self._conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_ID,))
                 self._conn.execute(_SCHEMA)
+                for statement in _MIGRATIONS:
+                    self._conn.execute(statement)
         except BaseException:
             self._conn.close()
             raise
@@ -110,6 +125,20 @@ class PostgresBackend:
     def input_items(self, response_id: str, key_id: str) -> tuple[JSONObject, ...] | None:
         row = self._conn.execute(_SELECT_INPUT_ITEMS, (response_id, key_id)).fetchone()
         return None if row is None else tuple(row[0])
+
+    def renew(self, response_ids: Sequence[str], lease_until: float) -> int:
+        return self._conn.execute(renew_sql("%s", len(response_ids)), (lease_until, *response_ids)).rowcount
+
+    def stale(self, now: float, unleased_before: float) -> list[tuple[str, JSONObject]]:
+        return [(response_id, response)
+                for response_id, response in self._conn.execute(_STALE, (now, unleased_before)).fetchall()]
+
+    def expire(self, response_id: str, response: JSONObject, now: float, unleased_before: float) -> bool:
+        return self._conn.execute(_EXPIRE, (Jsonb(response, _jsonb_dumps), response_id, now,
+                                            unleased_before)).rowcount == 1
+
+    def purge(self, created_before: float, limit: int) -> int:
+        return self._conn.execute(_PURGE, (created_before, limit)).rowcount
 
     def close(self) -> None:
         self._conn.close()

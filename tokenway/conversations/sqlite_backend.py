@@ -5,18 +5,24 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from tokenway.conversations.backend import (
     COLUMNS,
+    FINAL,
+    INDEXES,
     STATUS_CHECK,
     chain_sql,
     delete_sql,
     dumps,
+    expire_sql,
     from_row,
     insert_sql,
+    purge_sql,
+    renew_sql,
     row_values,
     select_sql,
+    stale_sql,
     turn_from_row,
     update_sql,
 )
@@ -28,13 +34,28 @@ _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS stored_responses (
     id TEXT PRIMARY KEY, key_id TEXT NOT NULL, created_at REAL NOT NULL,
     status TEXT NOT NULL CHECK ({STATUS_CHECK}), model TEXT NOT NULL, previous_response_id TEXT,
-    instructions TEXT, input_items TEXT NOT NULL, response TEXT NOT NULL, metadata TEXT NOT NULL);
+    instructions TEXT, input_items TEXT NOT NULL, response TEXT NOT NULL, metadata TEXT NOT NULL,
+    lease_until REAL);
 """
 _INSERT = insert_sql("?")
 _SELECT = select_sql(", ".join(COLUMNS), "?")
 _SELECT_INPUT_ITEMS = select_sql("input_items", "?")
 _DELETE = delete_sql("?")
 _CHAIN = chain_sql("?", "COALESCE(json_extract(r.response, '$.output'), '[]')")
+_STALE = stale_sql("?")
+_EXPIRE = expire_sql("?")
+_PURGE = purge_sql("?")
+
+
+def _add_lease_column(conn: sqlite3.Connection) -> None:
+    """A table made before lease_until existed gains it (SQLite has no ADD COLUMN IF NOT EXISTS)."""
+    if any(row[1] == "lease_until" for row in conn.execute("PRAGMA table_info(stored_responses)")):
+        return
+    try:
+        conn.execute("ALTER TABLE stored_responses ADD COLUMN lease_until REAL")
+    except sqlite3.OperationalError as exc:  # another connection added it since
+        if "duplicate column" not in str(exc):
+            raise
 
 
 class MemoryBudget:
@@ -82,6 +103,9 @@ class SqliteBackend:
                 self._conn.execute("PRAGMA journal_mode = WAL")
                 self._conn.execute("PRAGMA synchronous = NORMAL")
             self._conn.executescript(_SCHEMA)
+            _add_lease_column(self._conn)
+            for index in INDEXES:
+                self._conn.execute(index)
         except BaseException:
             self._conn.close()
             raise
@@ -124,6 +148,35 @@ class SqliteBackend:
     def input_items(self, response_id: str, key_id: str) -> tuple[JSONObject, ...] | None:
         row = self._conn.execute(_SELECT_INPUT_ITEMS, (response_id, key_id)).fetchone()
         return None if row is None else tuple(json.loads(row[0]))
+
+    def renew(self, response_ids: Sequence[str], lease_until: float) -> int:
+        return self._conn.execute(renew_sql("?", len(response_ids)), (lease_until, *response_ids)).rowcount
+
+    def stale(self, now: float, unleased_before: float) -> list[tuple[str, JSONObject]]:
+        return [(response_id, json.loads(response))
+                for response_id, response in self._conn.execute(_STALE, (now, unleased_before))]
+
+    def expire(self, response_id: str, response: JSONObject, now: float, unleased_before: float) -> bool:
+        text = dumps(response)
+        old = None
+        if self._budget is not None:
+            old = self._conn.execute("SELECT length(response) FROM stored_responses WHERE id = ?",
+                                     (response_id,)).fetchone()
+        expired = self._conn.execute(_EXPIRE, (text, response_id, now, unleased_before)).rowcount == 1
+        if expired and self._budget is not None and old is not None:
+            self._budget.grow(response_id, len(text) - old[0])
+        return expired
+
+    def purge(self, created_before: float, limit: int) -> int:
+        if self._budget is None:
+            return self._conn.execute(_PURGE, (created_before, limit)).rowcount
+        # In memory: the budget forgets each one (no RETURNING before SQLite 3.35).
+        response_ids = [row[0] for row in self._conn.execute(
+            f"SELECT id FROM stored_responses WHERE created_at < ? AND {FINAL} LIMIT ?", (created_before, limit))]
+        for response_id in response_ids:
+            self._conn.execute("DELETE FROM stored_responses WHERE id = ?", (response_id,))
+            self._budget.remove(response_id)
+        return len(response_ids)
 
     def close(self) -> None:
         self._conn.close()

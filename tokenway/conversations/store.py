@@ -5,6 +5,9 @@
       previous_response_id ─► chain(id, key_id) ─► (Turn, ...) oldest first: the conversation it continues
       store: true ─► create(StoredResponse); background: update(id, status=..., response=...) as it runs,
                      queued ─► in_progress ─► completed | failed | incomplete
+    background, while it runs ─► renew(ids, lease_until): its server holds it; one whose lease
+                     ran out (its server stopped) ─► expire(now, ...) ─► failed, by any server
+    retention (a TTL) ─► purge(created_before): the finished responses made before it, deleted
     POST /v1/responses/{id}/cancel ─► get, then update(id, status="cancelled", ...)
     GET /v1/responses/{id} ─► get ─► StoredResponse.response;  DELETE /v1/responses/{id} ─► delete
     GET /v1/responses/{id}/input_items ─► input_items ─► InputItemsPage
@@ -16,7 +19,8 @@ conditional), so a response cancelled while it runs stays cancelled whatever its
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, get_args
 
@@ -28,6 +32,7 @@ from tokenway.protocol.responses_bodies import ResponseStatus
 JSONObject = Mapping[str, Any]
 STATUSES: tuple[ResponseStatus, ...] = get_args(ResponseStatus)
 FINAL_STATUSES: frozenset[ResponseStatus] = frozenset({"completed", "failed", "cancelled", "incomplete"})
+RUNNING_STATUSES: tuple[ResponseStatus, ...] = ("queued", "in_progress")
 # The statuses an update to a status may replace: forward only, never from a final one.
 STATUS_TO_FROM_STATUSES: dict[ResponseStatus, tuple[ResponseStatus, ...]] = {
     status: ("queued",) if status == "queued" else ("queued", "in_progress") for status in STATUSES}
@@ -50,7 +55,10 @@ def check_status(status: str, response: JSONObject) -> None:
 class StoredResponse:
     """One response as kept. input_items: this response's own input (not the conversation it
     continues), each item with its "id", in order. response: the Response object as last
-    rendered, JSON-able; its "status", where it has one, is `status`."""
+    rendered, JSON-able; its "status", where it has one, is `status`. lease_until: for a
+    response that runs detached (background), the unix time until which the server running it
+    holds it; that server renews it while it runs, and once it has passed with the response
+    still queued or in progress, the response is abandoned (expire)."""
 
     id: str
     key_id: str  # the owner; "" when the gateway is off
@@ -62,6 +70,7 @@ class StoredResponse:
     input_items: tuple[JSONObject, ...]
     response: JSONObject
     metadata: Mapping[str, str]
+    lease_until: float | None = None
 
     def __post_init__(self) -> None:
         if not self.id.startswith("resp_"):
@@ -69,6 +78,8 @@ class StoredResponse:
         if self.previous_response_id == self.id:
             raise ValueError(f"response {self.id!r} cannot continue itself")
         check_status(self.status, self.response)
+        if self.lease_until is not None and not isinstance(self.lease_until, (int, float)):
+            raise ValueError(f"lease_until must be a unix time, got {self.lease_until!r}")
         item_ids = set()
         for i, item in enumerate(self.input_items):
             item_id = item.get("id")
@@ -164,9 +175,41 @@ class ResponseStore(Protocol):
         item id; FieldError if the response has none such); None when the response is not there."""
         ...
 
+    async def renew(self, response_ids: Sequence[str], lease_until: float) -> int:
+        """Extend the leases of those of the responses still queued or in progress; how many."""
+        ...
+
+    async def expire(self, now: float, abandon: Callable[[JSONObject], JSONObject]) -> tuple[str, ...]:
+        """Every response queued or in progress whose lease has passed at `now` (or that never had
+        one, and is an hour old), stored failed as abandon(its response) renders it; their ids."""
+        ...
+
+    async def purge(self, created_before: float) -> int:
+        """Delete the finished responses created before this unix time; how many. One still
+        running is kept (expire ends it first)."""
+        ...
+
     async def close(self) -> None:
         """Finish the queries under way, then close every connection. Idempotent."""
         ...
+
+
+_DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*")
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: float | str, field_name: str) -> float:
+    """'30d', '12h', '90m', '45s', 3600 -> seconds (> 0); ValueError naming field_name else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        match = _DURATION.fullmatch(str(value))
+        if match is None:
+            raise ValueError(f"{field_name}: cannot read {value!r} as a duration; use e.g. 30d, 12h, 90m or seconds")
+        seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{field_name}: must be a duration > 0, got {value!r}")
+    return seconds
 
 
 def open_response_store(url: str, *, num_connections: int = DEFAULT_NUM_CONNECTIONS,

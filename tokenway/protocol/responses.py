@@ -7,9 +7,10 @@
 
 Every field of OpenAI's reference is accepted: what changes the reply is honoured (input,
 instructions, previous_response_id, tools, tool_choice, parallel_tool_calls, text.format,
-max_output_tokens, temperature, top_p, top_logprobs, truncation, include's logprobs, store,
-background, metadata); what a self-hosted server has no use for (prompt_cache_key, service_tier,
-reasoning, safety_identifier, ...) is accepted and echoed. What it cannot do is a 400 naming it:
+max_output_tokens, temperature, top_p, top_logprobs, truncation, include's logprobs and
+reasoning.encrypted_content, reasoning.effort, store, background, metadata); what a self-hosted
+server has no use for (prompt_cache_key, service_tier, reasoning.summary, safety_identifier,
+...) is accepted and echoed. What it cannot do is a 400 naming it:
 built-in tools (web_search, file_search, ...) and their items, stored prompt templates, the
 Conversations API, item references, image and file inputs.
 
@@ -36,6 +37,7 @@ from tokenway.protocol.openai_messages import (
 )
 from tokenway.protocol.responses_bodies import InputItem
 from tokenway.protocol.responses_items import InputItemModel, NewId, string_type
+from tokenway.protocol.sampling import ThinkingRequest, effort_thinking
 
 MAX_TOP_LOGPROBS = 20
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
@@ -48,6 +50,7 @@ UNSUPPORTED_TOOLS = frozenset({
     "local_shell", "shell", "apply_patch", "custom", "tool_search", "programmatic_tool_calling",
 })
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
+INCLUDE_ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 
 # ---- tools, tool_choice, text -------------------------------------------------------------------
@@ -162,8 +165,9 @@ class TextConfig(WireModel):
 
 
 class Reasoning(WireModel):
-    effort: str | None = None
-    summary: str | None = None
+    # A reasoning model's thinking budget (sampling.effort_thinking); "none" turns thinking off.
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: str | None = None  # accepted; no summary is made (it would take another model's call)
     generate_summary: str | None = None
 
 
@@ -297,6 +301,10 @@ class ResponsesPrompt(RequestModel):
             return choice.mode
         return choice or "auto"
 
+    def thinking(self) -> ThinkingRequest | None:
+        """What reasoning.effort asks of a reasoning model's thinking (None: its default)."""
+        return effort_thinking(self.reasoning.effort) if self.reasoning is not None else None
+
     def response_format(self) -> dict[str, Any] | None:
         """text.format in the chat path's shape (response_format); None: free text."""
         fmt = self.text.format if self.text is not None else None
@@ -324,7 +332,7 @@ class ResponsesRequest(ResponsesPrompt):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    include: list[str] | None = None  # only message.output_text.logprobs changes anything here
+    include: list[str] | None = None  # message.output_text.logprobs and reasoning.encrypted_content change the reply
     metadata: dict[str, str] | None = None
     # Accepted and echoed: they change nothing a single self-hosted server does.
     user: str | None = None
@@ -379,3 +387,7 @@ class ResponsesRequest(ResponsesPrompt):
     @property
     def wants_logprobs(self) -> bool:
         return INCLUDE_LOGPROBS in (self.include or ())
+
+    @property
+    def wants_encrypted_reasoning(self) -> bool:
+        return INCLUDE_ENCRYPTED_REASONING in (self.include or ())

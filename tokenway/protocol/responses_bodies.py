@@ -96,16 +96,27 @@ class SummaryText(TypedDict):
     text: str
 
 
+class ReasoningText(TypedDict):
+    type: Literal["reasoning_text"]
+    text: str
+
+
 class ReasoningItem(TypedDict):
+    """A reasoning model's thinking: its raw text as content (one reasoning_text part); summary
+    always empty (a summary would take another model's call); encrypted_content, with include
+    reasoning.encrypted_content, the same text in tokenway's envelope (responses_items.py):
+    not encrypted, only carried back by clients that keep nothing else."""
+
     id: str
     type: Literal["reasoning"]
     summary: list[SummaryText]
+    content: list[ReasoningText]
     encrypted_content: str | None
     status: ItemStatus
 
 
 InputItem = InputMessageItem | OutputMessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
-# What a response's output holds; a reasoning parser (later) adds ReasoningItems.
+# What a response's output holds: a reasoning model's thinking first, then its message or calls.
 OutputItem = OutputMessageItem | FunctionCallItem | ReasoningItem
 
 
@@ -118,7 +129,7 @@ class InputTokensDetails(TypedDict):
 
 
 class OutputTokensDetails(TypedDict):
-    reasoning_tokens: int  # 0 until a reasoning parser tells thinking from the reply
+    reasoning_tokens: int  # of output_tokens, those a reasoning model spent thinking
 
 
 class ResponseUsage(TypedDict):
@@ -241,7 +252,7 @@ class ContentPartEvent(TypedDict):
     item_id: str
     output_index: int
     content_index: int
-    part: OutputText
+    part: OutputText | ReasoningText
 
 
 class TextDeltaEvent(TypedDict):
@@ -262,6 +273,24 @@ class TextDoneEvent(TypedDict):
     content_index: int
     text: str
     logprobs: list[DeltaLogprob]
+
+
+class ReasoningDeltaEvent(TypedDict):
+    type: Literal["response.reasoning_text.delta"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ReasoningDoneEvent(TypedDict):
+    type: Literal["response.reasoning_text.done"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
 
 
 class ArgumentsDeltaEvent(TypedDict):
@@ -289,4 +318,5 @@ class ErrorEvent(TypedDict):
 
 
 ResponseStreamEvent = (LifecycleEvent | OutputItemEvent | ContentPartEvent | TextDeltaEvent | TextDoneEvent
-                       | ArgumentsDeltaEvent | ArgumentsDoneEvent | ErrorEvent)
+                       | ReasoningDeltaEvent | ReasoningDoneEvent | ArgumentsDeltaEvent | ArgumentsDoneEvent
+                       | ErrorEvent)

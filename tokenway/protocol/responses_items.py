@@ -8,12 +8,22 @@ stores, lists and translates (protocol/responses_bodies.py's TypedDicts, each wi
     {"type": "function_call_output", ...}     FunctionCallOutputInput ─► FunctionCallOutputItem
     {"type": "reasoning", ...}                ReasoningInput ─► ReasoningItem
 
+A reasoning item's thinking (reasoning_text) is the model's own text, and goes back into the
+prompt as its turn's reasoning_content (what a template that thinks renders). Its
+encrypted_content, where tokenway made it, holds that same text in an envelope
+(reasoning_envelope): tokenway keeps no secret to encrypt with and its thinking is shown in
+content anyway, so the envelope hides nothing; it is there so that a client that passes back
+only encrypted_content (as clients of OpenAI's stateless mode may) still hands the thinking
+back. Another server's encrypted_content cannot be read here: its item stays in the
+conversation, out of the prompt.
+
 A hosted tool's item (web_search_call, ...), an item_reference, and image, file or audio parts
 are a 400 naming them.
 """
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -136,20 +146,52 @@ class SummaryText(WireModel):
     text: str
 
 
+class ReasoningTextPart(WireModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
 class ReasoningInput(WireModel):
-    """A reasoning model's earlier thinking, passed back; kept in the conversation, left out of
-    the prompt (as OpenAI does for a model that does not reason)."""
+    """A reasoning model's earlier thinking, passed back: its text (content, or tokenway's
+    envelope) goes into the prompt with the turn it preceded."""
 
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[SummaryText] = Field(default_factory=list)
+    content: list[ReasoningTextPart] | None = None
     encrypted_content: str | None = None
     status: ItemStatus | None = None
 
     def item(self, new_id: NewId) -> ReasoningItem:
         return {"id": self.id or new_id("rs_"), "type": "reasoning",
                 "summary": [{"type": "summary_text", "text": part.text} for part in self.summary],
+                "content": [{"type": "reasoning_text", "text": part.text} for part in self.content or ()],
                 "encrypted_content": self.encrypted_content, "status": self.status or "completed"}
+
+
+ENVELOPE_PREFIX = "tokenway.reasoning.v1:"
+
+
+def reasoning_envelope(text: str) -> str:
+    """The thinking as a reasoning item's encrypted_content: base64 of its UTF-8, marked as
+    tokenway's (the module's docstring says why it is not encrypted)."""
+    return ENVELOPE_PREFIX + base64.urlsafe_b64encode(text.encode()).decode("ascii")
+
+
+def reasoning_text(item: ReasoningItem) -> str:
+    """The thinking a reasoning item holds: its reasoning_text parts, else the text in
+    tokenway's envelope; "" for another server's encrypted_content, or an item of summaries only
+    (a summary is not the thinking its model would read back)."""
+    texts = [part["text"] for part in item.get("content") or ()]
+    if texts:
+        return "".join(texts)
+    sealed = item.get("encrypted_content")
+    if sealed is None or not sealed.startswith(ENVELOPE_PREFIX):
+        return ""
+    try:
+        return base64.urlsafe_b64decode(sealed.removeprefix(ENVELOPE_PREFIX).encode("ascii")).decode()
+    except (ValueError, UnicodeError):  # binascii.Error is a ValueError
+        return ""
 
 
 def _item_kind(value: Any) -> Any:

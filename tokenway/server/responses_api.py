@@ -15,6 +15,7 @@ to the key that made them: another key's is a 404, as one that does not exist.
 from __future__ import annotations
 
 import re
+import time
 from itertools import count
 from typing import cast
 
@@ -30,7 +31,7 @@ from tokenway.conversations import (
     response_not_found,
 )
 from tokenway.gateway.call import Call
-from tokenway.protocol.errors import InvalidRequestError, TokenwayError, truncate
+from tokenway.protocol.errors import ContentPolicyViolationError, InvalidRequestError, TokenwayError, truncate
 from tokenway.protocol.responses import InputTokensRequest, ResponsesPrompt, ResponsesRequest
 from tokenway.protocol.responses_bodies import InputItem, InputTokens, OutputItem, ResponseDeleted
 from tokenway.protocol.responses_bodies import Response as ResponseBody
@@ -38,8 +39,15 @@ from tokenway.server.generation import Generation, admitted
 from tokenway.server.http import EventStreamResponse, offload, parse_body
 from tokenway.server.openai_render import TokenText
 from tokenway.server.responses_background import detached_call, record, run_detached
-from tokenway.server.responses_prepare import History, PreparedResponse, count_input_tokens, prepare_response
-from tokenway.server.responses_render import OnEnd, OutputItems, ResponseStream, response_base, response_json
+from tokenway.server.responses_output import OutputItems
+from tokenway.server.responses_prepare import (
+    History,
+    PreparedResponse,
+    count_input_tokens,
+    naming_fields,
+    prepare_response,
+)
+from tokenway.server.responses_render import OnEnd, ResponseStream, response_base, response_json
 from tokenway.server.routes import call_of, schema_extra
 from tokenway.server.services import Services
 
@@ -60,7 +68,7 @@ def router(services: Services) -> APIRouter:
             return await create_background(request, body, call)
         history = await history_of(services, body, call)
         prepared = await offload(request, inline_bytes, prepare_response, services, body, call, history)
-        generation = await admitted(services, call, prepared.call)
+        generation = await admitted_response(services, call, prepared)
         base = response_base(body, prepared)
         items = output_items(body, generation)
         on_end = storing(services, call, body, prepared)
@@ -78,14 +86,20 @@ def router(services: Services) -> APIRouter:
         history = await history_of(services, body, call)
         prepared = await offload(request, inline_bytes, prepare_response, services, body, call, history)
         assert call.route is not None, "prepare_response routes the call first"
-        http_call.set_route(call.route)  # the POST's own row names the model too
-        generation = await admitted(services, call, prepared.call)
+        http_call.set_route(call.route)  # the POST's own row (a refusal's, before admission) names the model too
+        generation = await admitted_response(services, call, prepared)
+        # Admitted, the detached call writes the one ledger row (record(), whatever ends it): the
+        # POST answered with it writes none (the gateway's middleware skips a committed call).
+        http_call.committed = True
         base = response_base(body, prepared)
         queued = base.copy()
         queued["status"] = "queued"
         try:
             services.background.check_open()
-            await store.create(stored_response(call, body, prepared, queued))
+            # Held by this server while it runs: one that outlives its server is failed by the
+            # next to see its lease pass (responses_tasks.py).
+            lease_until = time.time() + services.background.lease_s
+            await store.create(stored_response(call, body, prepared, queued, lease_until))
             services.background.spawn(prepared.response_id, run_detached(
                 services, services.background, store, generation, base, output_items(body, generation)))
         except BaseException as exc:
@@ -156,9 +170,18 @@ def router(services: Services) -> APIRouter:
     return api
 
 
+async def admitted_response(services: Services, call: Call, prepared: PreparedResponse) -> Generation:
+    """The chat path's admitted(), its safety refusal naming the Responses field."""
+    try:
+        return await admitted(services, call, prepared.call)
+    except ContentPolicyViolationError as exc:
+        raise naming_fields(exc) from None
+
+
 def output_items(body: ResponsesRequest, generation: Generation) -> OutputItems:
     token_text = TokenText(generation.frontend) if body.wants_logprobs else None
-    return OutputItems(bool(body.stream), count(), token_text, body.top_logprobs or 0, body.namespaces())
+    return OutputItems(bool(body.stream), count(), token_text, body.top_logprobs or 0, body.namespaces(),
+                       body.wants_encrypted_reasoning)
 
 
 def key_of(request: Request) -> str:
@@ -224,10 +247,10 @@ def storing(services: Services, call: Call, body: ResponsesRequest, prepared: Pr
     return create
 
 
-def stored_response(call: Call, body: ResponsesRequest, prepared: PreparedResponse, response: ResponseBody
-                    ) -> StoredResponse:
+def stored_response(call: Call, body: ResponsesRequest, prepared: PreparedResponse, response: ResponseBody,
+                    lease_until: float | None = None) -> StoredResponse:
     return StoredResponse(
         id=response["id"], key_id=call.start.principal.key_id, created_at=prepared.created_at,
         status=response["status"], model=response["model"], previous_response_id=body.previous_response_id,
         instructions=body.instructions, input_items=tuple(dict(item) for item in prepared.input_items),
-        response=dict(response), metadata=body.metadata or {})
+        response=dict(response), metadata=body.metadata or {}, lease_until=lease_until)

@@ -28,7 +28,8 @@ from tokenway.observability.traces import Trace
 from tokenway.protocol.errors import InternalServerError, TokenwayError
 from tokenway.protocol.responses_bodies import Response
 from tokenway.server.generation import Generation
-from tokenway.server.responses_render import OutputItems, failed, response_json
+from tokenway.server.responses_output import OutputItems
+from tokenway.server.responses_render import failed, response_json
 from tokenway.server.responses_tasks import BackgroundResponses
 from tokenway.server.services import Services
 

@@ -11,8 +11,10 @@ keys, limits, budgets, the ledger, traces and safety apply as they do to a chat 
 
 Item to message: a message is a message (developer is system; its parts' texts joined); a
 function_call joins the assistant message before it as a tool call (or starts one); a
-function_call_output is a tool message; a reasoning item stays in the conversation but out of
-the prompt, as OpenAI leaves it for a model that does not reason.
+function_call_output is a tool message; a reasoning item's thinking (responses_items.py's
+reasoning_text) is the reasoning_content of the assistant turn it precedes, which a template
+that thinks renders where it keeps thinking (Qwen3's: the turns after the last user message) and
+any other leaves out. reasoning.effort is the call's ThinkingRequest.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from typing import Any
 
 from tokenway.frontend.templating import template_chat
 from tokenway.gateway.call import Call
-from tokenway.protocol.errors import ContextLengthExceededError, InvalidRequestError
+from tokenway.protocol.errors import ContentPolicyViolationError, ContextLengthExceededError, InvalidRequestError
 from tokenway.protocol.job import GenerationJob, estimate_chat_tokens
 from tokenway.protocol.responses import ResponsesPrompt, ResponsesRequest
 from tokenway.protocol.responses_bodies import InputItem, OutputItem
+from tokenway.protocol.responses_items import reasoning_text
 from tokenway.protocol.sampling import SamplingParams
 from tokenway.safety.channels import ChatInput, screen_chat
 from tokenway.server.prepare import (
@@ -38,6 +41,7 @@ from tokenway.server.prepare import (
     field_errors,
     new_id,
     prepared,
+    reasoning_parser,
     route,
     screen,
 )
@@ -71,23 +75,35 @@ def chat_messages(instructions: str | None, items: Sequence[InputItem | OutputIt
     """The conversation in the chat path's message shape (OpenAI chat, as to_template_dict makes it)."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
     joinable = False  # the last message is an assistant's that a function_call may join
+    thinking: list[str] = []  # reasoning items' text, for the assistant turn they precede
+
+    def assistant(message: dict[str, Any]) -> dict[str, Any]:
+        if thinking:
+            message["reasoning_content"] = "\n\n".join(thinking)
+            thinking.clear()
+        return message
+
     for item in items:
         if item["type"] == "message":
             role = item["role"]
             text = "".join(part["text"] for part in item["content"])
-            messages.append({"role": "system" if role == "developer" else role, "content": text})
+            message = {"role": "system" if role == "developer" else role, "content": text}
+            messages.append(assistant(message) if role == "assistant" else message)
             joinable = role == "assistant"
+            thinking.clear()  # thinking before another's message belongs to no assistant turn
         elif item["type"] == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if joinable:
+            if joinable and not thinking:
                 messages[-1].setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            else:  # thinking between two calls opens a turn of its own, as the model wrote it
+                messages.append(assistant({"role": "assistant", "content": "", "tool_calls": [call]}))
                 joinable = True
         elif item["type"] == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
             joinable = False
+        elif item["type"] == "reasoning" and (text := reasoning_text(item)):
+            thinking.append(text)
     return messages
 
 
@@ -100,21 +116,26 @@ def prepare_response(services: Services, body: ResponsesRequest, call: Call, his
     policy = services.safety_policy(model, call.start.principal)
     input_items, messages = conversation(body, history)
     tools, tool_choice = body.chat_tools(), body.chat_tool_choice()
-    chat = screen_chat(partial(screen, call, policy, param="input"),
-                       ChatInput(messages, tools, body.response_format()))
+    try:
+        chat = screen_chat(partial(screen, call, policy, param="input"),
+                           ChatInput(messages, tools, body.response_format()))
+    except ContentPolicyViolationError as exc:
+        raise naming_fields(exc) from None
     templating, num_dropped = fitted_prompt(services, call, model, chat, tool_choice, body, body.max_output_tokens)
     with field_errors():
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, max_tokens=templating.max_tokens,
             logprobs=(body.top_logprobs or 0) if body.wants_logprobs else None,
-            structured_output=templating.structured, skip_special_tokens=templating.skip_special_tokens)
+            structured_output=templating.structured, skip_special_tokens=templating.skip_special_tokens,
+            reasoning_budget=templating.reasoning_budget)
     job = GenerationJob(new_id("resp_"), model, "chat", params, messages=templating.messages,
                         tools=tuple(chat.tools) if chat.tools else None, tool_choice=tool_choice,
                         parallel_tool_calls=body.parallel_tool_calls is not False,
                         response_format=chat.response_format, prompt_token_ids=templating.prompt_token_ids,
-                        context_window=templating.context_window, stream=bool(body.stream))
-    prepared_call = prepared(services, call, job, services.catalog.frontend(model), policy, templating.reply_format)
+                        context_window=templating.context_window, stream=bool(body.stream), thinking=body.thinking())
+    prepared_call = prepared(services, call, job, services.catalog.frontend(model), policy, templating.reply_format,
+                             reasoning=templating.reasoning)
     return PreparedResponse(prepared_call, input_items, int(time.time()), num_dropped)
 
 
@@ -169,7 +190,8 @@ def fitted_prompt(services: Services, call: Call, model: str, chat: ChatInput, t
     def fits(num_dropped: int) -> bool:
         try:
             prompt = template_chat(frontend, kept(num_dropped), chat.tools, tool_choice, body.parallel_tool_calls,
-                                   chat.response_format, services.tool_parser(frontend))
+                                   chat.response_format, services.tool_parser(frontend),
+                                   reasoning_parser=reasoning_parser(services, frontend), thinking=body.thinking())
         except ContextLengthExceededError:
             return False
         return len(prompt.prompt_token_ids) + reserve <= window
@@ -193,7 +215,18 @@ def fitted_prompt(services: Services, call: Call, model: str, chat: ChatInput, t
 def _templated(services: Services, call: Call, model: str, chat: ChatInput, tool_choice: Any, body: ResponsesPrompt,
                max_output_tokens: int | None) -> ChatTemplating:
     return chat_prompt(services, call, model, chat, tool_choice, max_output_tokens, "max_output_tokens",
-                       len(chat.messages), body.parallel_tool_calls)
+                       len(chat.messages), body.parallel_tool_calls, thinking=body.thinking())
+
+
+# The chat path's request fields a refusal names, as the Responses API names them.
+CHAT_TO_RESPONSES_PARAM = {"messages": "input", "response_format": "text.format", "tools": "tools"}
+
+
+def naming_fields(exc: ContentPolicyViolationError) -> ContentPolicyViolationError:
+    """The safety stage's refusal (its input check's, a guard model's), naming the Responses
+    field the finding is in: input, not messages."""
+    param = CHAT_TO_RESPONSES_PARAM.get(exc.param or "")
+    return exc if param is None or param == exc.param else ContentPolicyViolationError(exc.categories, param=param)
 
 
 def _naming_input(exc: ContextLengthExceededError) -> ContextLengthExceededError:

@@ -2,17 +2,21 @@
 
     response_base(body, prepared)          the Response as created: every echoed field, no output
     OutputItems.feed(delta) ... .close()   the reply's output items as its deltas arrive (and, for
-                                           a stream, the events each delta makes)
+                                           a stream, the events each delta makes): responses_output.py
     finished / failed(base, items, ...)    the Response at its end
     response_json / response_stream        one JSON body, or the SSE events framed the OpenAI way
 
 A stream goes: response.created, response.in_progress, then per output item
-output_item.added, [content_part.added, output_text.delta ..., output_text.done,
+output_item.added, [content_part.added, reasoning_text.delta ..., reasoning_text.done,
+content_part.done | content_part.added, output_text.delta ..., output_text.done,
 content_part.done | function_call_arguments.delta ..., function_call_arguments.done],
 output_item.done; and response.completed (response.incomplete where max_output_tokens or the
 safety stage cut it). Every event is named (`event: <type>`) and numbered (sequence_number, from
 0). An error after the stream began is an `error` event, then response.failed. Usage is the chat
-path's (Generation.usage), renamed; tool calls are its parsed pieces (ToolCallDelta).
+path's (Generation.usage), renamed; tool calls are its parsed pieces (ToolCallDelta). A
+reasoning model's thinking (ChoiceDelta.reasoning) is a reasoning item of its own, before the
+message or calls it led to, its text one reasoning_text part, as OpenAI's SDK types raw
+reasoning (vLLM sends gpt-oss's so); no summary parts (a summary would take another call).
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from tokenway.protocol.errors import InternalServerError, TokenwayError
-from tokenway.protocol.job import ChoiceDelta
 from tokenway.protocol.responses import (
     AllowedToolsChoice,
     FunctionChoice,
@@ -33,27 +36,19 @@ from tokenway.protocol.responses import (
     TextFormatJSONSchema,
 )
 from tokenway.protocol.responses_bodies import (
-    DeltaLogprob,
     ErrorEvent,
-    FunctionCallItem,
     FunctionToolBody,
     IncompleteDetails,
-    ItemStatus,
     LifecycleEvent,
     LifecycleType,
-    Logprob,
     NamespaceToolBody,
-    OutputItem,
-    OutputMessageItem,
-    OutputText,
     Response,
     ResponseStreamEvent,
     ResponseUsage,
 )
 from tokenway.server import sse
 from tokenway.server.generation import STREAM_FAILED, Generation, framed_stream
-from tokenway.server.openai_render import TokenText
-from tokenway.server.prepare import new_id
+from tokenway.server.responses_output import OutputItems
 from tokenway.server.responses_prepare import PreparedResponse
 
 logger = logging.getLogger(__name__)
@@ -115,129 +110,6 @@ def _function(tool: FunctionTool) -> FunctionToolBody:
             "strict": tool.strict is not False}
 
 
-class OutputItems:
-    """A reply's output items as its deltas arrive (Generation.outputs(): screened, and its tool
-    calls parsed into pieces): text opens a message item, a tool call's first piece (id, name) a
-    function_call item, and the next item closes the open one. With `stream`, feed() and close()
-    return the events each step makes; without, they build the items only.
-
-    A reasoning parser, when it lands, opens a ReasoningItem here from the delta's thinking."""
-
-    def __init__(self, stream: bool, sequence: Iterator[int], token_text: TokenText | None, top_logprobs: int,
-                 namespaces: dict[str, str] | None = None) -> None:
-        self.items: list[OutputItem] = []
-        self.namespaces = namespaces or {}  # function name -> its namespace tool's name
-        self.stream = stream
-        self.sequence = sequence  # the stream's sequence_number, shared with its lifecycle events
-        self.token_text = token_text  # None: no logprobs asked for
-        self.top_logprobs = top_logprobs
-        self._message: OutputMessageItem | None = None  # the open message, its text in _texts until closed
-        self._texts: list[str] = []
-        self._logprobs: list[Logprob] = []
-        self._call: FunctionCallItem | None = None  # the open call, its arguments in _arguments
-        self._arguments: list[str] = []
-        self._call_index = -1  # the open call's index among the reply's calls
-
-    def feed(self, delta: ChoiceDelta) -> list[ResponseStreamEvent]:
-        events: list[ResponseStreamEvent] = []
-        logprobs = self._logprobs_of(delta)
-        if delta.text or logprobs:
-            if self._message is None:
-                events += self._open_message()
-            self._texts.append(delta.text)
-            self._logprobs += logprobs
-            if self.stream:
-                assert self._message is not None
-                events.append({"type": "response.output_text.delta", "sequence_number": next(self.sequence),
-                               "item_id": self._message["id"], "output_index": len(self.items) - 1,
-                               "content_index": 0, "delta": delta.text, "logprobs": streamed(logprobs)})
-        for piece in delta.tool_calls:
-            if self._call is None or piece.index != self._call_index:
-                events += self._close("completed")
-                call: FunctionCallItem = {"id": new_id("fc_"), "type": "function_call", "call_id": piece.id or "",
-                                          "name": piece.name or "", "arguments": "", "status": "in_progress"}
-                if call["name"] in self.namespaces:
-                    call["namespace"] = self.namespaces[call["name"]]
-                self._call, self._call_index = call, piece.index
-                events += self._added(call)
-            if piece.arguments:
-                self._arguments.append(piece.arguments)
-                if self.stream:
-                    assert self._call is not None
-                    events.append({"type": "response.function_call_arguments.delta",
-                                   "sequence_number": next(self.sequence), "item_id": self._call["id"],
-                                   "output_index": len(self.items) - 1, "delta": piece.arguments})
-        return events
-
-    def close(self, finish_reason: str | None) -> list[ResponseStreamEvent]:
-        """End the reply: its last item is cut (incomplete) where max_output_tokens or the safety
-        stage ended it; a reply of nothing is one empty message, as OpenAI sends it."""
-        events = [] if self.items else self._open_message()
-        return events + self._close("incomplete" if finish_reason in ("length", "content_filter") else "completed")
-
-    def _logprobs_of(self, delta: ChoiceDelta) -> list[Logprob]:
-        if self.token_text is None or not delta.logprobs:
-            return []
-        return self.token_text.chat_logprobs(delta.logprobs, self.top_logprobs)["content"]
-
-    def _open_message(self) -> list[ResponseStreamEvent]:
-        events = self._close("completed")
-        message: OutputMessageItem = {"id": new_id("msg_"), "type": "message", "role": "assistant",
-                                      "status": "in_progress", "content": []}
-        self._message = message
-        events += self._added(message)
-        if self.stream:
-            events.append({"type": "response.content_part.added", "sequence_number": next(self.sequence),
-                           "item_id": message["id"], "output_index": len(self.items) - 1, "content_index": 0,
-                           "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
-        return events
-
-    def _added(self, item: OutputItem) -> list[ResponseStreamEvent]:
-        self.items.append(item)
-        if not self.stream:
-            return []
-        return [{"type": "response.output_item.added", "sequence_number": next(self.sequence),
-                 "output_index": len(self.items) - 1, "item": item.copy()}]
-
-    def _close(self, status: ItemStatus) -> list[ResponseStreamEvent]:
-        """Finish the open item (its text or arguments joined once) with `status`."""
-        events: list[ResponseStreamEvent] = []
-        index = len(self.items) - 1
-        if self._message is not None:
-            message, self._message = self._message, None
-            part: OutputText = {"type": "output_text", "text": "".join(self._texts), "annotations": [],
-                                "logprobs": self._logprobs}
-            self._texts, self._logprobs = [], []
-            message["content"], message["status"] = [part], status
-            if self.stream:
-                item_id = message["id"]
-                events.append({"type": "response.output_text.done", "sequence_number": next(self.sequence),
-                               "item_id": item_id, "output_index": index, "content_index": 0, "text": part["text"],
-                               "logprobs": streamed(part["logprobs"])})
-                events.append({"type": "response.content_part.done", "sequence_number": next(self.sequence),
-                               "item_id": item_id, "output_index": index, "content_index": 0, "part": part})
-        elif self._call is not None:
-            call, self._call = self._call, None
-            call["arguments"], call["status"] = "".join(self._arguments), status
-            self._arguments = []
-            if self.stream:
-                events.append({"type": "response.function_call_arguments.done", "sequence_number": next(self.sequence),
-                               "item_id": call["id"], "output_index": index, "arguments": call["arguments"]})
-        else:
-            return events
-        if self.stream:
-            events.append({"type": "response.output_item.done", "sequence_number": next(self.sequence),
-                           "output_index": index, "item": self.items[index]})
-        return events
-
-
-def streamed(logprobs: list[Logprob]) -> list[DeltaLogprob]:
-    """Logprobs as a stream's text events carry them: without the bytes."""
-    return [{"token": lp["token"], "logprob": lp["logprob"],
-             "top_logprobs": [{"token": top["token"], "logprob": top["logprob"]} for top in lp["top_logprobs"]]}
-            for lp in logprobs]
-
-
 def response_usage(generation: Generation) -> ResponseUsage:
     """The chat path's usage, in the Responses API's names."""
     usage = generation.usage()
@@ -245,7 +117,7 @@ def response_usage(generation: Generation) -> ResponseUsage:
             "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
                                      "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},  # a reasoning parser's count, when one lands
+            "output_tokens_details": {"reasoning_tokens": generation.num_reasoning_tokens},
             "total_tokens": usage["total_tokens"]}
 
 
