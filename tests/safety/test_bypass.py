@@ -96,6 +96,10 @@ CHANNELS = {
         {"type": "text", "text": "Here:"}, {"type": "text", "text": s}]}]),
     "refusal_part": lambda s: openai_input(messages=[user("Hi"), {"role": "assistant", "content": [
         {"type": "refusal", "refusal": f"I won't use {s}."}]}, user("ok")]),
+    "reasoning_content": lambda s: openai_input(messages=[user("Hi"), {"role": "assistant", "content": "Done.",
+                                                          "reasoning_content": f"They paid with {s}."}, user("ok")]),
+    "reasoning": lambda s: openai_input(messages=[user("Hi"), {"role": "assistant", "content": "Done.",
+                                                  "reasoning": f"They paid with {s}."}, user("ok")]),
     "name": lambda s: openai_input(messages=[{"role": "user", "name": s.replace(" ", "_"), "content": "Hi"}]),
     "tool_call_arguments": lambda s: openai_input(messages=called(json.dumps({"order_id": s}))),
     "tool_call_arguments_escaped": lambda s: openai_input(messages=called(json.dumps({"note": s}, ensure_ascii=True)

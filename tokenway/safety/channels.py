@@ -145,6 +145,9 @@ def _walk_message(message: dict, visit: Visit) -> dict:
     elif isinstance(content, list):  # text parts
         parts = [_walk_part(part, visit) for part in content]
         changes["content"] = content if all(new is old for new, old in zip(parts, content)) else parts
+    for field in ("reasoning_content", "reasoning"):  # a reasoning model's thinking, passed back into the prompt
+        if isinstance(message.get(field), str):
+            changes[field] = _visit(message[field], visit, "messages", True, True)
     for field in ("name", "tool_call_id"):
         if isinstance(message.get(field), str):
             changes[field] = _visit_field(message[field], visit, "messages")
