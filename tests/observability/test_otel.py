@@ -153,6 +153,7 @@ def test_completed_chat_is_a_server_span_with_genai_attributes(receiver, exporte
         "gen_ai.usage.input_tokens": 120,
         "gen_ai.usage.output_tokens": 101,
         "gen_ai.usage.cache_read.input_tokens": 64,
+        "tokenway.usage.reasoning_tokens": 0,
         "server.address": "10.0.0.7",
         "server.port": 8123,
         "http.response.status_code": 200,

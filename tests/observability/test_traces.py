@@ -42,9 +42,10 @@ def test_trace_of_a_call_takes_the_clock_the_job_and_the_outcome():
     call.set_replica(ReplicaChoice("m", "local", "only"))
     call.set_job(GenerationJob("cmpl-1", "m", "completion", SamplingParams(max_tokens=11, seed=7), n=2,
                                prompt_token_ids=tuple(range(20)), stream=True))
-    outcome = CallOutcome(200, prompt_tokens=20, completion_tokens=22, max_choice_tokens=11, finish_reason="length",
-                          cache_reason="not_cached")
+    outcome = CallOutcome(200, prompt_tokens=20, completion_tokens=22, reasoning_tokens=9, max_choice_tokens=11,
+                          finish_reason="length", cache_reason="not_cached")
     trace = Trace.of_call(call, outcome, cost_usd=0.5)
+    assert trace.reasoning_tokens == 9
     assert trace.request_id == "cmpl-1" and trace.model == "m" and trace.cost_usd == 0.5
     assert trace.total_ms == pytest.approx(153.0)
     assert trace.ttft_ms == pytest.approx(50.0)
@@ -94,7 +95,8 @@ def test_summary_shares_are_of_completed_calls_and_add_up_to_one():
 
 
 def test_waterfall_table_lists_every_stage_with_its_share():
-    table = render_waterfall(make_trace().to_dict())
+    table = render_waterfall(make_trace(reasoning_tokens=6).to_dict())
+    assert "completion=11 (reasoning=6)" in table
     lines = {line.split()[0]: line for line in table.splitlines() if line and line.split()[0] in STAGES}
     assert list(lines) == list(STAGES)
     assert "70.0%" in lines["decode"] and "#" in lines["decode"]
@@ -111,7 +113,7 @@ def scrape(metrics: Metrics) -> dict:
 
 def test_metrics_follow_prometheus_naming_and_count_each_call_once():
     metrics = Metrics(lambda: ENGINE_STATS, lambda: {"num_rows_written": 7, "num_rows_quarantined": 1})
-    metrics.observe(make_trace())
+    metrics.observe(make_trace(reasoning_tokens=5))
     metrics.observe(make_trace("r2", status=429, limit_kind="tokens", ttft_ms=None, tpot_ms=None,
                                completion_tokens=0, finish_reason=None, cost_usd=0.0, cache_reason=None))
     metrics.observe(make_trace("r3", status=499, finish_reason=None))
@@ -121,6 +123,7 @@ def test_metrics_follow_prometheus_naming_and_count_each_call_once():
     assert s[("tokenway_rate_limited_total", (("kind", "tokens"),))] == 1
     assert s[("tokenway_client_disconnects_total", (("model", "m"),))] == 1
     assert s[("tokenway_completion_tokens_total", (("model", "m"),))] == 22
+    assert s[("tokenway_reasoning_tokens_total", (("model", "m"),))] == 5
     assert s[("tokenway_cost_usd_total", (("model", "m"),))] == pytest.approx(0.004)
     assert s[("tokenway_time_to_first_token_seconds_count", (("model", "m"),))] == 2
     assert s[("tokenway_time_to_first_token_seconds_sum", (("model", "m"),))] == pytest.approx(0.06)

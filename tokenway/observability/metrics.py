@@ -94,6 +94,7 @@ class Metrics:
         self.prompt_tokens = counter("tokenway_prompt_tokens", "Prompt tokens (including cached ones).")
         self.cached_tokens = counter("tokenway_cached_prompt_tokens", "Prompt tokens served from the prefix cache.")
         self.completion_tokens = counter("tokenway_completion_tokens", "Generated tokens.")
+        self.reasoning_tokens = counter("tokenway_reasoning_tokens", "Generated tokens spent thinking.")
         self.cost = counter("tokenway_cost_usd", "Billed cost in US dollars.")
         self.rate_limited = counter("tokenway_rate_limited", "Calls refused with 429, by the limit that refused.",
                                     ("kind",))
@@ -139,6 +140,8 @@ class Metrics:
             self.cached_tokens.labels(model).inc(trace.cached_tokens)
         if trace.completion_tokens:
             self.completion_tokens.labels(model).inc(trace.completion_tokens)
+        if trace.reasoning_tokens:
+            self.reasoning_tokens.labels(model).inc(trace.reasoning_tokens)
         if trace.cost_usd:
             self.cost.labels(model).inc(trace.cost_usd)
         if trace.cache_reason is not None:

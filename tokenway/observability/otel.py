@@ -126,6 +126,7 @@ class OtelExporter:
             "gen_ai.usage.input_tokens": trace.prompt_tokens,
             "gen_ai.usage.output_tokens": trace.completion_tokens,
             "gen_ai.usage.cache_read.input_tokens": trace.cached_tokens,
+            "tokenway.usage.reasoning_tokens": trace.reasoning_tokens,
             **self._server_attributes,
             "http.response.status_code": trace.status,
             "tokenway.endpoint": trace.endpoint,

@@ -49,6 +49,7 @@ class Trace:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, those a reasoning model spent thinking
     finish_reason: str | None = None
     error: str | None = None
     cost_usd: float = 0.0
@@ -75,8 +76,9 @@ class Trace:
             tpot_ms=tpot_ms(stages_ms["decode"], outcome.max_choice_tokens) if clock.ended("decode") else None,
             stream=job is not None and job.stream, num_choices=job.n if job is not None else 1,
             prompt_tokens=outcome.prompt_tokens, cached_tokens=outcome.cached_tokens,
-            completion_tokens=outcome.completion_tokens, finish_reason=outcome.finish_reason, error=outcome.error,
-            cost_usd=cost_usd, cache_reason=outcome.cache_reason, limit_kind=outcome.limit_kind, sampling=sampling,
+            completion_tokens=outcome.completion_tokens, reasoning_tokens=outcome.reasoning_tokens,
+            finish_reason=outcome.finish_reason, error=outcome.error, cost_usd=cost_usd,
+            cache_reason=outcome.cache_reason, limit_kind=outcome.limit_kind, sampling=sampling,
             traceparent=call.start.traceparent,
             route=None if replica is None else {"pool": replica.pool, "replica": replica.replica,
                                                 "reason": replica.reason,
@@ -100,7 +102,8 @@ class Trace:
         return cls(request_id=row.request_id, model=row.model, key_id=row.key_id, status=row.status,
                    started_at=row.started_at, stages_ms=row.stages_ms, prompt_tokens=row.prompt_tokens,
                    cached_tokens=row.cached_tokens, completion_tokens=row.completion_tokens,
-                   finish_reason=row.finish_reason, error=row.error, cost_usd=row.cost_usd, **extras)
+                   reasoning_tokens=row.reasoning_tokens, finish_reason=row.finish_reason, error=row.error,
+                   cost_usd=row.cost_usd, **extras)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -197,7 +200,9 @@ def render_waterfall(trace: dict) -> str:
         f"request {trace['request_id']}  {trace['endpoint']}  model={trace['model']}  status={trace['status']}"
         + (f"  finish_reason={trace['finish_reason']}" if trace.get("finish_reason") else ""),
         f"tokens: prompt={trace['prompt_tokens']} cached={trace['cached_tokens']} "
-        f"completion={trace['completion_tokens']}  cost=${trace.get('cost_usd', 0.0):.6f}",
+        f"completion={trace['completion_tokens']}"
+        + (f" (reasoning={trace['reasoning_tokens']})" if trace.get("reasoning_tokens") else "")
+        + f"  cost=${trace.get('cost_usd', 0.0):.6f}",
         f"ttft={_ms(trace.get('ttft_ms'))}  tpot={_ms(trace.get('tpot_ms'))}  total={total:.2f} ms",
     ]
     if trace.get("error"):
