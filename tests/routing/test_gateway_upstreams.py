@@ -264,7 +264,9 @@ def test_a_bad_upstream_ends_a_stream_with_an_error_event_within_the_deadline(ga
     error = json.loads(events[-2])["error"]
     assert events[-1] == "[DONE]", events
     assert "upstream" in error["message"].lower() or "timed out" in error["message"].lower(), error
-    assert time.monotonic() - started < 5  # between_tokens_timeout_s = 1, timeout_s = 3
+    # The gateway's deadline (between_tokens_timeout_s = 1, timeout_s = 3) ended it, not the client's 30 s:
+    # the bound is loose so that a loaded machine cannot fail it.
+    assert time.monotonic() - started < 20
     if fault == "hung":
         assert oa.wait_for(lambda: oa.num_disconnects > num_disconnects)  # the gateway hung up on it
     assert server.stats()["replicas"]["solo"]["oa"]["num_in_flight"] == 0
@@ -281,7 +283,7 @@ def test_a_hung_upstream_gets_a_504_within_the_deadline(gateway):
     response = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=30, json={
         "model": "solo", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
     assert response.status_code == 504, response.text
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 20  # timeout_s = 3 ended it, not the client's 30 s
     assert oa.wait_for(lambda: oa.num_disconnects > num_disconnects)
     assert server.stats()["replicas"]["solo"]["oa"]["num_in_flight"] == 0  # nothing leaks
 
