@@ -18,6 +18,7 @@ from tokenway.gateway.auth import ANONYMOUS
 from tokenway.gateway.gatekeeper import Defaults, Gatekeeper
 from tokenway.gateway.keystore import KeyStore
 from tokenway.gateway.limits import InProcessLimiter
+from tokenway.observability.observer import Observer
 from tokenway.routing.router import Pool, Router
 from tokenway.safety.screen import SafetyPolicy
 from tokenway.server.responses_tasks import ABANDONED
@@ -104,8 +105,9 @@ def test_responses_older_than_the_ttl_are_purged_at_start(served):
     assert session(services, steps) == [404, 200]
 
 
-def test_a_background_response_writes_one_ledger_row(served):
+def test_a_background_response_writes_one_ledger_row_and_one_trace(served):
     services, replica = served
+    services = dataclasses.replace(services, observer=Observer(lambda: None))
     replica.words = 5
 
     async def steps(client):
@@ -116,6 +118,8 @@ def test_a_background_response_writes_one_ledger_row(served):
 
     response_id, rows = session(services, steps)
     assert [(row.request_id, row.status, row.completion_tokens) for row in rows] == [(response_id, 200, 5)]
+    traces = services.observer.traces.recent(10)
+    assert [(trace.request_id, trace.status, trace.completion_tokens) for trace in traces] == [(response_id, 200, 5)]
 
 
 def test_a_safety_refusal_names_the_input(served):

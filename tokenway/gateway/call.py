@@ -91,7 +91,7 @@ class CallOutcome:
 
 class Call:
     __slots__ = ("clock", "start", "route", "job", "admission", "replica", "outcome", "committed", "screening",
-                 "guard")
+                 "guard", "handed_over")
 
     def __init__(self, start: CallStart, clock: StageClock | None = None) -> None:
         self.clock = clock or StageClock()
@@ -104,6 +104,7 @@ class Call:
         self.committed = False  # the ledger row is written (Gatekeeper's flag)
         self.screening: InputScreening | None = None  # the safety stage's input check
         self.guard: GuardVerdict | None = None  # a guard model's verdict on the input, where one is set
+        self.handed_over = False  # another call records this one's work (hand_over)
 
     @property
     def request_id(self) -> str:
@@ -112,6 +113,12 @@ class Call:
     @property
     def model(self) -> str:
         return self.route.model if self.route is not None else ""
+
+    def hand_over(self) -> None:
+        """Another call now owns this one's work and records it (a background response's run,
+        detached from the request that made it): this call writes no ledger row and no trace."""
+        self.committed = True
+        self.handed_over = True
 
     def set_route(self, route: RouteChoice) -> None:
         assert self.route is None, "the route is chosen once"

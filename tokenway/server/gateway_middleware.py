@@ -86,7 +86,7 @@ class GatewayMiddleware:
             status, call = await self._handle(scope, receive, send, clock, generation_call)
         finally:
             clock.finish()
-            if generation_call and self.observer is not None and call is not None:
+            if generation_call and self.observer is not None and call is not None and not call.handed_over:
                 call.end_as_sent(status)
                 outcome = call.outcome
                 assert outcome is not None, "end_as_sent makes one where the call had none"

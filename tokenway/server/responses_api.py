@@ -88,9 +88,9 @@ def router(services: Services) -> APIRouter:
         assert call.route is not None, "prepare_response routes the call first"
         http_call.set_route(call.route)  # the POST's own row (a refusal's, before admission) names the model too
         generation = await admitted_response(services, call, prepared)
-        # Admitted, the detached call writes the one ledger row (record(), whatever ends it): the
-        # POST answered with it writes none (the gateway's middleware skips a committed call).
-        http_call.committed = True
+        # Admitted, the detached call writes the one ledger row and trace (record(), whatever ends
+        # it): the POST answered with it writes neither.
+        http_call.hand_over()
         base = response_base(body, prepared)
         queued = base.copy()
         queued["status"] = "queued"
