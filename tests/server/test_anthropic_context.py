@@ -3,7 +3,7 @@ cleared, when, and what each edit reports, counted by a tokenizer stand-in (a to
 
 import json
 
-from tokenway.protocol.anthropic import ContextManagement
+from tokenway.protocol.anthropic_edits import ContextManagement
 from tokenway.server.anthropic_context import PLACEHOLDER, apply_edits
 
 

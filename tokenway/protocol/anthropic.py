@@ -3,7 +3,7 @@ field as the anthropic SDK names them (anthropic/types/message_create_params.py 
 their blocks are protocol/anthropic_blocks.py's, their tools protocol/anthropic_tools.py's, and
 what the server sends back protocol/anthropic_bodies.py's.
 
-    MessagesPrompt (count_tokens) ⊂ MessagesRequest
+    MessagesPrompt (count_tokens) ⊂ MessagesRequest (context_management: protocol/anthropic_edits.py)
         ── chat_conversation / to_chat_tools ──► the OpenAI-style messages and tools our chat
                                                  templates take, and the cache breakpoint
         ── thinking_request / response_format ──► what the call asks of the model's thinking
@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from tokenway.protocol.anthropic_blocks import (
     ASSISTANT_ONLY,
@@ -34,6 +34,7 @@ from tokenway.protocol.anthropic_blocks import (
     ToolUseBlock,
     has_breakpoint,
 )
+from tokenway.protocol.anthropic_edits import ContextManagement
 from tokenway.protocol.anthropic_tools import (
     Tool,
     ToolChoice,
@@ -112,64 +113,6 @@ class JSONOutputFormat(WireModel):
 class OutputConfig(WireModel):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: JSONOutputFormat | None = None
-
-
-# ---- context management (the beta's context editing) --------------------------------------------
-
-Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
-
-
-class InputTokens(WireModel):
-    type: Literal["input_tokens"]
-    value: Count
-
-
-class ToolUses(WireModel):
-    type: Literal["tool_uses"]
-    value: Count
-
-
-class ClearToolUses(WireModel):
-    """Older tool results (and, with clear_tool_inputs, their calls' inputs) replaced by a
-    placeholder once the prompt passes the trigger (server/anthropic_context.py)."""
-
-    type: Literal["clear_tool_uses_20250919"]
-    trigger: Annotated[InputTokens | ToolUses, TaggedUnion("trigger")] = InputTokens(type="input_tokens",
-                                                                                     value=100_000)
-    keep: ToolUses = ToolUses(type="tool_uses", value=3)
-    clear_at_least: InputTokens | None = None
-    clear_tool_inputs: bool | list[str] | None = None
-    exclude_tools: list[str] | None = None
-
-
-class ThinkingTurns(WireModel):
-    type: Literal["thinking_turns"]
-    value: Count
-
-
-class AllThinkingTurns(WireModel):
-    type: Literal["all"]
-
-
-class ClearThinking(WireModel):
-    """The thinking of all but the last `keep` assistant turns that thought, left out."""
-
-    type: Literal["clear_thinking_20251015"]
-    keep: Annotated[ThinkingTurns | AllThinkingTurns, TaggedUnion("keep")] | Literal["all"] = ThinkingTurns(
-        type="thinking_turns", value=1)
-
-
-class Compact(WireModel):
-    type: Literal["compact_20260112"]
-
-    @model_validator(mode="after")
-    def _not_here(self) -> Compact:
-        raise fail("compaction", "compact_20260112 summarizes the conversation server-side mid-call, which this "
-                   "server does not do; clear tool results (clear_tool_uses_20250919) or compact client-side")
-
-
-class ContextManagement(WireModel):
-    edits: list[Annotated[ClearToolUses | ClearThinking | Compact, TaggedUnion("edit")]] | None = None
 
 
 # ---- the requests -------------------------------------------------------------------------------

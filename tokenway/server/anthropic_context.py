@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tokenway.protocol.anthropic import AllThinkingTurns, ClearThinking, ClearToolUses
 from tokenway.protocol.anthropic_bodies import AppliedEdit
+from tokenway.protocol.anthropic_edits import AllThinkingTurns, ClearThinking, ClearToolUses
 
 PLACEHOLDER = "[This tool result was cleared to save context.]"
 

@@ -22,15 +22,9 @@ from typing import Any, Literal
 from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.templating import template_chat, templated_token_ids
 from tokenway.gateway.call import Call
-from tokenway.protocol.anthropic import (
-    ClearThinking,
-    ClearToolUses,
-    MessagesPrompt,
-    MessagesRequest,
-    chat_conversation,
-    to_chat_tools,
-)
+from tokenway.protocol.anthropic import MessagesPrompt, MessagesRequest, chat_conversation, to_chat_tools
 from tokenway.protocol.anthropic_bodies import AppliedEdit, MessageTokensCount
+from tokenway.protocol.anthropic_edits import ClearThinking, ClearToolUses
 from tokenway.protocol.anthropic_tools import chat_tool_choice
 from tokenway.protocol.errors import ContextLengthExceededError
 from tokenway.protocol.job import GenerationJob, estimate_chat_tokens
@@ -138,7 +132,7 @@ def prepare_messages(services: Services, body: MessagesRequest, call: Call) -> M
                         prompt_token_ids=templating.prompt_token_ids, context_window=templating.context_window,
                         stream=bool(body.stream), thinking=prompt.thinking)
     reply_format = templating.reply_format and dataclasses.replace(templating.reply_format, id_prefix="toolu_")
-    num_breakpoint_tokens = 0
+    num_breakpoint_tokens = 0  # counted before prepared() ends the tokenize stage's clock
     if frontend is not None and prompt.num_cached_messages and templating.prompt_token_ids is not None:
         num_breakpoint_tokens = breakpoint_tokens(services, frontend, chat, prompt, templating)
     return MessagesCall(prepared(services, call, job, frontend, policy, reply_format, reasoning=templating.reasoning),
