@@ -69,6 +69,19 @@ def test_a_small_route_has_a_small_body_cap(app_and_ledger):
     assert response.status_code == 413 and "65536" in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/messages/count_tokens", "/v1/responses/input_tokens", "/tokenize"])
+def test_counting_routes_take_the_generation_body_cap(app_and_ledger, path):
+    """Agents count long conversations before sending them: a counting route takes what the
+    generation routes take, not the 64 KiB of the other routes."""
+    app, _ = app_and_ledger
+    long_text = "word " * 30_000  # 150 KB
+    body = {"/v1/messages/count_tokens": {"model": MODEL, "messages": [{"role": "user", "content": long_text}]},
+            "/v1/responses/input_tokens": {"model": MODEL, "input": long_text},
+            "/tokenize": {"model": MODEL, "prompt": long_text}}[path]
+    [response] = call(app, ("POST", path, {"json": body}))
+    assert response.status_code != 413, response.text
+
+
 @pytest.mark.parametrize("content_type, status", [
     ("application/x-www-form-urlencoded", 415), ("text/plain", 415), ("multipart/form-data; boundary=x", 415),
     ("application/json; charset=utf-8", 200), ("application/vnd.api+json", 200),

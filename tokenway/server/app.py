@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tokenway.protocol.anthropic import MessagesRequest
+from tokenway.protocol.anthropic import MessagesPrompt, MessagesRequest
 from tokenway.protocol.embeddings import EmbeddingRequest
 from tokenway.protocol.errors import (
     InternalServerError,
@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 # The request bodies the API routes parse themselves, in the OpenAPI document's components.
 REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, ResponsesRequest, InputTokensRequest, MessagesRequest,
-                  EmbeddingRequest, TokenizeRequest, DetokenizeRequest)
+                  MessagesPrompt, EmbeddingRequest, TokenizeRequest, DetokenizeRequest)
 # In the order their routes appear in the OpenAPI document.
 ROUTERS = (openai_api, responses_api, anthropic_api, moderations_api, embeddings_api, models_api, ops_api, admin_api,
            observability_api)

@@ -45,7 +45,8 @@ GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/re
                               "/v1/embeddings"})
 # Routes whose bodies may be large (prompts, token ids) get --max-body-bytes; every other
 # route (admin, usage, traces, ...) is capped at SMALL_BODY_BYTES.
-LARGE_BODY_PATHS = GENERATION_PATHS | {"/v1/responses/input_tokens", "/tokenize", "/detokenize"}
+LARGE_BODY_PATHS = GENERATION_PATHS | {"/v1/responses/input_tokens", "/v1/messages/count_tokens", "/tokenize",
+                                       "/detokenize"}
 SMALL_BODY_BYTES = 64 * 1024
 
 
