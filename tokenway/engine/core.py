@@ -36,7 +36,6 @@ from tokenway.models.decoder import DecoderForCausalLM
 from tokenway.models.linear import select_kernels
 from tokenway.models.loader import resolve_model
 from tokenway.models.weights import KernelCache, iter_weights, quantized_weights
-from tokenway.protocol.errors import FieldError
 from tokenway.protocol.outputs import EngineOutput
 from tokenway.protocol.sampling import SamplingParams
 
@@ -162,12 +161,6 @@ class EngineCore:
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.prompts.check(prompt_token_ids, params)
-        budget = params.reasoning_budget
-        # The engine writes these tokens itself: one the model has no embedding for would fail the step.
-        if budget is not None and (bad := next((t for t in budget.end_token_ids
-                                                if not 0 <= t < self.model_config.vocab_size), None)) is not None:
-            raise FieldError("reasoning_budget",
-                             f"token id {bad} is outside the vocabulary [0, {self.model_config.vocab_size})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.validate_prompt(prompt_token_ids, params)

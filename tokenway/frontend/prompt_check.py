@@ -31,8 +31,8 @@ def eos_token_ids(tokenizer: Tokenizer, model_config: ModelConfig) -> frozenset[
 class PromptChecker:
     """What the engine refuses before a request runs, checkable without the weights (an engine
     in another process checks here, on the caller's side, so a refusal is a 400 before any byte
-    of a stream): ids outside the vocabulary, a prompt over the window, a response_format that
-    cannot be compiled. Raises FieldError naming the field."""
+    of a stream): ids outside the vocabulary (the prompt's, logit_bias's, a reasoning budget's), a
+    prompt over the window, a response_format that cannot be compiled. Raises FieldError naming the field."""
 
     vocab_size: int
     max_model_len: int
@@ -52,6 +52,11 @@ class PromptChecker:
             bad = next((t for t in params.logit_bias if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise FieldError("logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        budget = params.reasoning_budget
+        if budget is not None:  # the engine writes these tokens itself: one with no embedding would fail the step
+            bad = next((t for t in (*budget.start_token_ids, *budget.end_token_ids) if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise FieldError("reasoning_budget", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
         if params.structured_output is not None:
             self.structured_output.compile(params.structured_output)  # cached: add_request reuses it
 

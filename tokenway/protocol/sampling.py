@@ -202,6 +202,8 @@ class SamplingParams:
             fail("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputSpec):
             fail("structured_output", f"must be a StructuredOutputSpec, got {type(self.structured_output).__name__}")
+        if self.reasoning_budget is not None and not isinstance(self.reasoning_budget, ReasoningBudget):
+            fail("reasoning_budget", f"must be a ReasoningBudget, got {type(self.reasoning_budget).__name__}")
         # Normalise the containers so the object is truly immutable.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
