@@ -71,6 +71,9 @@ class SqlResponseStore:
         self._local = threading.local()  # .backend: the executor thread's own connection
         self._backends: list[ResponseBackend] = []  # every one open, to close them all at the end
         self._backends_lock = threading.Lock()
+        # Connections are opened one at a time: each makes the schema if missing (and SQLite's
+        # switch to WAL), which concurrent openers on one new file would otherwise fight over.
+        self._opening = threading.Lock()
         self._outage: Outage | None = None  # swapped whole; read on the event loop, written by the threads
         self._closed = False
 
@@ -208,7 +211,8 @@ class SqlResponseStore:
         raise ResponseStoreUnavailable(backoff_s) from error
 
     def _open(self) -> ResponseBackend:
-        backend = self._connect()
+        with self._opening:
+            backend = self._connect()
         with self._backends_lock:
             self._backends.append(backend)
         return backend

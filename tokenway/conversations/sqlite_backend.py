@@ -100,7 +100,10 @@ class SqliteBackend:
             if max_bytes is None:
                 # The file is the ledger's and the keys' too: wait out their write locks.
                 self._conn.execute("PRAGMA busy_timeout = 10000")
-                self._conn.execute("PRAGMA journal_mode = WAL")
+                # The mode is the file's, kept once set: switching takes an exclusive lock that
+                # SQLite may refuse at once (no busy wait) while another connection reads.
+                if self._conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                    self._conn.execute("PRAGMA journal_mode = WAL")
                 self._conn.execute("PRAGMA synchronous = NORMAL")
             self._conn.executescript(_SCHEMA)
             _add_lease_column(self._conn)
