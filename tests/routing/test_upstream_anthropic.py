@@ -21,7 +21,8 @@ from tokenway.protocol.errors import (
 )
 from tokenway.protocol.job import ChoiceDelta, GenerationJob, ToolCallDelta, Usage
 from tokenway.protocol.sampling import SamplingParams
-from tokenway.routing.anthropic_upstream import AnthropicUpstream, sum_usages, to_anthropic_tool_choice
+from tokenway.routing.anthropic_upstream import AnthropicUpstream, to_anthropic_tool_choice
+from tokenway.routing.upstream import sum_usages
 
 from .stub_upstream import Reply, StubUpstream, anthropic_event, collect, reassemble_tool_calls
 

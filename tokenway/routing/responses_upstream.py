@@ -39,10 +39,9 @@ from tokenway.routing.upstream import (
     UpstreamTimeouts,
     api_key_from_env,
     counted_usage,
-    merge_streams,
+    one_call_a_choice,
     parse_json_object,
     reasoning_effort,
-    sum_usages,
 )
 from tokenway.routing.upstream_errors import stream_error
 
@@ -277,12 +276,13 @@ class ResponsesUpstream(HTTPReplica):
     async def generate(self, job: GenerationJob) -> AsyncGenerator[ReplicaEvent, None]:
         body = responses_body(job, self.model)
         readers = [_ResponseReader(self.name, index) for index in range(job.n)]
-        calls = [self._call(body, job.deadline, reader) for reader in readers]
-        async with aclosing(calls[0] if job.n == 1 else merge_streams(calls)) as deltas:
-            async for delta in deltas:
-                yield delta
-        yield sum_usages([reader.usage or counted_usage(job, ["".join(reader.texts)], self._count_tokens)
-                          for reader in readers])
+        events = one_call_a_choice(
+            [self._call(body, job.deadline, reader) for reader in readers],
+            lambda: [reader.usage or counted_usage(job, ["".join(reader.texts)], self._count_tokens)
+                     for reader in readers])
+        async with aclosing(events):
+            async for event in events:
+                yield event
 
     async def _call(self, body: dict[str, Any], deadline: float | None, reader: _ResponseReader
                     ) -> AsyncGenerator[ChoiceDelta, None]:

@@ -363,6 +363,17 @@ async def merge_streams(streams: Sequence[AsyncGenerator[ChoiceDelta, None]]) ->
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def one_call_a_choice(calls: Sequence[AsyncGenerator[ChoiceDelta, None]],
+                            usages: Callable[[], Sequence[Usage]]) -> AsyncGenerator[ChoiceDelta | Usage, None]:
+    """A job's n choices from an upstream that makes one a call: the calls' deltas as they
+    arrive (merge_streams; one call read directly), then one Usage, their usages summed, read
+    once every call has ended."""
+    async with aclosing(calls[0] if len(calls) == 1 else merge_streams(calls)) as deltas:
+        async for delta in deltas:
+            yield delta
+    yield sum_usages(usages())
+
+
 class HTTPReplica:
     """What every replica reached over HTTP shares: its UpstreamHTTP client (`self.http`), the
     health probe, and closing the client's connections."""
