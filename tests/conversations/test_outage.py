@@ -7,6 +7,7 @@ import logging
 import socket
 import sqlite3
 
+import anyio
 import pytest
 
 import tokenway.conversations.database as database
@@ -138,5 +139,41 @@ async def test_the_memory_store_keeps_the_newest_responses_within_its_budget():
         assert await store.get("resp_5", "key-a") is None
         assert await store.get("resp_6", "key-a") is not None
         assert await store.delete("resp_6", "key-a")
+    finally:
+        await store.close()
+
+
+async def test_keep_rides_out_an_outage_and_reads_meanwhile_are_refused_not_stalled(tmp_path, monkeypatch):
+    monkeypatch.setattr(database, "RETRY_FIRST_S", 0.05)
+    monkeypatch.setattr(database, "RETRY_MAX_S", 0.05)
+    directory = tmp_path / "later"
+    store = open_response_store(f"sqlite://{directory}/responses.db")
+    try:
+        store.keep(make_response("resp_1"))
+        with pytest.raises(ResponseStoreUnavailable):  # waits for the insert's first try only
+            await store.get("resp_1", "key-a")
+        directory.mkdir()  # the database comes back: the insert's next try lands
+        for _ in range(100):
+            try:
+                if await store.get("resp_1", "key-a") is not None:
+                    break
+            except ResponseStoreUnavailable:
+                pass
+            await anyio.sleep(0.02)
+        assert (await store.get("resp_1", "key-a")).response == render("resp_1", "completed", "an answer to hello")
+    finally:
+        await store.close()
+
+
+async def test_keep_gives_up_after_its_patience_and_says_so(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(database, "RETRY_FIRST_S", 0.02)
+    monkeypatch.setattr(database, "RETRY_MAX_S", 0.02)
+    monkeypatch.setattr(database, "KEEP_PATIENCE_S", 0.1)
+    store = open_response_store(f"sqlite://{tmp_path}/missing-dir/responses.db")
+    try:
+        store.keep(make_response("resp_1"))
+        await anyio.sleep(0.5)
+        assert any("resp_1 is not stored" in record.getMessage() and record.levelname == "ERROR"
+                   for record in caplog.records)
     finally:
         await store.close()

@@ -33,6 +33,28 @@ async def test_a_created_response_reads_back_exactly(store, store_url):
             await other.close()
 
 
+async def test_a_kept_response_is_there_for_every_call_that_follows_keep(store, store_url):
+    """keep() returns before its insert; whatever the next call is, it sees the response."""
+    for n, read in enumerate([
+            lambda i: store.get(i, "key-a"),
+            lambda i: store.chain(i, "key-a"),
+            lambda i: store.input_items(i, "key-a"),
+            lambda i: store.delete(i, "key-a")]):
+        store.keep(make_response(f"resp_k{n}"))
+        assert await read(f"resp_k{n}") not in (None, False, ())
+    store.keep(make_response("resp_k9"))
+    store.keep(make_response("resp_k10", previous_response_id="resp_k9"))
+    assert [turn.response_id for turn in await store.chain("resp_k10", "key-a")] == ["resp_k9", "resp_k10"]
+    store.keep(make_response("resp_last"))
+    await store.close()  # close waits for the inserts under way
+    if store_url != "memory":
+        reopened = open_response_store(store_url)
+        try:
+            assert await reopened.get("resp_last", "key-a") is not None
+        finally:
+            await reopened.close()
+
+
 async def test_another_keys_response_is_a_miss_as_one_never_made(store):
     await store.create(make_response("resp_a", key_id="key-a", num_items=2))
     assert await store.get("resp_a", "key-b") is None

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from typing import Any, TypeVar
 
 import httpx
 import httpx2
@@ -20,6 +20,7 @@ from tokenway.server.app import create_app
 from tokenway.server.services import ModelCatalog, ServerConfig, Services
 
 MODEL = "scripted"
+T = TypeVar("T")
 
 
 class ScriptedReplica:
@@ -51,9 +52,12 @@ class ScriptedReplica:
 
 class ScriptedServer:
     """create_app's app with no gatekeeper (no keys) and one untemplated model, MODEL, whose
-    replica answers as scripted: the renderers run as in production, without a model."""
+    replica answers as scripted: the renderers run as in production, without a model. Its
+    requests run on one event loop, as a server's do, so work a request leaves running after
+    its reply (a stored response's insert) goes on with the next."""
 
     def __init__(self) -> None:
+        self.runner = asyncio.Runner()
         self.replica = ScriptedReplica()
         catalog = ModelCatalog((MODEL,), context_windows={MODEL: 4096})
         router = Router({MODEL: Pool.of(MODEL, [self.replica])})
@@ -69,7 +73,14 @@ class ScriptedServer:
                                                 headers={"content-type": "application/json"})
                 return await client.request(method, path, json=body)
 
-        return asyncio.run(main())
+        return self.run(main())
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run on the server's loop."""
+        return self.runner.run(coroutine)
+
+    def close(self) -> None:
+        self.runner.close()
 
     def sdk_transport(self, received: list[dict] | None = None) -> httpx2.MockTransport:
         """A transport for the official SDKs (built on httpx2) that hands each request to the
@@ -91,8 +102,10 @@ class ScriptedServer:
 
 
 @pytest.fixture()
-def scripted() -> ScriptedServer:
-    return ScriptedServer()
+def scripted() -> Iterator[ScriptedServer]:
+    server = ScriptedServer()
+    yield server
+    server.close()
 
 
 def sse_events(text: str) -> list[tuple[str | None, Any]]:

@@ -117,8 +117,7 @@ def test_output_config_format_is_the_jobs_response_format(scripted):
                                                         "json_schema": {"name": "output", "schema": schema}}
 
 
-def test_a_reply_the_safety_stage_ends_is_a_refusal_with_its_details():
-    scripted = ScriptedServer()
+def test_a_reply_the_safety_stage_ends_is_a_refusal_with_its_details(scripted):
     router = Router({MODEL: Pool.of(MODEL, [scripted.replica])})
     config = ServerConfig(served_model_names=(MODEL,), safety=SafetyPolicy(output="block"))
     scripted.app = create_app(Services.build(config, ModelCatalog((MODEL,), context_windows={MODEL: 4096}), router))

@@ -48,12 +48,17 @@ class ResponsesServer(ScriptedServer):
     """ScriptedServer's app, keeping responses in memory."""
 
     def __init__(self, safety: SafetyPolicy | None = None) -> None:
+        self.runner = asyncio.Runner()
         self.replica = ScriptedReplica()
         catalog = ModelCatalog((MODEL,), context_windows={MODEL: 4096})
         router = Router({MODEL: Pool.of(MODEL, [self.replica])})
         self.store = open_response_store("memory")
         settings = ServerConfig(served_model_names=(MODEL,), safety=safety or SafetyPolicy())
         self.app = create_app(Services.build(settings, catalog, router, response_store=self.store))
+
+    def close(self) -> None:
+        self.run(self.store.close())
+        super().close()
 
     def create(self, events: list, **body) -> httpx.Response:
         self.replica.events = events
@@ -68,7 +73,7 @@ class ResponsesServer(ScriptedServer):
 def responses():
     server = ResponsesServer()
     yield server
-    asyncio.run(server.store.close())
+    server.close()
 
 
 def stream_events(text: str) -> list[dict]:
@@ -363,4 +368,4 @@ def test_the_servers_safety_policy_reads_every_item_and_the_reply():
             answered = server.create(leaky, input="Which card did I use?", stream=stream)
             assert answered.status_code == 200 and CARD not in answered.text and "Your card is" in answered.text
     finally:
-        asyncio.run(server.store.close())
+        server.close()

@@ -10,6 +10,10 @@ An outage (the database failed twice running) makes every call refuse at once un
 retry time, 0.5 s doubling to 5 s, so that a database host gone silent costs the first call a
 timeout rather than every call one; the first call after that time tries the database again,
 and its success ends the outage. The log gets one line when an outage starts and one when it ends.
+
+keep() inserts off the reply's path (a commit is ~0.3 ms the caller need not wait for): the
+insert's first try is tracked until it ends, and every other call waits for the tries under way
+before its own query, so a client that continues a response the moment it has it finds it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Literal, TypeVar
 from tokenway.conversations.backend import PURGE_BATCH, ResponseBackend, close_quietly
 from tokenway.conversations.store import (
     DEFAULT_CHAIN_LIMIT,
+    KEEP_PATIENCE_S,
     MAX_PAGE_ITEMS,
     ORDERS,
     STATUS_TO_FROM_STATUSES,
@@ -76,9 +81,51 @@ class SqlResponseStore:
         self._opening = threading.Lock()
         self._outage: Outage | None = None  # swapped whole; read on the event loop, written by the threads
         self._closed = False
+        self._first_tries: set[asyncio.Future[None]] = set()  # keep()'s inserts whose first try is under way
+        self._keeping: set[asyncio.Task[None]] = set()  # keep()'s inserts not yet committed or given up
 
     async def create(self, response: StoredResponse) -> None:
         await self._run(lambda backend: backend.insert(response))
+
+    def keep(self, response: StoredResponse) -> None:
+        if self._closed:
+            raise RuntimeError("the response store is closed")
+        first_try = asyncio.get_running_loop().create_future()
+        self._first_tries.add(first_try)
+        task = asyncio.create_task(self._insert_patiently(response, first_try))
+        self._keeping.add(task)
+        task.add_done_callback(self._keeping.discard)
+
+    async def _insert_patiently(self, response: StoredResponse, first_try: asyncio.Future[None]) -> None:
+        deadline = time.monotonic() + KEEP_PATIENCE_S
+        try:
+            while True:
+                try:
+                    await self._query_async(lambda backend: backend.insert(response))
+                    return
+                except ResponseStoreUnavailable as exc:
+                    self._tried(first_try)
+                    wait_s = exc.retry_after or RETRY_FIRST_S
+                    if time.monotonic() + wait_s > deadline:
+                        raise
+                    await asyncio.sleep(wait_s)
+                finally:
+                    self._tried(first_try)
+        except Exception as exc:  # nothing awaits the task: the log is where its failure goes
+            logger.error("response store: response %s is not stored: %r", response.id, exc)
+        except asyncio.CancelledError:  # the loop shut down under it (close() waits for it first)
+            logger.error("response store: response %s is not stored: its insert was cancelled", response.id)
+            raise
+
+    def _tried(self, first_try: asyncio.Future[None]) -> None:
+        if not first_try.done():
+            first_try.set_result(None)
+        self._first_tries.discard(first_try)
+
+    async def _after_keeps(self) -> None:
+        """Once every keep() begun so far has had its first try."""
+        if self._first_tries:
+            await asyncio.wait(list(self._first_tries))
 
     async def update(self, response_id: str, *, status: ResponseStatus, response: JSONObject) -> bool:
         check_status(status, response)
@@ -160,6 +207,13 @@ class SqlResponseStore:
     async def close(self) -> None:
         if self._closed:
             return
+        if self._keeping:  # inserts still going (through an outage) get the time of two more tries
+            _, going = await asyncio.wait(list(self._keeping), timeout=2 * RETRY_MAX_S)
+            for task in going:
+                task.cancel()
+            if going:
+                logger.error("response store: %d responses are not stored: %s stayed unreachable until the "
+                             "store closed", len(going), self._name)
         self._closed = True
         await asyncio.to_thread(self._executor.shutdown)  # the queries under way finish first
         with self._backends_lock:
@@ -168,6 +222,10 @@ class SqlResponseStore:
             close_quietly(backend)
 
     async def _run(self, query: Callable[[ResponseBackend], T]) -> T:
+        await self._after_keeps()
+        return await self._query_async(query)
+
+    async def _query_async(self, query: Callable[[ResponseBackend], T]) -> T:
         if self._closed:
             raise RuntimeError("the response store is closed")
         outage = self._outage

@@ -3,8 +3,9 @@
 
     POST /v1/responses, for the caller's key_id:
       previous_response_id ─► chain(id, key_id) ─► (Turn, ...) oldest first: the conversation it continues
-      store: true ─► create(StoredResponse); background: update(id, status=..., response=...) as it runs,
-                     queued ─► in_progress ─► completed | failed | incomplete
+      store: true ─► keep(StoredResponse): inserted without the reply waiting for it
+      background: true ─► create(StoredResponse), then update(id, status=..., response=...) as it
+                     runs, queued ─► in_progress ─► completed | failed | incomplete
     background, while it runs ─► renew(ids, lease_until): its server holds it; one whose lease
                      ran out (its server stopped) ─► expire(now, ...) ─► failed, by any server
     retention (a TTL) ─► purge(created_before): the finished responses made before it, deleted
@@ -42,6 +43,8 @@ MAX_PAGE_ITEMS = 100  # OpenAI's bound on a list's limit
 DEFAULT_CHAIN_LIMIT = 1000  # responses in one conversation: far past any context window's worth of turns
 DEFAULT_MEMORY_MAX_BYTES = 256 * 2**20
 DEFAULT_NUM_CONNECTIONS = 4
+# How long keep() tries an insert through an outage before giving it up (and logging it).
+KEEP_PATIENCE_S = 60.0
 
 
 def check_status(status: str, response: JSONObject) -> None:
@@ -153,6 +156,14 @@ class ResponseStore(Protocol):
     ResponseStoreUnavailable (a 503 with Retry-After); a closed store, RuntimeError."""
 
     async def create(self, response: StoredResponse) -> None: ...
+
+    def keep(self, response: StoredResponse) -> None:
+        """create(response) without waiting for it: returns at once, the insert runs on the
+        store's threads. Every read or write of this store that follows waits for the inserts
+        begun before it (their first try), so a call that continues the response at once finds
+        it. Through an outage the insert is tried again until KEEP_PATIENCE_S has passed, then
+        given up with an error in the log; close() waits for every insert still going."""
+        ...
 
     async def update(self, response_id: str, *, status: ResponseStatus, response: JSONObject) -> bool:
         """Write a new status and rendering unless the stored status may not move to `status`

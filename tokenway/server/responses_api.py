@@ -236,15 +236,15 @@ async def history_of(services: Services, body: ResponsesPrompt, call: Call) -> H
 
 
 def storing(services: Services, call: Call, body: ResponsesRequest, prepared: PreparedResponse) -> OnEnd | None:
-    """How a finished response is kept: created in the store (store: true), or not at all."""
+    """How a finished response is kept: in the store, its insert not awaited (store: true), or not at all."""
     store = services.response_store
     if not body.stored or store is None:
         return None
 
-    async def create(response: ResponseBody) -> None:
-        await store.create(stored_response(call, body, prepared, response))
+    async def keep(response: ResponseBody) -> None:
+        store.keep(stored_response(call, body, prepared, response))
 
-    return create
+    return keep
 
 
 def stored_response(call: Call, body: ResponsesRequest, prepared: PreparedResponse, response: ResponseBody,

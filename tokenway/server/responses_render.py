@@ -167,7 +167,7 @@ def named(event: ResponseStreamEvent) -> bytes:
 
 async def response_json(base: Response, generation: Generation, items: OutputItems, on_end: OnEnd | None
                         ) -> Response:
-    """Run the reply to its end: the Response, stored (on_end) before it is returned."""
+    """Run the reply to its end: the Response, handed to on_end (to be stored) as it is returned."""
     async for delta in generation.outputs():
         items.feed(delta)
     items.close(generation.finish_reasons[0])
