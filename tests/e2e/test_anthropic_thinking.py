@@ -1,8 +1,10 @@
-"""Extended thinking through the anthropic SDK, against the default model served with a chat
-template that thinks (DeepSeek-R1's distills': the generation prompt opens <think>): thinking
-blocks before the text, streamed and not alike, accumulated by the SDK's stream helper, sent
-back in the next turn; thinking off; a reply that reaches the window. (display "omitted" and
-the stream's events one by one: tests/protocol/test_anthropic_replies.py.)
+"""Extended thinking through the anthropic SDK, against the default model served with Qwen3's
+chat template (tests/fixtures, as Qwen3 ships it) and --reasoning-parser deepseek_r1, so the
+reply starts inside its thinking as a thinking model's does (SmolLM2 never writes <think>
+itself): thinking blocks before the text, the budget ending the thinking, streamed and not
+alike, accumulated by the SDK's stream helper, sent back to the template in a tool loop;
+the template's own switch turning thinking off; a reply that reaches the window. (display
+"omitted" and the stream's events one by one: tests/protocol/test_anthropic_replies.py.)
 
 The window is small (1,100 tokens): the budget's 1,024 tokens of thinking and a few dozen of
 text fill it, and no prompt here is long, since prefill is the slow part on a CPU."""
@@ -15,16 +17,20 @@ import pytest
 from tests.e2e.conftest import REPO, Server
 
 MODEL = "smollm2-135m-instruct"
-TEMPLATE = REPO / "tests/fixtures/chat_templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"
+QWEN3_TEMPLATE = REPO / "tests/fixtures/chat_templates/Qwen-Qwen3-0.6B.jinja"
 WINDOW = 1100
 GREEDY = {"temperature": 0}
 THINKING = {"type": "enabled", "budget_tokens": 1024}
-ASK = [{"role": "user", "content": "What is 2+2?"}]
+ASK = [{"role": "user", "content": "What is 2+2?"}]  # a short reply
+HISTORY = [{"role": "user", "content": "Tell me about the history of Rome."}]  # a long one, greedy
+ADD = {"name": "add", "description": "Adds two integers.", "input_schema": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}
 
 
 @pytest.fixture(scope="module")
 def client():
-    server = Server("--no-embeddings", "--chat-template", str(TEMPLATE), "--max-model-len", str(WINDOW))
+    server = Server("--no-embeddings", "--chat-template", str(QWEN3_TEMPLATE), "--reasoning-parser", "deepseek_r1",
+                    "--max-model-len", str(WINDOW))
     yield anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
     assert server.stop() == 0, server.read_log()[-3000:]
 
@@ -35,7 +41,7 @@ def thought(client):
     until the window; max_tokens far past the window is taken, as Anthropic's current models
     take it."""
     return client.messages.create(model=MODEL, max_tokens=64_000, thinking=THINKING, extra_body=GREEDY,
-                                  messages=ASK)
+                                  messages=HISTORY)
 
 
 def test_thinking_comes_first_then_the_text(thought):
@@ -51,8 +57,8 @@ def test_a_reply_that_reaches_the_window_says_so(thought):
 
 
 def test_streamed_thinking_is_the_same_reply(client):
-    # Thinking unasked: this template's model thinks until max_tokens, a short reply to stream.
-    request = {"model": MODEL, "max_tokens": 40, "extra_body": GREEDY, "messages": ASK}
+    # Thinking unasked: this template's model thinks by default, here until max_tokens.
+    request = {"model": MODEL, "max_tokens": 40, "extra_body": GREEDY, "messages": HISTORY}
     message = client.messages.create(**request)
     with client.messages.stream(**request) as stream:
         events = list(stream)
@@ -65,12 +71,24 @@ def test_streamed_thinking_is_the_same_reply(client):
     assert [event.signature for event in events if event.type == "signature"] == [message.content[0].signature]
 
 
-def test_thinking_goes_back_in_the_next_turn(client, thought):
-    history = [*ASK, thought.to_param(), {"role": "user", "content": "And 3+3?"}]
-    # Anthropic takes earlier turns' thinking whatever this turn asks.
-    reply = client.messages.create(model=MODEL, max_tokens=40, thinking={"type": "disabled"}, extra_body=GREEDY,
-                                   messages=history)
-    assert reply.content and prompt_tokens(reply.usage) > prompt_tokens(thought.usage) + 10
+def test_thinking_goes_back_to_the_template_in_a_tool_loop(client):
+    # A short thought of the model's own, its signature as this server made it.
+    thought = client.messages.create(model=MODEL, max_tokens=2048, thinking={"type": "enabled", "budget_tokens": 1024},
+                                     extra_body=GREEDY, messages=ASK)
+    thinking = thought.content[0]
+    assert thinking.type == "thinking" and thinking.thinking
+    use = {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 2, "b": 2}}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "4"}]}
+
+    def prompt_with(blocks: list) -> int:
+        # Anthropic takes earlier turns' thinking whatever this turn asks.
+        reply = client.messages.create(model=MODEL, max_tokens=1, thinking={"type": "disabled"}, extra_body=GREEDY,
+                                       tools=[ADD], messages=[*ASK, {"role": "assistant", "content": blocks}, result])
+        return prompt_tokens(reply.usage)
+
+    # Qwen3's template keeps the thinking of the turns since the last question (a tool loop's).
+    with_thinking, without = prompt_with([thinking.model_dump(), use]), prompt_with([use])
+    assert with_thinking >= without + thought.usage.output_tokens_details.thinking_tokens
 
 
 def prompt_tokens(usage) -> int:
