@@ -17,10 +17,21 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from tokenway.protocol.errors import FieldError
 from tokenway.protocol.sampling import SamplingParams, ThinkingRequest
+
+# How urgently a job runs, best first: the scheduler admits a better class first and preempts
+# the worst first. "priority", "default" and "flex" are the interactive tiers a caller asks for
+# (OpenAI's service_tier; Anthropic's maps onto them); "batch" is work the Batch APIs submit.
+ServiceClass = Literal["priority", "default", "flex", "batch"]
+SERVICE_CLASSES: tuple[ServiceClass, ...] = get_args(ServiceClass)
+
+
+def class_rank(service_class: ServiceClass) -> int:
+    """0 for the best class ("priority"), 3 for "batch": sort ascending to serve the best first."""
+    return SERVICE_CLASSES.index(service_class)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +60,9 @@ class GenerationJob:
     # what the caller asked of a reasoning model's thinking: an upstream sends it in its API's
     # terms; the local engine has it as params.reasoning_budget already (None: the model's default)
     thinking: ThinkingRequest | None = None
+    # how urgently it runs (the tier the caller was granted, or "batch" for a Batch API line): the
+    # local engine schedules by it; an upstream is sent the tier where its API has one
+    service_class: ServiceClass = "default"
     # The templated prompt's length; without it (an upstream templates), an estimate: counted
     # once, here, as limits, the balancer and usage each ask for it.
     num_prompt_tokens: int = field(default=0, init=False, repr=False, compare=False)
@@ -76,6 +90,8 @@ class GenerationJob:
             raise FieldError("prompt", "a completion job needs a prompt or its token ids")
         if self.n < 1:
             raise FieldError("n", f"must be >= 1, got {self.n}")
+        if self.service_class not in SERVICE_CLASSES:
+            raise FieldError("service_tier", f"must be one of {', '.join(SERVICE_CLASSES)}, got {self.service_class!r}")
         if self.prompt_token_ids is not None:
             num_prompt_tokens = len(self.prompt_token_ids)
         elif self.kind == "completion":
