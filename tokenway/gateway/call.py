@@ -47,10 +47,19 @@ class CallStart:
     request_id: str = ""  # provisional; a generation's job names the call's own id
     started_at: float = 0.0  # unix seconds
     traceparent: str | None = None  # the caller's W3C trace context, when it sent one
+    # The Batch API line this call runs (alphanumeric, made by tokenway/batches/): it runs as
+    # service class "batch", and its job's id is derived from it, so a line run again after a
+    # crash writes no second ledger row. None for a call from the network.
+    batch_line: str | None = None
 
     @classmethod
     def now(cls, endpoint: str, principal: Principal = ANONYMOUS, traceparent: str | None = None) -> CallStart:
         return cls(endpoint, principal, f"req_{uuid.uuid4().hex}", time.time(), traceparent)
+
+    def new_id(self, prefix: str) -> str:
+        """An id for what this call makes (its job, its response): random, or for a batch line
+        its line's, so that the same line always makes the same id."""
+        return f"{prefix}{self.batch_line or uuid.uuid4().hex}"
 
 
 @dataclass(frozen=True, slots=True)

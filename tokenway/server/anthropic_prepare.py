@@ -36,7 +36,6 @@ from tokenway.server.prepare import (
     PreparedCall,
     chat_prompt,
     field_errors,
-    new_id,
     prepared,
     reasoning_parser,
     route,
@@ -126,7 +125,7 @@ def prepare_messages(services: Services, body: MessagesRequest, call: Call) -> M
             max_tokens=min(max_tokens, templating.max_tokens or max_tokens),
             stop=tuple(s for s in (body.stop_sequences or ()) if s), structured_output=templating.structured,
             skip_special_tokens=templating.skip_special_tokens, reasoning_budget=templating.reasoning_budget)
-    job = GenerationJob(new_id("msg_"), model, "chat", params, messages=templating.messages,
+    job = GenerationJob(call.start.new_id("msg_"), model, "chat", params, messages=templating.messages,
                         tools=tuple(chat.tools) if chat.tools else None, tool_choice=prompt.tool_choice,
                         parallel_tool_calls=prompt.parallel_tool_calls is None, response_format=chat.response_format,
                         prompt_token_ids=templating.prompt_token_ids, context_window=templating.context_window,

@@ -31,7 +31,7 @@ from tokenway.safety.channels import screen_prompts
 from tokenway.safety.screen import SafetyPolicy
 from tokenway.server.generation import log_request
 from tokenway.server.http import ClientDisconnected, offload, parse_body, unless_disconnected
-from tokenway.server.prepare import new_id, screen
+from tokenway.server.prepare import screen
 from tokenway.server.routes import call_of, schema_extra
 from tokenway.server.services import Services
 
@@ -66,7 +66,7 @@ async def create_embeddings(services: Services, request: Request, call: Call) ->
     policy = services.safety_policy(name, call.start.principal)
     value = await offload(request, services.body_parser.inline_bytes, screen_inputs, call, policy, embedder, body.input)
     token_ids = await embedder.tokenize(value, dimensions=body.dimensions)
-    job = EmbeddingsJob(new_id("embd-"), name, tuple(tuple(ids) for ids in token_ids), body.encoding_format)
+    job = EmbeddingsJob(call.start.new_id("embd-"), name, tuple(tuple(ids) for ids in token_ids), body.encoding_format)
     call.set_job(job)
     clock.end("tokenize")
     await admit(services.gatekeeper, call)

@@ -37,7 +37,6 @@ from tokenway.server.prepare import (
     PreparedCall,
     chat_prompt,
     field_errors,
-    new_id,
     prepared,
     route,
     screen,
@@ -132,7 +131,8 @@ def prepare_chat(services: Services, body: ChatCompletionRequest, call: Call) ->
     params = openai_sampling(body, templating.max_tokens, templating.structured, logprobs,
                              templating.skip_special_tokens, templating.reasoning_budget)
     tools = chat.tools
-    job = GenerationJob(new_id("chatcmpl-"), model, "chat", params, n=body.n or 1, messages=templating.messages,
+    job = GenerationJob(call.start.new_id("chatcmpl-"), model, "chat", params, n=body.n or 1,
+                        messages=templating.messages,
                         tools=tuple(tools) if tools else None, tool_choice=tool_choice,
                         parallel_tool_calls=body.parallel_tool_calls is not False,
                         response_format=chat.response_format, prompt_token_ids=templating.prompt_token_ids,
@@ -189,7 +189,7 @@ def prepare_completion(services: Services, body: CompletionRequest, call: Call) 
     max_tokens = cap_max_tokens(services.gatekeeper, call.start.principal, frontend.max_model_len,
                                 len(prompt_token_ids), body.max_tokens, "max_tokens")
     params = openai_sampling(body, max_tokens, None, body.logprobs)
-    job = GenerationJob(new_id("cmpl-"), model, "completion", params, n=body.n or 1,
+    job = GenerationJob(call.start.new_id("cmpl-"), model, "completion", params, n=body.n or 1,
                         prompt=prompt if isinstance(prompt, str) else None,
                         prompt_token_ids=tuple(prompt_token_ids), context_window=frontend.max_model_len,
                         stream=bool(body.stream))
@@ -224,7 +224,7 @@ def prepare_untemplated_completion(services: Services, body: CompletionRequest, 
     max_tokens = cap_max_tokens(services.gatekeeper, call.start.principal, window, num_prompt_tokens, body.max_tokens,
                                 "max_tokens", exact=False)
     params = openai_sampling(body, max_tokens, None, body.logprobs)
-    job = GenerationJob(new_id("cmpl-"), model, "completion", params, n=body.n or 1, prompt=text,
+    job = GenerationJob(call.start.new_id("cmpl-"), model, "completion", params, n=body.n or 1, prompt=text,
                         prompt_token_ids=token_ids, context_window=window,
                         stream=bool(body.stream))
     return prepared(services, call, job, None, policy, echo=(text or "") if body.echo else "")

@@ -42,7 +42,8 @@ def detached_call(call: Call) -> Call:
     """A Call of its own for a background response: the same caller, a clock of its own; its
     row and trace are written when it ends, not when the POST that made it is answered."""
     start = call.start
-    return Call(CallStart(start.endpoint, start.principal, start.request_id, time.time(), start.traceparent))
+    return Call(CallStart(start.endpoint, start.principal, start.request_id, time.time(), start.traceparent,
+                          start.batch_line))
 
 
 async def run_detached(services: Services, background: BackgroundResponses, store: ResponseStore,

@@ -129,7 +129,7 @@ def prepare_response(services: Services, body: ResponsesRequest, call: Call, his
             logprobs=(body.top_logprobs or 0) if body.wants_logprobs else None,
             structured_output=templating.structured, skip_special_tokens=templating.skip_special_tokens,
             reasoning_budget=templating.reasoning_budget)
-    job = GenerationJob(new_id("resp_"), model, "chat", params, messages=templating.messages,
+    job = GenerationJob(call.start.new_id("resp_"), model, "chat", params, messages=templating.messages,
                         tools=tuple(chat.tools) if chat.tools else None, tool_choice=tool_choice,
                         parallel_tool_calls=body.parallel_tool_calls is not False,
                         response_format=chat.response_format, prompt_token_ids=templating.prompt_token_ids,
