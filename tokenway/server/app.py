@@ -6,6 +6,9 @@ middleware (gateway_middleware.py: the body-size limit, auth, the stage clock, t
     anthropic_api    /v1/messages
     moderations_api  /v1/moderations
     embeddings_api   /v1/embeddings
+    files_api        /v1/files (the Batch API's input and output files)
+    batches_api      /v1/batches                 (OpenAI's Batch API)
+    message_batches_api /v1/messages/batches     (Anthropic's Message Batches)
     models_api       /v1/models, /tokenize, /detokenize
     ops_api          /engine/stats, /health, /ready
     admin_api        /admin/keys, /v1/usage                       (with a gatekeeper)
@@ -29,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenway.protocol.anthropic import MessagesPrompt, MessagesRequest
+from tokenway.protocol.batches import BatchCreateRequest, MessageBatchCreateRequest
 from tokenway.protocol.embeddings import EmbeddingRequest
 from tokenway.protocol.errors import (
     InternalServerError,
@@ -47,7 +51,10 @@ from tokenway.protocol.responses import InputTokensRequest, ResponsesRequest
 from tokenway.server import (
     admin_api,
     anthropic_api,
+    batches_api,
     embeddings_api,
+    files_api,
+    message_batches_api,
     models_api,
     moderations_api,
     observability_api,
@@ -64,10 +71,13 @@ logger = logging.getLogger(__name__)
 
 # The request bodies the API routes parse themselves, in the OpenAPI document's components.
 REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, ResponsesRequest, InputTokensRequest, MessagesRequest,
-                  MessagesPrompt, EmbeddingRequest, TokenizeRequest, DetokenizeRequest)
+                  MessagesPrompt, EmbeddingRequest, TokenizeRequest, DetokenizeRequest, BatchCreateRequest,
+                  MessageBatchCreateRequest)
 # In the order their routes appear in the OpenAPI document.
-ROUTERS = (openai_api, responses_api, anthropic_api, moderations_api, embeddings_api, models_api, ops_api, admin_api,
-           observability_api)
+ROUTERS = (openai_api, responses_api, anthropic_api, moderations_api, embeddings_api, files_api, batches_api,
+           message_batches_api, models_api, ops_api, admin_api, observability_api)
+# A multipart upload's framing (boundaries, part headers) beyond the file's own bytes.
+MULTIPART_SLACK_BYTES = 64 * 1024
 
 
 def create_app(services: Services) -> FastAPI:
@@ -79,7 +89,8 @@ def create_app(services: Services) -> FastAPI:
     schema_with_request_models(app)
     settings = services.settings
     app.add_middleware(GatewayMiddleware, max_body_bytes=settings.max_body_bytes, gatekeeper=services.gatekeeper,
-                       observer=services.observer, admin_key=settings.admin_key)
+                       observer=services.observer, admin_key=settings.admin_key,
+                       max_upload_bytes=settings.max_batch_file_bytes + MULTIPART_SLACK_BYTES)
     return app
 
 

@@ -48,6 +48,12 @@ GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/re
 LARGE_BODY_PATHS = GENERATION_PATHS | {"/v1/responses/input_tokens", "/v1/messages/count_tokens", "/tokenize",
                                        "/detokenize"}
 SMALL_BODY_BYTES = 64 * 1024
+# Routes that take a batch's requests whole (a JSONL upload, a message batch): --max-batch-file-bytes.
+UPLOAD_PATHS = frozenset({"/v1/files", "/v1/messages/batches"})
+# The scope key of a call the server makes to itself (a batch line, server/batch_lines.py): its
+# CallStart, made by that in-process code. An ASGI server builds a network request's scope from
+# its method, path, query and headers alone, so no request from the network can carry one.
+IN_PROCESS_CALL = "tokenway.call_start"
 
 
 def needs_api_key(path: str) -> bool:
@@ -67,9 +73,11 @@ class GatewayMiddleware:
     an ASGI app after http.response.start makes the server drop the keep-alive connection."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int, gatekeeper: Gatekeeper | None,
-                 observer: Observer | None, admin_key: str | None = None) -> None:
+                 observer: Observer | None, admin_key: str | None = None,
+                 max_upload_bytes: int | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.max_upload_bytes = max_upload_bytes if max_upload_bytes is not None else max_body_bytes
         self.gatekeeper = gatekeeper
         self.observer = observer
         self.admin_key = admin_key  # its bearer is ADMIN wherever the admin may read
@@ -108,8 +116,10 @@ class GatewayMiddleware:
             await response(scope, receive, send)
             return error.status, None
         gatekeeper = self.gatekeeper
-        principal = ANONYMOUS
-        if gatekeeper is not None and needs_api_key(path):
+        # A call the server makes to itself comes authenticated: as the key its CallStart names.
+        in_process: CallStart | None = scope.get(IN_PROCESS_CALL)
+        principal = ANONYMOUS if in_process is None else in_process.principal
+        if gatekeeper is not None and needs_api_key(path) and in_process is None:
             try:
                 if presents_admin_key(headers, self.admin_key):
                     principal = ADMIN
@@ -134,9 +144,10 @@ class GatewayMiddleware:
                     gatekeeper.commit_nowait(refused, exc.status)
                 return exc.status, refused
         clock.end("auth")
-        call = Call(CallStart.now(path, principal, headers.get("traceparent")), clock)
+        call = Call(in_process or CallStart.now(path, principal, headers.get("traceparent")), clock)
         scope.setdefault("state", {})["call"] = call
-        limit = self.max_body_bytes if path in LARGE_BODY_PATHS else SMALL_BODY_BYTES
+        limit = (self.max_body_bytes if path in LARGE_BODY_PATHS
+                 else self.max_upload_bytes if path in UPLOAD_PATHS else SMALL_BODY_BYTES)
         too_large = PayloadTooLargeError(f"Request body exceeds the limit of {limit} bytes for {path}")
         ledger_keeper = gatekeeper if generation_call else None  # writes the call's one row
         received = 0

@@ -6,7 +6,8 @@
     Capacity       the engine requests in flight, against --max-pending-requests (mutable:
                    the one counter a request changes, owned here, held by Services)
     Services       the settings, the catalog and the collaborators: router, engine, embedder,
-                   gatekeeper, observer, capacity, body parser, response store, background responses
+                   gatekeeper, observer, capacity, body parser, response store, background responses,
+                   batch store
 
 Stage functions (frontend/templating.py, safety/, gateway/admission.py) take typed inputs;
 Services only wires them for the routes (server/prepare.py, the *_api.py routers).
@@ -19,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
+from tokenway.batches import BatchStore
 from tokenway.conversations import ResponseStore
 from tokenway.embeddings import EmbeddingEngine
 from tokenway.engine.client import EngineClient
@@ -41,6 +43,7 @@ class ServerConfig:
     port: int = 8000
     served_model_names: tuple[str, ...] = ()
     max_body_bytes: int = 8 * 2**20
+    max_batch_file_bytes: int = 200 * 2**20  # a batch input file, or a message batch's body (OpenAI's cap)
     # Requests allowed in flight (running + queued) before new ones get 503 + Retry-After.
     max_pending_requests: int = 256
     graceful_shutdown_seconds: float = 30.0
@@ -130,20 +133,22 @@ class Services:
     created: int = field(default_factory=lambda: int(time.time()))
     response_store: ResponseStore | None = None  # /v1/responses' stored responses; None: none kept (tests)
     background: BackgroundResponses = field(default_factory=BackgroundResponses)  # background responses running
+    batch_store: BatchStore | None = None  # the Files and Batch APIs' files, batches and lines; None: not served
 
     @classmethod
     def build(cls, settings: ServerConfig, catalog: ModelCatalog, router: Router, *,
               engine: EngineClient | None = None, embedder: EmbeddingEngine | None = None,
               gatekeeper: Gatekeeper | None = None,
               observer_for: Callable[[Callable[[], ServerStats]], Observer] | None = None,
-              body_parser: BodyParser | None = None, response_store: ResponseStore | None = None) -> Services:
+              body_parser: BodyParser | None = None, response_store: ResponseStore | None = None,
+              batch_store: BatchStore | None = None) -> Services:
         """The record, with its capacity and (given observer_for) the observer made from the
         /engine/stats reader they share."""
         capacity = Capacity(settings.max_pending_requests)
         stats = partial(_read_stats, engine, router, capacity)
         return cls(settings, catalog, router, capacity, engine, embedder, gatekeeper,
                    observer_for(stats) if observer_for is not None else None, body_parser or BodyParser(),
-                   response_store=response_store)
+                   response_store=response_store, batch_store=batch_store)
 
     def resolve_model(self, name: str | None, principal: Principal | None = None, kind: str = "chat") -> str:
         """The catalog's served name for a request's `model` (404, 400), and 403 for one the
