@@ -1,0 +1,200 @@
+"""BatchRunner: one gateway's worker on the shared batch queue, an asyncio task.
+
+    loop:  capacity() > 0 and room under max_running ─► store.claim(worker_id, n, lease_s)
+               └─► each line, concurrently: execute(line) ─► LineOutcome ─► store.finish(worker_id, line, outcome)
+           every lease_s / 3 ─► store.renew(the lines running): a live runner's claims never lapse
+           every upkeep_s, and when its last line ends ─► store.finalize_ready, store.expire
+    stop(grace_s): claims no more; the lines running finish within the grace, or are cancelled
+           and left to their lease (another runner, or this one restarted, runs them again)
+
+A runner that dies (killed, SIGKILL, its task cancelled) stops renewing: its claims lapse after
+lease_s and any runner takes them. A line is then run again, which is safe: its calls derive
+their ids from the line (BatchLine.line_id), so its ledger row is written once, and only the
+runner holding the claim writes its outcome. A line that raises is a failed outcome (500); a
+database down is waited out: nothing stops the runner but stop() or its task's cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from tokenway.batches.store import BatchLine, BatchStore, BatchStoreUnavailable, LineOutcome
+from tokenway.protocol.errors import InternalServerError, anthropic_error_body, openai_error_body, truncate
+
+logger = logging.getLogger(__name__)
+
+Execute = Callable[[BatchLine], Awaitable[LineOutcome]]
+
+DEFAULT_LEASE_S = 60.0
+DEFAULT_MAX_RUNNING = 64
+DEFAULT_MAX_CLAIM = 32  # lines one claim takes: a claim is one transaction, short and small
+DEFAULT_POLL_S = 1.0  # how often an idle runner looks for work (or capacity) again
+DEFAULT_UPKEEP_S = 5.0
+
+
+def failed_outcome(line: BatchLine, exc: BaseException) -> LineOutcome:
+    """A line whose run raised: a 500, the error's message in the line's API's error body."""
+    error = InternalServerError(f"The request failed in the server: {type(exc).__name__}: {truncate(str(exc), 200)}")
+    body = anthropic_error_body(error) if line.api == "anthropic" else openai_error_body(error)
+    return LineOutcome("failed", error.status, body, None)
+
+
+class BatchRunner:
+    def __init__(self, store: BatchStore, execute: Execute, worker_id: str, capacity: Callable[[], int],
+                 lease_s: float = DEFAULT_LEASE_S, *, max_running: int = DEFAULT_MAX_RUNNING,
+                 max_claim: int = DEFAULT_MAX_CLAIM, poll_s: float = DEFAULT_POLL_S,
+                 upkeep_s: float = DEFAULT_UPKEEP_S) -> None:
+        """worker_id: unique to this runner's life (a restarted process is another worker: the
+        claims of the one before lapse, they are not resumed). capacity: how many more lines may
+        start now (the engine's or the replicas' idle room, as the caller measures it)."""
+        if lease_s <= 0 or max_running < 1 or max_claim < 1 or poll_s <= 0 or upkeep_s <= 0:
+            raise ValueError("lease_s, poll_s and upkeep_s must be > 0; max_running and max_claim >= 1")
+        self._store = store
+        self._execute = execute
+        self.worker_id = worker_id
+        self._capacity = capacity
+        self._lease_s = lease_s
+        self._max_running = max_running
+        self._max_claim = max_claim
+        self._poll_s = poll_s
+        self._upkeep_s = upkeep_s
+        self._running: dict[asyncio.Task[None], BatchLine] = {}
+        self._wake = asyncio.Event()  # a line ended, or stop() was called
+        self._draining = False
+        self._num_ended_since_upkeep = 0
+        self._claim_after = 0.0  # time.monotonic(): through an outage, no claims before it
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def start(self) -> asyncio.Task[None]:
+        """The runner's task. Cancelling it kills the runner: its lines are cancelled, their
+        claims left to lapse."""
+        if self._task is not None:
+            raise RuntimeError("the batch runner is started already")
+        self._task = asyncio.create_task(self._loop(), name=f"batch-runner-{self.worker_id}")
+        return self._task
+
+    async def stop(self, grace_s: float = 30.0) -> None:
+        """Claim no more lines; wait up to grace_s for those running to finish (their claims
+        still renewed), then cancel the rest. Idempotent."""
+        task = self._task
+        if task is None or task.done():
+            return
+        self._draining = True
+        self._wake.set()
+        await asyncio.wait({task}, timeout=grace_s)
+        if not task.done():
+            logger.info("batch runner %s: %d lines still running after %.0f s; left to their lease",
+                        self.worker_id, len(self._running), grace_s)
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        next_renew = next_upkeep = 0.0
+        try:
+            while not (self._draining and not self._running):
+                now = time.monotonic()
+                if now >= next_upkeep or (self._num_ended_since_upkeep and not self._running):
+                    next_upkeep = now + await self._guarded(self._upkeep, self._upkeep_s)
+                if now >= next_renew:
+                    next_renew = now + await self._guarded(self._renew, self._lease_s / 3)
+                full = False
+                if not self._draining and time.monotonic() >= self._claim_after:
+                    full = await self._claim()
+                if not full:  # nothing more to take now: wait for a line to end, or the next look
+                    timeout = max(0.0, min(self._poll_s, next_renew - time.monotonic()))
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), timeout)
+                    except TimeoutError:
+                        pass
+                    self._wake.clear()
+        finally:
+            # Killed (cancelled), or a drain that ended: the lines left are abandoned to their lease.
+            for task in self._running:
+                task.cancel()
+            if self._running:
+                await asyncio.gather(*self._running, return_exceptions=True)
+
+    async def _guarded(self, step: Callable[[], Awaitable[None]], every_s: float) -> float:
+        """Run a periodic step; seconds until it is due again (later through an outage)."""
+        try:
+            await step()
+        except BatchStoreUnavailable as exc:
+            return max(every_s, exc.retry_after or 0.0)
+        except Exception:
+            logger.exception("batch runner %s: a store call failed", self.worker_id)
+        return every_s
+
+    async def _upkeep(self) -> None:
+        self._num_ended_since_upkeep = 0
+        now = time.time()
+        await self._store.expire(now)
+        await self._store.finalize_ready(now)
+
+    async def _renew(self) -> None:
+        lines = list(self._running.values())
+        if lines:
+            await self._store.renew(self.worker_id, lines, time.time() + self._lease_s)
+
+    async def _claim(self) -> bool:
+        """Claim what there is room for, and start running it; whether it took all it asked for
+        (then more may be waiting)."""
+        try:
+            free = min(self._capacity(), self._max_running - len(self._running), self._max_claim)
+        except Exception:
+            logger.exception("batch runner %s: capacity() failed; taken as none", self.worker_id)
+            return False
+        if free <= 0:
+            return False
+        try:
+            lines = await self._store.claim(self.worker_id, free, self._lease_s, time.time())
+        except BatchStoreUnavailable as exc:
+            self._claim_after = time.monotonic() + (exc.retry_after or self._poll_s)
+            return False
+        except Exception:
+            logger.exception("batch runner %s: claiming lines failed", self.worker_id)
+            return False
+        for line in lines:
+            task = asyncio.create_task(self._run_line(line), name=f"batch-line-{line.line_id}")
+            self._running[task] = line
+            task.add_done_callback(self._line_ended)
+        return len(lines) == free
+
+    async def _run_line(self, line: BatchLine) -> None:
+        try:
+            outcome = await self._execute(line)
+            if not isinstance(outcome, LineOutcome) or outcome.outcome not in ("succeeded", "failed"):
+                raise TypeError(f"execute returned {truncate(repr(outcome))}, not a succeeded or failed LineOutcome")
+        except Exception as exc:
+            logger.warning("batch runner %s: line %s raised %r", self.worker_id, line.line_id, exc)
+            outcome = failed_outcome(line, exc)
+        # Through an outage the outcome is tried again while the claim may still be ours; past
+        # the lease another runner may hold it, and runs the line again.
+        give_up_at = time.monotonic() + self._lease_s
+        while True:
+            try:
+                if not await self._store.finish(self.worker_id, line, outcome):
+                    logger.info("batch runner %s: line %s was no longer ours to finish", self.worker_id,
+                                line.line_id)
+                return
+            except BatchStoreUnavailable as exc:
+                wait_s = exc.retry_after or self._poll_s
+                if time.monotonic() + wait_s > give_up_at:
+                    logger.warning("batch runner %s: line %s's outcome is not stored: the database stayed "
+                                   "unreachable; it will run again", self.worker_id, line.line_id)
+                    return
+                await asyncio.sleep(wait_s)
+
+    def _line_ended(self, task: asyncio.Task[None]) -> None:
+        self._running.pop(task, None)
+        self._num_ended_since_upkeep += 1
+        self._wake.set()
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.error("batch runner %s: a line's task failed: %r", self.worker_id, exc)
+
