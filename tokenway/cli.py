@@ -7,7 +7,7 @@
     tokenway generate "The capital of France is" --max-tokens 16
     tokenway chat --url http://127.0.0.1:8000        # an interactive chat with any OpenAI-compatible server
     tokenway keys create --name alice --rpm 60       # API keys: create | list | rotate | revoke
-    tokenway usage --key-id k_...                    # the ledger by key, day and model
+    tokenway usage --key-id k_...                    # the ledger by key, day, model and service tier
     tokenway trace chatcmpl-...                      # where one request's time went
     tokenway trace --summary                         # ... and over the last requests
 """
@@ -104,6 +104,8 @@ SERVE_OPTIONS = {
     "default_max_tokens": (int, None),
     "max_messages": (int, 2048),
     "prices": (dict, None),  # {model: {input, cached_input, output}} in USD per million tokens
+    "tier_price_multipliers": (dict, None),  # {priority, flex, batch: factor of a model's price}; None: 1, .5, .5
+    "default_service_tiers": (list, None),  # the tiers a key that names none may use; None: default, flex, batch
     # observability: traces, /metrics, /dashboard, OTLP export
     "observability": (bool, True),  # False: none of them (to measure what they cost)
     "trace_capacity": (int, 2048),  # traces kept in memory (older ones stay in the ledger)
@@ -494,12 +496,14 @@ def build_gatekeeper(options: dict, registry=None):
     from tokenway.gateway.gatekeeper import Defaults, Gatekeeper
     from tokenway.gateway.keystore import KeyStore
     from tokenway.gateway.limits import make_limiter
+    from tokenway.gateway.tiers import DEFAULT_GRANT
 
     db = database_path(options)
     db.parent.mkdir(parents=True, exist_ok=True)
     defaults = Defaults(rpm=options["default_rpm"], tpm=options["default_tpm"], tpd=options["default_tpd"],
                         max_concurrent=options["default_max_concurrent"], max_tokens=options["default_max_tokens"],
-                        max_messages=options["max_messages"])
+                        max_messages=options["max_messages"], service_tiers=tuple(options["default_service_tiers"])
+                        if options["default_service_tiers"] is not None else DEFAULT_GRANT)
     # The journal makes a row crash-safe before its response ends, without a DB commit
     # on that path (billing/journal.py); one per gateway and database, replayed on its next start.
     ledger = Ledger(database_url(options), journal_dir=db.parent,
@@ -508,8 +512,8 @@ def build_gatekeeper(options: dict, registry=None):
         keys=KeyStore(db),
         limiter=make_limiter(options["limits_url"]),
         ledger=ledger,
-        prices=registry.price_table(options["prices"]) if registry is not None
-        else PriceTable.from_config(options["prices"] or {}),
+        prices=registry.price_table(options["prices"], options["tier_price_multipliers"]) if registry is not None
+        else PriceTable.from_config(options["prices"] or {}, options["tier_price_multipliers"]),
         defaults=defaults,
         host=options["host"],
         budgets=make_budgets(options["limits_url"], ledger.spend_usd),
@@ -518,7 +522,8 @@ def build_gatekeeper(options: dict, registry=None):
 
 
 def run_usage(args: argparse.Namespace) -> int:
-    """`tokenway usage`: the ledger by key, day and model; requests served apart from those refused."""
+    """`tokenway usage`: the ledger by key, day, model and service tier; requests served apart from those
+    refused."""
     from tokenway.billing.ledger import USAGE_FIELDS, Ledger
     from tokenway.keys_cli import default_db_path
 
@@ -574,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     add_chat_parser(sub)
     add_trace_parser(sub)
     add_worker_parser(sub)
-    usage = sub.add_parser("usage", help="usage by key, day and model, from the ledger")
+    usage = sub.add_parser("usage", help="usage by key, day, model and service tier, from the ledger")
     usage.add_argument("--key-id")
     usage.add_argument("--db")
     usage.add_argument("--ledger-url")

@@ -2,6 +2,7 @@
 gateway reads (a running gateway sees a change within its key cache's refresh interval).
 
     tokenway keys create --name ci --models smollm2-135m-instruct --rpm 60 --expires 30d
+    tokenway keys create --name app --tiers default,flex,priority
     tokenway keys list
     tokenway keys revoke k_3f9a2c1b
     tokenway keys rotate k_3f9a2c1b
@@ -20,8 +21,10 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import cast
 
 from tokenway.gateway.keystore import KeyInfo, KeyStore, UnknownKeyError
+from tokenway.protocol.job import SERVICE_CLASSES, ServiceClass
 from tokenway.safety.screen import SafetyPolicy
 
 _DURATION_UNITS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -74,6 +77,8 @@ def add_keys_parser(subparsers) -> None:
                         help="the key's own safety policy for its prompts (default: the model's or the server's)")
     create.add_argument("--safety-output", choices=["off", "flag", "redact", "block"], help="... for its replies")
     create.add_argument("--safety-categories", help="comma-separated (default: all)")
+    create.add_argument("--tiers", help="comma-separated service tiers its calls may run at, of "
+                                        f"{', '.join(SERVICE_CLASSES)} (default: the server's grant)")
     listing = sub.add_parser("list", help="all keys with their limits (never a secret)")
     listing.add_argument("--json", action="store_true", help="one JSON array instead of a table")
     for command, text in (("revoke", "stop a key working"), ("rotate", "give a key a new secret")):
@@ -100,7 +105,7 @@ def _create(store: KeyStore, args: argparse.Namespace) -> int:
     secret, info = store.create(
         args.name, models=models, rpm=args.rpm, tpm=args.tpm, tpd=args.tpd, max_concurrent=args.max_concurrent,
         max_tokens=args.max_tokens, budget_usd=args.budget_usd, expires_at=parse_expires(args.expires, time.time()),
-        safety=_safety(args))
+        safety=_safety(args), service_tiers=_tiers(args.tiers))
     expiry = f", expires {_when(info.expires_at)}" if info.expires_at is not None else ""
     _print_secret(f"created API key {info.key_id} ({info.name!r}{expiry})", secret)
     return 0
@@ -155,17 +160,26 @@ def _safety(args: argparse.Namespace) -> SafetyPolicy | None:
                         if categories else None)
 
 
+def _tiers(text: str | None) -> tuple[ServiceClass, ...] | None:
+    """--tiers as given (KeyStore.create refuses a name that is no tier); None: the server's grant."""
+    if text is None:
+        return None
+    return cast("tuple[ServiceClass, ...]", tuple(tier.strip() for tier in text.split(",") if tier.strip()))
+
+
 def _limit(value: float | None) -> str:
     return "-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def format_table(infos: list[KeyInfo], now: float) -> str:
     header = ("ID", "NAME", "HINT", "STATUS", "MODELS", "RPM", "TPM", "TPD", "CONCURRENT", "MAX_TOKENS",
-              "BUDGET_USD", "EXPIRES", "CREATED", "LAST_USED")
+              "BUDGET_USD", "TIERS", "EXPIRES", "CREATED", "LAST_USED")
     rows = [header] + [
         (info.key_id, info.name, info.hint, info.status(now), ",".join(info.models) if info.models else "all",
          _limit(info.rpm), _limit(info.tpm), _limit(info.tpd), _limit(info.max_concurrent),
-         _limit(info.max_tokens), _limit(info.budget_usd), _when(info.expires_at), _when(info.created_at),
+         _limit(info.max_tokens), _limit(info.budget_usd),
+         ",".join(info.service_tiers) if info.service_tiers is not None else "server's", _when(info.expires_at),
+         _when(info.created_at),
          _when(info.last_used_at))
         for info in infos
     ]

@@ -47,7 +47,7 @@ async def test_a_duplicate_request_id_keeps_the_first_row_only(url):
         assert ledger.num_rows_written == 2
 
 
-async def test_usage_groups_each_key_by_utc_day_and_model_and_counts_refusals_apart(url):
+async def test_usage_groups_each_key_by_utc_day_model_and_tier_and_counts_refusals_apart(url):
     records = [
         make_record("a1", model="m1", prompt_tokens=10, cached_tokens=4, completion_tokens=1, cost_usd=0.5),
         make_record("a2", model="m1", prompt_tokens=20, cached_tokens=0, completion_tokens=2, cost_usd=0.25),
@@ -63,24 +63,32 @@ async def test_usage_groups_each_key_by_utc_day_and_model_and_counts_refusals_ap
         make_record("a8", model="m1", prompt_tokens=0, completion_tokens=0, cost_usd=0.0, status=499),
         make_record("a9", model="m1", prompt_tokens=0, completion_tokens=0, cost_usd=0.0, status=503),
         make_record("a10", model="m1", prompt_tokens=7, completion_tokens=0, cost_usd=0.0, status=400),
+        # The same key, day and model at another service tier: a row of its own.
+        make_record("a11", model="m1", prompt_tokens=8, completion_tokens=1, cost_usd=0.125, service_tier="flex"),
     ]
     async with Ledger(url) as ledger:
         await asyncio.gather(*(ledger.record(rec) for rec in records))
         key_a = [
-            {"key_id": "key-a", "day": "2024-03-01", "model": "m1", "requests": 5, "refused_requests": 1,
-             "prompt_tokens": 37, "cached_tokens": 4, "completion_tokens": 3, "reasoning_tokens": 0, "cost_usd": 0.75},
-            {"key_id": "key-a", "day": "2024-03-01", "model": "m2", "requests": 1, "refused_requests": 2,
-             "prompt_tokens": 30, "cached_tokens": 1, "completion_tokens": 3, "reasoning_tokens": 0, "cost_usd": 1.0},
-            {"key_id": "key-a", "day": "2024-03-02", "model": "m1", "requests": 1, "refused_requests": 0,
-             "prompt_tokens": 40, "cached_tokens": 2, "completion_tokens": 4, "reasoning_tokens": 0, "cost_usd": 2.0},
+            {"key_id": "key-a", "day": "2024-03-01", "model": "m1", "service_tier": "default", "requests": 5,
+             "refused_requests": 1, "prompt_tokens": 37, "cached_tokens": 4, "completion_tokens": 3,
+             "reasoning_tokens": 0, "cost_usd": 0.75},
+            {"key_id": "key-a", "day": "2024-03-01", "model": "m1", "service_tier": "flex", "requests": 1,
+             "refused_requests": 0, "prompt_tokens": 8, "cached_tokens": 0, "completion_tokens": 1,
+             "reasoning_tokens": 0, "cost_usd": 0.125},
+            {"key_id": "key-a", "day": "2024-03-01", "model": "m2", "service_tier": "default", "requests": 1,
+             "refused_requests": 2, "prompt_tokens": 30, "cached_tokens": 1, "completion_tokens": 3,
+             "reasoning_tokens": 0, "cost_usd": 1.0},
+            {"key_id": "key-a", "day": "2024-03-02", "model": "m1", "service_tier": "default", "requests": 1,
+             "refused_requests": 0, "prompt_tokens": 40, "cached_tokens": 2, "completion_tokens": 4,
+             "reasoning_tokens": 0, "cost_usd": 2.0},
         ]
-        key_b = [{"key_id": "key-b", "day": "2024-03-01", "model": "m1", "requests": 1, "refused_requests": 0,
-                  "prompt_tokens": 50, "cached_tokens": 0, "completion_tokens": 5, "reasoning_tokens": 0,
-                  "cost_usd": 4.0}]
+        key_b = [{"key_id": "key-b", "day": "2024-03-01", "model": "m1", "service_tier": "default", "requests": 1,
+                  "refused_requests": 0, "prompt_tokens": 50, "cached_tokens": 0, "completion_tokens": 5,
+                  "reasoning_tokens": 0, "cost_usd": 4.0}]
         assert await ledger.usage("key-a") == key_a
         assert await ledger.usage(None) == key_a + key_b
-        assert await ledger.usage("key-a", since=DAY2) == key_a[2:]  # since inclusive
-        assert await ledger.usage("key-a", until=DAY2) == key_a[:2]  # until exclusive
+        assert await ledger.usage("key-a", since=DAY2) == key_a[3:]  # since inclusive
+        assert await ledger.usage("key-a", until=DAY2) == key_a[:3]  # until exclusive
         assert await ledger.usage("key-c") == []
 
 

@@ -245,7 +245,8 @@ ERRORS = [
       "balance_factor, balance_slack_tokens, block_size, max_num_indexed_blocks, max_queue, min_match_fraction, "
       "policy, queue_timeout_s, retry_after_s")),
     ([model(prices={"input": 1, "outptu": 2})], {},
-     "models[0].prices: unknown key 'outptu' (did you mean 'output'?); known: cached_input, input, output"),
+     "models[0].prices: unknown key 'outptu' (did you mean 'output'?); known: batch, cached_input, flex, input, "
+     "output, priority"),
     ([model(**{"context-window": 1, "context_window": 2})], {},
      "models[0]: 'context_window' is given twice (with - and with _)"),
     ([{"replicas": [LOCAL]}], {}, "models[0].name: required"),

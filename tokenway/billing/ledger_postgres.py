@@ -10,7 +10,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.types.json import Jsonb
 
 from tokenway.billing.record import COLUMNS, UsageRecord
-from tokenway.billing.store import USAGE_COUNTS, USAGE_FIELDS, usage_filter
+from tokenway.billing.store import USAGE_COUNTS, USAGE_FIELDS, USAGE_GROUPS, usage_filter
 from tokenway.sql import pg_timeouts
 
 # Any constant: serializes CREATE TABLE IF NOT EXISTS between gateways starting together
@@ -24,6 +24,7 @@ CREATE TABLE IF NOT EXISTS usage_ledger (
     stages_ms JSONB NOT NULL, started_at DOUBLE PRECISION NOT NULL, finished_at DOUBLE PRECISION NOT NULL);
 ALTER TABLE usage_ledger ADD COLUMN IF NOT EXISTS trace JSONB NOT NULL DEFAULT '{}';
 ALTER TABLE usage_ledger ADD COLUMN IF NOT EXISTS reasoning_tokens INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE usage_ledger ADD COLUMN IF NOT EXISTS service_tier TEXT NOT NULL DEFAULT 'default';
 CREATE INDEX IF NOT EXISTS usage_ledger_key_finished ON usage_ledger (key_id, finished_at);
 CREATE INDEX IF NOT EXISTS usage_ledger_finished ON usage_ledger (finished_at);
 """
@@ -60,10 +61,10 @@ class PostgresStore:
     def usage(self, key_id: str | None, since: float | None, until: float | None) -> list[dict]:
         where, params = usage_filter(key_id, since, until, "%s")
         rows = self._conn.execute(
-            f"SELECT key_id, {_DAY} AS day, model, {USAGE_COUNTS}, SUM(prompt_tokens)::bigint,"
+            f"SELECT key_id, {_DAY} AS day, model, service_tier, {USAGE_COUNTS}, SUM(prompt_tokens)::bigint,"
             " SUM(cached_tokens)::bigint, SUM(completion_tokens)::bigint, SUM(reasoning_tokens)::bigint,"
             " SUM(cost_usd) FROM usage_ledger" + where +
-            " GROUP BY key_id, day, model ORDER BY key_id, day, model", params).fetchall()
+            f" GROUP BY {USAGE_GROUPS} ORDER BY {USAGE_GROUPS}", params).fetchall()
         return [dict(zip(USAGE_FIELDS, row)) for row in rows]
 
     def get(self, request_id: str) -> UsageRecord | None:

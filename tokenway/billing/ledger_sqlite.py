@@ -7,7 +7,7 @@ import sqlite3
 from collections.abc import Sequence
 
 from tokenway.billing.record import COLUMNS, UsageRecord
-from tokenway.billing.store import USAGE_COUNTS, USAGE_FIELDS, usage_filter
+from tokenway.billing.store import USAGE_COUNTS, USAGE_FIELDS, USAGE_GROUPS, usage_filter
 
 _SQLITE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage_ledger (
@@ -15,7 +15,8 @@ CREATE TABLE IF NOT EXISTS usage_ledger (
     prompt_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
     cost_usd REAL NOT NULL, finish_reason TEXT, error TEXT, status INTEGER NOT NULL,
     stages_ms TEXT NOT NULL, started_at REAL NOT NULL, finished_at REAL NOT NULL,
-    trace TEXT NOT NULL DEFAULT '{}', reasoning_tokens INTEGER NOT NULL DEFAULT 0);
+    trace TEXT NOT NULL DEFAULT '{}', reasoning_tokens INTEGER NOT NULL DEFAULT 0,
+    service_tier TEXT NOT NULL DEFAULT 'default');
 CREATE INDEX IF NOT EXISTS usage_ledger_key_finished ON usage_ledger (key_id, finished_at);
 CREATE INDEX IF NOT EXISTS usage_ledger_finished ON usage_ledger (finished_at);
 """
@@ -34,6 +35,8 @@ class SqliteStore:
             self._conn.execute("ALTER TABLE usage_ledger ADD COLUMN trace TEXT NOT NULL DEFAULT '{}'")
         if columns and "reasoning_tokens" not in columns:  # ... and before reasoning tokens were
             self._conn.execute("ALTER TABLE usage_ledger ADD COLUMN reasoning_tokens INTEGER NOT NULL DEFAULT 0")
+        if columns and "service_tier" not in columns:  # ... and before service tiers were
+            self._conn.execute("ALTER TABLE usage_ledger ADD COLUMN service_tier TEXT NOT NULL DEFAULT 'default'")
         self._conn.executescript(_SQLITE_SCHEMA)
         self._insert_sql = (f"INSERT INTO usage_ledger ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
                             " ON CONFLICT (request_id) DO NOTHING")
@@ -59,10 +62,9 @@ class SqliteStore:
     def usage(self, key_id: str | None, since: float | None, until: float | None) -> list[dict]:
         where, params = usage_filter(key_id, since, until, "?")
         rows = self._conn.execute(
-            f"SELECT key_id, date(finished_at, 'unixepoch') AS day, model, {USAGE_COUNTS}, SUM(prompt_tokens),"
-            " SUM(cached_tokens), SUM(completion_tokens), SUM(reasoning_tokens), SUM(cost_usd) FROM usage_ledger" +
-            where +
-            " GROUP BY key_id, day, model ORDER BY key_id, day, model", params).fetchall()
+            f"SELECT key_id, date(finished_at, 'unixepoch') AS day, model, service_tier, {USAGE_COUNTS},"
+            " SUM(prompt_tokens), SUM(cached_tokens), SUM(completion_tokens), SUM(reasoning_tokens), SUM(cost_usd)"
+            " FROM usage_ledger" + where + f" GROUP BY {USAGE_GROUPS} ORDER BY {USAGE_GROUPS}", params).fetchall()
         return [dict(zip(USAGE_FIELDS, row)) for row in rows]
 
     def get(self, request_id: str) -> UsageRecord | None:

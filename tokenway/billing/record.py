@@ -11,7 +11,8 @@ from typing import Any
 # Columns added since the first schema come last, as each migration appends them (and rows
 # journaled before them read back with their defaults).
 COLUMNS = ("request_id", "key_id", "model", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_usd",
-           "finish_reason", "error", "status", "stages_ms", "started_at", "finished_at", "trace", "reasoning_tokens")
+           "finish_reason", "error", "status", "stages_ms", "started_at", "finished_at", "trace", "reasoning_tokens",
+           "service_tier")
 JSON_COLUMNS = ("stages_ms", "trace")
 
 
@@ -37,6 +38,7 @@ class UsageRecord:
     # ttft_ms, tpot_ms, total_ms, cache_reason... so `tokenway trace` outlives the ring.
     trace: dict = field(default_factory=dict)
     reasoning_tokens: int = 0
+    service_tier: str = "default"  # the tier the call ran at (gateway/tiers.py), which priced it
 
     def __post_init__(self) -> None:
         # Whatever text a client managed to put in (a lone surrogate in an echoed model name, a

@@ -10,8 +10,10 @@ from typing import LiteralString, Protocol
 
 from tokenway.billing.record import UsageRecord
 
-USAGE_FIELDS = ("key_id", "day", "model", "requests", "refused_requests", "prompt_tokens", "cached_tokens",
-                "completion_tokens", "reasoning_tokens", "cost_usd")
+USAGE_FIELDS = ("key_id", "day", "model", "service_tier", "requests", "refused_requests", "prompt_tokens",
+                "cached_tokens", "completion_tokens", "reasoning_tokens", "cost_usd")
+# What usage() sums by, and orders by: the first four USAGE_FIELDS.
+USAGE_GROUPS: LiteralString = "key_id, day, model, service_tier"
 # A refusal is a call answered 4xx before anything ran: no token counted. A 499 (the client
 # left) and a 5xx are billed for whatever they used, and count among the requests served.
 _REFUSED = "status BETWEEN 400 AND 498 AND prompt_tokens = 0 AND completion_tokens = 0"
@@ -39,7 +41,7 @@ class LedgerStore(Protocol):
     def spend_usd(self, key_id: str) -> float: ...
 
     def usage(self, key_id: str | None, since: float | None, until: float | None) -> list[dict]:
-        """Rows of USAGE_FIELDS, by key, UTC day (of finished_at) and model."""
+        """Rows of USAGE_FIELDS, by key, UTC day (of finished_at), model and service tier."""
         ...
 
     def get(self, request_id: str) -> UsageRecord | None: ...

@@ -13,6 +13,7 @@ from __future__ import annotations
 from tokenway.gateway.auth import Principal
 from tokenway.gateway.call import Call
 from tokenway.gateway.gatekeeper import Gatekeeper
+from tokenway.gateway.tiers import call_tier
 from tokenway.protocol.errors import ContextLengthExceededError, InvalidRequestError
 
 
@@ -57,5 +58,6 @@ async def admit(gatekeeper: Gatekeeper | None, call: Call) -> None:
         assert job is not None, "a call is admitted once its job is made"
         num_prompt_tokens = job.num_prompt_tokens
         call.set_admission(await gatekeeper.admit(call.start.principal, call.model, num_prompt_tokens,
-                                                  job.num_reserved_tokens - num_prompt_tokens, job.n))
+                                                  job.num_reserved_tokens - num_prompt_tokens, job.n,
+                                                  call_tier(call)))
     call.clock.end("limits")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenway.protocol.errors import AuthenticationError, FieldError, PermissionDeniedError, truncate
+from tokenway.protocol.job import SERVICE_CLASSES, ServiceClass
 from tokenway.safety.screen import SafetyPolicy
 
 if TYPE_CHECKING:
@@ -60,6 +61,17 @@ def check_key_fields(name: str, models: tuple[str, ...] | None, rpm: int | None,
         raise FieldError("expires_at", f"must be unix seconds or None, got {expires_at!r}")
 
 
+def check_service_tiers(service_tiers: tuple[ServiceClass, ...] | None) -> None:
+    """FieldError unless None (the server's default grant) or distinct service classes."""
+    if service_tiers is None:
+        return
+    if (not isinstance(service_tiers, tuple) or not service_tiers
+            or any(tier not in SERVICE_CLASSES for tier in service_tiers)
+            or len(set(service_tiers)) != len(service_tiers)):
+        raise FieldError("service_tiers", f"must be distinct tiers of {', '.join(SERVICE_CLASSES)}, or None for "
+                                          f"the server's default, got {service_tiers!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class Principal:
     """Who is calling and what they may do. Limits are None when unlimited."""
@@ -75,10 +87,12 @@ class Principal:
     budget_usd: float | None = None
     expires_at: float | None = None  # unix seconds
     safety: SafetyPolicy | None = None  # the key's own safety policy; None: the model's or the server's
+    service_tiers: tuple[ServiceClass, ...] | None = None  # the tiers it may run at; None: the server's default
 
     def __post_init__(self) -> None:
         check_key_fields(self.name, self.models, self.rpm, self.tpm, self.tpd, self.max_concurrent,
                          self.max_tokens, self.budget_usd, self.expires_at)
+        check_service_tiers(self.service_tiers)
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models

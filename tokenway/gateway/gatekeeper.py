@@ -22,7 +22,14 @@ from dataclasses import dataclass
 
 from tokenway.billing.ledger import Ledger, UsageRecord
 from tokenway.billing.pricing import ModelPrice, PriceTable, cost_usd
-from tokenway.gateway.auth import ANONYMOUS, Principal, authorize_model, needs_auth, principal_for
+from tokenway.gateway.auth import (
+    ANONYMOUS,
+    Principal,
+    authorize_model,
+    check_service_tiers,
+    needs_auth,
+    principal_for,
+)
 from tokenway.gateway.budgets import (
     BudgetDecision,
     BudgetReservation,
@@ -38,8 +45,10 @@ from tokenway.gateway.call import Call, CallOutcome
 from tokenway.gateway.keystore import KeyStore
 from tokenway.gateway.limits import CONCURRENCY_RETRY_S, Decision, Limiter, LimitSpec, LimitsUnavailable, Reservation
 from tokenway.gateway.outage import StoreGuard
+from tokenway.gateway.tiers import DEFAULT_GRANT, TierAsk, call_tier, granted_tiers, resolve
 from tokenway.observability.traces import Trace
 from tokenway.protocol.errors import AuthenticationError, InvalidRequestError, RateLimitError, ServiceUnavailableError
+from tokenway.protocol.job import ServiceClass
 
 logger = logging.getLogger(__name__)
 BOTH_STORES = ("budgets", "limits")  # the StoreGuard names a joint store's operations go by
@@ -81,6 +90,10 @@ class Defaults:
     max_concurrent: int | None = None
     max_tokens: int | None = None
     max_messages: int = 2048
+    service_tiers: tuple[ServiceClass, ...] = DEFAULT_GRANT  # what a key that names no tiers may run at
+
+    def __post_init__(self) -> None:
+        check_service_tiers(self.service_tiers)
 
 
 class Gatekeeper:
@@ -135,6 +148,10 @@ class Gatekeeper:
     def check_model(self, principal: Principal, model: str) -> None:
         authorize_model(principal, model)
 
+    def service_class(self, principal: Principal, ask: TierAsk, batch_line: str | None) -> ServiceClass:
+        """The tier a call runs at (gateway/tiers.py); 403 where the key may not use the one asked."""
+        return resolve(ask, granted_tiers(principal, self.defaults.service_tiers), batch_line)
+
     def max_tokens_cap(self, principal: Principal) -> int | None:
         return principal.max_tokens if principal.max_tokens is not None else self.defaults.max_tokens
 
@@ -151,16 +168,16 @@ class Gatekeeper:
                                       param=max_tokens_param)
 
     async def admit(self, principal: Principal, model: str, num_prompt_tokens: int, num_completion_tokens: int,
-                    n: int = 1) -> Admission:
-        """The budget, then the limits: the call's worst-case cost and its prompt + max_tokens of
-        every choice (num_completion_tokens: max_tokens * n) are reserved, or it is refused
-        with a 429 and nothing stays reserved."""
+                    n: int = 1, service_tier: ServiceClass = "default") -> Admission:
+        """The budget, then the limits: the call's worst-case cost (at its tier's price) and its
+        prompt + max_tokens of every choice (num_completion_tokens: max_tokens * n) are
+        reserved, or it is refused with a 429 and nothing stays reserved."""
         key_id, spec = principal.key_id, self.limit_spec(principal)
         reserve_tokens = num_prompt_tokens + num_completion_tokens
         if principal.budget_usd is None:
             return Admission(await self._reserve_limits(key_id, spec, reserve_tokens), reserve_tokens)
         # Which prompt tokens the cache holds is known only once the call has run: uncached here.
-        price = self.prices.price(model)
+        price = self.prices.price(model, service_tier)
         ask = _BudgetAsk(price, nanos_down(principal.budget_usd),
                          nanos_up(cost_usd(price, num_prompt_tokens, 0, num_completion_tokens)), num_prompt_tokens, n)
         if self.joint is not None:
@@ -259,8 +276,8 @@ class Gatekeeper:
 
     # -- what it cost ----------------------------------------------------------------
 
-    def cost_usd(self, model: str, outcome: CallOutcome) -> float:
-        return cost_usd(self.prices.price(model), outcome.prompt_tokens, outcome.cached_tokens,
+    def cost_usd(self, model: str, outcome: CallOutcome, service_tier: ServiceClass = "default") -> float:
+        return cost_usd(self.prices.price(model, service_tier), outcome.prompt_tokens, outcome.cached_tokens,
                         outcome.completion_tokens)
 
     def _settle(self, admission: Admission | None, outcome: CallOutcome, cost: float) -> None:
@@ -288,7 +305,8 @@ class Gatekeeper:
 
     def usage_record(self, call: Call, outcome: CallOutcome, cost: float | None = None) -> UsageRecord:
         """The ledger row, with the call's trace as of now (the commit is the billing stage)."""
-        trace = Trace.of_call(call, outcome, self.cost_usd(call.model, outcome) if cost is None else cost)
+        service_tier = call_tier(call)
+        trace = Trace.of_call(call, outcome, self.cost_usd(call.model, outcome, service_tier) if cost is None else cost)
         return UsageRecord(
             request_id=call.request_id,
             key_id=call.start.principal.key_id,
@@ -305,6 +323,7 @@ class Gatekeeper:
             started_at=call.start.started_at,
             finished_at=time.time(),
             trace=trace.ledger_fields(),
+            service_tier=service_tier,
         )
 
     def _final_row(self, call: Call, status: int) -> UsageRecord | None:
@@ -317,7 +336,7 @@ class Gatekeeper:
         outcome = call.outcome
         assert outcome is not None, "end_as_sent() leaves every call with an outcome"
         call.clock.start_billing()
-        cost = self.cost_usd(call.model, outcome)
+        cost = self.cost_usd(call.model, outcome, call_tier(call))
         self._settle(call.admission, outcome, cost)
         return self.usage_record(call, outcome, cost)
 

@@ -29,6 +29,7 @@ from typing import Any, Self
 from tokenway.gateway.auth import (
     Principal,
     check_key_fields,
+    check_service_tiers,
     hash_secret,
     key_id_of,
     new_key_id,
@@ -36,6 +37,7 @@ from tokenway.gateway.auth import (
     secret_hint,
 )
 from tokenway.protocol.errors import FieldError
+from tokenway.protocol.job import ServiceClass
 from tokenway.safety.screen import SafetyPolicy
 
 logger = logging.getLogger(__name__)
@@ -56,14 +58,15 @@ CREATE TABLE IF NOT EXISTS api_keys (
     created_at REAL NOT NULL,
     revoked_at REAL,
     last_used_at REAL,
-    safety TEXT                 -- JSON SafetyPolicy; NULL: the model's or the server's
+    safety TEXT,                -- JSON SafetyPolicy; NULL: the model's or the server's
+    service_tiers TEXT          -- JSON array of service tiers; NULL: the server's default grant
 );
 CREATE TABLE IF NOT EXISTS api_keys_version (id INTEGER PRIMARY KEY CHECK (id = 0), version INTEGER NOT NULL);
 INSERT OR IGNORE INTO api_keys_version (id, version) VALUES (0, 0);
 """
 _LIMIT_COLUMNS = ("rpm", "tpm", "tpd", "max_concurrent", "max_tokens", "budget_usd", "expires_at")
 _COLUMNS = ("key_id", "name", "models", *_LIMIT_COLUMNS, "created_at", "revoked_at", "last_used_at", "hint",
-            "safety")
+            "safety", "service_tiers")
 
 
 class UnknownKeyError(ValueError):
@@ -89,6 +92,7 @@ class KeyInfo:
     last_used_at: float | None
     hint: str  # "tw-k_3f9a2c1b-…a9Zq"
     safety: SafetyPolicy | None = None
+    service_tiers: tuple[ServiceClass, ...] | None = None  # None: the server's default grant
 
     def status(self, now: float) -> str:
         if self.revoked_at is not None:
@@ -101,6 +105,7 @@ class KeyInfo:
         data = asdict(self)
         data["models"] = list(self.models) if self.models is not None else None
         data["safety"] = self.safety.to_dict() if self.safety is not None else None
+        data["service_tiers"] = list(self.service_tiers) if self.service_tiers is not None else None
         return data
 
 
@@ -128,6 +133,8 @@ class KeyStore:
             columns = {row[1] for row in self._conn.execute("PRAGMA table_info(api_keys)")}
             if "safety" not in columns:  # a database from before per-key safety policies
                 self._conn.execute("ALTER TABLE api_keys ADD COLUMN safety TEXT")
+            if "service_tiers" not in columns:  # ... and before per-key service tiers
+                self._conn.execute("ALTER TABLE api_keys ADD COLUMN service_tiers TEXT")
         # Replaced whole, never mutated, so a reader needs no lock.
         self._key_id_to_entry: dict[str, _Entry] = {}
         self._version = -1
@@ -158,10 +165,14 @@ class KeyStore:
     def create(self, name: str, models: tuple[str, ...] | list[str] | None = None, rpm: int | None = None,
                tpm: int | None = None, tpd: int | None = None, max_concurrent: int | None = None,
                max_tokens: int | None = None, budget_usd: float | None = None,
-               expires_at: float | None = None, safety: SafetyPolicy | None = None) -> tuple[str, KeyInfo]:
-        """A new key; the secret is returned here once and stored only as a hash."""
+               expires_at: float | None = None, safety: SafetyPolicy | None = None,
+               service_tiers: tuple[ServiceClass, ...] | list[ServiceClass] | None = None) -> tuple[str, KeyInfo]:
+        """A new key; the secret is returned here once and stored only as a hash. service_tiers:
+        the tiers its calls may run at (None: the server's default grant)."""
         models = tuple(models) if models is not None else None
+        service_tiers = tuple(service_tiers) if service_tiers is not None else None
         check_key_fields(name, models, rpm, tpm, tpd, max_concurrent, max_tokens, budget_usd, expires_at)
+        check_service_tiers(service_tiers)
         now = time.time()
         if expires_at is not None and expires_at <= now:
             raise FieldError("expires_at", "must be in the future")
@@ -172,11 +183,13 @@ class KeyStore:
                 with self._write() as conn:
                     conn.execute(
                         f"INSERT INTO api_keys (key_id, secret_sha256, hint, name, models, {', '.join(_LIMIT_COLUMNS)},"
-                        f" created_at, safety) VALUES (?, ?, ?, ?, ?, {', '.join('?' * len(_LIMIT_COLUMNS))}, ?, ?)",
+                        f" created_at, safety, service_tiers)"
+                        f" VALUES (?, ?, ?, ?, ?, {', '.join('?' * len(_LIMIT_COLUMNS))}, ?, ?, ?)",
                         (key_id, hash_secret(secret), secret_hint(secret), name,
                          json.dumps(list(models)) if models is not None else None,
                          rpm, tpm, tpd, max_concurrent, max_tokens, budget_usd, expires_at, now,
-                         json.dumps(safety.to_dict()) if safety is not None else None))
+                         json.dumps(safety.to_dict()) if safety is not None else None,
+                         json.dumps(list(service_tiers)) if service_tiers is not None else None))
             except sqlite3.IntegrityError:
                 continue  # key_id taken
             break
@@ -322,10 +335,13 @@ def _key_info(row: tuple) -> KeyInfo:
     values = dict(zip(_COLUMNS, row))
     values["models"] = tuple(json.loads(values["models"])) if values["models"] is not None else None
     values["safety"] = SafetyPolicy.from_dict(json.loads(values["safety"])) if values["safety"] is not None else None
+    tiers = values["service_tiers"]
+    values["service_tiers"] = tuple(json.loads(tiers)) if tiers is not None else None
     return KeyInfo(**values)
 
 
 def _principal(info: KeyInfo) -> Principal:
     return Principal(key_id=info.key_id, name=info.name, models=info.models, rpm=info.rpm, tpm=info.tpm,
                      tpd=info.tpd, max_concurrent=info.max_concurrent, max_tokens=info.max_tokens,
-                     budget_usd=info.budget_usd, expires_at=info.expires_at, safety=info.safety)
+                     budget_usd=info.budget_usd, expires_at=info.expires_at, safety=info.safety,
+                     service_tiers=info.service_tiers)

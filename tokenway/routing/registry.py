@@ -179,10 +179,12 @@ class Registry:
         names = {r.key_env for m in self.models for r in m.replicas if r.key_env is not None}
         return sorted(name for name in names if not environ.get(name, "").strip())
 
-    def price_table(self, prices: Mapping[str, Mapping[str, float]] | None = None) -> PriceTable:
+    def price_table(self, prices: Mapping[str, object] | None = None,
+                    tier_multipliers: Mapping[str, float] | None = None) -> PriceTable:
         """Each model's `prices`, with serve's top-level `prices` table ({model: {input, ...}},
         by name or alias) for the models that set none. A name that is served by no model keeps
-        its entry (as before the registry); a model priced in both places is refused."""
+        its entry (as before the registry); a model priced in both places is refused.
+        tier_multipliers price the tiers a model's price does not set (billing/pricing.py)."""
         model_to_price: dict[str, ModelPrice] = {m.name: m.price for m in self.models if m.price is not None}
         top_level = PriceTable.from_config(prices)
         model_to_key: dict[str, str] = {}
@@ -194,7 +196,7 @@ class Registry:
             if model_to_key.setdefault(name, key) != key:
                 raise ValueError(f"prices.{key}: model {name!r} is priced already, as prices.{model_to_key[name]}")
             model_to_price[name] = top_level.price(key)
-        return PriceTable(model_to_price)
+        return PriceTable(model_to_price, tier_multipliers)
 
     # ---- checks across models --------------------------------------------------------------------
 

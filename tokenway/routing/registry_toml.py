@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, cast, overload
 
-from tokenway.billing.pricing import ModelPrice
+from tokenway.billing.pricing import PRICED_TIERS, ModelPrice
 from tokenway.routing.balancer import POLICIES, BalancerConfig
 from tokenway.routing.health import BreakerConfig, HealthCheckConfig
 from tokenway.routing.registry_config import (
@@ -182,13 +182,17 @@ def _present(fields: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in fields.items() if value is not None}
 
 
-def _price(table: Table | None) -> ModelPrice | None:
+def _price(table: Table | None, tiers: bool = True) -> ModelPrice | None:
+    """A model's price, and the tiers priced apart as tables of their own ([models.prices.flex])."""
     if table is None:
         return None
-    price = ModelPrice(**_present({key: table.number(key, minimum=0, unit=" (USD per million tokens)")
-                                   for key in ("input", "cached_input", "output")}))
+    fields: dict[str, Any] = _present({key: table.number(key, minimum=0, unit=" (USD per million tokens)")
+                                       for key in ("input", "cached_input", "output")})
+    if tiers:
+        fields["tiers"] = {tier: price for tier in PRICED_TIERS
+                           if (price := _price(table.table(tier), tiers=False)) is not None}
     table.finish()
-    return price
+    return ModelPrice(**fields)
 
 
 def _balancer(table: Table | None, max_in_flight: int | None) -> BalancerConfig:

@@ -2,10 +2,11 @@
 the ledger holds.
 
     POST /admin/keys                   {"name", "models"?, "rpm"?, ...} -> 201 {"key": <secret, shown once>, ...info}
+                                       ("service_tiers"?: the tiers its calls may run at)
     GET  /admin/keys                   -> {"object": "list", "data": [info, ...]}     (never a secret)
     POST /admin/keys/{key_id}/revoke   -> info (revoking twice is not an error)
     POST /admin/keys/{key_id}/rotate   -> {"key": <new secret>, ...info}
-    GET  /v1/usage[?key_id&since&until] the caller's usage by day and model (the admin key: anyone's)
+    GET  /v1/usage[?key_id&since&until] the caller's usage by day, model and tier (the admin key: anyone's)
 
 Every /admin route needs `Authorization: Bearer <admin_key>` (401 otherwise). With no admin key
 configured the whole /admin API answers 404, as if it did not exist. A server without a
@@ -35,6 +36,7 @@ from tokenway.protocol.errors import (
     ServiceUnavailableError,
     truncate,
 )
+from tokenway.protocol.job import ServiceClass
 from tokenway.safety.detectors import CATEGORIES
 from tokenway.safety.screen import MODES, SafetyPolicy
 from tokenway.server.body_parser import BodyParser
@@ -76,6 +78,8 @@ class CreateKeyRequest(pydantic.BaseModel):
     budget_usd: Annotated[float, pydantic.Field(ge=0, allow_inf_nan=False)] | None = None
     expires_at: Annotated[float, pydantic.Field(allow_inf_nan=False)] | None = None  # unix seconds
     safety: SafetyBody | None = None
+    # The tiers the key's calls may run at (gateway/tiers.py); None: the server's default grant.
+    service_tiers: Annotated[list[ServiceClass], pydantic.Field(min_length=1)] | None = None
 
 
 def check_admin_key(request: Request, admin_key: str | None) -> None:
@@ -102,7 +106,7 @@ def router(services: Services) -> APIRouter:
     @api.get("/v1/usage")
     async def usage(request: Request, key_id: str | None = None, since: float | None = None,
                     until: float | None = None) -> dict:
-        """The caller's usage by day and model; the admin key's: every key's, or the key_id named."""
+        """The caller's usage by day, model and service tier; the admin key's: every key's, or the key_id named."""
         principal = call_of(request).start.principal
         if key_id is None:
             key_id = None if principal is ADMIN else principal.key_id
