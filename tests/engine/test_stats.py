@@ -9,7 +9,8 @@ import pickle
 
 import pytest
 
-from tokenway.engine.stats import EngineStats
+from tokenway.engine.stats import ClassStats, EngineStats
+from tokenway.protocol.job import SERVICE_CLASSES
 
 COUNTS = dict(num_running=2, num_waiting=1, kv_blocks_total=100, kv_blocks_free=75, prefix_cache_hit_rate=0.25,
               prefix_cache_queried_tokens=400, prefix_cache_hit_tokens=100, num_preemptions=4, num_steps=9,
@@ -56,3 +57,37 @@ def test_from_dict_takes_a_whole_number_for_a_rate_and_ignores_counts_it_does_no
 def test_from_dict_names_the_first_count_that_is_missing_or_of_the_wrong_type(payload, message):
     with pytest.raises(ValueError, match=f"^{message}$"):
         EngineStats.from_dict(payload)
+
+
+CLASSES = tuple(ClassStats(name, rank, 2 * rank, 3, 40 + rank, 50) for rank, name in enumerate(SERVICE_CLASSES))
+WITH_CLASSES = dataclasses.replace(IN_A_PROCESS, classes=CLASSES)
+
+
+def test_the_counts_per_class_are_an_object_by_class_after_the_engines_and_cross_json_and_the_pipe():
+    payload = WITH_CLASSES.to_dict()
+    assert list(payload) == [*COUNTS, "classes", "engine_pid", "engine_restarts"]
+    assert payload["classes"]["batch"] == {"num_running": 3, "num_waiting": 6, "num_preemptions": 3,
+                                           "num_prompt_tokens": 43, "num_generated_tokens": 50}
+    assert list(payload["classes"]) == ["priority", "default", "flex", "batch"]
+    assert EngineStats.from_dict(json.loads(json.dumps(payload))) == WITH_CLASSES
+    assert pickle.loads(pickle.dumps(WITH_CLASSES)) == WITH_CLASSES
+    assert WITH_CLASSES.of_class("flex") == CLASSES[2] and STATS.of_class("flex") is None
+
+
+@pytest.mark.parametrize(("classes", "message"), [
+    ([], "classes: expected an object, got list"),
+    ({"priority": {}}, "classes.priority.num_running: missing"),
+    ({name: CLASSES[0].to_dict() for name in ("priority", "default", "batch")}, "classes.flex: missing"),
+    ({name: {**CLASSES[0].to_dict(), "num_waiting": 1.0} for name in SERVICE_CLASSES},
+     "classes.priority.num_waiting: expected int, got float"),
+    ({name: 7 for name in SERVICE_CLASSES}, "classes.priority: expected an object, got int"),
+], ids=["list", "missing-count", "missing-class", "float", "not-an-object"])
+def test_malformed_counts_per_class_are_named(classes, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        EngineStats.from_dict({**COUNTS, "classes": classes})
+
+
+def test_a_class_it_does_not_know_is_ignored_and_an_engine_without_classes_reads_as_none():
+    payload = {**COUNTS, "classes": {**WITH_CLASSES.to_dict()["classes"], "platinum": {"num_running": 1}}}
+    assert EngineStats.from_dict(payload).classes == CLASSES
+    assert EngineStats.from_dict(COUNTS).classes is None

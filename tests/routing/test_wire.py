@@ -46,3 +46,13 @@ def test_a_malformed_budget_is_refused_by_name():
                 {"max_tokens": 4, "end_token_ids": [7], "starts_open": True, "budget": 3}):
         with pytest.raises(pydantic.ValidationError):
             wire.GenerateBody.model_validate(params(**bad))
+
+
+def test_the_service_class_crosses_the_wire_and_an_unknown_one_is_refused():
+    body = {"request_id": "r", "prompt_token_ids": [1], "params": {}}
+    assert wire.GenerateBody.model_validate(body).service_class == "default"  # a gateway older than classes
+    for service_class in ("priority", "flex", "batch"):
+        parsed = wire.GenerateBody.model_validate_json(json.dumps({**body, "service_class": service_class}))
+        assert parsed.service_class == service_class
+    with pytest.raises(pydantic.ValidationError, match="service_class"):
+        wire.GenerateBody.model_validate({**body, "service_class": "scale"})

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tokenway.engine.stats import EngineStats
+from tokenway.engine.stats import ClassStats, EngineStats
 from tokenway.protocol.errors import (
     BadGatewayError,
     GatewayTimeoutError,
     InternalServerError,
     ServiceUnavailableError,
 )
-from tokenway.protocol.job import ChoiceDelta, GenerationJob, Usage
+from tokenway.protocol.job import SERVICE_CLASSES, ChoiceDelta, GenerationJob, Usage
 from tokenway.protocol.outputs import TokenLogprob
 from tokenway.protocol.sampling import SamplingParams, StructuredOutputSpec
 from tokenway.routing import wire
@@ -133,8 +133,10 @@ def test_fetch_tokenizer_writes_only_the_known_file_names(stub, tmp_path):
 
 
 def test_a_probe_reads_the_engines_counts_and_a_malformed_state_is_a_bad_gateway(stub):
-    counts = {field.name: 1 for field in dataclasses.fields(EngineStats)}
-    state = {"model": "m", "ready": True, "num_in_flight": 0, "kv_cache_usage": 0.5, "engine": counts}
+    counts = {field.name: 1 for field in dataclasses.fields(EngineStats) if field.name != "classes"}
+    classes = tuple(ClassStats(name, 1, 2, 3, 4, 5) for name in SERVICE_CLASSES)
+    engine = {**counts, "classes": {entry.service_class: entry.to_dict() for entry in classes}}
+    state = {"model": "m", "ready": True, "num_in_flight": 0, "kv_cache_usage": 0.5, "engine": engine}
     missing = {**state, "engine": {key: value for key, value in counts.items() if key != "num_steps"}}
     stub.script(*(Reply(headers={"content-type": "application/json"}, chunks=(json.dumps(body).encode(),))
                   for body in (state, missing)))
@@ -149,5 +151,16 @@ def test_a_probe_reads_the_engines_counts_and_a_malformed_state_is_a_bad_gateway
             return before, read, replica.stats()
 
     before, read, after = asyncio.run(main())
-    assert before is None and read == EngineStats(**counts)
+    assert before is None and read == EngineStats(**counts, classes=classes)
     assert after is read  # a malformed state leaves the last good counts
+
+
+def test_a_job_of_another_class_than_default_says_so_and_a_default_one_sends_nothing_new(stub):
+    stub.script(*(Reply(chunks=(delta(text="Hi", token_ids=[9], finish_reason="stop"), usage(), DONE))
+                  for _ in range(2)))
+    params = SamplingParams(max_tokens=4)
+    stub_collect(stub, dataclasses.replace(make_job([1, 2, 3], params), service_class="batch"))
+    stub_collect(stub, make_job([1, 2, 3], params))
+    batch, default = stub.received
+    assert batch.body["service_class"] == "batch" and "service_class" not in default.body  # an older worker takes it
+    assert [wire.GenerateBody.model_validate(r.body).service_class for r in stub.received] == ["batch", "default"]

@@ -31,6 +31,7 @@ from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.output import RequestOutput, RequestState
 from tokenway.frontend.prompt_check import PromptChecker
 from tokenway.frontend.tokenizer import Tokenizer
+from tokenway.protocol.job import SERVICE_CLASSES, ServiceClass
 from tokenway.protocol.outputs import EngineOutput
 from tokenway.protocol.sampling import SamplingParams
 
@@ -58,6 +59,7 @@ class _Add(Generic[StateT]):
     state: StateT
     outputs: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    service_class: ServiceClass = "default"
 
 
 @dataclass(slots=True)
@@ -162,16 +164,20 @@ class EngineClient:
         params: SamplingParams,
         request_id: str | None = None,
         prompt: str | None = None,
+        service_class: ServiceClass = "default",
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield a RequestOutput per step that releases something; the last has finished=True.
-        Raises ValueError (before anything runs) for a bad prompt, EngineDeadError when the
-        engine is down or dies meanwhile. Leaving the loop early, or cancelling the task,
-        aborts the request in the engine within one step."""
+        Raises ValueError (before anything runs) for a bad prompt or service class,
+        EngineDeadError when the engine is down or dies meanwhile. Leaving the loop early, or
+        cancelling the task, aborts the request in the engine within one step. service_class:
+        how urgently the engine schedules it (engine/scheduler.py)."""
+        if service_class not in SERVICE_CLASSES:
+            raise ValueError(f"service_class: expected one of {', '.join(SERVICE_CLASSES)}, got {service_class!r}")
         self.validate_prompt(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
         outputs: asyncio.Queue = asyncio.Queue()
         state = self._request_state(request_id, prompt, list(prompt_token_ids), params)
-        self._submit(_Add(state, outputs, asyncio.get_running_loop()))
+        self._submit(_Add(state, outputs, asyncio.get_running_loop(), service_class))
         finished = False
         try:
             while True:
@@ -279,7 +285,8 @@ class AsyncEngine(EngineClient):
             if isinstance(command, _Add):
                 request_id = command.state.request_id
                 try:
-                    core.add_request(request_id, command.state.prompt_token_ids, command.state.params)
+                    core.add_request(request_id, command.state.prompt_token_ids, command.state.params,
+                                     command.service_class)
                 except ValueError as exc:
                     deliver([(command, exc)])
                     continue

@@ -25,7 +25,7 @@ from tokenway.engine.runner import ModelRunner, kv_bytes_per_block
 from tokenway.engine.sampler import Sampler, SamplingMetadata
 from tokenway.engine.scheduler import Scheduler
 from tokenway.engine.spec_decode import NgramProposer
-from tokenway.engine.stats import EngineStats
+from tokenway.engine.stats import ClassStats, EngineStats
 from tokenway.frontend.prompt_check import PromptChecker, eos_token_ids, resolve_max_model_len
 from tokenway.frontend.structured_output import StructuredOutputManager
 from tokenway.frontend.tokenizer import Tokenizer
@@ -36,6 +36,7 @@ from tokenway.models.decoder import DecoderForCausalLM
 from tokenway.models.linear import select_kernels
 from tokenway.models.loader import resolve_model
 from tokenway.models.weights import KernelCache, iter_weights, quantized_weights
+from tokenway.protocol.job import SERVICE_CLASSES, ServiceClass
 from tokenway.protocol.outputs import EngineOutput
 from tokenway.protocol.sampling import SamplingParams
 
@@ -162,13 +163,14 @@ class EngineCore:
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.prompts.check(prompt_token_ids, params)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    service_class: ServiceClass = "default") -> None:
         self.validate_prompt(prompt_token_ids, params)
         eos = self.tokenizer.eos_token_id
         spec = params.structured_output
         grammar = None if spec is None else self.structured_output.new_matcher(spec)
         self.scheduler.add_request(Request(request_id, list(prompt_token_ids), params, eos_token_id=eos,
-                                           grammar=grammar))
+                                           grammar=grammar, service_class=service_class))
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
         return self.scheduler.abort_requests(request_ids)
@@ -180,6 +182,15 @@ class EngineCore:
         """What runs, what waits, how full the KV cache is: the engine's published counts."""
         kv, scheduler = self.kv_manager, self.scheduler
         spec = scheduler.spec_decoding_stats
+        num_running_by_rank = [0] * len(SERVICE_CLASSES)
+        for request in scheduler.running:
+            num_running_by_rank[request.class_rank] += 1
+        num_waiting_by_rank = scheduler.waiting.num_waiting_by_rank()
+        classes = tuple(
+            ClassStats(service_class, num_running_by_rank[rank], num_waiting_by_rank[rank],
+                       scheduler.num_preemptions_by_rank[rank], scheduler.num_prompt_tokens_by_rank[rank],
+                       scheduler.num_generated_tokens_by_rank[rank])
+            for rank, service_class in enumerate(SERVICE_CLASSES))
         return EngineStats(
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
             kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks,
@@ -189,7 +200,7 @@ class EngineCore:
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_acceptance_rate=spec.acceptance_rate,
-            spec_decode_mean_accepted_length=spec.mean_accepted_length,
+            spec_decode_mean_accepted_length=spec.mean_accepted_length, classes=classes,
         )
 
     def has_unfinished_requests(self) -> bool:

@@ -15,6 +15,7 @@ from tokenway.config import EngineConfig
 from tokenway.engine.core import EngineCore
 from tokenway.frontend.output import RequestOutput, RequestState
 from tokenway.models.loader import DEFAULT_MODEL
+from tokenway.protocol.job import SERVICE_CLASSES, ServiceClass
 from tokenway.protocol.sampling import SamplingParams, choice_params
 
 if TYPE_CHECKING:
@@ -33,14 +34,17 @@ class LLM:
         self,
         prompts: PromptLike | Sequence[PromptLike],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        service_class: ServiceClass | Sequence[ServiceClass] = "default",
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a string or
-        {"prompt_token_ids": [...]}; every prompt is checked before any runs."""
+        {"prompt_token_ids": [...]}; every prompt is checked before any runs. service_class: one
+        for every prompt, or one per prompt (engine/scheduler.py serves the best first)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params_list = self._params_list(sampling_params, len(prompts))
+        classes = _classes_list(service_class, len(prompts))
         encoded = []
-        for prompt, params in zip(prompts, params_list):
+        for prompt, params, prompt_class in zip(prompts, params_list, classes):
             if isinstance(prompt, str):
                 token_ids = self.tokenizer.encode(prompt)
                 text = prompt
@@ -50,7 +54,7 @@ class LLM:
                 raise ValueError("prompt: expected a string or {'prompt_token_ids': [...]}, "
                                  f"got {type(prompt).__name__}")
             self.engine.validate_prompt(token_ids, params)
-            encoded.append((text, token_ids, params))
+            encoded.append((text, token_ids, params, prompt_class))
         return self._run(encoded)
 
     def chat(
@@ -84,21 +88,24 @@ class LLM:
             raise ValueError(f"sampling_params: got {len(sampling_params)} for {count} prompts")
         return list(sampling_params)
 
-    def _run(self, encoded: list[tuple[str | None, list[int], SamplingParams]]) -> list[RequestOutput]:
+    def _run(self, encoded: list[tuple[str | None, list[int], SamplingParams, ServiceClass]]) -> list[RequestOutput]:
         # n > 1 fans out into n engine requests that share the prompt (and so its cached blocks).
         states: dict[str, RequestState] = {}
+        request_id_to_class: dict[str, ServiceClass] = {}
         parents: list[list[str]] = []
-        for text, token_ids, params in encoded:
+        for text, token_ids, params, service_class in encoded:
             parent_id = str(next(self._request_counter))
             child_ids = []
             for index, child_params in enumerate(choice_params(params, params.n)):
                 request_id = parent_id if params.n == 1 else f"{parent_id}-{index}"
                 states[request_id] = RequestState(request_id, text, token_ids, child_params, self.tokenizer, index)
+                request_id_to_class[request_id] = service_class
                 child_ids.append(request_id)
             parents.append(child_ids)
         try:
             for request_id, state in states.items():
-                self.engine.add_request(request_id, state.prompt_token_ids, state.params)
+                self.engine.add_request(request_id, state.prompt_token_ids, state.params,
+                                        request_id_to_class[request_id])
             finals: dict[str, RequestOutput] = {}
             while self.engine.has_unfinished_requests():
                 for engine_output in self.engine.step():
@@ -120,6 +127,20 @@ class LLM:
             first.request_id = child_ids[0].split("-")[0]
             results.append(first)
         return results
+
+
+def _classes_list(service_class: ServiceClass | Sequence[ServiceClass], count: int) -> list[ServiceClass]:
+    classes: list[ServiceClass]
+    if isinstance(service_class, str):
+        classes = [service_class] * count
+    elif len(service_class) != count:
+        raise ValueError(f"service_class: got {len(service_class)} for {count} prompts")
+    else:
+        classes = list(service_class)
+    for entry in classes:
+        if entry not in SERVICE_CLASSES:
+            raise ValueError(f"service_class: expected one of {', '.join(SERVICE_CLASSES)}, got {entry!r}")
+    return classes
 
 
 def _is_one_conversation(conversations: list[dict] | Sequence[list[dict]]) -> TypeIs[list[dict]]:

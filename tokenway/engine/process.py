@@ -83,7 +83,7 @@ class ProcessEngine(EngineClient):
                     return
                 self._live[command.state.request_id] = command
                 state = command.state
-                child.send(("add", state.request_id, state.prompt_token_ids, state.params))
+                child.send(("add", state.request_id, state.prompt_token_ids, state.params, command.service_class))
             elif child is not None and command.request_id in self._live:
                 child.send(("abort", command.request_id))  # its final output arrives as the engine aborts it
 
@@ -264,9 +264,9 @@ def _engine_main(config: EngineConfig, niceness: int, commands: Connection, resu
                 command = commands.recv()
                 kind = command[0]
                 if kind == "add":
-                    _, request_id, prompt_token_ids, params = command
+                    _, request_id, prompt_token_ids, params, service_class = command
                     try:
-                        core.add_request(request_id, prompt_token_ids, params)
+                        core.add_request(request_id, prompt_token_ids, params, service_class)
                         live[request_id] = _Folding(RequestState(request_id, None, prompt_token_ids, params,
                                                                  core.tokenizer))
                     except ValueError as exc:  # a FieldError pickles whole: its param survives

@@ -22,6 +22,7 @@ import torch
 
 from tokenway.engine.thinking import ThinkingState
 from tokenway.frontend.structured_output import GrammarMatcher
+from tokenway.protocol.job import SERVICE_CLASSES, ServiceClass, class_rank
 from tokenway.protocol.sampling import SamplingParams
 
 
@@ -73,8 +74,16 @@ class Request:
     # Where the output is in a reasoning model's thinking part (engine/thinking.py); None
     # without a reasoning budget.
     thinking: ThinkingState | None = None
+    # How urgently it runs (protocol/job.py): the scheduler admits, and gives its token budget to,
+    # a better class first, and preempts the worst class first. class_rank is its sort key.
+    service_class: ServiceClass = "default"
+    class_rank: int = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.service_class not in SERVICE_CLASSES:
+            raise ValueError(f"service_class: expected one of {', '.join(SERVICE_CLASSES)}, "
+                             f"got {self.service_class!r}")
+        self.class_rank = class_rank(self.service_class)
         self.all_token_ids = list(self.prompt_token_ids)
         if not self.sampling_params.greedy:
             # One generator per request: its draws depend on nothing else in the batch.

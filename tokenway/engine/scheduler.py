@@ -18,18 +18,31 @@ verification kept; the KV slots of rejected drafts are simply overwritten later.
 A reasoning budget (engine/thinking.py) advances, like the grammar, only on appended tokens. Its
 forced tokens need nothing here: a verify step forces each of its rows as a plain decode step
 would at that position, so a draft is kept only where it is the forced token.
+
+Service classes (protocol/job.py; vLLM's priority policy, with preemption on admission too):
+each step serves the classes best first, a class's running requests and then its waiting ones,
+so the token budget reaches a batch request's prefill chunk only after every better class took
+what it needs this step. `running` stays ordered by (class, admission), so the newest request of
+the worst class is always running[-1]: the victim when blocks run out, whoever needs them. A
+waiting request that the KV cache or max_num_seqs stops preempts running requests of a worse
+class (never its own or a better one) until it fits; it is admitted in the step it arrives
+unless better classes use the whole budget. Once a class's head of line is stopped, or a
+request of a class is preempted, no request of that class or a worse one is admitted in that
+step (it would take the blocks back from the one that waits). With one class this is exactly
+the FCFS scheduling above.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import cast
 
 from tokenway.engine.request import Request, RequestStatus
+from tokenway.engine.request_queue import WaitingQueue
 from tokenway.engine.spec_decode import NgramProposer, SpecDecodingStats
 from tokenway.kv_cache.manager import KVCacheManager
+from tokenway.protocol.job import SERVICE_CLASSES
 from tokenway.protocol.outputs import EngineOutput, TokenLogprob
 
 
@@ -99,10 +112,14 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = eos_token_ids
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []  # ordered by (class_rank, admission)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Totals since start per class, indexed by class_rank (EngineCore.snapshot publishes them).
+        self.num_preemptions_by_rank = [0] * len(SERVICE_CLASSES)
+        self.num_prompt_tokens_by_rank = [0] * len(SERVICE_CLASSES)  # of the requests admitted
+        self.num_generated_tokens_by_rank = [0] * len(SERVICE_CLASSES)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -133,51 +150,79 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        kv = self.kv_manager
-
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            assert num_new > 0, "a running request always has a token to compute"
-            drafts = self._propose(request, budget - 1) if num_new == 1 and budget > 1 else ()
-            num_new += len(drafts)
-            while kv.allocate_slots(request, num_new) is None:
-                if drafts:  # out of blocks: give up the drafts before anyone's blocks
-                    num_new -= len(drafts)
-                    drafts = ()
+        kv, running = self.kv_manager, self.running
+        # Classes of this rank and worse admit nobody more this step (see the module's docstring).
+        admit_below = len(SERVICE_CLASSES)
+        index = 0  # running[:index] are scheduled; running[index:] are of this class or worse
+        for rank, waiting in enumerate(self.waiting.by_rank):
+            while index < len(running) and budget > 0 and running[index].class_rank == rank:
+                request = running[index]
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                assert num_new > 0, "a running request always has a token to compute"
+                drafts = self._propose(request, budget - 1) if num_new == 1 and budget > 1 else ()
+                num_new += len(drafts)
+                while kv.allocate_slots(request, num_new) is None:
+                    if drafts:  # out of blocks: give up the drafts before anyone's blocks
+                        num_new -= len(drafts)
+                        drafts = ()
+                        continue
+                    # Out of blocks: preempt the newest running request of the worst class (possibly this one).
+                    victim = self._preempt_last(out)
+                    admit_below = min(admit_below, victim.class_rank)
+                    if victim is request:
+                        break
+                else:
+                    self._add_to_output(out, request, num_new, drafts)
+                    budget -= num_new
+                    index += 1
                     continue
-                # Out of blocks: preempt the newest running request (possibly this one).
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted_request_ids.append(victim.request_id)
-                if victim is request:
-                    break
-            else:
-                self._add_to_output(out, request, num_new, drafts)
-                budget -= num_new
-                index += 1
-                continue
-            break  # the request itself was preempted; everything after it already was
+                break  # the request itself was preempted; everything after it already was
 
-        # New or resumed requests join only when this step preempted nobody.
-        while not out.preempted_request_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            computed_block_ids, num_computed = kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_computed, budget)
-            if kv.allocate_slots(request, num_new, computed_block_ids) is None:
+            # New or resumed requests of this class, while nobody of it (or better) was preempted.
+            while waiting and budget > 0 and rank < admit_below:
+                if len(running) >= self.max_num_seqs and not self._preempt_worse(rank, out):
+                    admit_below = rank
+                    break
+                request = waiting[0]
+                computed_block_ids, num_computed = kv.get_computed_blocks(request)
+                num_new = min(request.num_tokens - num_computed, budget)
+                # A preemption frees blocks and evicts none: the cache hit found above still holds.
+                while kv.allocate_slots(request, num_new, computed_block_ids) is None:
+                    if not self._preempt_worse(rank, out):
+                        break
+                else:
+                    waiting.popleft()
+                    request.num_computed_tokens = num_computed
+                    if request.num_cached_tokens is None:
+                        request.num_cached_tokens = num_computed
+                        request.cache_reason = kv.get_cache_miss_reason(request.request_id)
+                        request.first_scheduled_time = time.monotonic()
+                        self.num_prompt_tokens_by_rank[rank] += request.num_prompt_tokens
+                    request.status = RequestStatus.RUNNING
+                    running.insert(index, request)  # the end of its class: running stays ordered
+                    index += 1
+                    self._add_to_output(out, request, num_new)
+                    budget -= num_new
+                    continue
+                admit_below = rank
                 break
-            self.waiting.popleft()
-            request.num_computed_tokens = num_computed
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_computed
-                request.cache_reason = kv.get_cache_miss_reason(request.request_id)
-                request.first_scheduled_time = time.monotonic()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._add_to_output(out, request, num_new)
-            budget -= num_new
         return out
+
+    def _preempt_last(self, out: SchedulerOutput) -> Request:
+        """Preempt running[-1]: the newest request of the worst class running."""
+        victim = self.running.pop()
+        self._preempt(victim)
+        out.preempted_request_ids.append(victim.request_id)
+        return victim
+
+    def _preempt_worse(self, rank: int, out: SchedulerOutput) -> bool:
+        """Make room for a waiting request of class `rank`: preempt the newest running request of the
+        worst class, if that class is worse than `rank` (it is not scheduled this step yet). False
+        when none is."""
+        if not self.running or self.running[-1].class_rank <= rank:
+            return False
+        self._preempt_last(out)
+        return True
 
     def _add_to_output(self, out: SchedulerOutput, request: Request, num_new: int,
                        drafts: tuple[int, ...] = ()) -> None:
@@ -213,6 +258,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.num_preemptions_by_rank[request.class_rank] += 1
         self.waiting.appendleft(request)
 
     def update_from_output(
@@ -258,6 +304,7 @@ class Scheduler:
                 if status is not None:
                     del new_token_ids[position + 1 :], new_logprobs[position + 1 :]
                     break
+            self.num_generated_tokens_by_rank[request.class_rank] += len(new_token_ids)
             # A request asked for logprobs or not: its rows are all TokenLogprob or all None.
             kept_logprobs = None if new_logprobs[0] is None else cast("list[TokenLogprob]", new_logprobs)
             if status is None:

@@ -9,7 +9,8 @@ router touches a metric. Each server has its own CollectorRegistry.
                                   tokenway_routed_*{pool,replica}: the same calls by the replica
                                   that ran them ("" for calls that never reached one)
     stats ──► EngineCollector     .engine: tokenway_requests_running, tokenway_kv_cache_*, ... (a
-                                  server with a local engine only: a pure gateway's engine is None)
+                                  server with a local engine only: a pure gateway's engine is None);
+                                  tokenway_class_*{class}: the same per service class
           └─► ReplicaCollector    .replicas: tokenway_replica_*{pool,replica}: health, load, calls, tokens
 """
 
@@ -29,7 +30,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tokenway.engine.stats import EngineStats
+from tokenway.engine.stats import ClassStats, EngineStats
 from tokenway.observability.traces import Trace
 from tokenway.stages import STAGES
 
@@ -211,9 +212,35 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily("tokenway_spec_decode_acceptance_ratio",
                                 "Accepted / drafted tokens since start (0 before any draft).",
                                 value=stats.spec_decode_acceptance_rate)
+        if stats.classes is not None:
+            yield from class_families(stats.classes)
 
     def describe(self) -> Iterator:
         return iter(())
+
+
+# ClassStats field -> (family, name, help) of each service class's series, labelled {class}.
+CLASS_SERIES = {
+    "num_running": (GaugeMetricFamily, "tokenway_class_requests_running",
+                    "Requests of the class in the running batch."),
+    "num_waiting": (GaugeMetricFamily, "tokenway_class_requests_waiting",
+                    "Requests of the class waiting for the engine."),
+    "num_preemptions": (CounterMetricFamily, "tokenway_class_preemptions",
+                        "Requests of the class preempted, to free KV blocks or for a better class."),
+    "num_prompt_tokens": (CounterMetricFamily, "tokenway_class_prompt_tokens",
+                          "Prompt tokens of the class's requests the engine admitted."),
+    "num_generated_tokens": (CounterMetricFamily, "tokenway_class_generated_tokens",
+                             "Tokens the engine generated for the class's requests."),
+}
+
+
+def class_families(classes: tuple[ClassStats, ...]) -> Iterator:
+    """The engine's counts per service class, one series per class (a bounded label set)."""
+    for key, (family, name, doc) in CLASS_SERIES.items():
+        metric = family(name, doc, labels=("class",))
+        for entry in classes:
+            metric.add_metric((entry.service_class,), getattr(entry, key))
+        yield metric
 
 
 # stats key -> (family, name, help) of each replica's series, labelled {pool, replica}.

@@ -24,7 +24,7 @@ from tokenway.engine.client import EngineClient, EngineDeadError
 from tokenway.engine.stats import EngineStats
 from tokenway.frontend.output import RequestOutput
 from tokenway.protocol.errors import InternalServerError, ServiceUnavailableError, invalid_value
-from tokenway.protocol.job import ChoiceDelta, GenerationJob, ReplicaEvent, Usage
+from tokenway.protocol.job import ChoiceDelta, GenerationJob, ReplicaEvent, ServiceClass, Usage
 from tokenway.protocol.sampling import SamplingParams, choice_params
 
 
@@ -59,7 +59,8 @@ class LocalReplica:
         prompt_token_ids = list(job.prompt_token_ids)
         num_completion_tokens = [0] * job.n
         num_cached_tokens, cache_reason = 0, None
-        choices = run_choices(self.engine, job.request_id, prompt_token_ids, choice_params(job.params, job.n))
+        choices = run_choices(self.engine, job.request_id, prompt_token_ids, choice_params(job.params, job.n),
+                              job.service_class)
         try:
             async with aclosing(choices):
                 async for index, output in choices:
@@ -113,11 +114,13 @@ def choice_delta(index: int, output: RequestOutput) -> ChoiceDelta:
 
 
 async def run_choices(engine: EngineClient, request_id: str, prompt_token_ids: list[int],
-                      params_list: list[SamplingParams]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+                      params_list: list[SamplingParams], service_class: ServiceClass = "default",
+                      ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """(choice index, output) of the call's engine requests, as they come. Closing this (or an
     error) closes every request's generator, which aborts it in the engine."""
     if len(params_list) == 1:
-        async with aclosing(engine.generate(prompt_token_ids, params_list[0], request_id)) as outputs:
+        async with aclosing(engine.generate(prompt_token_ids, params_list[0], request_id,
+                                            service_class=service_class)) as outputs:
             async for output in outputs:
                 yield 0, output
         return
@@ -125,7 +128,8 @@ async def run_choices(engine: EngineClient, request_id: str, prompt_token_ids: l
 
     async def pump(index: int, params: SamplingParams) -> None:
         try:
-            async with aclosing(engine.generate(prompt_token_ids, params, f"{request_id}-{index}")) as outputs:
+            async with aclosing(engine.generate(prompt_token_ids, params, f"{request_id}-{index}",
+                                                service_class=service_class)) as outputs:
                 async for output in outputs:
                     merged.put_nowait((index, output))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer

@@ -2,7 +2,10 @@
 (server/worker_api.py, `tokenway worker`) and a gateway's client for it (routing/worker_replica.py).
 A gateway templates, parses tools and bills; a worker only runs token ids.
 
-    POST /worker/v1/generate   {"request_id", "prompt_token_ids": [...], "params": {...}, "n"}
+    POST /worker/v1/generate   {"request_id", "prompt_token_ids": [...], "params": {...}, "n", "service_class"}
+        service_class: "priority" | "default" | "flex" | "batch", how urgently the worker's engine
+        schedules the call; absent means "default" (a gateway sends it only for another class,
+        so a worker older than service classes still takes default calls)
         params: every SamplingParams field but n (params_to_dict); structured_output is
         {"kind", "schema", "pattern", "grammar"} or null; reasoning_budget is {"max_tokens",
         "end_token_ids", "start_token_ids", "starts_open"} or null; logit_bias keys are token ids as text
@@ -39,6 +42,7 @@ import pydantic
 from pydantic import ConfigDict, Field
 
 from tokenway.protocol.errors import FieldError
+from tokenway.protocol.job import ServiceClass
 from tokenway.protocol.outputs import TokenLogprob
 from tokenway.protocol.sampling import ReasoningBudget, SamplingParams, StructuredOutputSpec
 
@@ -102,6 +106,7 @@ class GenerateBody(pydantic.BaseModel):
     prompt_token_ids: list[int] = Field(min_length=1)
     params: WireParams
     n: int = Field(1, ge=1, le=MAX_CHOICES)
+    service_class: ServiceClass = "default"
 
 
 def params_to_dict(params: SamplingParams) -> dict[str, Any]:

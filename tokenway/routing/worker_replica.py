@@ -129,6 +129,8 @@ class WorkerReplica(HTTPReplica):
             raise InternalServerError(f"Replica {self.name} is a tokenway worker: the call needs prompt token ids.")
         body = {"request_id": job.request_id, "prompt_token_ids": list(job.prompt_token_ids),
                 "params": wire.params_to_dict(job.params), "n": job.n}
+        if job.service_class != "default":  # absent is "default" to every worker, an older one too
+            body["service_class"] = job.service_class
         reader = _EventReader(self.name, job.n)
         events = self.http.stream_events("generate", body, job.deadline, is_last=lambda event: event.data == "[DONE]")
         async with aclosing(events):

@@ -42,6 +42,7 @@ from tokenway.protocol.errors import (
     invalid_value,
     openai_error_body,
 )
+from tokenway.protocol.job import ServiceClass
 from tokenway.protocol.sampling import SamplingParams, choice_params
 from tokenway.routing import wire
 from tokenway.routing.replicas import choice_delta, run_choices
@@ -104,7 +105,7 @@ def create_worker_app(engine: EngineClient, model_name: str, secret: str | None,
         load.take(call.n)
         request_id = f"{call.request_id}:{next(call_numbers)}"
         return _ClosingEventStream(call_events(engine, request_id, call.prompt_token_ids,
-                                               choice_params(params, call.n)),
+                                               choice_params(params, call.n), call.service_class),
                                    on_close=lambda: load.release(call.n))
 
     async def state(request: Request) -> Response:
@@ -197,13 +198,14 @@ def read_tokenizer_files(model_dir: Path) -> dict[str, str]:
 
 
 async def call_events(engine: EngineClient, request_id: str, prompt_token_ids: list[int],
-                      params_list: list[SamplingParams]) -> AsyncIterator[bytes]:
+                      params_list: list[SamplingParams], service_class: ServiceClass = "default",
+                      ) -> AsyncIterator[bytes]:
     """The call's event stream: deltas, usage, [DONE]; or an error event where it failed."""
     num_completion_tokens = [0] * len(params_list)
     num_cached_tokens, cache_reason = 0, None
     try:
         choices = cast("AsyncGenerator[tuple[int, RequestOutput], None]",  # an async generator: aclose aborts
-                       run_choices(engine, request_id, prompt_token_ids, params_list))
+                       run_choices(engine, request_id, prompt_token_ids, params_list, service_class))
         async with aclosing(choices) as outputs:
             async for index, output in outputs:
                 delta = choice_delta(index, output)  # as LocalReplica releases it
