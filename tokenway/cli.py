@@ -76,6 +76,7 @@ SERVE_OPTIONS = {
     "embeddings": (bool, True),  # serve all-MiniLM-L6-v2 on /v1/embeddings beside the chat model
     "max_pending_requests": (int, 256),
     "max_body_bytes": (str, "8MiB"),
+    "max_batch_file_bytes": (str, "200MiB"),  # a Batch API input file, or a message batch's body
     "graceful_shutdown_seconds": (float, 30.0),
     # reading requests (server/connections.py ConnectionPolicy; None: its default, caps from RLIMIT_NOFILE)
     "header_timeout_seconds": (float, None),
@@ -212,6 +213,8 @@ def add_serve_parser(sub) -> None:
                        help="do not serve /v1/embeddings (all-minilm-l6-v2)")
     serve.add_argument("--max-pending-requests", type=int, help="in flight before 503 + Retry-After")
     serve.add_argument("--max-body-bytes")
+    serve.add_argument("--max-batch-file-bytes", help="the largest Batch API input file or message batch "
+                       "(default 200MiB)")
     serve.add_argument("--graceful-shutdown-seconds", type=float)
     connections.add_arguments(serve)
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -240,14 +243,20 @@ def add_serve_parser(sub) -> None:
 
 
 def run_serve(options: dict) -> int:
+    import socket
+    import uuid
+
     import uvicorn
 
+    from tokenway.batches import open_batch_store
+    from tokenway.batches.runner import BatchRunner
     from tokenway.conversations import open_response_store, parse_duration
     from tokenway.engine.client import AsyncEngine
     from tokenway.engine.process import ProcessEngine
     from tokenway.frontend.reasoning_parsers import check_reasoning_parser
     from tokenway.frontend.tool_parsers import FORMATS
     from tokenway.server.app import create_app
+    from tokenway.server.batch_lines import LineExecutor, batch_capacity, principal_of
     from tokenway.server.services import ModelCatalog, ServerConfig, Services, local_router
     from tokenway.server.uvicorn_server import Server, run_event_loop
 
@@ -281,6 +290,8 @@ def run_serve(options: dict) -> int:
                   file=sys.stderr, flush=True)
     server_config = ServerConfig(host=options["host"], port=options["port"], served_model_names=names,
                                  max_body_bytes=parse_bytes(options["max_body_bytes"], "max_body_bytes"),
+                                 max_batch_file_bytes=parse_bytes(options["max_batch_file_bytes"],
+                                                                  "max_batch_file_bytes"),
                                  max_pending_requests=options["max_pending_requests"],
                                  graceful_shutdown_seconds=options["graceful_shutdown_seconds"],
                                  admin_key=admin_key(options), tool_parser=options["tool_parser"],
@@ -314,6 +325,8 @@ def run_serve(options: dict) -> int:
     observer_for = partial(build_observer, gatekeeper=gatekeeper, options=options) if options["observability"] else None
     # Stored responses (/v1/responses) live with the ledger; with no gateway, in memory.
     response_store = open_response_store(database_url(options) if options["gateway"] else "memory")
+    # So are the Batch APIs' files, batches and lines: every gateway on one database shares the queue.
+    batch_store = open_batch_store(database_url(options) if options["gateway"] else "memory")
     scheme = "https" if options["ssl_certfile"] else "http"
 
     async def main() -> bool:
@@ -344,9 +357,15 @@ def run_serve(options: dict) -> int:
             for frontend in catalog.frontends.values():
                 frontend.tokenizer.special_tokens_in_messages = True
         services = Services.build(server_config, catalog, router, engine=engine, embedder=embedder,
-                                  gatekeeper=gatekeeper, observer_for=observer_for, response_store=response_store)
+                                  gatekeeper=gatekeeper, observer_for=observer_for, response_store=response_store,
+                                  batch_store=batch_store)
+        app = create_app(services)
+        # A batch's lines run through the app itself (batch_lines.py) on the room interactive calls leave.
+        batch_runner = BatchRunner(batch_store, LineExecutor(app, principal_of(gatekeeper)),
+                                   f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+                                   batch_capacity(services.capacity, engine, engine_config.max_num_seqs))
         server = Server(uvicorn.Config(
-            create_app(services), host=server_config.host, port=server_config.port, log_level="warning",
+            app, host=server_config.host, port=server_config.port, log_level="warning",
             access_log=False, lifespan="off",
             # uvicorn's annotation says int; it waits with asyncio, which takes any seconds.
             timeout_graceful_shutdown=server_config.graceful_shutdown_seconds,  # pyright: ignore[reportArgumentType]
@@ -358,6 +377,7 @@ def run_serve(options: dict) -> int:
         await services.body_parser.start()
         router.start()
         services.background.start(response_store, lease_s=options["responses_lease_seconds"], ttl_s=responses_ttl_s)
+        batch_runner.start()
         if gatekeeper is not None:
             auth = "on" if gatekeeper.auth_required else "OFF (no API key exists and the server binds loopback)"
             print(f"tokenway: auth {auth}; limits {options['limits_url']}; ledger {gatekeeper.ledger.url}",
@@ -371,12 +391,16 @@ def run_serve(options: dict) -> int:
         gc.collect()
         gc.freeze()
         await server.serve()
+        # The lines running finish within the grace (their rows and outcomes written), else are left
+        # to their lease: the next runner on this database runs them again.
+        await batch_runner.stop(server_config.graceful_shutdown_seconds)
         await services.background.aclose()  # each background response stored as ended, billed, traced
         await router.aclose()
         await services.body_parser.close()
         if gatekeeper is not None:
             await gatekeeper.close()  # flush the ledger
         await response_store.close()
+        await batch_store.close()
         if services.observer is not None:
             await asyncio.to_thread(services.observer.close)  # flush spans (bounded: 5 s)
         return server.started

@@ -22,6 +22,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message
 
 from tokenway.batches.store import BatchLine, LineOutcome
+from tokenway.engine.client import EngineClient
 from tokenway.gateway.auth import ANONYMOUS, ANONYMOUS_KEY_ID, Principal
 from tokenway.gateway.call import CallStart
 from tokenway.gateway.gatekeeper import Gatekeeper
@@ -33,6 +34,7 @@ from tokenway.protocol.errors import (
     openai_error_body,
 )
 from tokenway.server.gateway_middleware import IN_PROCESS_CALL
+from tokenway.server.services import Capacity
 
 logger = logging.getLogger(__name__)
 
@@ -124,3 +126,20 @@ def _refused(endpoint: str, exc: TokenwayError) -> LineOutcome:
     """A line refused before it could run, answered in its endpoint's shape."""
     body = anthropic_error_body(exc) if endpoint.startswith("/v1/messages") else openai_error_body(exc)
     return LineOutcome("failed", exc.status, dict(body), None)
+
+
+def batch_capacity(capacity: Capacity, engine: EngineClient | None, max_num_seqs: int) -> Callable[[], int]:
+    """How many more batch lines may start now: the local engine's free sequence slots (its
+    max_num_seqs less what runs and waits there), within the requests this server still admits.
+    The engine schedules a line as class "batch", so an interactive request arriving later is
+    admitted ahead of it whatever this lets start. Without a local engine: half the room left
+    under --max-pending-requests, the other half kept for interactive calls."""
+
+    def free() -> int:
+        free_requests = capacity.max_pending_requests - capacity.num_in_flight
+        if engine is None:
+            return free_requests // 2
+        stats = engine.stats()
+        return max(0, min(free_requests, max_num_seqs - stats.num_running - stats.num_waiting))
+
+    return free
