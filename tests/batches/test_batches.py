@@ -209,3 +209,28 @@ async def test_results_come_in_line_order_a_page_at_a_time(store, monkeypatch):
     results = await store.results(batch.id, "key-a")
     got = [(line.custom_id, outcome) async for line, outcome in results]
     assert got == [(f"req-{i}", succeeded(i, "anthropic")) for i in range(8)]
+
+
+async def test_an_ended_batch_is_deleted_with_its_lines_and_files_and_a_running_one_is_not(store):
+    from tokenway.batches import BatchNotEndedError
+
+    batch = await make_batch(store, 2, api="anthropic")
+    with pytest.raises(BatchNotEndedError, match="cancel it"):
+        await store.delete_batch(batch.id, "key-a")
+    assert not await store.delete_batch(batch.id, "key-b")
+    ended = await store.cancel_batch(batch.id, "key-a")
+    assert ended.status == "cancelled" and ended.output_file_id is not None
+    assert await store.delete_batch(batch.id, "key-a")
+    assert await store.get_batch(batch.id, "key-a") is None
+    assert await store.get_file(ended.output_file_id, "key-a") is None
+    assert not await store.delete_batch(batch.id, "key-a")
+
+
+async def test_files_past_their_expiry_are_purged(store):
+    from .test_files import make_file
+
+    short, long = make_file(b"a", created_at=NOW), make_file(b"b", created_at=NOW + 7200)
+    for file in (short, long):
+        await store.create_file(file, b"a")
+    assert await store.purge_files(NOW + 3600) == 1
+    assert await store.get_file(short.id, "key-a") is None and await store.get_file(long.id, "key-a") == long

@@ -18,6 +18,7 @@ from tokenway.batches.store import (
     BatchApi,
     BatchCounts,
     BatchLine,
+    BatchNotEndedError,
     BatchStatus,
     BatchStore,
     BatchStoreUnavailable,
@@ -34,6 +35,6 @@ from tokenway.batches.store import (
 )
 
 __all__ = ["BATCH_STATUSES", "ENDPOINTS", "FINAL_STATUSES", "MAX_ATTEMPTS", "STATUS_TIME_FIELDS", "Batch",
-           "BatchApi", "BatchCounts", "BatchLine", "BatchStatus", "BatchStore", "BatchStoreUnavailable",
-           "FilePurpose", "LineOutcome", "Outcome", "Page", "StoredFile", "line_id_of", "new_batch", "new_batch_id",
-           "new_file_id", "open_batch_store"]
+           "BatchApi", "BatchCounts", "BatchLine", "BatchNotEndedError", "BatchStatus", "BatchStore",
+           "BatchStoreUnavailable", "FilePurpose", "LineOutcome", "Outcome", "Page", "StoredFile", "line_id_of",
+           "new_batch", "new_batch_id", "new_file_id", "open_batch_store"]

@@ -19,6 +19,7 @@ from tokenway.batches import schema
 from tokenway.batches.lines import CANCELLED_ERROR, EXPIRED_ERROR, result_files
 from tokenway.batches.schema import dumps
 from tokenway.batches.store import (
+    FINAL_STATUSES,
     MAX_ATTEMPTS,
     Batch,
     BatchApi,
@@ -106,6 +107,12 @@ class BatchBackend:
                             f" ORDER BY created_at {sort}, id {sort} LIMIT ?", (*params, limit + 1)).fetchall()
         return [schema.file_from_row(row) for row in rows[:limit]], len(rows) > limit
 
+    def purge_files(self, now: float, limit: int) -> int:
+        """Up to `limit` files past their expires_at, deleted; how many. (A subquery's LIMIT:
+        SQLite's DELETE ... LIMIT is a compile-time option.)"""
+        return self.execute("DELETE FROM files WHERE id IN (SELECT id FROM files WHERE expires_at IS NOT NULL"
+                            " AND expires_at <= ? LIMIT ?)", (now, limit)).rowcount
+
     # ---- batches ----
 
     def create_batch(self, batch: Batch, lines: Sequence[tuple[str, JSONObject]]) -> None:
@@ -152,6 +159,20 @@ class BatchBackend:
                 return False
             self.execute(schema.END_IDLE_LINES, ("cancelled", dumps(CANCELLED_ERROR), now, batch_id, now))
             return True
+
+    def delete_batch(self, batch_id: str, key_id: str) -> BatchStatus | None:
+        """The batch's status as it was (deleted only when final); None when the key has none such."""
+        with self.transaction():
+            row = self.execute(f"SELECT status, output_file_id, error_file_id FROM batches WHERE id = ? AND key_id = ?"
+                               f"{self.LOCK_BATCH}", (batch_id, key_id)).fetchone()
+            if row is None or row[0] not in FINAL_STATUSES:
+                return None if row is None else row[0]
+            self.execute("DELETE FROM batch_lines WHERE batch_id = ?", (batch_id,))
+            for file_id in row[1:]:
+                if file_id is not None:
+                    self.execute("DELETE FROM files WHERE id = ?", (file_id,))
+            self.execute("DELETE FROM batches WHERE id = ?", (batch_id,))
+            return row[0]
 
     # ---- the runners' side ----
 

@@ -27,11 +27,13 @@ from typing import Literal, TypeVar
 
 from tokenway.batches.backend import RESULTS_PAGE, BatchBackend
 from tokenway.batches.store import (
+    FINAL_STATUSES,
     MAX_PAGE_ITEMS,
     Batch,
     BatchApi,
     BatchCounts,
     BatchLine,
+    BatchNotEndedError,
     BatchStoreUnavailable,
     FilePurpose,
     JSONObject,
@@ -48,6 +50,7 @@ T = TypeVar("T")
 
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 5.0
+PURGE_BATCH = 500  # files a purge deletes a statement: a write lock (SQLite's is the ledger's too) held briefly
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,17 @@ class SqlBatchStore:
     async def delete_file(self, file_id: str, key_id: str) -> bool:
         return await self._run(lambda backend: backend.delete_file(file_id, key_id))
 
+    async def purge_files(self, now: float) -> int:
+        def purge_all(backend: BatchBackend) -> int:
+            num_deleted = 0
+            while (num := backend.purge_files(now, PURGE_BATCH)) > 0:
+                num_deleted += num
+                if num < PURGE_BATCH:
+                    break
+            return num_deleted
+
+        return await self._run(purge_all)
+
     # ---- batches ----
 
     async def create_batch(self, batch: Batch, lines: Sequence[tuple[str, JSONObject]]) -> Batch:
@@ -126,6 +140,12 @@ class SqlBatchStore:
         _check_page(limit)
         batches, has_more = await self._run(lambda backend: backend.list_batches(key_id, api, after, limit))
         return Page(tuple(batches), has_more)
+
+    async def delete_batch(self, batch_id: str, key_id: str) -> bool:
+        status = await self._run(lambda backend: backend.delete_batch(batch_id, key_id))
+        if status is not None and status not in FINAL_STATUSES:
+            raise BatchNotEndedError(batch_id, status)
+        return status is not None
 
     async def cancel_batch(self, batch_id: str, key_id: str) -> Batch | None:
         now = time.time()

@@ -3,7 +3,7 @@
     loop:  capacity() > 0 and room under max_running ─► store.claim(worker_id, n, lease_s)
                └─► each line, concurrently: execute(line) ─► LineOutcome ─► store.finish(worker_id, line, outcome)
            every lease_s / 3 ─► store.renew(the lines running): a live runner's claims never lapse
-           every upkeep_s, and when its last line ends ─► store.finalize_ready, store.expire
+           every upkeep_s, and when its last line ends ─► store.expire, finalize_ready, purge_files
     stop(grace_s): claims no more; the lines running finish within the grace, or are cancelled
            and left to their lease (another runner, or this one restarted, runs them again)
 
@@ -136,6 +136,7 @@ class BatchRunner:
         now = time.time()
         await self._store.expire(now)
         await self._store.finalize_ready(now)
+        await self._store.purge_files(now)
 
     async def _renew(self) -> None:
         lines = list(self._running.values())

@@ -54,6 +54,7 @@ def schema(real: LiteralString, blob: LiteralString) -> tuple[LiteralString, ...
         f" purpose TEXT NOT NULL CHECK (purpose IN {_in(FILE_PURPOSES)}), filename TEXT NOT NULL,"
         f" bytes BIGINT NOT NULL, created_at {real} NOT NULL, expires_at {real}, content {blob} NOT NULL)",
         "CREATE INDEX IF NOT EXISTS files_by_key ON files (key_id, created_at)",
+        "CREATE INDEX IF NOT EXISTS files_expiring ON files (expires_at) WHERE expires_at IS NOT NULL",
         "CREATE TABLE IF NOT EXISTS batches ("
         " id TEXT PRIMARY KEY, key_id TEXT NOT NULL, api TEXT NOT NULL, endpoint TEXT NOT NULL, input_file_id TEXT,"
         f" status TEXT NOT NULL CHECK (status IN {_in(BATCH_STATUSES)}),"

@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar, get_args
 
-from tokenway.protocol.errors import ServiceUnavailableError
+from tokenway.protocol.errors import InvalidRequestError, ServiceUnavailableError
 
 # A JSON object as decoded (a dict at run time); read-only to the store's callers.
 JSONObject = Mapping[str, Any]
@@ -251,6 +251,14 @@ class BatchStoreUnavailable(ServiceUnavailableError):
                          retry_after=retry_after_s, code="batch_store_unavailable")
 
 
+class BatchNotEndedError(InvalidRequestError):
+    """Deleting a batch still running (Anthropic's 400 for it)."""
+
+    def __init__(self, batch_id: str, status: str) -> None:
+        super().__init__(f"Batch {batch_id} cannot be deleted while it is {status}; cancel it, and delete it once "
+                         "it has ended.")
+
+
 class BatchStore(Protocol):
     """Every call runs its query off the event loop. A database down raises BatchStoreUnavailable
     (a 503 with Retry-After); a closed store, RuntimeError."""
@@ -284,6 +292,15 @@ class BatchStore(Protocol):
     async def list_batches(self, key_id: str, *, api: BatchApi, after: str | None = None,
                            limit: int = 20) -> Page[Batch]:
         """Newest first, from the batch after `after` (FieldError "after" when the key has no such batch)."""
+        ...
+
+    async def delete_batch(self, batch_id: str, key_id: str) -> bool:
+        """An ended batch (a final status), its lines and its output and error files, deleted;
+        False when the key has no such batch. BatchNotEndedError while it runs: cancel it first."""
+        ...
+
+    async def purge_files(self, now: float) -> int:
+        """Delete the files whose expires_at has passed; how many."""
         ...
 
     async def cancel_batch(self, batch_id: str, key_id: str) -> Batch | None:
