@@ -11,9 +11,10 @@ PostgresBatchBackend) gives the connection, its transactions and its row locks:
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Literal, LiteralString, Protocol
+from typing import Any, Literal, LiteralString, Protocol, cast
 
 from tokenway.batches import schema
 from tokenway.batches.lines import CANCELLED_ERROR, EXPIRED_ERROR, result_files
@@ -30,6 +31,7 @@ from tokenway.batches.store import (
     JSONObject,
     LineOutcome,
     StoredFile,
+    line_id_of,
     new_file_id,
 )
 from tokenway.protocol.errors import FieldError, truncate
@@ -177,24 +179,30 @@ class BatchBackend:
     # ---- the runners' side ----
 
     def claim(self, worker_id: str, limit: int, lease_s: float, now: float) -> list[BatchLine]:
+        claimed: list[BatchLine] = []
         with self.transaction():
-            rows = self.execute(schema.CLAIMABLE + self.LOCK_LINES, (now, now, limit)).fetchall()
-            claimed = [row for row in rows if row[7] < MAX_ATTEMPTS]
-            given_up = [row for row in rows if row[7] >= MAX_ATTEMPTS]
-            for batch_id, group in itertools.groupby(claimed, key=lambda row: row[0]):
-                for indexes in chunks([row[1] for row in group]):
+            for batch_id, endpoint, key_id, api in self.execute(schema.CLAIMABLE_BATCHES, (now,)).fetchall():
+                rows = self.execute(schema.CLAIMABLE_LINES + self.LOCK_LINES,
+                                    (batch_id, now, limit - len(claimed))).fetchall()
+                taken = [row for row in rows if row[3] < MAX_ATTEMPTS]
+                for indexes in chunks([row[0] for row in taken]):
                     self.execute("UPDATE batch_lines SET state = 'claimed', claimed_by = ?, claim_until = ?,"
                                  " attempts = attempts + 1 WHERE batch_id = ?"
                                  f" AND line_index IN ({schema.marks(len(indexes))})",
                                  (worker_id, now + lease_s, batch_id, *indexes))
-            for row in given_up:
-                error = {"code": "batch_line_abandoned",
-                         "message": f"The request was tried {row[7]} times, and each time the server running it "
-                                    "stopped before it ended."}
-                self.execute("UPDATE batch_lines SET state = 'done', claim_until = NULL, outcome = 'failed',"
-                             " error = ?, finished_at = ? WHERE batch_id = ? AND line_index = ?",
-                             (dumps(error), now, row[0], row[1]))
-        return [schema.line_from_row(row) for row in claimed]
+                for index, _, _, attempts in (row for row in rows if row[3] >= MAX_ATTEMPTS):
+                    error = {"code": "batch_line_abandoned",
+                             "message": f"The request was tried {attempts} times, and each time the server running "
+                                        "it stopped before it ended."}
+                    self.execute("UPDATE batch_lines SET state = 'done', claim_until = NULL, outcome = 'failed',"
+                                 " error = ?, finished_at = ? WHERE batch_id = ? AND line_index = ?",
+                                 (dumps(error), now, batch_id, index))
+                claimed += [BatchLine(batch_id, index, custom_id, json.loads(body), endpoint, key_id,
+                                      cast(BatchApi, api), line_id_of(batch_id, index))
+                            for index, custom_id, body, _ in taken]
+                if len(claimed) >= limit:
+                    break
+        return claimed
 
     def renew(self, worker_id: str, lines: Sequence[BatchLine], lease_until: float) -> int:
         num_renewed = 0

@@ -38,7 +38,7 @@ def _text(value: Any) -> Any:
 
 
 class PostgresBatchBackend(BatchBackend):
-    LOCK_LINES = " FOR UPDATE OF l SKIP LOCKED"
+    LOCK_LINES = " FOR UPDATE SKIP LOCKED"
     LOCK_BATCH = " FOR UPDATE"
 
     def __init__(self, url: str, kwargs: dict[str, Any]) -> None:

@@ -63,6 +63,7 @@ def schema(real: LiteralString, blob: LiteralString) -> tuple[LiteralString, ...
         "CREATE INDEX IF NOT EXISTS batches_by_key ON batches (key_id, api, created_at)",
         "CREATE INDEX IF NOT EXISTS batches_running ON batches (created_at)"
         " WHERE status IN ('in_progress', 'cancelling')",
+        "CREATE INDEX IF NOT EXISTS batches_claimable ON batches (created_at) WHERE status = 'in_progress'",
         "CREATE TABLE IF NOT EXISTS batch_lines ("
         " batch_id TEXT NOT NULL, line_index INTEGER NOT NULL, custom_id TEXT NOT NULL, body TEXT NOT NULL,"
         " state TEXT NOT NULL CHECK (state IN ('pending', 'claimed', 'done')),"
@@ -89,12 +90,16 @@ INSERT_BATCH: LiteralString = (f"INSERT INTO batches ({BATCH_COLUMNS}) VALUES ({
                                " ON CONFLICT (id) DO NOTHING")
 INSERT_LINE: LiteralString = ("INSERT INTO batch_lines (batch_id, line_index, custom_id, body, state)"
                               " VALUES (?, ?, ?, ?, 'pending')")
-# Parameters: now (claims lapsed before it), now (batches not yet expired), limit. The oldest
-# batch first, so a batch submitted later waits for those before it rather than slowing them all.
-CLAIMABLE: LiteralString = (
-    f"SELECT {LINE_COLUMNS}, l.attempts FROM batch_lines AS l JOIN batches AS b ON b.id = l.batch_id"
-    " WHERE b.status = 'in_progress' AND l.state <> 'done' AND (l.state = 'pending' OR l.claim_until < ?)"
-    " AND b.expires_at > ? ORDER BY b.created_at, l.batch_id, l.line_index LIMIT ?")
+# Parameter: now. The batches whose lines may be claimed, the oldest first, so a batch submitted
+# later waits for those before it rather than slowing them all. (The index's predicate is this
+# query's own term: SQLite uses a partial index only then.)
+CLAIMABLE_BATCHES: LiteralString = ("SELECT id, endpoint, key_id, api FROM batches WHERE status = 'in_progress'"
+                                    " AND expires_at > ? ORDER BY created_at, id")
+# Parameters: batch_id, now (claims lapsed before it), limit. Walks the undone lines' index in
+# line order and stops at `limit`: a claim costs the lines it takes, not the batch's size.
+CLAIMABLE_LINES: LiteralString = (
+    "SELECT line_index, custom_id, body, attempts FROM batch_lines WHERE batch_id = ? AND state <> 'done'"
+    " AND (state = 'pending' OR claim_until < ?) ORDER BY line_index LIMIT ?")
 FINISH: LiteralString = (
     "UPDATE batch_lines SET state = 'done', claim_until = NULL, outcome = ?, status_code = ?, response = ?, error = ?,"
     " request_id = ?, finished_at = ? WHERE batch_id = ? AND line_index = ? AND state = 'claimed' AND claimed_by = ?")
