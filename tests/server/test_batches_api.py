@@ -195,12 +195,14 @@ def test_message_batches_refuse_bad_input_in_anthropics_shape(services):
             await client.post("/v1/messages/batches", headers=mine, json={"requests": [
                 {"custom_id": "bad id!", "params": params}]}),
             await client.get(f"/v1/messages/batches/{batch_id}/results", headers=mine),
+            await client.delete(f"/v1/messages/batches/{batch_id}", headers=mine),  # still running
         ], [
             await client.post("/v1/messages/batches", headers=mine, json={"requests": [
                 {"custom_id": "a", "params": {**params, "model": "nope"}}]}),
             await client.get(f"/v1/messages/batches/{batch_id}", headers=theirs),
             await client.post(f"/v1/messages/batches/{batch_id}/cancel", headers=theirs),
             await client.get(f"/v1/messages/batches/{batch_id}/results", headers=theirs),
+            await client.delete(f"/v1/messages/batches/{batch_id}", headers=theirs),
             await client.get("/v1/messages/batches/batch_notanthropic", headers=mine),
         ], (await client.get("/v1/messages/batches", headers=theirs)).json()
 

@@ -4,6 +4,7 @@
     GET  /v1/messages/batches                 the key's batches, newest first (after_id, limit)
     GET  /v1/messages/batches/{id}            the batch now: processing_status, request_counts
     POST /v1/messages/batches/{id}/cancel     canceling: requests not started are not run
+    DELETE /v1/messages/batches/{id}          an ended batch, and its results
     GET  /v1/messages/batches/{id}/results    once ended: one JSONL line a request (tokenway/batches/lines.py)
 
 Errors are Anthropic-shaped (every path here is under /v1/messages). Each request's params are
@@ -25,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from tokenway.batches import Batch, new_batch
 from tokenway.protocol.batches import (
     COMPLETION_WINDOW_S,
+    DeletedMessageBatch,
     MessageBatch,
     MessageBatchCreateRequest,
     MessageBatchList,
@@ -99,6 +101,16 @@ def router(services: Services) -> APIRouter:
         if batch is None or batch.api != "anthropic":
             raise message_batch_not_found(batch_id)
         return JSONResponse(message_batch_json(batch, request))
+
+    @api.delete("/v1/messages/batches/{batch_id}")
+    async def delete(request: Request, batch_id: str) -> Response:
+        store = batch_store_of(services)
+        batch = await stored_message_batch(services, request, batch_id)
+        # An ended batch only: one still running is a 400 (BatchNotEndedError): cancel it first.
+        if not await store.delete_batch(batch.id, batch.key_id):
+            raise message_batch_not_found(batch_id)
+        deleted: DeletedMessageBatch = {"id": batch.id, "type": "message_batch_deleted"}
+        return JSONResponse(deleted)
 
     @api.get("/v1/messages/batches/{batch_id}/results")
     async def results(request: Request, batch_id: str) -> Response:
