@@ -228,22 +228,32 @@ class BatchBackend:
 
     def finalize(self, batch_id: str, now: float) -> BatchStatus | None:
         """Write the batch's files and final status if every line is done; the status, or None
-        when it is not ready (or another call finalized it first)."""
+        when it is not ready (or another call finalized it first).
+
+        The files are made before the writer transaction, so the database's write lock (SQLite's
+        is the ledger's too) is held for their inserts only: a line once done never changes, and
+        a batch once all done stays so, so the files made before are those the batch ends with."""
+        if (batch := self._ready_batch(batch_id, "")) is None:
+            return None
+        output, errors = result_files(batch.api, self.results_page(batch_id, -1, None))
         with self.transaction():
-            row = self.execute(f"SELECT {schema.BATCH_COLUMNS} FROM batches WHERE id = ?{self.LOCK_BATCH}",
-                               (batch_id,)).fetchone()
-            if row is None or row[5] not in ("in_progress", "cancelling"):
+            if (batch := self._ready_batch(batch_id, self.LOCK_BATCH)) is None:
                 return None
-            if self.execute(schema.ANY_UNDONE, (batch_id,)).fetchone() is not None:
-                return None
-            batch = schema.batch_from_row(row, BatchCounts(0))
-            output, errors = result_files(batch.api, self.results_page(batch_id, -1, None))
             file_ids = [self._output_file(batch, content, kind, now) for content, kind in
                         [(output, "output"), (errors, "error")]]
             final: BatchStatus = ("cancelled" if batch.status == "cancelling" else
                                   "expired" if "expired_at" in batch.status_times else "completed")
             self.execute(schema.FINAL_STATUS_TO_UPDATE[final], (final, now, *file_ids, now, batch_id, batch.status))
             return final
+
+    def _ready_batch(self, batch_id: str, lock: LiteralString) -> Batch | None:
+        """The batch, if it is running and every line of it is done (its counts left empty)."""
+        row = self.execute(f"SELECT {schema.BATCH_COLUMNS} FROM batches WHERE id = ?{lock}", (batch_id,)).fetchone()
+        if row is None or row[5] not in ("in_progress", "cancelling"):
+            return None
+        if self.execute(schema.ANY_UNDONE, (batch_id,)).fetchone() is not None:
+            return None
+        return schema.batch_from_row(row, BatchCounts(0))
 
     def _output_file(self, batch: Batch, content: bytes, kind: str, now: float) -> str | None:
         if not content:
