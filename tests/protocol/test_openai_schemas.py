@@ -110,9 +110,14 @@ def test_a_chat_stream_is_the_sdks_chunks_each_delta_carrying_only_what_changed(
                                          "refusal": None}
 
 
+TIER = frozenset({"service_tier"})
+
+
 def test_a_completion_is_the_sdks_completion_streamed_or_not(scripted):
     body = scripted.answer("/v1/completions", COMPLETION_BODY, COMPLETION_EVENTS).json()
-    [choice] = validate_strictly(Completion, body).choices
+    # service_tier: as chat completions carry it; the SDK's legacy Completion does not declare it.
+    [choice] = validate_strictly(Completion, body, TIER).choices
+    assert body["service_tier"] == "default"
     assert (choice.text, choice.finish_reason) == ("Look at the sky", "length")
     assert (choice.logprobs.tokens, choice.logprobs.text_offset) == ([" the", " sky"], [7, 11])
     assert choice.logprobs.top_logprobs == [{" the": -0.3}, {" sky": -0.4, " sea": -1.9}]
@@ -128,7 +133,7 @@ def test_a_completion_is_the_sdks_completion_streamed_or_not(scripted):
     assert finish_reasons == [None, None, "length"]
     for chunk in chunks:
         validate_strictly(Completion, {**chunk, "choices": [{**c, "finish_reason": c["finish_reason"] or "stop"}
-                                                            for c in chunk["choices"]]})
+                                                            for c in chunk["choices"]]}, TIER)
     assert "".join(c["text"] for chunk in chunks for c in chunk["choices"]) == "Look at the sky"
     assert [c["logprobs"]["text_offset"] for chunk in chunks[1:3] for c in chunk["choices"]] == [[7], [11]]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 4

@@ -12,7 +12,8 @@ bills the ledger row (billing/pricing.py), the response echoes it in its API's w
 OpenAI's "auto" (and no field) is "default" where the key has it, else "flex": never a
 dearer tier than asked. "scale" (OpenAI's reserved capacity) runs as "priority". Anthropic's
 "auto" (and no field, as Anthropic defaults) is "priority" where the key has it, else
-"default" (Anthropic's "standard"); "standard_only" is "default".
+"default" (Anthropic's "standard"); "standard_only" is "default". Without a gateway there is
+no key: a tier named is run as asked, and "auto" is "default".
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ DEFAULT_GRANT: tuple[ServiceClass, ...] = ("default", "flex", "batch")
 
 @dataclass(frozen=True, slots=True)
 class TierAsk:
-    """A body's service_tier in tokenway's classes: the first of `preferred` the key has."""
+    """A body's service_tier in tokenway's classes: the first of `preferred` the key has (one
+    class for a tier named; more for "auto")."""
 
     preferred: tuple[ServiceClass, ...]
     asked: str  # as the caller wrote it, for the refusal
@@ -63,10 +65,13 @@ def granted_tiers(principal: Principal, default_grant: tuple[ServiceClass, ...])
     return principal.service_tiers if principal.service_tiers is not None else default_grant
 
 
-def resolve(ask: TierAsk, granted: tuple[ServiceClass, ...], batch_line: str | None) -> ServiceClass:
+def resolve(ask: TierAsk, granted: tuple[ServiceClass, ...] | None, batch_line: str | None) -> ServiceClass:
     """The class the call runs at; PermissionDeniedError (403, service_tier_not_allowed) naming
-    what was asked and what the key may use, where it has none of the classes asked."""
+    what was asked and what the key may use, where it has none of the classes asked.
+    granted None: no gateway, no key to ask."""
     preferred: tuple[ServiceClass, ...] = ("batch",) if batch_line is not None else ask.preferred
+    if granted is None:
+        return preferred[0] if len(preferred) == 1 else "default"
     for service_class in preferred:
         if service_class in granted:
             return service_class

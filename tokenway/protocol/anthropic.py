@@ -222,7 +222,7 @@ class MessagesRequest(MessagesPrompt):
     stream: bool | None = None
     metadata: Metadata | None = None
     output_format: JSONOutputFormat | None = None  # the structured-outputs beta's name for output_config.format
-    service_tier: Literal["auto", "standard_only"] | None = None  # one tier here: the usage says "standard"
+    service_tier: Literal["auto", "standard_only"] | None = None  # None: auto (gateway/tiers.py)
     # Accepted, no effect on the reply: no tool here uses a container; tokenway keeps no
     # fingerprint of earlier prompts to diagnose; the model runs where this server runs; a
     # refusal here is the safety policy's, which no other model would lift.

@@ -82,7 +82,7 @@ class MessageUsage(MessageDeltaUsage):
     """The SDK's Usage."""
 
     cache_creation: CacheCreation  # cache_creation_input_tokens, under the last breakpoint's ttl
-    service_tier: Literal["standard"]  # the one tier here, whatever service_tier asked
+    service_tier: Literal["standard", "priority", "batch"]  # the tier that served it (gateway/tiers.py)
     speed: NotRequired[Literal["standard"]]  # where the call asked for a speed: the one speed here
 
 

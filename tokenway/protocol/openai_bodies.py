@@ -99,6 +99,10 @@ class ChatCompletionMessage(TypedDict):
     reasoning: NotRequired[str]
 
 
+# The tier that served a call (gateway/tiers.py openai_tier), on every completion and chunk.
+ServedTier = Literal["default", "flex", "priority"]
+
+
 class ChatCompletionChoice(TypedDict):
     index: int
     message: ChatCompletionMessage
@@ -114,6 +118,7 @@ class ChatCompletion(TypedDict):
     choices: list[ChatCompletionChoice]
     usage: CompletionUsage
     system_fingerprint: None
+    service_tier: ServedTier
 
 
 class ChoiceDeltaToolCallFunction(TypedDict):
@@ -150,6 +155,7 @@ class ChatCompletionChunk(TypedDict):
     model: str
     choices: list[ChatCompletionChunkChoice]  # empty on the last chunk under include_usage
     system_fingerprint: None
+    service_tier: ServedTier
     # Only under stream_options.include_usage: null on every chunk but the last.
     usage: NotRequired[CompletionUsage | None]
 
@@ -172,6 +178,7 @@ class Completion(TypedDict):
     choices: list[CompletionChoice]
     usage: CompletionUsage
     system_fingerprint: None
+    service_tier: ServedTier
 
 
 class CompletionChunkChoice(TypedDict):
@@ -190,6 +197,7 @@ class CompletionChunk(TypedDict):
     model: str
     choices: list[CompletionChunkChoice]
     system_fingerprint: None
+    service_tier: ServedTier
     usage: NotRequired[CompletionUsage | None]
 
 

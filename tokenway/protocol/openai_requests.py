@@ -37,6 +37,8 @@ MAX_TOP_LOGPROBS = 20
 # later), and a bound on what a body decoded off the event loop hands back to it.
 MAX_TOKEN_IDS = 2**17
 TokenIds = Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS)]
+# The tier a call asks to run at, as OpenAI names them (gateway/tiers.py: what each runs as).
+ServiceTier = Literal["auto", "default", "flex", "priority", "scale"]
 
 
 class SamplingRequest(RequestModel):
@@ -61,9 +63,9 @@ class SamplingRequest(RequestModel):
     ignore_eos: bool | None = None  # vLLM extension
     min_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = None  # vLLM extension; <= max_tokens
     stop_token_ids: TokenIds | None = None  # vLLM extension
+    service_tier: ServiceTier | None = None  # None: auto
     # Accepted and ignored: they change nothing a single self-hosted server does.
     metadata: dict[str, str] | None = None
-    service_tier: str | None = None
     store: bool | None = None
 
     @field_validator("stop", mode="before")

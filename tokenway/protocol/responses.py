@@ -8,8 +8,8 @@
 Every field of OpenAI's reference is accepted: what changes the reply is honoured (input,
 instructions, previous_response_id, tools, tool_choice, parallel_tool_calls, text.format,
 max_output_tokens, temperature, top_p, top_logprobs, truncation, include's logprobs and
-reasoning.encrypted_content, reasoning.effort, store, background, metadata); what a self-hosted
-server has no use for (prompt_cache_key, service_tier, reasoning.summary, safety_identifier,
+reasoning.encrypted_content, reasoning.effort, store, background, metadata, service_tier); what a
+self-hosted server has no use for (prompt_cache_key, reasoning.summary, safety_identifier,
 ...) is accepted and echoed. What it cannot do is a 400 naming it:
 built-in tools (web_search, file_search, ...) and their items, stored prompt templates, the
 Conversations API, item references, image and file inputs.
@@ -35,6 +35,7 @@ from tokenway.protocol.openai_messages import (
     check_json_schema,
     fail,
 )
+from tokenway.protocol.openai_requests import ServiceTier
 from tokenway.protocol.responses_bodies import InputItem
 from tokenway.protocol.responses_items import InputItemModel, NewId, string_type
 from tokenway.protocol.sampling import ThinkingRequest, effort_thinking
@@ -334,12 +335,12 @@ class ResponsesRequest(ResponsesPrompt):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     include: list[str] | None = None  # message.output_text.logprobs and reasoning.encrypted_content change the reply
     metadata: dict[str, str] | None = None
+    service_tier: ServiceTier | None = None  # None: auto; the response says the tier that served it
     # Accepted and echoed: they change nothing a single self-hosted server does.
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
-    service_tier: str | None = None
     max_tool_calls: PositiveInt | None = None  # built-in tools' calls, and there are none here
     access_programs: dict[str, Any] | None = None
     background_options: dict[str, Any] | None = None

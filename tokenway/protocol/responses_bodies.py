@@ -194,7 +194,7 @@ class Response(TypedDict):
     prompt_cache_key: str | None
     reasoning: ReasoningConfig
     safety_identifier: str | None
-    service_tier: str
+    service_tier: Literal["default", "flex", "priority"]  # the tier that served it (gateway/tiers.py)
     store: bool  # not in the SDK's type; OpenAI sends it
     temperature: float
     text: TextConfig

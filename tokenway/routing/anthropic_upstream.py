@@ -151,6 +151,8 @@ def messages_body(job: GenerationJob, model: str, default_max_tokens: int) -> di
             for tool in job.tools
         ]
         body["tool_choice"] = to_anthropic_tool_choice(job.tool_choice, job.parallel_tool_calls)
+    if job.service_class == "priority":  # "auto" takes Anthropic's Priority Tier where the account has it
+        body["service_tier"] = "auto"
     return body | {"stream": True}
 
 

@@ -83,7 +83,13 @@ def chat_body(job: GenerationJob, model: str, extensions: bool = False) -> dict[
     if job.response_format is not None:
         body["response_format"] = job.response_format
     body.update(sampling_fields(job.params, job.n, chat=True, extensions=extensions))
-    return body | {"stream": True, "stream_options": {"include_usage": True}}
+    return body | upstream_tier(job) | {"stream": True, "stream_options": {"include_usage": True}}
+
+
+def upstream_tier(job: GenerationJob) -> dict[str, str]:
+    """OpenAI's service_tier for a flex or priority job; none for the others: "default" is what
+    an upstream does unasked, and OpenAI has no "batch" tier (its Batch API is another road)."""
+    return {"service_tier": job.service_class} if job.service_class in ("flex", "priority") else {}
 
 
 def _without_reasoning(message: dict[str, Any]) -> dict[str, Any]:
@@ -96,7 +102,7 @@ def completion_body(job: GenerationJob, model: str, extensions: bool = False) ->
     # The caller's text where there is one: the upstream's tokenizer may not be tokenway's.
     prompt = job.prompt if job.prompt is not None else list(job.prompt_token_ids or ())
     body = {"model": model, "prompt": prompt} | sampling_fields(job.params, job.n, chat=False, extensions=extensions)
-    return body | {"stream": True, "stream_options": {"include_usage": True}}
+    return body | upstream_tier(job) | {"stream": True, "stream_options": {"include_usage": True}}
 
 
 def _completion_logprobs(logprobs: dict[str, Any]) -> tuple[dict[str, Any], ...]:

@@ -30,6 +30,7 @@ from typing import Any
 
 from tokenway.protocol.errors import BadGatewayError, InvalidRequestError, TokenwayError
 from tokenway.protocol.job import ChoiceDelta, GenerationJob, ReplicaEvent, ToolCallDelta, Usage
+from tokenway.routing.openai_upstream import upstream_tier
 from tokenway.routing.sse_decoder import SSEEvent
 from tokenway.routing.upstream import (
     ConnectionLimits,
@@ -158,7 +159,7 @@ def responses_body(job: GenerationJob, model: str) -> dict[str, Any]:
     effort = reasoning_effort(job.thinking)
     if effort is not None:
         body["reasoning"] = {"effort": effort}
-    return body | {"stream": True}
+    return body | upstream_tier(job) | {"stream": True}
 
 
 def _logprobs(entries: Any) -> tuple[dict[str, Any], ...] | None:

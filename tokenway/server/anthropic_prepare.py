@@ -22,6 +22,7 @@ from typing import Any, Literal
 from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.templating import template_chat, templated_token_ids
 from tokenway.gateway.call import Call
+from tokenway.gateway.tiers import anthropic_ask
 from tokenway.protocol.anthropic import MessagesPrompt, MessagesRequest, chat_conversation, to_chat_tools
 from tokenway.protocol.anthropic_bodies import AppliedEdit, MessageTokensCount
 from tokenway.protocol.anthropic_edits import ClearThinking, ClearToolUses
@@ -40,6 +41,7 @@ from tokenway.server.prepare import (
     reasoning_parser,
     route,
     screen,
+    service_class,
 )
 from tokenway.server.services import Services
 
@@ -104,6 +106,7 @@ def _count_tokens(services: Services, model: str, tools: list[dict[str, Any]] | 
 def prepare_messages(services: Services, body: MessagesRequest, call: Call) -> MessagesCall:
     """The adaptor for Messages: the body becomes one GenerationJob."""
     model = route(services, call, body.model)
+    tier = service_class(services, call, anthropic_ask(body.service_tier))
     policy = services.safety_policy(model, call.start.principal)
     frontend = services.catalog.frontend(model)
     prompt = messages_input(services, model, body)
@@ -129,7 +132,7 @@ def prepare_messages(services: Services, body: MessagesRequest, call: Call) -> M
                         tools=tuple(chat.tools) if chat.tools else None, tool_choice=prompt.tool_choice,
                         parallel_tool_calls=prompt.parallel_tool_calls is None, response_format=chat.response_format,
                         prompt_token_ids=templating.prompt_token_ids, context_window=templating.context_window,
-                        stream=bool(body.stream), thinking=prompt.thinking)
+                        stream=bool(body.stream), thinking=prompt.thinking, service_class=tier)
     reply_format = templating.reply_format and dataclasses.replace(templating.reply_format, id_prefix="toolu_")
     num_breakpoint_tokens = 0  # counted before prepared() ends the tokenize stage's clock
     if frontend is not None and prompt.num_cached_messages and templating.prompt_token_ids is not None:

@@ -16,6 +16,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+from tokenway.gateway.tiers import anthropic_tier
 from tokenway.protocol.anthropic_bodies import (
     BlockDelta,
     ContentBlock,
@@ -107,7 +108,7 @@ def delta_usage(generation: Generation, call: MessagesCall, output_tokens: int |
 def message_usage(generation: Generation, call: MessagesCall, output_tokens: int | None = None) -> MessageUsage:
     counted = delta_usage(generation, call, output_tokens)
     num_created = counted["cache_creation_input_tokens"]
-    usage: MessageUsage = {**counted, "service_tier": "standard", "cache_creation": {
+    usage: MessageUsage = {**counted, "service_tier": anthropic_tier(generation.job.service_class), "cache_creation": {
         "ephemeral_5m_input_tokens": num_created if call.cache_ttl == "5m" else 0,
         "ephemeral_1h_input_tokens": num_created if call.cache_ttl == "1h" else 0}}
     if call.speed_asked:

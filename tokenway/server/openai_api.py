@@ -18,8 +18,9 @@ from starlette.responses import Response
 from tokenway.frontend.templating import completion_token_ids
 from tokenway.gateway.admission import cap_max_tokens
 from tokenway.gateway.call import Call
+from tokenway.gateway.tiers import openai_ask
 from tokenway.protocol.errors import InvalidRequestError
-from tokenway.protocol.job import GenerationJob, estimate_tokens
+from tokenway.protocol.job import GenerationJob, ServiceClass, estimate_tokens
 from tokenway.protocol.openai_requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from tokenway.protocol.sampling import ReasoningBudget, SamplingParams, StructuredOutputSpec
 from tokenway.safety.channels import ChatInput, screen_chat, screen_prompts
@@ -40,6 +41,7 @@ from tokenway.server.prepare import (
     prepared,
     route,
     screen,
+    service_class,
 )
 from tokenway.server.routes import call_of, schema_extra
 from tokenway.server.services import Services
@@ -113,6 +115,7 @@ def openai_sampling(body: SamplingRequest, max_tokens: int | None, structured: S
 def prepare_chat(services: Services, body: ChatCompletionRequest, call: Call) -> PreparedCall:
     """The adaptor for chat: the body becomes one GenerationJob."""
     model = route(services, call, body.model)
+    tier = service_class(services, call, openai_ask(body.service_tier))
     policy = services.safety_policy(model, call.start.principal)
     top_logprobs = 0 if body.logprobs and body.top_logprobs is None else body.top_logprobs
     tool_choice: Any = body.tool_choice if body.tool_choice is not None else "auto"
@@ -136,7 +139,8 @@ def prepare_chat(services: Services, body: ChatCompletionRequest, call: Call) ->
                         tools=tuple(tools) if tools else None, tool_choice=tool_choice,
                         parallel_tool_calls=body.parallel_tool_calls is not False,
                         response_format=chat.response_format, prompt_token_ids=templating.prompt_token_ids,
-                        context_window=templating.context_window, stream=bool(body.stream), thinking=thinking)
+                        context_window=templating.context_window, stream=bool(body.stream), thinking=thinking,
+                        service_class=tier)
     return prepared(services, call, job, services.catalog.frontend(model), policy, templating.reply_format,
                     reasoning=templating.reasoning)
 
@@ -172,11 +176,12 @@ def screen_prompt(services: Services, call: Call, policy: SafetyPolicy, body: Co
 
 def prepare_completion(services: Services, body: CompletionRequest, call: Call) -> PreparedCall:
     model = route(services, call, body.model)
+    tier = service_class(services, call, openai_ask(body.service_tier))
     policy = services.safety_policy(model, call.start.principal)
     prompt = screen_prompt(services, call, policy, body)
     frontend = services.catalog.frontend(model)
     if frontend is None:
-        return prepare_untemplated_completion(services, body, call, model, policy, prompt)
+        return prepare_untemplated_completion(services, body, call, model, policy, prompt, tier)
     prompts = completion_token_ids(frontend, prompt)
     if len(prompts) != 1:
         raise one_prompt_only()
@@ -192,7 +197,7 @@ def prepare_completion(services: Services, body: CompletionRequest, call: Call) 
     job = GenerationJob(call.start.new_id("cmpl-"), model, "completion", params, n=body.n or 1,
                         prompt=prompt if isinstance(prompt, str) else None,
                         prompt_token_ids=tuple(prompt_token_ids), context_window=frontend.max_model_len,
-                        stream=bool(body.stream))
+                        stream=bool(body.stream), service_class=tier)
     echo = frontend.tokenizer.decode(prompt_token_ids) if body.echo else ""
     return prepared(services, call, job, frontend, policy, echo=echo)
 
@@ -204,8 +209,8 @@ def one_prompt_only() -> InvalidRequestError:
 
 
 def prepare_untemplated_completion(services: Services, body: CompletionRequest, call: Call, model: str,
-                                   policy: SafetyPolicy, prompt: str | list[str] | list[int] | list[list[int]]
-                                   ) -> PreparedCall:
+                                   policy: SafetyPolicy, prompt: str | list[str] | list[int] | list[list[int]],
+                                   tier: ServiceClass) -> PreparedCall:
     """A completion for a model tokenway has no tokenizer for: the caller's text (or token ids,
     in the upstream's vocabulary) goes as it came."""
     # One prompt: a text or token ids, alone or as a list of one.
@@ -226,5 +231,5 @@ def prepare_untemplated_completion(services: Services, body: CompletionRequest, 
     params = openai_sampling(body, max_tokens, None, body.logprobs)
     job = GenerationJob(call.start.new_id("cmpl-"), model, "completion", params, n=body.n or 1, prompt=text,
                         prompt_token_ids=token_ids, context_window=window,
-                        stream=bool(body.stream))
+                        stream=bool(body.stream), service_class=tier)
     return prepared(services, call, job, None, policy, echo=(text or "") if body.echo else "")

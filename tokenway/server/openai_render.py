@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from tokenway.frontend.model import ModelFrontend
+from tokenway.gateway.tiers import openai_tier
 from tokenway.protocol.errors import openai_error_body
 from tokenway.protocol.job import ToolCallDelta
 from tokenway.protocol.openai_bodies import (
@@ -134,7 +135,7 @@ async def chat_response(body: ChatCompletionRequest, generation: Generation) -> 
         })
     return {"id": generation.request_id, "object": "chat.completion", "created": int(time.time()),
             "model": generation.model, "choices": choices, "usage": generation.usage(),
-            "system_fingerprint": None}
+            "system_fingerprint": None, "service_tier": openai_tier(generation.job.service_class)}
 
 
 def message_tool_call(call: ToolCall) -> ChatCompletionMessageToolCall:
@@ -146,11 +147,12 @@ async def chat_stream(body: ChatCompletionRequest, generation: Generation) -> As
     top_n = body.top_logprobs or 0
     with_usage = include_usage(body)
     created = int(time.time())
+    tier = openai_tier(generation.job.service_class)
 
     def chunk(choices: list[ChatCompletionChunkChoice], usage: CompletionUsage | None = None) -> bytes:
         payload: ChatCompletionChunk = {"id": generation.request_id, "object": "chat.completion.chunk",
                                         "created": created, "model": generation.model, "choices": choices,
-                                        "system_fingerprint": None}
+                                        "system_fingerprint": None, "service_tier": tier}
         if with_usage:  # on every chunk, null until the last, as OpenAI sends it
             payload["usage"] = usage
         return sse.data_event(payload)
@@ -209,7 +211,7 @@ async def completion_response(body: CompletionRequest, generation: Generation, e
                         "finish_reason": completion_finish_reason(result.finish_reason)})
     return {"id": generation.request_id, "object": "text_completion", "created": int(time.time()),
             "model": generation.model, "choices": choices, "usage": generation.usage(),
-            "system_fingerprint": None}
+            "system_fingerprint": None, "service_tier": openai_tier(generation.job.service_class)}
 
 
 async def completion_stream(body: CompletionRequest, generation: Generation, echo: str
@@ -218,10 +220,12 @@ async def completion_stream(body: CompletionRequest, generation: Generation, ech
     with_usage = include_usage(body)
     created = int(time.time())
     offsets = [len(echo)] * generation.num_choices
+    tier = openai_tier(generation.job.service_class)
 
     def chunk(choices: list[CompletionChunkChoice], usage: CompletionUsage | None = None) -> bytes:
         payload: CompletionChunk = {"id": generation.request_id, "object": "text_completion", "created": created,
-                                    "model": generation.model, "choices": choices, "system_fingerprint": None}
+                                    "model": generation.model, "choices": choices, "system_fingerprint": None,
+                                    "service_tier": tier}
         if with_usage:
             payload["usage"] = usage
         return sse.data_event(payload)

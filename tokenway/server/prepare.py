@@ -2,7 +2,8 @@
 every API. An API's adaptor (openai_api.py, anthropic_api.py) runs the first ones, in a worker
 thread for a large body (http.offload), and returns a PreparedCall; its route runs the rest:
 
-    body ─► route (the served model) ─► screen (safety: the input check)
+    body ─► route (the served model), service_class (the tier: gateway/tiers.py)
+         ─► screen (safety: the input check)
          ─► chat_prompt: the frontend's template (a reasoning model's switch and budget),
             max_tokens capped (gateway/admission.py)
          ─► SamplingParams ─► GenerationJob ─► prepared(): the call's job, the engine's checks
@@ -30,8 +31,9 @@ from tokenway.frontend.templating import structured_output_spec, template_chat
 from tokenway.frontend.tool_parsers import ReplyFormat
 from tokenway.gateway.admission import cap_max_tokens
 from tokenway.gateway.call import Call, RouteChoice
+from tokenway.gateway.tiers import TierAsk, resolve
 from tokenway.protocol.errors import ContentPolicyViolationError, InvalidRequestError, invalid_value
-from tokenway.protocol.job import GenerationJob, ReplicaEvent, estimate_chat_tokens
+from tokenway.protocol.job import GenerationJob, ReplicaEvent, ServiceClass, estimate_chat_tokens
 from tokenway.protocol.sampling import ReasoningBudget, SamplingParams, StructuredOutputSpec, ThinkingRequest
 from tokenway.routing.replicas import engine_unavailable
 from tokenway.routing.router import ReplicaChoice, Router
@@ -88,6 +90,15 @@ def route(services: Services, call: Call, model: str | None) -> str:
     call.set_route(RouteChoice(model=name, pool=name))
     call.clock.end("routing")
     return name
+
+
+def service_class(services: Services, call: Call, ask: TierAsk) -> ServiceClass:
+    """The tier the call runs at, asked in its API's words (gateway/tiers.py): 403 where its key
+    may not use it; without a gateway, any. A Batch API line runs as "batch"."""
+    gatekeeper = services.gatekeeper
+    if gatekeeper is None:
+        return resolve(ask, None, call.start.batch_line)
+    return gatekeeper.service_class(call.start.principal, ask, call.start.batch_line)
 
 
 def screen(call: Call, policy: SafetyPolicy, texts: Iterable[PromptText], param: str = "messages"

@@ -27,6 +27,7 @@ from typing import Any
 
 from tokenway.frontend.templating import template_chat
 from tokenway.gateway.call import Call
+from tokenway.gateway.tiers import openai_ask
 from tokenway.protocol.errors import ContentPolicyViolationError, ContextLengthExceededError, InvalidRequestError
 from tokenway.protocol.job import GenerationJob, estimate_chat_tokens
 from tokenway.protocol.responses import ResponsesPrompt, ResponsesRequest
@@ -44,6 +45,7 @@ from tokenway.server.prepare import (
     reasoning_parser,
     route,
     screen,
+    service_class,
 )
 from tokenway.server.services import Services
 
@@ -113,6 +115,7 @@ def prepare_response(services: Services, body: ResponsesRequest, call: Call, his
         raise InvalidRequestError("model: is required (unless previous_response_id names a response to take it "
                                   "from)", param="model")
     model = route(services, call, body.model or history.model)
+    tier = service_class(services, call, openai_ask(body.service_tier))
     policy = services.safety_policy(model, call.start.principal)
     input_items, messages = conversation(body, history)
     tools, tool_choice = body.chat_tools(), body.chat_tool_choice()
@@ -133,7 +136,8 @@ def prepare_response(services: Services, body: ResponsesRequest, call: Call, his
                         tools=tuple(chat.tools) if chat.tools else None, tool_choice=tool_choice,
                         parallel_tool_calls=body.parallel_tool_calls is not False,
                         response_format=chat.response_format, prompt_token_ids=templating.prompt_token_ids,
-                        context_window=templating.context_window, stream=bool(body.stream), thinking=body.thinking())
+                        context_window=templating.context_window, stream=bool(body.stream), thinking=body.thinking(),
+                        service_class=tier)
     prepared_call = prepared(services, call, job, services.catalog.frontend(model), policy, templating.reply_format,
                              reasoning=templating.reasoning)
     return PreparedResponse(prepared_call, input_items, int(time.time()), num_dropped)

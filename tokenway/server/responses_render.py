@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
+from tokenway.gateway.tiers import openai_tier
 from tokenway.protocol.errors import InternalServerError, TokenwayError
 from tokenway.protocol.responses import (
     AllowedToolsChoice,
@@ -71,7 +72,8 @@ def response_base(body: ResponsesRequest, prepared: PreparedResponse) -> Respons
         "previous_response_id": body.previous_response_id, "prompt_cache_key": body.prompt_cache_key,
         "reasoning": {"effort": reasoning.effort if reasoning else None,
                       "summary": reasoning.summary if reasoning else None},
-        "safety_identifier": body.safety_identifier, "service_tier": "default", "store": body.stored,
+        "safety_identifier": body.safety_identifier, "service_tier": openai_tier(job.service_class),
+        "store": body.stored,
         "temperature": job.params.temperature, "text": {
             "format": _text_format(body), "verbosity": text.verbosity if text and text.verbosity else "medium"},
         "tool_choice": _tool_choice(body), "tools": [_tool(tool) for tool in body.tools or ()],
