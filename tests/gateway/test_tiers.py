@@ -7,6 +7,7 @@ import sqlite3
 import pytest
 
 from tokenway.gateway.auth import Principal
+from tokenway.gateway.gatekeeper import Defaults
 from tokenway.gateway.keystore import KeyStore
 from tokenway.gateway.tiers import (
     DEFAULT_GRANT,
@@ -92,6 +93,12 @@ def test_each_api_says_the_tier_in_its_own_words():
 def test_a_principal_refuses_tiers_that_are_none(tiers):
     with pytest.raises(ValueError, match="service_tiers"):
         Principal("k_1", "a", service_tiers=tiers)
+
+
+def test_the_servers_grant_is_checked_as_the_config_names_it():
+    assert Defaults().service_tiers == DEFAULT_GRANT
+    with pytest.raises(ValueError, match="^default_service_tiers: .*'gold'"):
+        Defaults(service_tiers=("default", "gold"))
 
 
 def test_the_key_store_keeps_a_keys_tiers(tmp_path):

@@ -68,8 +68,8 @@ def check_service_tiers(service_tiers: tuple[ServiceClass, ...] | None) -> None:
     if (not isinstance(service_tiers, tuple) or not service_tiers
             or any(tier not in SERVICE_CLASSES for tier in service_tiers)
             or len(set(service_tiers)) != len(service_tiers)):
-        raise FieldError("service_tiers", f"must be distinct tiers of {', '.join(SERVICE_CLASSES)}, or None for "
-                                          f"the server's default, got {service_tiers!r}")
+        raise FieldError("service_tiers", f"must be one or more distinct tiers of {', '.join(SERVICE_CLASSES)}, "
+                                          f"got {service_tiers!r}")
 
 
 @dataclass(frozen=True, slots=True)

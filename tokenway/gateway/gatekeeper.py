@@ -47,7 +47,13 @@ from tokenway.gateway.limits import CONCURRENCY_RETRY_S, Decision, Limiter, Limi
 from tokenway.gateway.outage import StoreGuard
 from tokenway.gateway.tiers import DEFAULT_GRANT, TierAsk, call_tier, granted_tiers, resolve
 from tokenway.observability.traces import Trace
-from tokenway.protocol.errors import AuthenticationError, InvalidRequestError, RateLimitError, ServiceUnavailableError
+from tokenway.protocol.errors import (
+    AuthenticationError,
+    FieldError,
+    InvalidRequestError,
+    RateLimitError,
+    ServiceUnavailableError,
+)
 from tokenway.protocol.job import ServiceClass
 
 logger = logging.getLogger(__name__)
@@ -93,7 +99,10 @@ class Defaults:
     service_tiers: tuple[ServiceClass, ...] = DEFAULT_GRANT  # what a key that names no tiers may run at
 
     def __post_init__(self) -> None:
-        check_service_tiers(self.service_tiers)
+        try:
+            check_service_tiers(self.service_tiers)
+        except FieldError as exc:  # named as the config names it
+            raise FieldError("default_service_tiers", exc.reason) from None
 
 
 class Gatekeeper:
