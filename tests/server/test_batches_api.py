@@ -100,8 +100,8 @@ def test_an_upload_that_is_no_batch_file_is_refused_by_name(services):
                               files={"upload": ("r.jsonl", jsonl(request_line("a")))}),
             await upload(client, auth, b"\n\n"),
             await upload(client, auth, b"\xff\xfe"),
-            await client.post("/v1/files", headers=auth, data={"purpose": "batch", "expires_after[anchor]": "created_at",
-                                                              "expires_after[seconds]": "60"},
+            await client.post("/v1/files", headers=auth, data={
+                "purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "60"},
                               files={"file": ("r.jsonl", jsonl(request_line("a")))}),
         ]
 
@@ -152,8 +152,9 @@ def test_a_batch_create_refuses_what_it_cannot_run(services):
     [auth] = keys(services, "a")
 
     async def steps(client, app):
-        file_id = (await upload(client, auth, jsonl(
-            request_line("chat"), request_line("cmpl", {"model": MODEL, "prompt": "x"}, url="/v1/completions")))).json()["id"]
+        completion = request_line("cmpl", {"model": MODEL, "prompt": "x"}, url="/v1/completions")
+        mixed = jsonl(request_line("chat"), completion)
+        file_id = (await upload(client, auth, mixed)).json()["id"]
         create = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
         return [
             await client.post("/v1/batches", headers=auth, json={**create, "endpoint": "/v1/moderations"}),
