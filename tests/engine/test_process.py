@@ -14,6 +14,7 @@ import pytest
 from tokenway.config import EngineConfig
 from tokenway.engine.client import EngineDeadError
 from tokenway.engine.process import ProcessEngine
+from tokenway.engine.stats import ClassStats
 from tokenway.protocol.sampling import SamplingParams
 
 from .conftest import collect, prompt_ids
@@ -119,3 +120,24 @@ def test_a_killed_engine_fails_what_was_in_flight_and_comes_back(engine):
     assert engine.pid != dead_pid and engine.stats().engine_restarts == 1
     _, last = asyncio.run(collect(engine, prompt_ids(engine, TEXTS[1]), GREEDY))
     assert last.outputs[0].finish_reason == "length" and len(last.outputs[0].token_ids) == 16
+
+
+def test_the_service_class_crosses_the_pipe_to_the_engines_counts(engine):
+    def flex() -> ClassStats:
+        counts = engine.stats().of_class("flex")
+        assert counts is not None
+        return counts
+
+    prompt = prompt_ids(engine, TEXTS[0])
+    before = flex()
+
+    async def main():
+        async for output in engine.generate(prompt, GREEDY, service_class="flex"):
+            if output.finished:
+                return output
+
+    final = asyncio.run(main())
+    assert final is not None and final.finished
+    # The counts come with the engine's next step message: the last one may still be on its way.
+    assert wait_until(lambda: flex().num_generated_tokens == before.num_generated_tokens + 16)
+    assert flex().num_prompt_tokens == before.num_prompt_tokens + len(prompt)

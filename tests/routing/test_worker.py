@@ -7,6 +7,7 @@ failure cases are in test_worker_replica.py (a scripted stub) and tests/server/t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import signal
@@ -328,6 +329,18 @@ def test_state_probe_and_stats(worker):
     balancer_view = replica_stats(state)
     assert (balancer_view.num_running, balancer_view.kv_cache_usage, balancer_view.prefix_cache_hit_rate) == (
         0, state["kv_cache_usage"], engine["prefix_cache_hit_rate"])
+
+
+def test_a_jobs_service_class_reaches_the_workers_engine(worker, llm):
+    prompt_ids = llm.tokenizer.encode("The sky is")
+    before = worker.state()["engine"]["classes"]
+    job = dataclasses.replace(make_job(prompt_ids, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)),
+                              service_class="batch")
+    assert isinstance(collect(worker.base_url, job)[-1], Usage)
+    after = worker.state()["engine"]["classes"]  # the step that finished the call brought its counts
+    assert after["batch"]["num_generated_tokens"] == before["batch"]["num_generated_tokens"] + 5
+    assert after["batch"]["num_prompt_tokens"] == before["batch"]["num_prompt_tokens"] + len(prompt_ids)
+    assert after["default"] == before["default"]
 
 
 def test_the_fetched_tokenizer_tokenizes_and_templates_like_the_local_one(worker, default_model_dir, tmp_path):

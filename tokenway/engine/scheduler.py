@@ -155,8 +155,10 @@ class Scheduler:
         admit_below = len(SERVICE_CLASSES)
         index = 0  # running[:index] are scheduled; running[index:] are of this class or worse
         for rank, waiting in enumerate(self.waiting.by_rank):
-            while index < len(running) and budget > 0 and running[index].class_rank == rank:
+            while index < len(running) and budget > 0:
                 request = running[index]
+                if request.class_rank != rank:
+                    break
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
                 assert num_new > 0, "a running request always has a token to compute"
                 drafts = self._propose(request, budget - 1) if num_new == 1 and budget > 1 else ()
@@ -276,6 +278,7 @@ class Scheduler:
         outputs: list[EngineOutput] = []
         row = 0
         sample_index = 0
+        num_generated_tokens_by_rank = self.num_generated_tokens_by_rank
         for request, num_new, drafts in zip(out.requests, out.num_scheduled_tokens, out.spec_token_ids):
             request.num_computed_tokens += num_new - len(drafts)
             if request.num_computed_tokens < request.num_tokens:
@@ -304,7 +307,7 @@ class Scheduler:
                 if status is not None:
                     del new_token_ids[position + 1 :], new_logprobs[position + 1 :]
                     break
-            self.num_generated_tokens_by_rank[request.class_rank] += len(new_token_ids)
+            num_generated_tokens_by_rank[request.class_rank] += len(new_token_ids)
             # A request asked for logprobs or not: its rows are all TokenLogprob or all None.
             kept_logprobs = None if new_logprobs[0] is None else cast("list[TokenLogprob]", new_logprobs)
             if status is None:
