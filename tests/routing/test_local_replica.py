@@ -5,6 +5,7 @@ closing the iterator early aborts every choice in the engine."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -75,3 +76,16 @@ def test_closing_the_iterator_aborts_every_choice(replica):
     while replica.stats().num_running + replica.stats().num_waiting and time.monotonic() < deadline:
         time.sleep(0.05)
     assert replica.stats().num_running == 0 and replica.stats().num_waiting == 0
+
+
+def test_the_jobs_service_class_is_the_engine_requests(replica):
+    def batch_tokens() -> int:
+        counts = replica.stats().of_class("batch")
+        assert counts is not None
+        return counts.num_generated_tokens
+
+    before = batch_tokens()
+    job = dataclasses.replace(job_of(replica, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), n=2),
+                              service_class="batch")
+    assert isinstance(asyncio.run(events_of(replica, job))[-1], Usage)
+    assert batch_tokens() == before + 6  # both choices ran as batch requests
