@@ -289,6 +289,10 @@ class Gatekeeper:
         return cost_usd(self.prices.price(model, service_tier), outcome.prompt_tokens, outcome.cached_tokens,
                         outcome.completion_tokens)
 
+    def call_cost_usd(self, call: Call, outcome: CallOutcome) -> float:
+        """What the call's outcome cost at the tier it ran at: its ledger row's and its trace's."""
+        return self.cost_usd(call.model, outcome, call_tier(call))
+
     def _settle(self, admission: Admission | None, outcome: CallOutcome, cost: float) -> None:
         """Turn the call's reservations into what it used (tokens) and billed (cost), in the background."""
         if admission is None:
@@ -314,8 +318,7 @@ class Gatekeeper:
 
     def usage_record(self, call: Call, outcome: CallOutcome, cost: float | None = None) -> UsageRecord:
         """The ledger row, with the call's trace as of now (the commit is the billing stage)."""
-        service_tier = call_tier(call)
-        trace = Trace.of_call(call, outcome, self.cost_usd(call.model, outcome, service_tier) if cost is None else cost)
+        trace = Trace.of_call(call, outcome, self.call_cost_usd(call, outcome) if cost is None else cost)
         return UsageRecord(
             request_id=call.request_id,
             key_id=call.start.principal.key_id,
@@ -332,7 +335,7 @@ class Gatekeeper:
             started_at=call.start.started_at,
             finished_at=time.time(),
             trace=trace.ledger_fields(),
-            service_tier=service_tier,
+            service_tier=call_tier(call),
         )
 
     def _final_row(self, call: Call, status: int) -> UsageRecord | None:
@@ -345,7 +348,7 @@ class Gatekeeper:
         outcome = call.outcome
         assert outcome is not None, "end_as_sent() leaves every call with an outcome"
         call.clock.start_billing()
-        cost = self.cost_usd(call.model, outcome, call_tier(call))
+        cost = self.call_cost_usd(call, outcome)
         self._settle(call.admission, outcome, cost)
         return self.usage_record(call, outcome, cost)
 

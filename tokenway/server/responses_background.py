@@ -96,5 +96,5 @@ async def record(services: Services, call: Call) -> None:
         outcome = call.outcome
         assert outcome is not None, "end_as_sent makes one where the call had none"
         if services.observer is not None:
-            cost = gatekeeper.cost_usd(call.model, outcome) if gatekeeper is not None else 0.0
+            cost = gatekeeper.call_cost_usd(call, outcome) if gatekeeper is not None else 0.0
             services.observer.record(Trace.of_call(call, outcome, cost))
