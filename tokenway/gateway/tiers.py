@@ -19,17 +19,16 @@ no key: a tier named is run as asked, and "auto" is "default".
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from tokenway.gateway.auth import Principal
 from tokenway.gateway.call import Call
+from tokenway.protocol import anthropic_bodies, openai_bodies
 from tokenway.protocol.errors import PermissionDeniedError
 from tokenway.protocol.job import GenerationJob, ServiceClass
 
 # What a key that names no tiers may use, unless the server's config says otherwise: priority
 # takes capacity from everyone else, so it is granted key by key.
 DEFAULT_GRANT: tuple[ServiceClass, ...] = ("default", "flex", "batch")
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,13 +89,13 @@ def call_tier(call: Call) -> ServiceClass:
     return "batch" if call.start.batch_line is not None else "default"
 
 
-def openai_tier(service_class: ServiceClass) -> Literal["default", "flex", "priority"]:
+def openai_tier(service_class: ServiceClass) -> openai_bodies.ServedTier:
     """The tier a response says served it, in OpenAI's words: a Batch API line's says "default",
     as OpenAI's batch output does (its price is the batch's all the same)."""
     return "default" if service_class == "batch" else service_class
 
 
-def anthropic_tier(service_class: ServiceClass) -> Literal["standard", "priority", "batch"]:
+def anthropic_tier(service_class: ServiceClass) -> anthropic_bodies.ServedTier:
     """usage.service_tier: Anthropic has no flex; a flex call is billed as flex, shown as standard."""
     if service_class in ("priority", "batch"):
         return service_class

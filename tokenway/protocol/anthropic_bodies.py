@@ -78,11 +78,15 @@ class MessageDeltaUsage(TypedDict):
     output_tokens_details: NotRequired[OutputTokensDetails]
 
 
+# The tier that served a call (gateway/tiers.py anthropic_tier): Anthropic has no flex.
+ServedTier = Literal["standard", "priority", "batch"]
+
+
 class MessageUsage(MessageDeltaUsage):
     """The SDK's Usage."""
 
     cache_creation: CacheCreation  # cache_creation_input_tokens, under the last breakpoint's ttl
-    service_tier: Literal["standard", "priority", "batch"]  # the tier that served it (gateway/tiers.py)
+    service_tier: ServedTier
     speed: NotRequired[Literal["standard"]]  # where the call asked for a speed: the one speed here
 
 

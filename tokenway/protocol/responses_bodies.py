@@ -19,7 +19,7 @@ from typing import Any, Literal, NotRequired
 # pydantic (the tests' TypeAdapters) reads only typing_extensions' TypedDict before Python 3.12.
 from typing_extensions import TypedDict
 
-from tokenway.protocol.openai_bodies import ChatCompletionTokenLogprob
+from tokenway.protocol.openai_bodies import ChatCompletionTokenLogprob, ServedTier
 
 ResponseStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled", "incomplete"]
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -194,7 +194,7 @@ class Response(TypedDict):
     prompt_cache_key: str | None
     reasoning: ReasoningConfig
     safety_identifier: str | None
-    service_tier: Literal["default", "flex", "priority"]  # the tier that served it (gateway/tiers.py)
+    service_tier: ServedTier  # the tier that served it (gateway/tiers.py)
     store: bool  # not in the SDK's type; OpenAI sends it
     temperature: float
     text: TextConfig
