@@ -53,6 +53,7 @@ SERVE_OPTIONS = {
     "quant_activations": (str, "auto"),
     "max_num_batched_tokens": (int, 512),
     "max_num_seqs": (int, 128),
+    "batch_slowdown": (str, "0.25"),  # what batch work may add to a step's time beside better classes; "none"
     "enable_prefix_caching": (bool, True),
     # speculative decoding (engine/spec_decode.py), as vLLM's speculative_config
     "speculative_method": (str, None),  # "ngram" (None: off)
@@ -113,6 +114,18 @@ SERVE_OPTIONS = {
     "otlp_endpoint": (str, None),  # OTLP/HTTP collector, e.g. http://127.0.0.1:4318; also $OTEL_EXPORTER_OTLP_ENDPOINT
     "otlp_headers": (dict, None),  # extra headers for the collector (config file only)
 }
+
+
+def parse_slowdown(text: str | float | None) -> float | None:
+    """--batch-slowdown: a fraction (0.25), a percentage (25%), or none."""
+    if text is None or str(text).strip().lower() in ("none", "off"):
+        return None
+    value = str(text).strip()
+    try:
+        return float(value[:-1]) / 100 if value.endswith("%") else float(value)
+    except ValueError:
+        raise SystemExit(f"--batch-slowdown: expected a fraction such as 0.25, a percentage or none, got {text!r}")\
+            from None
 
 
 def load_config_file(path: str) -> dict:
@@ -195,6 +208,8 @@ def add_serve_parser(sub) -> None:
                        const=True, help="a guard that cannot answer refuses the call (503) instead of passing it")
     serve.add_argument("--max-num-batched-tokens", type=int)
     serve.add_argument("--max-num-seqs", type=int)
+    serve.add_argument("--batch-slowdown", help="how much longer an engine step may take for the batch work in it "
+                                                "while interactive requests run (0.25: 25%%); none: no bound")
     serve.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False)
     serve.add_argument("--speculative-method", choices=["ngram"],
                        help="speculative decoding: ngram drafts tokens from the request's own context (prompt "
@@ -268,6 +283,7 @@ def run_serve(options: dict) -> int:
         linear_kernels=options["linear_kernels"],
         quantization=options["quantization"], quant_activations=options["quant_activations"],
         max_num_batched_tokens=options["max_num_batched_tokens"], max_num_seqs=options["max_num_seqs"],
+        batch_slowdown=parse_slowdown(options["batch_slowdown"]),
         enable_prefix_caching=options["enable_prefix_caching"],
         speculative_method=options["speculative_method"], num_speculative_tokens=options["num_speculative_tokens"],
         prompt_lookup_max=options["prompt_lookup_max"], prompt_lookup_min=options["prompt_lookup_min"],

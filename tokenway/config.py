@@ -52,6 +52,10 @@ class EngineConfig:
     # Token budget of one engine step: decode tokens plus prefill chunks.
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 128
+    # How much longer a step may take for the batch-class work in it while better classes run
+    # (0.25: 25%; engine/step_cost.py), which bounds what a Batch API backlog costs interactive
+    # requests' time per token; None: no bound (batch work fills every step's budget).
+    batch_slowdown: float | None = 0.25
     enable_prefix_caching: bool = True
     # Speculative decoding (engine/spec_decode.py), as vLLM's speculative_config: "ngram" drafts
     # up to num_speculative_tokens tokens per step from the request's own context, after the
@@ -88,6 +92,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.batch_slowdown is not None and not 0 <= self.batch_slowdown < float("inf"):
+            raise ValueError(f"batch_slowdown: must be a number >= 0 (or None: no bound), got {self.batch_slowdown}")
         if self.speculative_method not in (None, "ngram"):
             raise ValueError(f"speculative_method: must be ngram (or None: off), got {self.speculative_method!r}")
         if self.speculative_method is not None:

@@ -26,6 +26,7 @@ from tokenway.engine.sampler import Sampler, SamplingMetadata
 from tokenway.engine.scheduler import Scheduler
 from tokenway.engine.spec_decode import NgramProposer
 from tokenway.engine.stats import ClassStats, EngineStats
+from tokenway.engine.step_cost import BatchAllowance
 from tokenway.frontend.prompt_check import PromptChecker, eos_token_ids, resolve_max_model_len
 from tokenway.frontend.structured_output import StructuredOutputManager
 from tokenway.frontend.tokenizer import Tokenizer
@@ -132,9 +133,13 @@ class EngineCore:
         proposer = None
         if config.speculative_method == "ngram":
             proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
+        # Under a bound on what batch work may slow a step down, the steps' times teach the cost
+        # model that turns the bound into tokens (engine/step_cost.py).
+        allowance = None if config.batch_slowdown is None else BatchAllowance(config.batch_slowdown)
+        self.step_cost = None if allowance is None else allowance.cost
         self.scheduler = Scheduler(
             self.kv_manager, self.max_model_len, config.max_num_batched_tokens, config.max_num_seqs, self.eos_token_ids,
-            proposer,
+            proposer, allowance,
         )
         self.runner = ModelRunner(self.model, kv_groups[0].num_blocks, config.block_size, self.device,
                                   num_sliding_blocks=kv_groups[-1].num_blocks)
@@ -209,6 +214,7 @@ class EngineCore:
     # -- the loop -----------------------------------------------------------------
 
     def step(self) -> list[EngineOutput]:
+        started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.requests:
             return []
@@ -222,4 +228,6 @@ class EngineCore:
             scheduler_output, sampled.sampled_token_ids, sampled.logprobs, sampled.num_accepted_tokens
         )
         self.num_steps += 1
+        if self.step_cost is not None:
+            self.step_cost.observe(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started)
         return outputs

@@ -30,6 +30,12 @@ unless better classes use the whole budget. Once a class's head of line is stopp
 request of a class is preempted, no request of that class or a worse one is admitted in that
 step (it would take the blocks back from the one that waits). With one class this is exactly
 the FCFS scheduling above.
+
+With a BatchAllowance (engine/step_cost.py: a bound on how much longer a step may take for the
+batch work in it), the batch class's budget in a step that also runs better classes is the
+tokens that bound allows beside theirs; batch requests running and not scheduled keep their
+blocks and go on when the allowance comes back. With nothing better running the batch takes the
+whole step.
 """
 
 from __future__ import annotations
@@ -41,9 +47,12 @@ from typing import cast
 from tokenway.engine.request import Request, RequestStatus
 from tokenway.engine.request_queue import WaitingQueue
 from tokenway.engine.spec_decode import NgramProposer, SpecDecodingStats
+from tokenway.engine.step_cost import BatchAllowance
 from tokenway.kv_cache.manager import KVCacheManager
-from tokenway.protocol.job import SERVICE_CLASSES
+from tokenway.protocol.job import SERVICE_CLASSES, class_rank
 from tokenway.protocol.outputs import EngineOutput, TokenLogprob
+
+BATCH_RANK = class_rank("batch")
 
 
 @dataclass(slots=True)
@@ -104,9 +113,11 @@ class Scheduler:
         max_num_seqs: int,
         eos_token_ids: frozenset[int] = frozenset(),
         proposer: NgramProposer | None = None,
+        batch_allowance: BatchAllowance | None = None,
     ) -> None:
         self.kv_manager = kv_manager
         self.proposer = proposer
+        self.batch_allowance = batch_allowance
         self.spec_decoding_stats = SpecDecodingStats()
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -155,6 +166,10 @@ class Scheduler:
         admit_below = len(SERVICE_CLASSES)
         index = 0  # running[:index] are scheduled; running[index:] are of this class or worse
         for rank, waiting in enumerate(self.waiting.by_rank):
+            allowed, budget_left = None, budget
+            if rank == BATCH_RANK and self.batch_allowance is not None and (waiting or index < len(running)):
+                allowed = self.batch_allowance.tokens(self.max_num_batched_tokens - budget)
+                budget = min(budget, allowed)
             while index < len(running) and budget > 0:
                 request = running[index]
                 if request.class_rank != rank:
@@ -208,6 +223,12 @@ class Scheduler:
                     continue
                 admit_below = rank
                 break
+            if allowed is not None:
+                batch_allowance = self.batch_allowance
+                assert batch_allowance is not None
+                used = min(budget_left, allowed) - budget
+                batch_allowance.spend(used)
+                budget = budget_left - used
         return out
 
     def _preempt_last(self, out: SchedulerOutput) -> Request:

@@ -1,0 +1,87 @@
+"""A bound on what batch work may add to a step (engine/step_cost.py): the cost line learned from
+the steps, the batch tokens it allows beside interactive ones, and the scheduler keeping to it;
+with nothing better running, the batch takes the whole step."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenway.config import EngineConfig
+from tokenway.engine.scheduler import Scheduler
+from tokenway.engine.step_cost import BatchAllowance, StepCost
+from tokenway.kv_cache.manager import KVCacheManager
+
+from .test_priority import BLOCK, add, make_request, scheduled, step
+
+
+def cost_of(intercept: float, slope: float, sizes=(1, 4, 9, 16, 33, 64)) -> StepCost:
+    cost = StepCost()
+    for _ in range(20):
+        for num_tokens in sizes:
+            cost.observe(num_tokens, intercept + slope * num_tokens)
+    return cost
+
+
+def test_the_cost_line_is_the_steps_own():
+    intercept, slope = cost_of(0.002, 0.0004).line()
+    assert intercept == pytest.approx(0.002) and slope == pytest.approx(0.0004)
+    # Steps all of one size cannot tell the parts apart: every second is taken as the tokens'.
+    assert cost_of(0.002, 0.0004, sizes=(8,)).line() == pytest.approx((0.0, (0.002 + 0.0032) / 8))
+    assert StepCost().line() is None
+
+
+def test_the_allowance_is_the_bound_in_tokens_and_carries_its_fractions():
+    allowance = BatchAllowance(0.25, cost_of(0.002, 0.0004))
+    # 4 interactive tokens cost 3.6 ms; 25% of that is 0.9 ms: 2.25 tokens' worth a step.
+    granted = []
+    for _ in range(8):
+        granted.append(allowance.tokens(4))
+        allowance.spend(granted[-1])
+    # 8 x 2.25 = 18 (one less where the float's rounding leaves 2.2499...)
+    assert set(granted) == {2, 3} and sum(granted) in (17, 18)
+    # Unspent, it carries one token at most; with nothing interactive there is no bound.
+    assert [allowance.tokens(4) for _ in range(4)][-1] == 3
+    assert allowance.tokens(0) >= 1 << 30
+    # Before any step is measured, a step is taken to cost its tokens alone: 25% of 4 tokens.
+    assert BatchAllowance(0.25).tokens(4) == 1
+    with pytest.raises(ValueError):
+        BatchAllowance(-0.1)
+
+
+def make_scheduler(allowance: BatchAllowance | None) -> Scheduler:
+    return Scheduler(KVCacheManager(256, BLOCK), max_model_len=256, max_num_batched_tokens=64, max_num_seqs=16,
+                     batch_allowance=allowance)
+
+
+def batch_tokens(out) -> int:
+    return sum(n for request_id, n in scheduled(out) if request_id.startswith("b"))
+
+
+def test_the_scheduler_gives_the_batch_what_the_bound_allows_beside_interactive_requests():
+    scheduler = make_scheduler(BatchAllowance(0.25, cost_of(0.002, 0.0004)))
+    add(scheduler, *(make_request(f"b{i}", "batch") for i in range(8)))
+    add(scheduler, *(make_request(f"d{i}", "default", max_tokens=10) for i in range(4)))
+    first = step(scheduler)
+    # 20 interactive prompt tokens cost 10 ms: 2.5 ms more is 6.25 tokens' worth.
+    assert scheduled(first) == [(f"d{i}", 5) for i in range(4)] + [("b0", 5), ("b1", 1)]
+    decodes = [step(scheduler) for _ in range(8)]
+    assert all(scheduled(out)[:4] == [(f"d{i}", 1) for i in range(4)] for out in decodes)
+    granted = [batch_tokens(out) for out in decodes]
+    assert set(granted) == {2, 3} and sum(granted) in (17, 18)
+    while any(request.request_id.startswith("d") for request in scheduler.running):
+        step(scheduler)
+    # Nothing better running: the batch takes the whole step.
+    assert batch_tokens(step(scheduler)) > 8
+
+
+def test_without_a_bound_the_batch_fills_the_step():
+    scheduler = make_scheduler(None)
+    add(scheduler, *(make_request(f"b{i}", "batch") for i in range(8)))
+    add(scheduler, *(make_request(f"d{i}", "default") for i in range(4)))
+    assert batch_tokens(step(scheduler)) == 40
+
+
+def test_the_engine_config_takes_a_bound_or_none():
+    assert EngineConfig().batch_slowdown == 0.25 and EngineConfig(batch_slowdown=None).batch_slowdown is None
+    with pytest.raises(ValueError, match="batch_slowdown"):
+        EngineConfig(batch_slowdown=-1)

@@ -1,0 +1,87 @@
+"""What an engine step costs, learned from the steps it ran, and the batch work that a bound on
+the slowdown of interactive requests allows beside them.
+
+A step's time on this hardware is close to linear in the tokens it computes: a fixed part (the
+weights are read once a step, whatever the batch) and a part per token (the products, and the
+attention). StepCost fits that line to the recent steps (least squares, the older steps weighing
+less), so it follows the machine as it is now (other load, the context lengths of the moment).
+
+BatchAllowance turns a bound on the slowdown ("a step with batch work may take 25% longer than
+the same step without it") into tokens: while interactive requests run, batch requests may add
+up to bound * cost(interactive tokens) of time, that is bound * cost / cost_per_token tokens.
+What a step leaves of its allowance is carried to the next (up to one step's worth), so a bound
+worth half a token a step still lets the batch advance a token every other step.
+"""
+
+from __future__ import annotations
+
+import math
+
+# Each new step's weight against the ones before: the fit follows the last ~100 steps.
+DECAY = 0.99
+# A fit needs the token counts of the recent steps to differ this much (their variance, in
+# tokens^2) before its slope is trusted; until then a step's time is taken as proportional to
+# its tokens, which overstates what each token costs, and so allows less batch work, not more.
+MIN_VARIANCE = 0.25
+
+
+class StepCost:
+    """An exponentially weighted least-squares line: step seconds against tokens computed."""
+
+    def __init__(self, decay: float = DECAY) -> None:
+        if not 0 < decay < 1:
+            raise ValueError(f"decay must be in (0, 1), got {decay}")
+        self.decay = decay
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or not math.isfinite(seconds) or seconds <= 0:
+            return
+        d = self.decay
+        self._w = d * self._w + 1.0
+        self._x = d * self._x + num_tokens
+        self._y = d * self._y + seconds
+        self._xx = d * self._xx + num_tokens * num_tokens
+        self._xy = d * self._xy + num_tokens * seconds
+
+    def line(self) -> tuple[float, float] | None:
+        """(seconds a step costs whatever its tokens, seconds each token adds); None before any step."""
+        w, x, y = self._w, self._x, self._y
+        if w == 0.0:
+            return None
+        variance = self._xx / w - (x / w) ** 2
+        if variance >= MIN_VARIANCE:
+            slope = (self._xy / w - (x / w) * (y / w)) / variance
+            intercept = (y - slope * x) / w
+            if slope > 0 and intercept >= 0:
+                return intercept, slope
+        return 0.0, y / x  # the steps alike in size, or a fit that makes no physical sense
+
+
+class BatchAllowance:
+    """How many batch tokens a step may add beside its interactive ones, under a slowdown bound."""
+
+    def __init__(self, slowdown: float, cost: StepCost | None = None) -> None:
+        if not math.isfinite(slowdown) or slowdown < 0:
+            raise ValueError(f"slowdown must be a finite number >= 0, got {slowdown}")
+        self.slowdown = slowdown
+        self.cost = cost if cost is not None else StepCost()
+        self._credit = 0.0  # tokens allowed and not yet used, carried between steps
+
+    def tokens(self, num_interactive_tokens: int) -> int:
+        """Batch tokens this step may schedule, given the interactive tokens scheduled before them.
+        Report what was used with spend()."""
+        if num_interactive_tokens <= 0:
+            self._credit = 0.0
+            return 1 << 62  # nothing interactive runs: nothing to slow down
+        line = self.cost.line()
+        if line is None:  # no step measured yet: as if a step cost its tokens alone
+            allowed = self.slowdown * num_interactive_tokens
+        else:
+            intercept, slope = line
+            allowed = self.slowdown * (intercept + slope * num_interactive_tokens) / slope
+        self._credit = min(self._credit + allowed, allowed + 1.0)
+        return int(self._credit)
+
+    def spend(self, num_batch_tokens: int) -> None:
+        self._credit = max(0.0, self._credit - num_batch_tokens)
