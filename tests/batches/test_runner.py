@@ -201,3 +201,30 @@ async def test_a_cancelled_batch_ends_cancelled_with_what_ran(store):
         await the_runner.stop(grace_s=5)
     done = await store.get_batch(batch.id, "key-a")
     assert done.status == "cancelled" and done.counts == BatchCounts(6, succeeded=2, cancelled=4)
+
+
+async def test_a_line_refused_for_now_is_run_again_after_its_wait_not_failed(store, monkeypatch):
+    """A 429 (the key's limits or budget) or a 503 (no capacity) defers the line: it runs again once
+    the wait it asked for is over, its attempts not counted, and ends as its later answer."""
+    import tokenway.batches.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "MIN_DEFER_S", 0.05)
+    batch = await make_batch(store, 4, now=time.time())
+    runs = collections.Counter()
+
+    async def execute(line: BatchLine) -> LineOutcome:
+        runs[line.index] += 1
+        if line.index in (1, 2) and runs[line.index] <= 4:  # more refusals than MAX_ATTEMPTS allows crashes
+            status = 429 if line.index == 1 else 503
+            return LineOutcome("failed", status, {"error": {"message": "slow down"}}, None, retry_after=0.0)
+        return succeeded(line.index)
+
+    the_runner = runner(store, execute, "w1")
+    the_runner.start()
+    try:
+        await eventually(lambda: ended(store, batch.id), "the batch ends")
+    finally:
+        await the_runner.stop(grace_s=5)
+    done = await store.get_batch(batch.id, "key-a")
+    assert done.status == "completed" and done.counts == BatchCounts(4, succeeded=4)
+    assert runs == {0: 1, 1: 5, 2: 5, 3: 1}

@@ -221,6 +221,9 @@ class BatchBackend:
             None if outcome.error is None else dumps(outcome.error), outcome.request_id, now, line.batch_id,
             line.index, worker_id)).rowcount == 1
 
+    def defer(self, worker_id: str, line: BatchLine, until: float) -> bool:
+        return self.execute(schema.DEFER, (until, line.batch_id, line.index, worker_id)).rowcount == 1
+
     def ready(self, now: float) -> list[str]:
         """The batches whose lines are all done, after ending the lapsed claims of cancelling ones."""
         self.execute(schema.CANCEL_LAPSED, (dumps(CANCELLED_ERROR), now, now))

@@ -191,6 +191,9 @@ class SqlBatchStore:
         now = time.time()
         return await self._run(lambda backend: backend.finish(worker_id, line, outcome, now))
 
+    async def defer(self, worker_id: str, line: BatchLine, until: float) -> bool:
+        return await self._run(lambda backend: backend.defer(worker_id, line, until))
+
     async def finalize_ready(self, now: float) -> tuple[str, ...]:
         def finalize_all(backend: BatchBackend) -> tuple[str, ...]:
             return tuple(batch_id for batch_id in backend.ready(now) if backend.finalize(batch_id, now) is not None)

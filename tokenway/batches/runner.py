@@ -12,6 +12,9 @@ lease_s and any runner takes them. A line is then run again, which is safe: its 
 their ids from the line (BatchLine.line_id), so its ledger row is written once, and only the
 runner holding the claim writes its outcome. A line that raises is a failed outcome (500); a
 database down is waited out: nothing stops the runner but stop() or its task's cancellation.
+A line refused for now (LineOutcome.retry_after: a 429 from the key's limits or budget, a 503
+for capacity) is deferred, not finished: claimed again once its wait is over, until its batch
+expires, so a batch's limits slow it down rather than fail its lines.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ DEFAULT_MAX_RUNNING = 64
 DEFAULT_MAX_CLAIM = 32  # lines one claim takes: a claim is one transaction, short and small
 DEFAULT_POLL_S = 1.0  # how often an idle runner looks for work (or capacity) again
 DEFAULT_UPKEEP_S = 5.0
+# A deferred line's wait: what its refusal asked for, within these bounds.
+MIN_DEFER_S = 1.0
+MAX_DEFER_S = 300.0
 
 
 def failed_outcome(line: BatchLine, exc: BaseException) -> LineOutcome:
@@ -180,6 +186,10 @@ class BatchRunner:
         give_up_at = time.monotonic() + self._lease_s
         while True:
             try:
+                if outcome.retry_after is not None:
+                    wait_s = min(MAX_DEFER_S, max(MIN_DEFER_S, outcome.retry_after))
+                    await self._store.defer(self.worker_id, line, time.time() + wait_s)
+                    return
                 if not await self._store.finish(self.worker_id, line, outcome):
                     logger.info("batch runner %s: line %s was no longer ours to finish", self.worker_id,
                                 line.line_id)

@@ -103,6 +103,11 @@ CLAIMABLE_LINES: LiteralString = (
 FINISH: LiteralString = (
     "UPDATE batch_lines SET state = 'done', claim_until = NULL, outcome = ?, status_code = ?, response = ?, error = ?,"
     " request_id = ?, finished_at = ? WHERE batch_id = ? AND line_index = ? AND state = 'claimed' AND claimed_by = ?")
+# Parameters: until, batch_id, line_index, worker_id. The claim kept without running the line, and
+# the claim that took it not counted (the next claim counts it again).
+DEFER: LiteralString = (
+    "UPDATE batch_lines SET claim_until = ?, attempts = attempts - 1 WHERE batch_id = ? AND line_index = ?"
+    " AND state = 'claimed' AND claimed_by = ?")
 # Parameters: outcome, error, finished_at, batch_id, now: the lines no runner holds.
 END_IDLE_LINES: LiteralString = (
     "UPDATE batch_lines SET state = 'done', claim_until = NULL, outcome = ?, error = ?, finished_at = ?"

@@ -136,13 +136,16 @@ class LineOutcome:
     """What a line ended as. succeeded/failed: the API answered `status_code` with `response`,
     its body (an error body when it failed), or a failure before any answer has response None and
     `error` {"code", "message"}. cancelled/expired: never run (status_code and response None),
-    `error` says why. request_id: the answer's x-request-id, where there was one."""
+    `error` says why. request_id: the answer's x-request-id, where there was one. retry_after:
+    for a refusal the line may outlive (429: limits or budget; 503: no capacity now), the seconds
+    the answer asked to wait: the runner defers the line then instead of finishing it."""
 
     outcome: Outcome
     status_code: int | None
     response: JSONObject | None
     error: JSONObject | None
     request_id: str | None = None
+    retry_after: float | None = None
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:
@@ -324,6 +327,12 @@ class BatchStore(Protocol):
         """Write the line's outcome if worker_id still holds its claim and it is not done: False
         otherwise (another worker took the lapsed claim, or the batch expired), and nothing is
         written. A line's outcome is written once."""
+        ...
+
+    async def defer(self, worker_id: str, line: BatchLine, until: float) -> bool:
+        """Keep worker_id's claim on the line until `until` (unix time) without running it, and
+        not count this run among its attempts: a line refused for now (rate limits, capacity)
+        is claimed again by any runner once `until` passes. False if the claim is not worker_id's."""
         ...
 
     async def finalize_ready(self, now: float) -> tuple[str, ...]:

@@ -39,6 +39,9 @@ from tokenway.server.services import Capacity
 logger = logging.getLogger(__name__)
 
 PrincipalOf = Callable[[str], Principal | None]
+# Answers a line outlives: run again after the wait they ask for (the runner bounds it).
+RETRIED_STATUSES = frozenset({429, 503})
+DEFAULT_RETRY_S = 5.0
 
 
 def principal_of(gatekeeper: Gatekeeper | None) -> PrincipalOf:
@@ -71,15 +74,18 @@ class LineExecutor:
                 "The API key that made this batch is revoked or expired; its remaining requests are not run."))
         start = CallStart(line.endpoint, principal, f"req_{line.line_id}", time.time(), batch_line=line.line_id)
         try:
-            status, request_id, body = await self._post(start, json.dumps(line.body).encode())
+            status, request_id, retry_after, body = await self._post(start, json.dumps(line.body).encode())
         except Exception:
             logger.exception("batch line %s", line.line_id)
             return LineOutcome("failed", 500, None, {"code": "internal_error",
                                                      "message": "The server had an error processing the request"})
-        return LineOutcome("succeeded" if status < 400 else "failed", status, body, None, request_id)
+        # Refused for now (the key's limits or budget, no capacity): the runner runs it again later.
+        retry_after = retry_after if status in RETRIED_STATUSES else None
+        return LineOutcome("succeeded" if status < 400 else "failed", status, body, None, request_id, retry_after)
 
-    async def _post(self, start: CallStart, payload: bytes) -> tuple[int, str | None, dict[str, Any]]:
-        """POST the payload to the app as `start`: (status, the request id answered, the JSON body)."""
+    async def _post(self, start: CallStart, payload: bytes) -> tuple[int, str | None, float | None, dict[str, Any]]:
+        """POST the payload to the app as `start`: (status, the request id answered, its
+        Retry-After in seconds, the JSON body)."""
         scope = {
             "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
             "scheme": "http", "path": start.endpoint, "raw_path": start.endpoint.encode(), "root_path": "",
@@ -88,7 +94,7 @@ class LineExecutor:
             IN_PROCESS_CALL: start,
         }
         answered = asyncio.Event()
-        status, request_id = 0, None
+        status, request_id, retry_after = 0, None, None
         chunks: list[bytes] = []
         body_sent = False
 
@@ -101,12 +107,14 @@ class LineExecutor:
             return {"type": "http.disconnect"}
 
         async def send(message: Message) -> None:
-            nonlocal status, request_id
+            nonlocal status, request_id, retry_after
             if message["type"] == "http.response.start":
                 status = message["status"]
                 for name, value in message.get("headers", ()):
                     if name.lower() in (b"x-request-id", b"request-id"):  # OpenAI's name, Anthropic's
                         request_id = value.decode("latin-1")
+                    elif name.lower() == b"retry-after":
+                        retry_after = seconds_of(value)
             elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
                 if not message.get("more_body"):
@@ -119,7 +127,16 @@ class LineExecutor:
             body = None
         if not isinstance(body, dict) or status == 0:
             raise RuntimeError(f"{start.endpoint} answered {status} with no JSON object")
-        return status, request_id, body
+        return status, request_id, retry_after, body
+
+
+def seconds_of(value: bytes) -> float:
+    """A Retry-After header's seconds (this server always sends a number); a date or garbage
+    asks for the default wait."""
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return DEFAULT_RETRY_S
 
 
 def _refused(endpoint: str, exc: TokenwayError) -> LineOutcome:

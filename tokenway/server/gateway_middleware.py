@@ -99,7 +99,7 @@ class GatewayMiddleware:
                 call.end_as_sent(status)
                 outcome = call.outcome
                 assert outcome is not None, "end_as_sent makes one where the call had none"
-                cost = self.gatekeeper.cost_usd(call.model, outcome) if self.gatekeeper is not None else 0.0
+                cost = self.gatekeeper.call_cost_usd(call, outcome) if self.gatekeeper is not None else 0.0
                 self.observer.record(Trace.of_call(call, outcome, cost))
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, clock: StageClock,
