@@ -15,6 +15,11 @@ Both backends keep the same state per key, in integer microseconds of their own 
 admit checks every limit and records the request only if all pass, in one atomic step (no await
 in between here; one Lua script in Redis). So, for every key at all times, while used <= reserved:
     len(window) <= rpm,  sum(window tokens) <= tpm,  sum(day tokens) <= tpd,  len(in flight) <= max_concurrent.
+
+A key's batch share (gateway/shares.py) is a second such state beside the key's own: a call
+admitted with `share` (a batch line) is checked against both and recorded in both, or in
+neither, in the same atomic step, and reconciled in both. So its class never holds more than
+the share's limits, and the key's other calls always find the rest of its own.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class Reservation:
     reservation_id: str
     reserved_tokens: int
     admitted_at: float  # seconds on the backend's clock
+    in_share: bool = False  # held in the key's batch share too: reconciled there as well
 
 
 @dataclass(slots=True)
@@ -71,6 +77,7 @@ class Decision:
     # None when the request is larger than the limit itself, so that no wait would help.
     retry_after_s: float | None
     headers: dict[str, str]
+    by_share: bool = False  # when refused: the key's batch share refused it, not the key's own limits
 
 
 class LimitsUnavailable(Exception):
@@ -82,7 +89,9 @@ class LimitsUnavailable(Exception):
 class Limiter(Protocol):
     """Every method may raise LimitsUnavailable, and nothing else for a store that is down."""
 
-    async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int) -> Decision: ...
+    async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int,
+                    share: LimitSpec | None = None) -> Decision:
+        """share: the limits of the key's batch share, which the call counts against too; None: none."""
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None: ...
 
@@ -113,6 +122,16 @@ class Windows:
 class Refusal:
     limit_kind: str
     wait_us: int | None  # None: larger than the limit itself
+    by_share: bool = False
+
+
+def longest(refusal: Refusal | None, other: Refusal | None) -> Refusal | None:
+    """Of two refusals, the one that takes longer to pass (larger than a limit: forever)."""
+    if refusal is None or other is None:
+        return refusal or other
+    if refusal.wait_us is None or (other.wait_us is not None and refusal.wait_us >= other.wait_us):
+        return refusal
+    return other
 
 
 @dataclass(slots=True)
@@ -125,13 +144,15 @@ class WindowState:
     tokens_reset_us: int  # until the newest request holding tokens leaves the window
 
 
-def too_large(spec: LimitSpec, reserve_tokens: int) -> Refusal | None:
+def too_large(spec: LimitSpec, reserve_tokens: int, share: LimitSpec | None = None) -> Refusal | None:
+    """A request no wait would admit: larger than the key's TPM or TPD, or its share's."""
     if reserve_tokens < 0:
         raise ValueError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
-    if spec.tpm is not None and reserve_tokens > spec.tpm:
-        return Refusal("tokens", None)
-    if spec.tpd is not None and reserve_tokens > spec.tpd:
-        return Refusal("tokens_per_day", None)
+    for limits, by_share in ((spec, False), (share, True)):
+        if limits is not None and limits.tpm is not None and reserve_tokens > limits.tpm:
+            return Refusal("tokens", None, by_share)
+        if limits is not None and limits.tpd is not None and reserve_tokens > limits.tpd:
+            return Refusal("tokens_per_day", None, by_share)
     return None
 
 
@@ -171,11 +192,11 @@ def make_decision(
         assert reservation is not None
         return Decision(True, reservation, None, None, headers)
     if refusal.wait_us is None:
-        return Decision(False, None, refusal.limit_kind, None, headers)
+        return Decision(False, None, refusal.limit_kind, None, headers, refusal.by_share)
     wait_us = min(refusal.wait_us, round(MAX_RETRY_AFTER_S * 1e6))
     headers["retry-after"] = str(min(int(MAX_RETRY_AFTER_S), max(1, math.ceil(wait_us / 1e6))))
     headers["retry-after-ms"] = str(max(1, -(-wait_us // 1000)))
-    return Decision(False, None, refusal.limit_kind, wait_us / 1e6, headers)
+    return Decision(False, None, refusal.limit_kind, wait_us / 1e6, headers, refusal.by_share)
 
 
 @dataclass(slots=True)
@@ -209,22 +230,38 @@ class _KeyState:
 
 
 class InProcessLimiter:
-    """The embedded backend: one _KeyState per key. Atomic within one event loop because no
-    method awaits between reading and writing the state (not thread-safe)."""
+    """The embedded backend: one _KeyState per key, and one per key's batch share. Atomic within
+    one event loop because no method awaits between reading and writing the state (not thread-safe)."""
 
     def __init__(self, *, window_s: float = 60.0, day_s: float = 86400.0, reservation_ttl_s: float = 600.0):
         self.windows = Windows.from_seconds(window_s, day_s, reservation_ttl_s)
         self._key_to_state: dict[str, _KeyState] = {}
+        self._key_to_share: dict[str, _KeyState] = {}
 
-    async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int) -> Decision:
-        refusal = too_large(spec, reserve_tokens)
+    async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int,
+                    share: LimitSpec | None = None) -> Decision:
+        refusal = too_large(spec, reserve_tokens, share)
         now = time.monotonic_ns() // 1000
         state = self._key_to_state.setdefault(key_id, _KeyState())
         self._prune(state, now)
+        share_state = None
+        if share is not None:
+            share_state = self._key_to_share.setdefault(key_id, _KeyState())
+            self._prune(share_state, now)
         if refusal is None:
             refusal = self._refusal(state, spec, reserve_tokens, now)
+            if share is not None and share_state is not None:
+                refusal = longest(refusal, self._refusal(share_state, share, reserve_tokens, now, by_share=True))
         if refusal is not None:
             return make_decision(spec, self._window_state(state, now), None, refusal)
+        reservation = Reservation(key_id, uuid.uuid4().hex, reserve_tokens, now / 1e6, share is not None)
+        self._record(state, reservation, now)
+        if share_state is not None:
+            self._record(share_state, reservation, now)
+        return make_decision(spec, self._window_state(state, now), reservation, None)
+
+    def _record(self, state: _KeyState, reservation: Reservation, now: int) -> None:
+        reserve_tokens = reservation.reserved_tokens
         admission = _Admission(now, reserve_tokens)
         state.window.append(admission)
         state.num_window_tokens += reserve_tokens
@@ -233,20 +270,22 @@ class InProcessLimiter:
             state.day.append(_DayBucket(index, 0))
         state.day[-1].num_tokens += reserve_tokens
         state.num_day_tokens += reserve_tokens
-        reservation = Reservation(key_id, uuid.uuid4().hex, reserve_tokens, now / 1e6)
         state.rid_to_held[reservation.reservation_id] = _Held(admission, state.day[-1], reserve_tokens)
         state.expiry_order.append((now + self.windows.reservation_ttl_us, reservation.reservation_id))
-        return make_decision(spec, self._window_state(state, now), reservation, None)
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
         if used_tokens < 0:
             raise ValueError(f"used_tokens must be >= 0, got {used_tokens}")
-        state = self._key_to_state.get(reservation.key_id)
+        now = time.monotonic_ns() // 1000
+        self._reconcile(self._key_to_state.get(reservation.key_id), reservation.reservation_id, used_tokens, now)
+        if reservation.in_share:
+            self._reconcile(self._key_to_share.get(reservation.key_id), reservation.reservation_id, used_tokens, now)
+
+    def _reconcile(self, state: _KeyState | None, reservation_id: str, used_tokens: int, now: int) -> None:
         if state is None:
             return
-        now = time.monotonic_ns() // 1000
         self._prune(state, now)
-        held = state.rid_to_held.pop(reservation.reservation_id, None)
+        held = state.rid_to_held.pop(reservation_id, None)
         if held is None:  # reconciled already, or expired
             return
         delta = used_tokens - held.reserved_tokens
@@ -266,6 +305,7 @@ class InProcessLimiter:
 
     async def close(self) -> None:
         self._key_to_state.clear()
+        self._key_to_share.clear()
 
     def _prune(self, state: _KeyState, now: int) -> None:
         window_start = now - self.windows.window_us  # in the window: t_us > window_start
@@ -281,7 +321,8 @@ class InProcessLimiter:
             state.expiry_order.popleft()
             state.rid_to_held.pop(reservation_id, None)
 
-    def _refusal(self, state: _KeyState, spec: LimitSpec, reserve_tokens: int, now: int) -> Refusal | None:
+    def _refusal(self, state: _KeyState, spec: LimitSpec, reserve_tokens: int, now: int,
+                 by_share: bool = False) -> Refusal | None:
         """The failing limit that takes longest to pass, with that wait; None if all pass."""
         worst: tuple[int, str] | None = None  # (wait_us, kind)
 
@@ -311,7 +352,7 @@ class InProcessLimiter:
                     break
         if spec.max_concurrent is not None and len(state.rid_to_held) >= spec.max_concurrent:
             fail("concurrency", round(CONCURRENCY_RETRY_S * 1e6))
-        return None if worst is None else Refusal(worst[1], worst[0])
+        return None if worst is None else Refusal(worst[1], worst[0], by_share)
 
     def _window_state(self, state: _KeyState, now: int) -> WindowState:
         requests_reset_us = state.window[-1].t_us + self.windows.window_us - now if state.window else 0

@@ -15,7 +15,9 @@ hash tag (a cluster keeps a key's state on one node):
 
 Every admit sets all seven to expire together after the longest horizon that matters
 (the window, the reservation TTL, the day when the key has a TPD), so an idle key leaves
-nothing behind and the sums never outlive what they sum.
+nothing behind and the sums never outlive what they sum. The key's batch share (limits.py)
+is seven more of the same, {k}:batch:win and so on, under the same hash tag: a call with a
+share is checked against both and recorded in both (or neither) by one script.
 
 The script is Lua functions over one key's state (LUA_LIMITS) and a few lines that call them,
 so that joint_redis.py runs the same functions beside the budget's in one script.
@@ -195,25 +197,58 @@ local function limits_store(keys, window, bucket_us, NUM_DAY_BUCKETS)
 
   return L
 end
+
+-- A batch share's admission: the call's own (a), under the share's limits from ARGV[i] on
+-- (RedisLimiter.share_args).
+local function share_admission(a, i)
+  return {ttl = a.ttl, rpm = tonumber(ARGV[i]), tpm = tonumber(ARGV[i + 1]), tpd = tonumber(ARGV[i + 2]),
+          max_concurrent = tonumber(ARGV[i + 3]), reserve = a.reserve, rid = a.rid, horizon_ms = ARGV[i + 4],
+          concurrency_wait = a.concurrency_wait}
+end
+
+-- The key's limits and, where the call has a share (its store and admission), the share's: the
+-- failing limit that takes longest to pass (the share's kinds are 5 to 8) and that wait; 0, 0
+-- when all pass.
+local function check_with_share(limits, a, share, sa)
+  local kind, wait = limits.check(a)
+  if share then
+    local share_kind, share_wait = share.check(sa)
+    if share_wait > wait then kind, wait = share_kind + 4, share_wait end
+  end
+  return kind, wait
+end
 """
 
-# ARGV: op, the window lengths (window_args), then for admit its admission_args; for
-# reconcile the reservation's id and the tokens used.
+# KEYS: the key's seven, then its batch share's seven for a call with a share.
+# ARGV: op, the window lengths (window_args), then for admit its admission_args (and, with a
+# share, its share_args); for reconcile the reservation's id and the tokens used.
 LUA_SCRIPT = LUA_PRELUDE + LUA_LIMITS + """
 local op = ARGV[1]
-local limits = limits_store(KEYS, tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]))
+local w, b, n = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local limits = limits_store({unpack(KEYS, 1, 7)}, w, b, n)
+local share = nil
+if #KEYS > 7 then share = limits_store({unpack(KEYS, 8, 14)}, w, b, n) end
 limits.prune()
+if share then share.prune() end
 if op == 'peek' then return limits.window_state() end
-if op == 'reconcile' then return limits.reconcile(ARGV[5], tonumber(ARGV[6])) end
+if op == 'reconcile' then
+  local done = limits.reconcile(ARGV[5], tonumber(ARGV[6]))
+  if share then share.reconcile(ARGV[5], tonumber(ARGV[6])) end
+  return done
+end
 local admission = limits.admission(5)
-local kind, wait = limits.check(admission)
-if kind == 0 then limits.record(admission) end
+local share_adm = share and share_admission(admission, 14)
+local kind, wait = check_with_share(limits, admission, share, share_adm)
+if kind == 0 then
+  limits.record(admission)
+  if share then share.record(share_adm) end
+end
 local state = limits.window_state()
 return {kind, wait, now, state[1], state[2], state[3], state[4]}
 """
 
 KEY_NAMES = ("win", "tok", "day", "dayz", "fly", "res", "sum")
-KIND_NAMES = {1: "requests", 2: "tokens", 3: "tokens_per_day", 4: "concurrency"}
+KIND_NAMES = {1: "requests", 2: "tokens", 3: "tokens_per_day", 4: "concurrency"}  # 5 to 8: the share's
 
 
 def _limit_arg(value: int | None) -> int:
@@ -265,20 +300,32 @@ class RedisLimiter:
         self.redis = connect(url, timeout_s)
         self._script = self.redis.register_script(LUA_SCRIPT)  # EVALSHA, loading it once if missing
 
-    async def _run(self, key_id: str, args: list) -> list:
-        return await run_script(self._script, self.keys(key_id), args, self.where)
+    async def _run(self, key_id: str, args: list, share: bool = False) -> list:
+        return await run_script(self._script, self.keys(key_id, share), args, self.where)
 
-    def keys(self, key_id: str) -> list[str]:
+    def keys(self, key_id: str, share: bool = False) -> list[str]:
+        """The key's seven; with `share`, its batch share's seven after them."""
         base = f"{self._prefix}:{{{key_id}}}"
-        return [f"{base}:{name}" for name in KEY_NAMES]
+        return [f"{base}:{name}" for name in KEY_NAMES] + ([f"{base}:batch:{name}" for name in KEY_NAMES]
+                                                           if share else [])
 
     def window_args(self) -> list[int]:
         return [self.windows.window_us, self.windows.bucket_us, NUM_DAY_BUCKETS]
 
-    def admission_args(self, spec: LimitSpec, reserve_tokens: int, reservation_id: str) -> list[str | int]:
+    def _horizon_ms(self, spec: LimitSpec) -> int:
         horizon_us = max(
             self.windows.window_us, self.windows.reservation_ttl_us, self._day_us if spec.tpd is not None else 0
         )
+        return horizon_us // 1000 + 1000  # ms, and a second to spare
+
+    def share_args(self, share: LimitSpec | None) -> list[int]:
+        """A batch share's limits, after admission_args; none for a call without one."""
+        if share is None:
+            return []
+        return [_limit_arg(share.rpm), _limit_arg(share.tpm), _limit_arg(share.tpd), _limit_arg(share.max_concurrent),
+                self._horizon_ms(share)]
+
+    def admission_args(self, spec: LimitSpec, reserve_tokens: int, reservation_id: str) -> list[str | int]:
         return [
             self.windows.reservation_ttl_us,
             _limit_arg(spec.rpm),
@@ -287,35 +334,39 @@ class RedisLimiter:
             _limit_arg(spec.max_concurrent),
             reserve_tokens,
             reservation_id,
-            horizon_us // 1000 + 1000,  # ms, and a second to spare
+            self._horizon_ms(spec),
             round(CONCURRENCY_RETRY_S * 1e6),
         ]
 
     @staticmethod
     def decision(key_id: str, spec: LimitSpec, reserve_tokens: int, reservation_id: str, reply: list,
-                 refusal: Refusal | None = None) -> Decision:
+                 refusal: Refusal | None = None, in_share: bool = False) -> Decision:
         """An admission's Decision from the script's reply (kind, wait_us, now_us, window state);
         `refusal`: the caller's own, for a request larger than a limit."""
         kind, wait_us, now_us, *state = reply
         if refusal is None and kind != 0:
-            refusal = Refusal(KIND_NAMES[kind], wait_us)
-        reservation = Reservation(key_id, reservation_id, reserve_tokens, now_us / 1e6) if refusal is None else None
+            refusal = Refusal(KIND_NAMES[(kind - 1) % 4 + 1], wait_us, kind > 4)
+        reservation = (Reservation(key_id, reservation_id, reserve_tokens, now_us / 1e6, in_share)
+                       if refusal is None else None)
         return make_decision(spec, WindowState(*state), reservation, refusal)
 
-    async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int) -> Decision:
-        refusal = too_large(spec, reserve_tokens)
+    async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int,
+                    share: LimitSpec | None = None) -> Decision:
+        refusal = too_large(spec, reserve_tokens, share)
         if refusal is not None:  # nothing to record: only the headers' state is needed
             state = WindowState(*await self._run(key_id, ["peek", *self.window_args()]))
             return make_decision(spec, state, None, refusal)
         reservation_id = uuid.uuid4().hex
-        args = ["admit", *self.window_args(), *self.admission_args(spec, reserve_tokens, reservation_id)]
-        return self.decision(key_id, spec, reserve_tokens, reservation_id, await self._run(key_id, args))
+        args = ["admit", *self.window_args(), *self.admission_args(spec, reserve_tokens, reservation_id),
+                *self.share_args(share)]
+        reply = await self._run(key_id, args, share is not None)
+        return self.decision(key_id, spec, reserve_tokens, reservation_id, reply, in_share=share is not None)
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
         if used_tokens < 0:
             raise ValueError(f"used_tokens must be >= 0, got {used_tokens}")
         args = ["reconcile", *self.window_args(), reservation.reservation_id, used_tokens]
-        await self._run(reservation.key_id, args)
+        await self._run(reservation.key_id, args, reservation.in_share)
 
     async def headers(self, key_id: str, spec: LimitSpec) -> dict[str, str]:
         state = await self._run(key_id, ["peek", *self.window_args()])
