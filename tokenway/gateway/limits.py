@@ -89,9 +89,9 @@ class LimitsUnavailable(Exception):
 class Limiter(Protocol):
     """Every method may raise LimitsUnavailable, and nothing else for a store that is down."""
 
+    # share: the limits of the key's batch share, which the call counts against too (a batch line).
     async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int,
-                    share: LimitSpec | None = None) -> Decision:
-        """share: the limits of the key's batch share, which the call counts against too; None: none."""
+                    share: LimitSpec | None = None) -> Decision: ...
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None: ...
 
