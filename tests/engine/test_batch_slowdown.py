@@ -1,6 +1,7 @@
 """A bound on what batch work may add to a step (engine/step_cost.py): the cost line learned from
-the steps, the batch tokens it allows beside interactive ones, and the scheduler keeping to it;
-with nothing better running, the batch takes the whole step."""
+the steps, the batch tokens it allows beside interactive ones (none beside an interactive
+prefill), steps of batch work alone no longer than interactive ones while interactive traffic is
+recent, and the whole step once it is not; the scheduler keeping to it."""
 
 from __future__ import annotations
 
@@ -30,8 +31,17 @@ def test_the_cost_line_is_the_steps_own():
     assert StepCost().line() is None
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_the_allowance_is_the_bound_in_tokens_and_carries_its_fractions():
-    allowance = BatchAllowance(0.25, cost_of(0.002, 0.0004))
+    clock = Clock()
+    allowance = BatchAllowance(0.25, cost_of(0.002, 0.0004), clock)
     # 4 interactive tokens cost 3.6 ms; 25% of that is 0.9 ms: 2.25 tokens' worth a step.
     granted = []
     for _ in range(8):
@@ -39,8 +49,14 @@ def test_the_allowance_is_the_bound_in_tokens_and_carries_its_fractions():
         allowance.spend(granted[-1])
     # 8 x 2.25 = 18 (one less where the float's rounding leaves 2.2499...)
     assert set(granted) == {2, 3} and sum(granted) in (17, 18)
-    # Unspent, it carries one token at most; with nothing interactive there is no bound.
+    # Unspent, it carries one token at most.
     assert [allowance.tokens(4) for _ in range(4)][-1] == 3
+    # Beside an interactive prefill: nothing.
+    assert allowance.tokens(40, prefilling=True) == 0
+    # Nothing interactive this step, but lately: a step the cost of theirs (about 4 tokens lately), 25% more.
+    alone = allowance.tokens(0)
+    assert 4 <= alone <= 8 and (0.002 + 0.0004 * alone) <= 1.25 * (0.002 + 0.0004 * 8)
+    clock.now += 5  # none for a while: the batch has the engine
     assert allowance.tokens(0) >= 1 << 30
     # Before any step is measured, a step is taken to cost its tokens alone: 25% of 4 tokens.
     assert BatchAllowance(0.25).tokens(4) == 1
@@ -58,20 +74,22 @@ def batch_tokens(out) -> int:
 
 
 def test_the_scheduler_gives_the_batch_what_the_bound_allows_beside_interactive_requests():
-    scheduler = make_scheduler(BatchAllowance(0.25, cost_of(0.002, 0.0004)))
+    clock = Clock()
+    scheduler = make_scheduler(BatchAllowance(0.25, cost_of(0.002, 0.0004), clock))
     add(scheduler, *(make_request(f"b{i}", "batch") for i in range(8)))
     add(scheduler, *(make_request(f"d{i}", "default", max_tokens=10) for i in range(4)))
-    first = step(scheduler)
-    # 20 interactive prompt tokens cost 10 ms: 2.5 ms more is 6.25 tokens' worth.
-    assert scheduled(first) == [(f"d{i}", 5) for i in range(4)] + [("b0", 5), ("b1", 1)]
+    # The interactive prefills run alone: their first tokens come as fast as without the batch.
+    assert scheduled(step(scheduler)) == [(f"d{i}", 5) for i in range(4)]
     decodes = [step(scheduler) for _ in range(8)]
     assert all(scheduled(out)[:4] == [(f"d{i}", 1) for i in range(4)] for out in decodes)
     granted = [batch_tokens(out) for out in decodes]
     assert set(granted) == {2, 3} and sum(granted) in (17, 18)
     while any(request.request_id.startswith("d") for request in scheduler.running):
         step(scheduler)
-    # Nothing better running: the batch takes the whole step.
-    assert batch_tokens(step(scheduler)) > 8
+    # Nothing better running, but lately: batch steps the size of theirs (4 tokens), 25% more.
+    assert 4 <= batch_tokens(step(scheduler)) <= 8
+    clock.now += 5
+    assert batch_tokens(step(scheduler)) > 8  # none lately: the batch takes the whole step
 
 
 def test_without_a_bound_the_batch_fills_the_step():

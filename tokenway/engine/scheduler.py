@@ -33,9 +33,9 @@ the FCFS scheduling above.
 
 With a BatchAllowance (engine/step_cost.py: a bound on how much longer a step may take for the
 batch work in it), the batch class's budget in a step that also runs better classes is the
-tokens that bound allows beside theirs; batch requests running and not scheduled keep their
-blocks and go on when the allowance comes back. With nothing better running the batch takes the
-whole step.
+tokens that bound allows beside theirs (none in a step that prefills one of them); batch
+requests running and not scheduled keep their blocks and go on when the allowance comes back.
+With nothing better running lately the batch takes the whole step.
 """
 
 from __future__ import annotations
@@ -168,7 +168,8 @@ class Scheduler:
         for rank, waiting in enumerate(self.waiting.by_rank):
             allowed, budget_left = None, budget
             if rank == BATCH_RANK and self.batch_allowance is not None and (waiting or index < len(running)):
-                allowed = self.batch_allowance.tokens(self.max_num_batched_tokens - budget)
+                prefilling = any(request.num_computed_tokens < request.num_prompt_tokens for request in out.requests)
+                allowed = self.batch_allowance.tokens(self.max_num_batched_tokens - budget, prefilling)
                 budget = min(budget, allowed)
             while index < len(running) and budget > 0:
                 request = running[index]

@@ -11,11 +11,22 @@ the same step without it") into tokens: while interactive requests run, batch re
 up to bound * cost(interactive tokens) of time, that is bound * cost / cost_per_token tokens.
 What a step leaves of its allowance is carried to the next (up to one step's worth), so a bound
 worth half a token a step still lets the batch advance a token every other step.
+
+Two more rules keep an interactive request's first token as fast as without the batch:
+
+- a step that prefills an interactive request adds no batch work (its time is the request's
+  time to first token, the figure that matters most to a caller);
+- while interactive traffic is recent (RECENT_S) but nothing interactive runs this step, a step
+  of batch work alone may cost what an interactive step costs (their recent size, times 1 +
+  bound): a request that arrives meanwhile waits for the end of a step no longer than the ones
+  it would have met anyway. With no interactive traffic for RECENT_S, the batch has the engine.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 
 # Each new step's weight against the ones before: the fit follows the last ~100 steps.
 DECAY = 0.99
@@ -23,6 +34,11 @@ DECAY = 0.99
 # tokens^2) before its slope is trusted; until then a step's time is taken as proportional to
 # its tokens, which overstates what each token costs, and so allows less batch work, not more.
 MIN_VARIANCE = 0.25
+# How long after the last interactive request ran batch work alone is still held to the size of
+# an interactive step: the gap between a client's calls, with room to spare.
+RECENT_S = 2.0
+INTERACTIVE_WEIGHT = 0.1  # each step's weight in the average of the interactive tokens a step
+UNBOUNDED = 1 << 62
 
 
 class StepCost:
@@ -61,27 +77,44 @@ class StepCost:
 class BatchAllowance:
     """How many batch tokens a step may add beside its interactive ones, under a slowdown bound."""
 
-    def __init__(self, slowdown: float, cost: StepCost | None = None) -> None:
+    def __init__(self, slowdown: float, cost: StepCost | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not math.isfinite(slowdown) or slowdown < 0:
             raise ValueError(f"slowdown must be a finite number >= 0, got {slowdown}")
         self.slowdown = slowdown
         self.cost = cost if cost is not None else StepCost()
+        self._clock = clock
         self._credit = 0.0  # tokens allowed and not yet used, carried between steps
+        self._interactive_at = float("-inf")  # time.monotonic() an interactive request last ran
+        self._interactive_tokens = 0.0  # their tokens a step, lately (an exponential average)
 
-    def tokens(self, num_interactive_tokens: int) -> int:
-        """Batch tokens this step may schedule, given the interactive tokens scheduled before them.
-        Report what was used with spend()."""
-        if num_interactive_tokens <= 0:
-            self._credit = 0.0
-            return 1 << 62  # nothing interactive runs: nothing to slow down
+    def tokens(self, num_interactive_tokens: int, prefilling: bool = False) -> int:
+        """Batch tokens this step may schedule beside num_interactive_tokens (scheduled before
+        them); prefilling: whether one of those is an interactive request's prefill. Report what
+        was used with spend()."""
+        now = self._clock()
+        if prefilling:
+            self._interactive_at = now
+            return 0
         line = self.cost.line()
-        if line is None:  # no step measured yet: as if a step cost its tokens alone
-            allowed = self.slowdown * num_interactive_tokens
-        else:
-            intercept, slope = line
-            allowed = self.slowdown * (intercept + slope * num_interactive_tokens) / slope
-        self._credit = min(self._credit + allowed, allowed + 1.0)
-        return int(self._credit)
+        if num_interactive_tokens > 0:
+            self._interactive_at = now
+            weight = INTERACTIVE_WEIGHT if self._interactive_tokens else 1.0
+            self._interactive_tokens += (num_interactive_tokens - self._interactive_tokens) * weight
+            if line is None:  # no step measured yet: as if a step cost its tokens alone
+                allowed = self.slowdown * num_interactive_tokens
+            else:
+                intercept, slope = line
+                allowed = self.slowdown * (intercept + slope * num_interactive_tokens) / slope
+            self._credit = min(self._credit + allowed, allowed + 1.0)
+            return int(self._credit)
+        self._credit = 0.0
+        if now - self._interactive_at >= RECENT_S:
+            return UNBOUNDED  # nothing interactive lately: nothing to slow down
+        # Alone, but an interactive request may arrive any moment: a step no longer than theirs.
+        intercept, slope = line if line is not None else (0.0, 1.0)
+        size = max(1.0, self._interactive_tokens)
+        return max(1, int(((1 + self.slowdown) * (intercept + slope * size) - intercept) / slope))
 
     def spend(self, num_batch_tokens: int) -> None:
         self._credit = max(0.0, self._credit - num_batch_tokens)
