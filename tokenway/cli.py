@@ -610,12 +610,14 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--seed", type=int)
     generate.add_argument("--dtype", default="auto")
+    from tokenway.batches_cli import add_batches_parser, run_batches
     from tokenway.chat_cli import add_chat_parser, run_chat
     from tokenway.keys_cli import add_keys_parser, run_keys
     from tokenway.trace_cli import add_trace_parser, run_trace
     from tokenway.worker_cli import add_worker_parser, run_worker
 
     add_keys_parser(sub)
+    add_batches_parser(sub)
     add_chat_parser(sub)
     add_trace_parser(sub)
     add_worker_parser(sub)
@@ -632,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_serve(serve_options(args))
         if args.command == "keys":
             return run_keys(args)
+        if args.command == "batches":
+            return run_batches(args)
         if args.command == "usage":
             return run_usage(args)
         if args.command == "trace":
