@@ -26,6 +26,7 @@ from tokenway.batches.store import (
     LineOutcome,
     Outcome,
     Page,
+    QueueOverview,
     StoredFile,
     line_id_of,
     new_batch,
@@ -36,5 +37,5 @@ from tokenway.batches.store import (
 
 __all__ = ["BATCH_STATUSES", "ENDPOINTS", "FINAL_STATUSES", "MAX_ATTEMPTS", "STATUS_TIME_FIELDS", "Batch",
            "BatchApi", "BatchCounts", "BatchLine", "BatchNotEndedError", "BatchStatus", "BatchStore",
-           "BatchStoreUnavailable", "FilePurpose", "LineOutcome", "Outcome", "Page", "StoredFile", "line_id_of",
-           "new_batch", "new_batch_id", "new_file_id", "open_batch_store"]
+           "BatchStoreUnavailable", "FilePurpose", "LineOutcome", "Outcome", "Page", "QueueOverview", "StoredFile",
+           "line_id_of", "new_batch", "new_batch_id", "new_file_id", "open_batch_store"]

@@ -30,6 +30,7 @@ from tokenway.batches.store import (
     FilePurpose,
     JSONObject,
     LineOutcome,
+    QueueOverview,
     StoredFile,
     line_id_of,
     new_file_id,
@@ -279,6 +280,14 @@ class BatchBackend:
         """The batch's done lines after line after_index, in order; limit None: all of them."""
         rows = self.execute(schema.RESULTS, (batch_id, after_index, NO_LIMIT if limit is None else limit)).fetchall()
         return [(schema.line_from_row(row), schema.outcome_from_row(row[7:])) for row in rows]
+
+    def overview(self, limit: int) -> QueueOverview:
+        by_status = {status: num for status, num in self.execute(schema.BATCHES_BY_STATUS).fetchall()}
+        by_state = {state: num for state, num in self.execute(schema.UNDONE_LINES_BY_STATE).fetchall()}
+        rows = self.execute(schema.RUNNING_BATCHES, (limit,)).fetchall() if limit else []
+        counts = self.counts([row[0] for row in rows])
+        return QueueOverview(by_status, by_state.get("pending", 0), by_state.get("claimed", 0),
+                             tuple(schema.batch_from_row(row, counts[row[0]]) for row in rows))
 
     def owns(self, batch_id: str, key_id: str) -> bool:
         return self.execute("SELECT 1 FROM batches WHERE id = ? AND key_id = ?", (batch_id, key_id)).fetchone() \

@@ -39,6 +39,7 @@ from tokenway.batches.store import (
     JSONObject,
     LineOutcome,
     Page,
+    QueueOverview,
     StoredFile,
 )
 from tokenway.protocol.errors import FieldError, truncate
@@ -210,6 +211,11 @@ class SqlBatchStore:
             return tuple(expired)
 
         return await self._run(expire_all)
+
+    async def overview(self, limit: int) -> QueueOverview:
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        return await self._run(lambda backend: backend.overview(limit))
 
     async def close(self) -> None:
         if self._closed:

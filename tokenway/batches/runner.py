@@ -15,6 +15,9 @@ database down is waited out: nothing stops the runner but stop() or its task's c
 A line refused for now (LineOutcome.retry_after: a 429 from the key's limits or budget, a 503
 for capacity) is deferred, not finished: claimed again once its wait is over, until its batch
 expires, so a batch's limits slow it down rather than fail its lines.
+
+RunnerStats: what the runner counts as it works, and the queue as its last upkeep read it
+(store.overview): /metrics and the dashboard read it, never the database.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-from tokenway.batches.store import BatchLine, BatchStore, BatchStoreUnavailable, LineOutcome
+from tokenway.batches.store import Batch, BatchLine, BatchStore, BatchStoreUnavailable, LineOutcome, QueueOverview
 from tokenway.protocol.errors import InternalServerError, anthropic_error_body, openai_error_body, truncate
 
 logger = logging.getLogger(__name__)
@@ -39,6 +44,7 @@ DEFAULT_UPKEEP_S = 5.0
 # A deferred line's wait: what its refusal asked for, within these bounds.
 MIN_DEFER_S = 1.0
 MAX_DEFER_S = 300.0
+OVERVIEW_BATCHES = 20  # running batches an overview reads the counts of (the oldest: those running now)
 
 
 def failed_outcome(line: BatchLine, exc: BaseException) -> LineOutcome:
@@ -48,14 +54,49 @@ def failed_outcome(line: BatchLine, exc: BaseException) -> LineOutcome:
     return LineOutcome("failed", error.status, body, None)
 
 
+@dataclass(slots=True)
+class RunnerStats:
+    """Written by one runner (its event loop), read by /metrics and the dashboard. The counts are
+    this runner's since it started; `overview` is the whole queue's (every gateway's), as of
+    `overview_at` (unix time; None before the first upkeep read it)."""
+
+    num_lines_by_outcome: dict[str, int] = field(default_factory=lambda: {"succeeded": 0, "failed": 0})
+    num_deferred: int = 0  # lines put back after a 429 or 503, to run again after their wait
+    num_running: int = 0
+    overview: QueueOverview | None = None
+    overview_at: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        overview = self.overview
+        return {
+            "num_lines_by_outcome": dict(self.num_lines_by_outcome), "num_deferred": self.num_deferred,
+            "num_running": self.num_running, "overview_at": self.overview_at,
+            "queue": None if overview is None else {
+                "num_batches_by_status": dict(overview.num_batches_by_status),
+                "num_lines_pending": overview.num_lines_pending, "num_lines_claimed": overview.num_lines_claimed,
+                "running": [batch_progress(batch) for batch in overview.running],
+            },
+        }
+
+
+def batch_progress(batch: Batch) -> dict[str, Any]:
+    counts = batch.counts
+    return {"id": batch.id, "key_id": batch.key_id, "api": batch.api, "endpoint": batch.endpoint,
+            "model": batch.model, "status": batch.status, "created_at": batch.created_at,
+            "expires_at": batch.expires_at, "total": counts.total, "succeeded": counts.succeeded,
+            "failed": counts.failed, "cancelled": counts.cancelled, "expired": counts.expired,
+            "pending": counts.pending}
+
+
 class BatchRunner:
     def __init__(self, store: BatchStore, execute: Execute, worker_id: str, capacity: Callable[[], int],
                  lease_s: float = DEFAULT_LEASE_S, *, max_running: int = DEFAULT_MAX_RUNNING,
                  max_claim: int = DEFAULT_MAX_CLAIM, poll_s: float = DEFAULT_POLL_S,
-                 upkeep_s: float = DEFAULT_UPKEEP_S) -> None:
+                 upkeep_s: float = DEFAULT_UPKEEP_S, stats: RunnerStats | None = None) -> None:
         """worker_id: unique to this runner's life (a restarted process is another worker: the
         claims of the one before lapse, they are not resumed). capacity: how many more lines may
-        start now (the engine's or the replicas' idle room, as the caller measures it)."""
+        start now (the engine's or the replicas' idle room, as the caller measures it). stats:
+        where it counts (made before the runner, for readers made before it)."""
         if lease_s <= 0 or max_running < 1 or max_claim < 1 or poll_s <= 0 or upkeep_s <= 0:
             raise ValueError("lease_s, poll_s and upkeep_s must be > 0; max_running and max_claim >= 1")
         self._store = store
@@ -73,6 +114,7 @@ class BatchRunner:
         self._num_ended_since_upkeep = 0
         self._claim_after = 0.0  # time.monotonic(): through an outage, no claims before it
         self._task: asyncio.Task[None] | None = None
+        self.stats = stats if stats is not None else RunnerStats()
 
     @property
     def num_running(self) -> int:
@@ -143,6 +185,8 @@ class BatchRunner:
         await self._store.expire(now)
         await self._store.finalize_ready(now)
         await self._store.purge_files(now)
+        self.stats.overview = await self._store.overview(OVERVIEW_BATCHES)
+        self.stats.overview_at = time.time()
 
     async def _renew(self) -> None:
         lines = list(self._running.values())
@@ -171,6 +215,7 @@ class BatchRunner:
             task = asyncio.create_task(self._run_line(line), name=f"batch-line-{line.line_id}")
             self._running[task] = line
             task.add_done_callback(self._line_ended)
+        self.stats.num_running = len(self._running)
         return len(lines) == free
 
     async def _run_line(self, line: BatchLine) -> None:
@@ -188,9 +233,12 @@ class BatchRunner:
             try:
                 if outcome.retry_after is not None:
                     wait_s = min(MAX_DEFER_S, max(MIN_DEFER_S, outcome.retry_after))
-                    await self._store.defer(self.worker_id, line, time.time() + wait_s)
+                    if await self._store.defer(self.worker_id, line, time.time() + wait_s):
+                        self.stats.num_deferred += 1
                     return
-                if not await self._store.finish(self.worker_id, line, outcome):
+                if await self._store.finish(self.worker_id, line, outcome):
+                    self.stats.num_lines_by_outcome[outcome.outcome] += 1
+                else:
                     logger.info("batch runner %s: line %s was no longer ours to finish", self.worker_id,
                                 line.line_id)
                 return
@@ -204,6 +252,7 @@ class BatchRunner:
 
     def _line_ended(self, task: asyncio.Task[None]) -> None:
         self._running.pop(task, None)
+        self.stats.num_running = len(self._running)
         self._num_ended_since_upkeep += 1
         self._wake.set()
         if not task.cancelled() and (exc := task.exception()) is not None:

@@ -126,6 +126,12 @@ CANCEL_LAPSED: LiteralString = (
     "UPDATE batch_lines SET state = 'done', claim_until = NULL, outcome = 'cancelled', error = ?, finished_at = ?"
     " WHERE state = 'claimed' AND claim_until < ?"
     " AND batch_id IN (SELECT id FROM batches WHERE status = 'cancelling')")
+# The queue's overview (QueueOverview). Each query's WHERE is its partial index's predicate, so
+# SQLite reads the index: the running lines and batches, not every one kept.
+BATCHES_BY_STATUS: LiteralString = "SELECT status, COUNT(*) FROM batches GROUP BY status"
+UNDONE_LINES_BY_STATE: LiteralString = "SELECT state, COUNT(*) FROM batch_lines WHERE state <> 'done' GROUP BY state"
+RUNNING_BATCHES: LiteralString = (f"SELECT {BATCH_COLUMNS} FROM batches WHERE status IN ('in_progress', 'cancelling')"
+                                  " ORDER BY created_at, id LIMIT ?")
 EXPIRABLE: LiteralString = "SELECT id FROM batches WHERE status = 'in_progress' AND expires_at <= ? ORDER BY created_at"
 # Parameters: now, batch_id. expired_at marks it: finalize makes it expired, not completed.
 MARK_EXPIRED: LiteralString = ("UPDATE batches SET expired_at = ? WHERE id = ? AND status = 'in_progress'"

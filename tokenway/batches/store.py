@@ -226,6 +226,17 @@ def new_batch(api: BatchApi, key_id: str, endpoint: str, *, now: float, input_fi
                  {f"{status}_at": now}, metadata, tuple(errors), None, None, BatchCounts(0), None)
 
 
+@dataclass(frozen=True, slots=True)
+class QueueOverview:
+    """The whole queue as one read of the database saw it (every key's, so the same on every
+    gateway sharing it): what the dashboard and /metrics show."""
+
+    num_batches_by_status: Mapping[BatchStatus, int]  # every batch kept, the ended ones too
+    num_lines_pending: int  # waiting for a runner to claim them
+    num_lines_claimed: int  # held by a runner: running, or deferred after a 429 or 503
+    running: tuple[Batch, ...]  # in_progress or cancelling, the oldest first (up to the limit asked)
+
+
 T = TypeVar("T", "StoredFile", "Batch")
 
 
@@ -352,6 +363,11 @@ class BatchStore(Protocol):
     async def results(self, batch_id: str, key_id: str) -> AsyncIterator[tuple[BatchLine, LineOutcome]] | None:
         """The batch's lines done and their outcomes, in line order, read a page at a time as
         the iterator is consumed (Anthropic's results); None when the key has no such batch."""
+        ...
+
+    async def overview(self, limit: int) -> QueueOverview:
+        """Every key's batches and lines, counted; the `limit` oldest running batches with their
+        counts. Reads the running lines' index, and the running batches' lines for their counts."""
         ...
 
     async def close(self) -> None:
