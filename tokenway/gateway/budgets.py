@@ -25,6 +25,10 @@ is an estimate until the upstream's usage comes back).
 
 Keys that gain a budget while their unbudgeted calls run: those calls reserved nothing and
 settle nothing here; the seed counts them only if their rows are in the ledger by then.
+
+A key's batch share (gateway/shares.py) is a second spent and held beside the key's, seeded
+from what the ledger says its batch lines cost (share_seed): a call reserved with share_nanos
+must fit both, is held in both (or neither) in the same atomic step, and settles in both.
 """
 
 from __future__ import annotations
@@ -80,13 +84,15 @@ class BudgetReservation:
     # The key's state it was made in: Redis re-seeds a key whose state it lost under a new
     # epoch, and a settle for the old one is dropped (the seed read the ledger, which has the call).
     epoch: str
+    share_epoch: str | None = None  # the key's batch share's, for a call held there too; None: not
 
 
 @dataclass(frozen=True, slots=True)
 class BudgetDecision:
     reservation: BudgetReservation | None  # None: refused
-    spent_nanos: int  # the key's settled spend when decided
-    held_nanos: int  # the other calls' reservations in flight when decided
+    spent_nanos: int  # the key's settled spend when decided (its share's, where the share refused)
+    held_nanos: int  # the other calls' reservations in flight when decided (likewise)
+    by_share: bool = False  # refused by the key's batch share, not by its whole budget
 
     @property
     def allowed(self) -> bool:
@@ -103,13 +109,15 @@ class BudgetStore(Protocol):
     """Every method may raise LimitsUnavailable (the store cannot answer); reserve also
     SeedUnavailable (the ledger cannot seed a key the store has not seen)."""
 
-    async def reserve(self, key_id: str, budget_nanos: int, worst_nanos: int) -> BudgetDecision: ...
+    # share_nanos: the key's batch share of its budget, which the call must fit too (a batch line).
+    async def reserve(self, key_id: str, budget_nanos: int, worst_nanos: int,
+                      share_nanos: int | None = None) -> BudgetDecision: ...
 
     async def settle(self, reservation: BudgetReservation, used_nanos: int) -> None:
-        """Replace the reservation by the call's cost; at most once per reservation."""
+        """Replace the reservation by the call's cost (in its share too); at most once per reservation."""
 
-    async def state(self, key_id: str) -> BudgetState | None:
-        """The key's spend and holds; None for a key the store has not seeded."""
+    async def state(self, key_id: str, share: bool = False) -> BudgetState | None:
+        """The key's spend and holds (its batch share's); None for a key the store has not seeded."""
 
     def joint_with(self, limiter: Limiter) -> JointStore | None:
         """This store and `limiter` as one JointStore where they can be; None: they are asked in turn."""
@@ -132,7 +140,8 @@ class JointStore(Protocol):
     Raises as both stores do (LimitsUnavailable, SeedUnavailable)."""
 
     async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int, budget_nanos: int,
-                    worst_nanos: int) -> JointDecision: ...
+                    worst_nanos: int, share: LimitSpec | None = None,
+                    share_nanos: int | None = None) -> JointDecision: ...
 
     async def settle(self, budget: BudgetReservation, used_nanos: int, reservation: Reservation,
                      used_tokens: int) -> None:
@@ -181,54 +190,90 @@ class _KeyBudget:
     expiry_order: deque[tuple[int, str]] = field(default_factory=deque)
 
 
+def fits(budget_nanos: int, worst_nanos: int, spent_nanos: int, held_nanos: int) -> bool:
+    """A key that has used it all is refused even a free call."""
+    return spent_nanos + held_nanos + worst_nanos <= budget_nanos and spent_nanos < budget_nanos
+
+
 class InProcessBudgets:
-    """The embedded backend: one _KeyBudget per key. Atomic within one event loop because no
-    method awaits between reading and writing a key's state (not thread-safe). Gateways that
-    do not share Redis each count their own spend on top of their own seed."""
+    """The embedded backend: one _KeyBudget per key, and one per key's batch share. Atomic within
+    one event loop because no method awaits between reading and writing a key's state (not
+    thread-safe). Gateways that do not share Redis each count their own spend on top of their
+    own seed. share_seed: what a key's batch lines have cost, to seed its share (None: the
+    store takes no share)."""
 
     EPOCH = "local"
 
-    def __init__(self, seed: SpendSeed, *, reservation_ttl_s: float = 600.0) -> None:
+    def __init__(self, seed: SpendSeed, *, share_seed: SpendSeed | None = None,
+                 reservation_ttl_s: float = 600.0) -> None:
         if reservation_ttl_s <= 0:
             raise ValueError("reservation_ttl_s must be positive")
         self._seeds = SeedReader(seed)
+        self._share_seeds = SeedReader(share_seed) if share_seed is not None else None
         self._ttl_us = round(reservation_ttl_s * 1e6)
         self._key_to_state: dict[str, _KeyBudget] = {}
+        self._key_to_share: dict[str, _KeyBudget] = {}
         self._reservation_ids = itertools.count()
 
-    async def reserve(self, key_id: str, budget_nanos: int, worst_nanos: int) -> BudgetDecision:
+    async def reserve(self, key_id: str, budget_nanos: int, worst_nanos: int,
+                      share_nanos: int | None = None) -> BudgetDecision:
         check_amounts(budget_nanos, worst_nanos)
-        state = self._key_to_state.get(key_id)
-        if state is None:
-            spent = await self._seeds.read(key_id)
-            # Another call may have seeded it during the await; its state (and holds) stands.
-            state = self._key_to_state.setdefault(key_id, _KeyBudget(spent))
+        state = await self._open(self._key_to_state, self._seeds, key_id)
+        share = None
+        if share_nanos is not None:
+            check_amounts(share_nanos, worst_nanos)
+            if self._share_seeds is None:
+                raise ValueError("a batch share needs a store made with a share_seed")
+            share = await self._open(self._key_to_share, self._share_seeds, key_id)
+        # No await from here on: the decision and the holds are one step.
         now = time.monotonic_ns() // 1000
         self._prune(state, now)
-        spent, held = state.spent_nanos, state.held_nanos
-        if spent + held + worst_nanos > budget_nanos or spent >= budget_nanos:
-            return BudgetDecision(None, spent, held)
-        reservation = BudgetReservation(key_id, str(next(self._reservation_ids)), worst_nanos, self.EPOCH)
-        state.rid_to_nanos[reservation.reservation_id] = worst_nanos
-        state.held_nanos += worst_nanos
-        state.expiry_order.append((now + self._ttl_us, reservation.reservation_id))
-        return BudgetDecision(reservation, spent, held)
+        if not fits(budget_nanos, worst_nanos, state.spent_nanos, state.held_nanos):
+            return BudgetDecision(None, state.spent_nanos, state.held_nanos)
+        if share is not None:
+            assert share_nanos is not None
+            self._prune(share, now)
+            if not fits(share_nanos, worst_nanos, share.spent_nanos, share.held_nanos):
+                return BudgetDecision(None, share.spent_nanos, share.held_nanos, by_share=True)
+        reservation = BudgetReservation(key_id, str(next(self._reservation_ids)), worst_nanos, self.EPOCH,
+                                        self.EPOCH if share is not None else None)
+        decision = BudgetDecision(reservation, state.spent_nanos, state.held_nanos)
+        for held in (state, share):
+            if held is not None:
+                held.rid_to_nanos[reservation.reservation_id] = worst_nanos
+                held.held_nanos += worst_nanos
+                held.expiry_order.append((now + self._ttl_us, reservation.reservation_id))
+        return decision
+
+    @staticmethod
+    async def _open(key_to_state: dict[str, _KeyBudget], seeds: SeedReader, key_id: str) -> _KeyBudget:
+        state = key_to_state.get(key_id)
+        if state is None:
+            spent = await seeds.read(key_id)
+            # Another call may have seeded it during the await; its state (and holds) stands.
+            state = key_to_state.setdefault(key_id, _KeyBudget(spent))
+        return state
 
     async def settle(self, reservation: BudgetReservation, used_nanos: int) -> None:
         if used_nanos < 0:
             raise ValueError(f"used_nanos must be >= 0, got {used_nanos}")
-        state = self._key_to_state.get(reservation.key_id)
+        now = time.monotonic_ns() // 1000
+        self._settle(self._key_to_state.get(reservation.key_id), reservation.reservation_id, used_nanos, now)
+        if reservation.share_epoch is not None:
+            self._settle(self._key_to_share.get(reservation.key_id), reservation.reservation_id, used_nanos, now)
+
+    def _settle(self, state: _KeyBudget | None, reservation_id: str, used_nanos: int, now: int) -> None:
         if state is None:
             return
-        self._prune(state, time.monotonic_ns() // 1000)
-        held = state.rid_to_nanos.pop(reservation.reservation_id, None)
+        self._prune(state, now)
+        held = state.rid_to_nanos.pop(reservation_id, None)
         if held is not None:
             state.held_nanos -= held
         # An expired reservation gave its hold back already; the cost is owed all the same.
         state.spent_nanos += used_nanos
 
-    async def state(self, key_id: str) -> BudgetState | None:
-        state = self._key_to_state.get(key_id)
+    async def state(self, key_id: str, share: bool = False) -> BudgetState | None:
+        state = (self._key_to_share if share else self._key_to_state).get(key_id)
         if state is None:
             return None
         self._prune(state, time.monotonic_ns() // 1000)
@@ -239,6 +284,7 @@ class InProcessBudgets:
 
     async def close(self) -> None:
         self._key_to_state.clear()
+        self._key_to_share.clear()
 
     def _prune(self, state: _KeyBudget, now: int) -> None:
         while state.expiry_order:
@@ -251,11 +297,11 @@ class InProcessBudgets:
                 state.held_nanos -= held
 
 
-def make_budgets(url: str | None, seed: SpendSeed) -> BudgetStore:
+def make_budgets(url: str | None, seed: SpendSeed, share_seed: SpendSeed | None = None) -> BudgetStore:
     """The budget store beside the limits: in process for "memory", else the same Redis."""
     if limits_backend(url) == "memory":
-        return InProcessBudgets(seed)
+        return InProcessBudgets(seed, share_seed=share_seed)
     assert url is not None  # None is "memory"
     from tokenway.gateway.budgets_redis import RedisBudgets  # redis is only needed for this backend
 
-    return RedisBudgets(url, seed)
+    return RedisBudgets(url, seed, share_seed=share_seed)

@@ -15,6 +15,9 @@ stands. A settle carries its reservation's epoch: for a state re-seeded since, i
 since the seed read the ledger, where the call's row was. (A call in flight across such a
 loss whose row reaches the ledger only after the re-seed is missed until the key re-seeds.)
 Every call sets the three keys to expire together state_ttl_s after the key's last call.
+The key's batch share (budgets.py) is three more of the same, {k}:batch:bud and so on, with
+its own seed (what the key's batch lines cost) and epoch; a call with a share is decided,
+held and settled in both by one script.
 
 With a RedisLimiter on the same Redis, a budgeted call's budget and limits are one script
 (joint_redis.py), built from this module's LUA_BUDGETS and limits_redis's LUA_LIMITS.
@@ -78,7 +81,7 @@ local function budgets_store(keys)
     return tonumber(redis.call('HGET', bud, 'spent')), tonumber(redis.call('HGET', bud, 'held'))
   end
 
-  -- A key that has used it all is refused even a free call.
+  -- A key that has used it all is refused even a free call (budgets.fits).
   function B.fits(r, spent, held) return spent + held + r.worst <= r.budget and spent < r.budget end
 
   function B.hold(r)
@@ -106,12 +109,53 @@ local function budgets_store(keys)
 
   return B
 end
+
+-- A batch share's reservation: the call's own (r), under the share's budget, seed and epoch
+-- from ARGV[i] on (RedisBudgets.share_args).
+local function share_reservation(r, i)
+  return {budget = tonumber(ARGV[i]), worst = r.worst, rid = r.rid, ttl_us = r.ttl_us,
+          state_ttl_ms = r.state_ttl_ms, seed = ARGV[i + 1], new_epoch = ARGV[i + 2]}
+end
+
+-- The key's budget and, for a call with a share (its store and reservation), the share's:
+-- opened, pruned and checked. nil where a state needs its seed first (the gateway reads the
+-- ledger and asks again); else {fits, spent, held, epoch, share_epoch, by_share}, spent and
+-- held the refusing state's (the key's where both fit).
+local function check_budgets(budgets, r, share, sr)
+  local epoch, share_epoch = budgets.open(r), ''
+  if share then share_epoch = share.open(sr) end
+  if not epoch or not share_epoch then return nil end
+  budgets.prune()
+  local spent, held = budgets.amounts()
+  if not budgets.fits(r, spent, held) then return {0, spent, held, epoch, share_epoch, 0} end
+  if share then
+    share.prune()
+    local share_spent, share_held = share.amounts()
+    if not share.fits(sr, share_spent, share_held) then
+      return {0, share_spent, share_held, epoch, share_epoch, 1}
+    end
+  end
+  return {1, spent, held, epoch, share_epoch, 0}
+end
+
+-- Hold r in the key's budget and sr in its share (where the call has one); keep both alive.
+local function hold_budgets(budgets, r, share, sr, fits)
+  if fits then budgets.hold(r) end
+  budgets.touch(r.state_ttl_ms)
+  if share then
+    if fits then share.hold(sr) end
+    share.touch(r.state_ttl_ms)
+  end
+end
 """
 
-# ARGV: op, then for reserve its reservation_args; for settle settle_args.
+# KEYS: the key's three, then its share's three for a call with a share ('state': the one asked).
+# ARGV: op, then for reserve its reservation_args (and share_args); for settle settle_args.
 LUA_SCRIPT = LUA_PRELUDE + LUA_BUDGETS + """
 local op = ARGV[1]
-local budgets = budgets_store(KEYS)
+local budgets = budgets_store({KEYS[1], KEYS[2], KEYS[3]})
+local share = nil
+if #KEYS > 3 then share = budgets_store({KEYS[4], KEYS[5], KEYS[6]}) end
 
 if op == 'state' then
   if not budgets.epoch() then return {} end
@@ -120,33 +164,37 @@ if op == 'state' then
   return {spent, held}
 end
 
-if op == 'settle' then return budgets.settle(ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]) end
+if op == 'settle' then
+  local done = budgets.settle(ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5])
+  if share then share.settle(ARGV[2], tonumber(ARGV[3]), ARGV[6], ARGV[5]) end
+  return done
+end
 
 local r = budgets.reservation(2)
-local epoch = budgets.open(r)
-if not epoch then return {-1} end  -- unseeded: the gateway reads the ledger and asks again
-budgets.prune()
-local spent, held = budgets.amounts()
-local allowed = 0
-if budgets.fits(r, spent, held) then
-  budgets.hold(r)
-  allowed = 1
-end
-budgets.touch(r.state_ttl_ms)
-return {allowed, spent, held, epoch}
+local sr = share and share_reservation(r, 9)
+local decided = check_budgets(budgets, r, share, sr)
+if not decided then return {-1} end  -- unseeded: the gateway reads the ledger and asks again
+hold_budgets(budgets, r, share, sr, decided[1] == 1)
+return decided
 """
 
 KEY_NAMES = ("bud", "res", "fly")
 # A reservation's seed and epoch, for a key the script answered unseeded; None the first time.
 SeedArgs = tuple[int, str] | None
+# The seeds a call asks with: the key's, and its share's (None for a call without one).
+Seeds = tuple[SeedArgs, SeedArgs]
 
 
 class RedisBudgets:
-    def __init__(self, url: str, seed: SpendSeed, *, reservation_ttl_s: float = 600.0, state_ttl_s: float = 86400.0,
+    """share_seed: what a key's batch lines have cost, to seed its share (None: the store takes no share)."""
+
+    def __init__(self, url: str, seed: SpendSeed, *, share_seed: SpendSeed | None = None,
+                 reservation_ttl_s: float = 600.0, state_ttl_s: float = 86400.0,
                  prefix: str = "tokenway:budgets", timeout_s: float = 1.0) -> None:
         if not 0 < reservation_ttl_s < state_ttl_s:
             raise ValueError("need 0 < reservation_ttl_s < state_ttl_s")
         self._seeds = SeedReader(seed)
+        self._share_seeds = SeedReader(share_seed) if share_seed is not None else None
         self._ttl_us = round(reservation_ttl_s * 1e6)
         self._state_ttl_ms = round(state_ttl_s * 1000)
         self._prefix = prefix
@@ -155,44 +203,73 @@ class RedisBudgets:
         self._redis = connect(url, timeout_s)
         self._script = self._redis.register_script(LUA_SCRIPT)
 
-    def keys(self, key_id: str) -> list[str]:
+    def keys(self, key_id: str, share: bool = False) -> list[str]:
+        """The key's three; with `share`, its batch share's three after them."""
         base = f"{self._prefix}:{{{key_id}}}"
-        return [f"{base}:{name}" for name in KEY_NAMES]
+        return [f"{base}:{name}" for name in KEY_NAMES] + ([f"{base}:batch:{name}" for name in KEY_NAMES]
+                                                           if share else [])
 
-    async def _run(self, key_id: str, args: list):
-        return await run_script(self._script, self.keys(key_id), args, self.where)
+    async def _run(self, key_id: str, args: list, keys: list[str] | None = None):
+        return await run_script(self._script, keys if keys is not None else self.keys(key_id), args, self.where)
 
     def reservation_args(self, budget_nanos: int, worst_nanos: int, reservation_id: str, seed: SeedArgs
                          ) -> list[str | int]:
         return [budget_nanos, worst_nanos, reservation_id, self._ttl_us, self._state_ttl_ms,
                 *(seed if seed is not None else ("", ""))]
 
+    @staticmethod
+    def share_args(share_nanos: int | None, seed: SeedArgs) -> list[str | int]:
+        """A batch share's budget, seed and epoch, after reservation_args; none for a call without one."""
+        if share_nanos is None:
+            return []
+        return [share_nanos, *(seed if seed is not None else ("", ""))]
+
     def settle_args(self, reservation: BudgetReservation, used_nanos: int) -> list[str | int]:
         if used_nanos < 0:
             raise ValueError(f"used_nanos must be >= 0, got {used_nanos}")
-        return [reservation.reservation_id, used_nanos, reservation.epoch, self._state_ttl_ms]
+        return [reservation.reservation_id, used_nanos, reservation.epoch, self._state_ttl_ms,
+                reservation.share_epoch or ""]
 
-    async def seeded(self, key_id: str, ask: Callable[[SeedArgs], Awaitable[list]]) -> list:
-        """ask(None)'s reply; for a key the script answers unseeded ([-1]), ask(seed)'s, with the
-        ledger's spend and a new epoch (SeedUnavailable when the ledger cannot say)."""
-        reply = await ask(None)
+    async def seeded(self, key_id: str, ask: Callable[[Seeds], Awaitable[list]], share: bool = False) -> list:
+        """ask((None, None))'s reply; for a key the script answers unseeded ([-1]), ask(seeds)'s,
+        with the ledger's spend (and, with `share`, its batch lines' cost) and new epochs
+        (SeedUnavailable when the ledger cannot say)."""
+        reply = await ask((None, None))
         if reply[0] == -1:
-            reply = await ask((await self._seeds.read(key_id), uuid.uuid4().hex))
+            share_seed = None
+            if share:
+                if self._share_seeds is None:
+                    raise ValueError("a batch share needs a store made with a share_seed")
+                share_seed = (await self._share_seeds.read(key_id), uuid.uuid4().hex)
+            reply = await ask(((await self._seeds.read(key_id), uuid.uuid4().hex), share_seed))
         return reply
 
-    async def reserve(self, key_id: str, budget_nanos: int, worst_nanos: int) -> BudgetDecision:
+    @staticmethod
+    def decision(key_id: str, reservation_id: str, worst_nanos: int, reply: list) -> BudgetDecision:
+        """A reservation's BudgetDecision from check_budgets' reply."""
+        allowed, spent, held, epoch, share_epoch, by_share = reply
+        reservation = BudgetReservation(key_id, reservation_id, worst_nanos, epoch.decode(),
+                                        share_epoch.decode() or None) if allowed else None
+        return BudgetDecision(reservation, spent, held, bool(by_share))
+
+    async def reserve(self, key_id: str, budget_nanos: int, worst_nanos: int,
+                      share_nanos: int | None = None) -> BudgetDecision:
         check_amounts(budget_nanos, worst_nanos)
-        reservation_id = uuid.uuid4().hex
-        allowed, spent, held, epoch = await self.seeded(key_id, lambda seed: self._run(key_id, [
-            "reserve", *self.reservation_args(budget_nanos, worst_nanos, reservation_id, seed)]))
-        reservation = BudgetReservation(key_id, reservation_id, worst_nanos, epoch.decode()) if allowed else None
-        return BudgetDecision(reservation, spent, held)
+        if share_nanos is not None:
+            check_amounts(share_nanos, worst_nanos)
+        reservation_id, keys = uuid.uuid4().hex, self.keys(key_id, share_nanos is not None)
+        reply = await self.seeded(key_id, lambda seeds: self._run(key_id, [
+            "reserve", *self.reservation_args(budget_nanos, worst_nanos, reservation_id, seeds[0]),
+            *self.share_args(share_nanos, seeds[1])], keys), share_nanos is not None)
+        return self.decision(key_id, reservation_id, worst_nanos, reply)
 
     async def settle(self, reservation: BudgetReservation, used_nanos: int) -> None:
-        await self._run(reservation.key_id, ["settle", *self.settle_args(reservation, used_nanos)])
+        await self._run(reservation.key_id, ["settle", *self.settle_args(reservation, used_nanos)],
+                        self.keys(reservation.key_id, reservation.share_epoch is not None))
 
-    async def state(self, key_id: str) -> BudgetState | None:
-        reply = await self._run(key_id, ["state"])
+    async def state(self, key_id: str, share: bool = False) -> BudgetState | None:
+        keys = self.keys(key_id, share)
+        reply = await self._run(key_id, ["state"], keys[3:] if share else keys)
         return BudgetState(*reply) if reply else None
 
     def joint_with(self, limiter: Limiter) -> JointStore | None:

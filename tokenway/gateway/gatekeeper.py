@@ -3,7 +3,8 @@
     socket ─► GatewayMiddleware ─► authenticate (key → Principal) ─► route: parse, tokenize
           ─► admit: model allowed? the budget reserves the call's worst-case cost (budgets.py),
              then the limits reserve prompt + max_tokens of every choice (limits.py), both in
-             one step where the two stores share a Redis (joint_redis.py) ─► engine
+             one step where the two stores share a Redis (joint_redis.py); a batch line in the
+             key's batch share of both as well (shares.py) ─► engine
           ─► finish: price the usage; both reservations settle to what was used and billed
           ─► the ledger row is committed before the response's last byte leaves
 
@@ -45,6 +46,7 @@ from tokenway.gateway.call import Call, CallOutcome
 from tokenway.gateway.keystore import KeyStore
 from tokenway.gateway.limits import CONCURRENCY_RETRY_S, Decision, Limiter, LimitSpec, LimitsUnavailable, Reservation
 from tokenway.gateway.outage import StoreGuard
+from tokenway.gateway.shares import BatchShare, batch_spend_seed
 from tokenway.gateway.tiers import DEFAULT_GRANT, TierAsk, call_tier, granted_tiers, resolve
 from tokenway.observability.traces import Trace
 from tokenway.protocol.errors import (
@@ -84,6 +86,7 @@ class _BudgetAsk:
     worst_nanos: int  # the prompt and every choice's max_tokens at the model's price, uncached
     num_prompt_tokens: int
     n: int
+    share_nanos: int | None = None  # the key's batch share of the budget, for a batch line
 
 
 @dataclass(slots=True)
@@ -97,6 +100,7 @@ class Defaults:
     max_tokens: int | None = None
     max_messages: int = 2048
     service_tiers: tuple[ServiceClass, ...] = DEFAULT_GRANT  # what a key that names no tiers may run at
+    batch_share: BatchShare = BatchShare()  # of every key's limits and budget, what its batch lines may use
 
     def __post_init__(self) -> None:
         try:
@@ -117,7 +121,8 @@ class Gatekeeper:
         self.prices = prices
         self.defaults = defaults
         self.host = host
-        self.budgets = budgets if budgets is not None else InProcessBudgets(ledger.spend_usd)
+        self.budgets = budgets if budgets is not None else InProcessBudgets(
+            ledger.spend_usd, share_seed=batch_spend_seed(ledger))
         # The two stores as one where they share a Redis: a budgeted call's admission is then one
         # round trip, not two, and a refused call holds nothing even for a moment.
         self.joint = self.budgets.joint_with(limiter)
@@ -183,20 +188,24 @@ class Gatekeeper:
         reserved, or it is refused with a 429 and nothing stays reserved."""
         key_id, spec = principal.key_id, self.limit_spec(principal)
         reserve_tokens = num_prompt_tokens + num_completion_tokens
+        batch_share = self.defaults.batch_share if self.defaults.batch_share.applies(service_tier) else None
+        share = batch_share.limits(spec) if batch_share is not None else None
         if principal.budget_usd is None:
-            return Admission(await self._reserve_limits(key_id, spec, reserve_tokens), reserve_tokens)
+            return Admission(await self._reserve_limits(key_id, spec, reserve_tokens, share), reserve_tokens)
         # Which prompt tokens the cache holds is known only once the call has run: uncached here.
         price = self.prices.price(model, service_tier)
-        ask = _BudgetAsk(price, nanos_down(principal.budget_usd),
-                         nanos_up(cost_usd(price, num_prompt_tokens, 0, num_completion_tokens)), num_prompt_tokens, n)
+        budget_nanos = nanos_down(principal.budget_usd)
+        ask = _BudgetAsk(price, budget_nanos,
+                         nanos_up(cost_usd(price, num_prompt_tokens, 0, num_completion_tokens)), num_prompt_tokens, n,
+                         batch_share.budget_nanos(budget_nanos) if batch_share is not None else None)
         if self.joint is not None:
             try:
-                return await self._reserve_both(self.joint, key_id, spec, reserve_tokens, ask)
+                return await self._reserve_both(self.joint, key_id, spec, reserve_tokens, ask, share)
             except LimitsUnavailable:
                 pass  # in turn below, where each store's breaker and the policy decide, as for separate stores
         budget = await self._reserve_budget(key_id, ask)
         try:
-            decision = await self._reserve_limits(key_id, spec, reserve_tokens)
+            decision = await self._reserve_limits(key_id, spec, reserve_tokens, share)
         except BaseException:
             if budget is not None:
                 self.guard.spawn(self._settle_stores(None, 0, budget, 0))
@@ -204,23 +213,25 @@ class Gatekeeper:
         return Admission(decision, reserve_tokens, budget)
 
     async def _reserve_both(self, joint: JointStore, key_id: str, spec: LimitSpec, reserve_tokens: int,
-                            ask: _BudgetAsk) -> Admission:
+                            ask: _BudgetAsk, share: LimitSpec | None) -> Admission:
         """Both reservations in one step of the joint store; LimitsUnavailable if it cannot answer."""
         try:
-            both = await self.guard.call(BOTH_STORES, lambda: joint.admit(key_id, spec, reserve_tokens,
-                                                                          ask.budget_nanos, ask.worst_nanos))
+            both = await self.guard.call(BOTH_STORES, lambda: joint.admit(
+                key_id, spec, reserve_tokens, ask.budget_nanos, ask.worst_nanos, share, ask.share_nanos))
         except SeedUnavailable:  # the budget goes by the policy, as in _reserve_budget; the limits by their store
             decision = await self._budget_by_policy(key_id, ask)
             if decision is not None:
                 raise self._budget_refusal(decision, ask) from None
-            return Admission(await self._reserve_limits(key_id, spec, reserve_tokens), reserve_tokens)
+            return Admission(await self._reserve_limits(key_id, spec, reserve_tokens, share), reserve_tokens)
         if both.limits is None:
             raise self._budget_refusal(both.budget, ask)
         return Admission(self._limits_verdict(both.limits, reserve_tokens), reserve_tokens, both.budget.reservation)
 
-    async def _reserve_limits(self, key_id: str, spec: LimitSpec, reserve_tokens: int) -> Decision | None:
+    async def _reserve_limits(self, key_id: str, spec: LimitSpec, reserve_tokens: int,
+                              share: LimitSpec | None = None) -> Decision | None:
         try:
-            decision = await self.guard.call("limits", lambda: self.limiter.admit(key_id, spec, reserve_tokens))
+            decision = await self.guard.call("limits", lambda: self.limiter.admit(key_id, spec, reserve_tokens,
+                                                                                  share))
         except LimitsUnavailable:
             if not spec.is_unlimited:  # a key with no limits has nothing to enforce: no policy to apply
                 self.guard.by_policy()
@@ -236,7 +247,7 @@ class Gatekeeper:
     async def _reserve_budget(self, key_id: str, ask: _BudgetAsk) -> BudgetReservation | None:
         try:
             decision = await self.guard.call("budgets", lambda: self.budgets.reserve(key_id, ask.budget_nanos,
-                                                                                     ask.worst_nanos))
+                                                                                     ask.worst_nanos, ask.share_nanos))
         except (LimitsUnavailable, SeedUnavailable):
             decision = await self._budget_by_policy(key_id, ask)
             if decision is None:
@@ -261,8 +272,9 @@ class Gatekeeper:
 
     @staticmethod
     def _budget_refusal(decision: BudgetDecision, ask: _BudgetAsk) -> RateLimitError:
-        left = ask.budget_nanos - decision.spent_nanos  # calls in flight hold some of it: a retry may pass
-        return RateLimitError(budget_refusal(ask.price, decision, ask.budget_nanos, ask.worst_nanos,
+        budget = ask.share_nanos if decision.by_share and ask.share_nanos is not None else ask.budget_nanos
+        left = budget - decision.spent_nanos  # calls in flight hold some of it: a retry may pass
+        return RateLimitError(budget_refusal(ask.price, decision, budget, ask.worst_nanos,
                                              ask.num_prompt_tokens, ask.n),
                               retry_after=CONCURRENCY_RETRY_S if ask.worst_nanos <= left and left > 0 else None,
                               code="insufficient_quota", limit_kind="budget")
@@ -275,13 +287,15 @@ class Gatekeeper:
         except LimitsUnavailable:
             return {}
 
-    @staticmethod
-    def _refusal(decision: Decision, reserve_tokens: int) -> str:
+    def _refusal(self, decision: Decision, reserve_tokens: int) -> str:
         kind = decision.limit_kind
+        whose = (f"this key's batch share ({self.defaults.batch_share.fraction:.0%} of its limits, which its "
+                 f"batch lines may use) of its {kind} limit" if decision.by_share else f"this key's {kind} limit")
         if decision.retry_after_s is None:
-            return (f"This request needs {reserve_tokens} tokens (prompt + max_tokens), more than this key's "
-                    f"{kind} limit allows; lower max_tokens.")
-        return f"Rate limit reached for {kind}; retry after {decision.retry_after_s:.1f} s."
+            return (f"This request needs {reserve_tokens} tokens (prompt + max_tokens), more than {whose} "
+                    "allows; lower max_tokens.")
+        return f"Rate limit reached for {kind}" + (f" ({whose})" if decision.by_share else "") + \
+            f"; retry after {decision.retry_after_s:.1f} s."
 
     # -- what it cost ----------------------------------------------------------------
 
@@ -377,10 +391,15 @@ def budget_refusal(price: ModelPrice, decision: BudgetDecision, budget: int, wor
     spent, held = decision.spent_nanos, decision.held_nanos
     left = budget - spent
     if left <= 0:
+        if decision.by_share:
+            return (f"This API key's batch lines have used their share of its budget: {format_usd(spent)} of "
+                    f"{format_usd(budget)} spent, nothing remains for them.")
         return f"This API key has used its budget: {format_usd(spent)} of {format_usd(budget)} spent, nothing remains."
     cost = (f"This request may cost up to {format_usd(worst)} (its prompt and max_tokens at the model's price, "
             f"the prompt uncached)")
-    remains = f"{format_usd(left)} that remains of this API key's {format_usd(budget)} budget"
+    remains = (f"{format_usd(left)} that remains of the batch share ({format_usd(budget)}) of this API key's "
+               "budget" if decision.by_share else f"{format_usd(left)} that remains of this API key's "
+               f"{format_usd(budget)} budget")
     if worst <= left:
         return f"{cost}; of the {remains}, {format_usd(held)} is held by its calls in flight. Retry when they finish."
     fit = max_tokens_within(price, num_prompt_tokens, n, left)
