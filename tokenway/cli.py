@@ -108,6 +108,8 @@ SERVE_OPTIONS = {
     "prices": (dict, None),  # {model: {input, cached_input, output}} in USD per million tokens
     "tier_price_multipliers": (dict, None),  # {priority, flex, batch: factor of a model's price}; None: 1, .5, .5
     "default_service_tiers": (list, None),  # the tiers a key that names none may use; None: default, flex, batch
+    # of every key's limits and budget, what its batch lines may use (its other calls always have the rest)
+    "batch_limit_share": (float, 0.5),
     # observability: traces, /metrics, /dashboard, OTLP export
     "observability": (bool, True),  # False: none of them (to measure what they cost)
     "trace_capacity": (int, 2048),  # traces kept in memory (older ones stay in the ledger)
@@ -236,6 +238,9 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--db", help="SQLite file for API keys and the usage ledger (default: the keys CLI's)")
     serve.add_argument("--ledger-url", help="sqlite:///path or postgresql://... for the usage ledger")
     serve.add_argument("--limits-url", help="'memory' (default) or redis://host:port to share limits and budgets")
+    serve.add_argument("--batch-limit-share", type=float,
+                       help="the fraction of each key's RPM, TPM, TPD, concurrency and budget its batch lines may "
+                            "use; its other calls always find the rest (default 0.5; 1: no share)")
     serve.add_argument("--responses-ttl", help="delete stored responses (/v1/responses) this long after they were "
                        "made, e.g. 30d, 12h, 3600 (default: kept until deleted)")
     serve.add_argument("--limits-on-error", choices=["open", "closed"],
@@ -536,6 +541,7 @@ def build_gatekeeper(options: dict, registry=None):
     from tokenway.gateway.gatekeeper import Defaults, Gatekeeper
     from tokenway.gateway.keystore import KeyStore
     from tokenway.gateway.limits import make_limiter
+    from tokenway.gateway.shares import BatchShare, batch_spend_seed
     from tokenway.gateway.tiers import DEFAULT_GRANT
 
     db = database_path(options)
@@ -543,7 +549,8 @@ def build_gatekeeper(options: dict, registry=None):
     defaults = Defaults(rpm=options["default_rpm"], tpm=options["default_tpm"], tpd=options["default_tpd"],
                         max_concurrent=options["default_max_concurrent"], max_tokens=options["default_max_tokens"],
                         max_messages=options["max_messages"], service_tiers=tuple(options["default_service_tiers"])
-                        if options["default_service_tiers"] is not None else DEFAULT_GRANT)
+                        if options["default_service_tiers"] is not None else DEFAULT_GRANT,
+                        batch_share=BatchShare(options["batch_limit_share"]))
     # The journal makes a row crash-safe before its response ends, without a DB commit
     # on that path (billing/journal.py); one per gateway and database, replayed on its next start.
     ledger = Ledger(database_url(options), journal_dir=db.parent,
@@ -556,7 +563,7 @@ def build_gatekeeper(options: dict, registry=None):
         else PriceTable.from_config(options["prices"] or {}, options["tier_price_multipliers"]),
         defaults=defaults,
         host=options["host"],
-        budgets=make_budgets(options["limits_url"], ledger.spend_usd),
+        budgets=make_budgets(options["limits_url"], ledger.spend_usd, batch_spend_seed(ledger)),
         limits_on_error=options["limits_on_error"],
     )
 
