@@ -385,6 +385,8 @@ def run_serve(options: dict) -> int:
         batch_runner = BatchRunner(batch_store, LineExecutor(app, principal_of(gatekeeper)),
                                    f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
                                    batch_capacity(services.capacity, engine, engine_config.max_num_seqs))
+        if services.observer is not None:
+            services.observer.watch_batches(batch_runner.stats.to_dict)
         server = Server(uvicorn.Config(
             app, host=server_config.host, port=server_config.port, log_level="warning",
             access_log=False, lifespan="off",

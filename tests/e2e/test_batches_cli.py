@@ -5,9 +5,12 @@ bad input and a server's refusals are one clear line each, never a traceback."""
 from __future__ import annotations
 
 import json
+import time
 
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tokenway.cli import main
 
@@ -65,6 +68,13 @@ def test_submit_watch_and_download_results(server, client, capsys, tmp_path):
     status, out, err = batches(server, capsys, "results", batch_id)
     assert status == 0 and out.encode() == output.read_bytes()
     assert f"in {batch.error_file_id}; --errors PATH saves them" in err
+
+    # Each line has its trace, which says which batch line it is.
+    first = json.loads(output.read_text().splitlines()[0])
+    trace = httpx.get(f"{server.base_url}/v1/traces/{first['response']['request_id']}", timeout=10).json()
+    index = next(i for i, line in enumerate(lines) if line["custom_id"] == first["custom_id"])
+    assert trace["batch_line"] == f"{batch_id.removeprefix('batch_')}l{index}"
+    assert trace["endpoint"] == "/v1/chat/completions" and trace["status"] == 200
 
     status, out, err = batches(server, capsys, "status", batch_id)
     assert status == 0
@@ -133,3 +143,28 @@ def test_server_refusals_and_an_unreachable_server(server, capsys):
     status = main(["batches", "list", "--base-url", f"http://127.0.0.1:{free_port()}"])
     err = capsys.readouterr().err
     assert status == 1 and err.startswith("tokenway: cannot reach http://127.0.0.1:") and "Traceback" not in err
+
+
+def test_metrics_count_batch_lines_and_the_queue(server, capsys, tmp_path):
+    jsonl = write_jsonl(tmp_path / "two.jsonl", [request("m0", "Hello."), request("m1", "x", temperature=5)])
+    before = batch_samples(server)
+    status, _, err = batches(server, capsys, "submit", str(jsonl), "--watch", "--interval", "0.2")
+    assert status == 0, err
+    after = batch_samples(server)
+    lines = ("tokenway_batch_lines_total", (("outcome", "succeeded"),))
+    failed = ("tokenway_batch_lines_total", (("outcome", "failed"),))
+    assert after[lines] - before.get(lines, 0) == 1 and after[failed] - before.get(failed, 0) == 1
+    assert ("tokenway_batch_lines_running", ()) in after and ("tokenway_batch_line_deferrals_total", ()) in after
+    # The queue's gauges, as the runner's upkeep (every few seconds) last read them.
+    deadline = time.monotonic() + 30
+    while batch_samples(server).get(("tokenway_batches", (("status", "completed"),)), 0) < 1:
+        assert time.monotonic() < deadline, "the queue's gauges never showed a completed batch"
+        time.sleep(0.2)
+    assert ("tokenway_batch_lines_pending", ()) in batch_samples(server)
+
+
+def batch_samples(server) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) if family.name.startswith("tokenway_batch")
+            for sample in family.samples}

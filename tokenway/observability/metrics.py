@@ -12,6 +12,9 @@ router touches a metric. Each server has its own CollectorRegistry.
                                   server with a local engine only: a pure gateway's engine is None);
                                   tokenway_class_*{class}: the same per service class
           └─► ReplicaCollector    .replicas: tokenway_replica_*{pool,replica}: health, load, calls, tokens
+    batch runner ──► BatchCollector   tokenway_batch_*: this server's lines by outcome; the queue's
+                                      batches by status and lines waiting (the database's: every
+                                      gateway on it reports the same, so take max, not sum)
 """
 
 from __future__ import annotations
@@ -287,6 +290,41 @@ class ReplicaCollector(Collector):
         yield up
         yield from key_to_family.values()
         yield hit_ratio
+
+    def describe(self) -> Iterator:
+        return iter(())
+
+
+class BatchCollector(Collector):
+    """The batch runner's RunnerStats.to_dict(), read at scrape time: its own lines, and the queue
+    as its last upkeep (every few seconds) read it. Labels are bounded: outcomes and statuses."""
+
+    def __init__(self, batch_stats: Callable[[], Mapping[str, Any]]) -> None:
+        self.batch_stats = batch_stats
+
+    def collect(self) -> Iterator:
+        stats = self.batch_stats()
+        lines = CounterMetricFamily("tokenway_batch_lines", "Batch lines this server ran to an end, by outcome "
+                                    "(failed: the API answered an error).", labels=("outcome",))
+        for outcome, num in stats["num_lines_by_outcome"].items():
+            lines.add_metric((outcome,), num)
+        yield lines
+        yield CounterMetricFamily("tokenway_batch_line_deferrals", "Batch lines this server put back after a 429 "
+                                  "or 503, to run again after the wait it asked.", value=stats["num_deferred"])
+        yield GaugeMetricFamily("tokenway_batch_lines_running", "Batch lines running on this server now.",
+                                value=stats["num_running"])
+        queue = stats["queue"]
+        if queue is None:  # not read yet
+            return
+        batches = GaugeMetricFamily("tokenway_batches", "Batches kept in the database, by status (every "
+                                    "gateway's).", labels=("status",))
+        for status, num in queue["num_batches_by_status"].items():
+            batches.add_metric((status,), num)
+        yield batches
+        yield GaugeMetricFamily("tokenway_batch_lines_pending", "Batch lines waiting for a runner (the queue's "
+                                "depth, every gateway's).", value=queue["num_lines_pending"])
+        yield GaugeMetricFamily("tokenway_batch_lines_claimed", "Batch lines a runner holds: running, or deferred "
+                                "until their wait is over (every gateway's).", value=queue["num_lines_claimed"])
 
     def describe(self) -> Iterator:
         return iter(())

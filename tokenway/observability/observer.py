@@ -5,7 +5,9 @@ Observer at all: the request path checks `state.observer is None` and does nothi
 
 `stats()` is the server's /engine/stats (ServedStats): the local engine's counts (None on a
 pure gateway) and the replicas, pool -> replica -> health, load and tallies. The dashboard's
-snapshot hands them on as "engine" (None without a local engine) and "replicas".
+snapshot hands them on as "engine" (None without a local engine) and "replicas". The batch
+runner, made after the observer (it runs lines through the app), is watched once it exists
+(watch_batches): its tallies and the queue go to /metrics and to the snapshot's "batches".
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from tokenway.engine.stats import EngineStats
-from tokenway.observability.metrics import Metrics, ServedStats
+from tokenway.observability.metrics import BatchCollector, Metrics, ServedStats
 from tokenway.observability.traces import Trace, TraceRing, summarize
 from tokenway.stages import STAGES
 
@@ -38,6 +41,14 @@ class Observer:
         self.num_finished_requests = 0
         self.samples: deque[dict] = deque(maxlen=NUM_SAMPLES)
         self._last_sample: tuple[float, int, int] | None = None  # (time, tokens, requests)
+        self.batch_stats: Callable[[], Mapping[str, Any]] | None = None
+
+    def watch_batches(self, batch_stats: Callable[[], Mapping[str, Any]]) -> None:
+        """The batch runner's RunnerStats.to_dict: in /metrics and the snapshot from now on. Once."""
+        if self.batch_stats is not None:
+            raise RuntimeError("the observer watches a batch runner already")
+        self.batch_stats = batch_stats
+        self.metrics.registry.register(BatchCollector(batch_stats))
 
     def record(self, trace: Trace) -> None:
         self.traces.add(trace)
@@ -89,6 +100,7 @@ class Observer:
             "timeseries": list(self.samples),
             "engine": engine,
             "replicas": stats.replicas,
+            "batches": None if self.batch_stats is None else dict(self.batch_stats()),
         }
 
     def close(self) -> None:

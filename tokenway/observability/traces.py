@@ -62,6 +62,9 @@ class Trace:
     # The safety stage: per direction, the categories found and the action taken, and its time
     # (input: its stage; output: the checks summed over the reply). None: no policy is on.
     safety: dict | None = None
+    # The Batch API line the call ran (CallStart.batch_line: its batch id's random part, "l", its
+    # index); None for a call made over HTTP.
+    batch_line: str | None = None
 
     @classmethod
     def of_call(cls, call, outcome, cost_usd: float = 0.0) -> Trace:
@@ -83,12 +86,12 @@ class Trace:
             route=None if replica is None else {"pool": replica.pool, "replica": replica.replica,
                                                 "reason": replica.reason,
                                                 "failed_attempts": replica.num_failed_attempts},
-            json_complete=outcome.json_complete, safety=safety_of(call, outcome),
+            json_complete=outcome.json_complete, safety=safety_of(call, outcome), batch_line=call.start.batch_line,
         )
 
     # What the ledger row keeps besides its own columns (`tokenway trace` rebuilds the rest).
     LEDGER_FIELDS = ("endpoint", "total_ms", "ttft_ms", "tpot_ms", "stream", "num_choices", "cache_reason",
-                     "limit_kind", "sampling", "route", "json_complete", "safety")
+                     "limit_kind", "sampling", "route", "json_complete", "safety", "batch_line")
 
     def ledger_fields(self) -> dict:
         return {name: getattr(self, name) for name in self.LEDGER_FIELDS}
