@@ -9,8 +9,13 @@ import random
 
 import pytest
 
+from tokenway.gateway.budgets import BudgetState, BudgetStore, InProcessBudgets
+from tokenway.gateway.gatekeeper import Defaults
 from tokenway.gateway.limits import Limiter, LimitSpec
+from tokenway.gateway.shares import BatchShare
+from tokenway.protocol.errors import FieldError
 
+from .test_budgets import Seed
 from .test_limits import backend, new_key, run  # noqa: F401 - backend is a fixture
 
 KEY = LimitSpec(rpm=10, tpm=2000, max_concurrent=8)
@@ -115,3 +120,160 @@ def test_shared_and_unshared_calls_at_once_never_pass_either_limit(backend, seed
         assert not refused.allowed and (share_left == key_left or refused.by_share == (share_left < key_left))
 
     run(backend, body)
+
+
+# -- the budget's share ---------------------------------------------------------------------
+
+BUDGET, SHARE_NANOS, CALL = 1000, 400, 100
+
+
+@pytest.fixture(params=["memory", "redis"])
+def budgets_backend(request):
+    """A budget store factory (seed, share_seed), called inside the test's event loop."""
+    if request.param == "memory":
+        return lambda seed, share_seed: InProcessBudgets(seed, share_seed=share_seed)
+    from tokenway.gateway.budgets_redis import RedisBudgets
+
+    url = request.getfixturevalue("redis_url")
+    return lambda seed, share_seed: RedisBudgets(url, seed, share_seed=share_seed)
+
+
+def test_a_budget_share_is_seeded_held_and_settled_beside_the_key(budgets_backend):
+    async def body():
+        key = new_key()
+        seed, share_seed = Seed({key: 200e-9}), Seed({key: 100e-9})  # the ledger: 200 nanos, 100 of them batch
+        store: BudgetStore = budgets_backend(seed, share_seed)
+        try:
+            held = [await store.reserve(key, BUDGET, CALL, SHARE_NANOS) for _ in range(4)]
+            assert [d.allowed for d in held] == [True, True, True, False]  # 100 + 3 x 100 = the share
+            refused = held[-1]
+            assert (refused.by_share, refused.spent_nanos, refused.held_nanos) == (True, 100, 300)
+            assert held[0].reservation.share_epoch is not None
+            others = [await store.reserve(key, BUDGET, CALL) for _ in range(6)]
+            assert [d.allowed for d in others] == [True] * 5 + [False]  # 200 + 300 + 5 x 100 = the budget
+            assert not others[-1].by_share and others[0].reservation.share_epoch is None
+            await store.settle(held[0].reservation, 40)
+            assert await store.state(key) == BudgetState(240, 700)
+            assert await store.state(key, share=True) == BudgetState(140, 200)
+            assert (seed.num_calls[key], share_seed.num_calls[key]) == (1, 1)
+            await store.settle(others[0].reservation, 60)  # the key's alone: the share is not touched
+            assert await store.state(key, share=True) == BudgetState(140, 200)
+            assert (await store.reserve(key, BUDGET, CALL, SHARE_NANOS)).by_share  # 140 + 200 + 100 > 400
+            await store.settle(held[1].reservation, 0)  # a line that cost nothing gives its hold back
+            assert (await store.reserve(key, BUDGET, CALL, SHARE_NANOS)).allowed  # 140 + 100 + 100
+            assert (await store.reserve(key, BUDGET, 61, SHARE_NANOS)).by_share  # 140 + 200 + 61 > 400
+            assert await store.state(key) == BudgetState(300, 600)
+        finally:
+            await store.close()
+
+    asyncio.run(body())
+
+
+def test_budget_shares_reserved_at_once_never_pass_either_budget(budgets_backend):
+    async def body():
+        key = new_key()
+        store: BudgetStore = budgets_backend(Seed(), Seed())
+        try:
+            decisions = await asyncio.gather(*(store.reserve(key, BUDGET, CALL, SHARE_NANOS if i % 2 else None)
+                                               for i in range(40)))
+            in_share = sum(d.allowed for i, d in enumerate(decisions) if i % 2)
+            total = sum(d.allowed for d in decisions)
+            assert in_share <= SHARE_NANOS // CALL and total == BUDGET // CALL
+            assert await store.state(key) == BudgetState(0, total * CALL)
+            assert await store.state(key, share=True) == BudgetState(0, in_share * CALL)
+        finally:
+            await store.close()
+
+    asyncio.run(body())
+
+
+def test_a_store_without_a_share_seed_takes_no_share():
+    async def body():
+        store = InProcessBudgets(Seed())
+        with pytest.raises(ValueError, match="share_seed"):
+            await store.reserve(new_key(), BUDGET, CALL, SHARE_NANOS)
+
+    asyncio.run(body())
+
+
+def test_batch_share_parts():
+    share = BatchShare(0.29)
+    assert share.limits(LimitSpec(rpm=100, tpm=1, tpd=None, max_concurrent=7)) == LimitSpec(
+        rpm=29, tpm=1, tpd=None, max_concurrent=2)  # never to nothing, and no float noise
+    assert share.limits(LimitSpec()) is None and BatchShare(1).limits(LimitSpec(rpm=5)) is None
+    assert share.budget_nanos(1000) == 290 and BatchShare(1.0).budget_nanos(1000) is None
+    assert share.applies("batch") and not share.applies("flex") and not BatchShare(1).applies("batch")
+    for bad in (0, -0.5, 1.5, "half", True, float("nan")):
+        with pytest.raises(FieldError, match="batch_limit_share"):
+            BatchShare(bad)
+    with pytest.raises(FieldError, match="batch_limit_share"):
+        Defaults(batch_share=BatchShare(2))
+
+
+# -- through the Gatekeeper: the limits and the budget at once (joint_redis.py on Redis) --------
+
+
+@pytest.fixture(params=["memory", "redis"])
+def gate(request, tmp_path):
+    """A Gatekeeper factory with a price of $0.001 a token, its stores made in the test's loop."""
+    from tokenway.billing.ledger import Ledger
+    from tokenway.billing.pricing import ModelPrice, PriceTable
+    from tokenway.gateway.gatekeeper import Gatekeeper
+    from tokenway.gateway.keystore import KeyStore
+    from tokenway.gateway.limits import InProcessLimiter
+
+    def make() -> Gatekeeper:
+        ledger = Ledger(f"sqlite:///{tmp_path / f'{new_key()}.db'}")
+        prices = PriceTable({"m": ModelPrice(input=1000.0, output=1000.0)})
+        if request.param == "memory":
+            limiter, budgets = InProcessLimiter(), None
+        else:
+            from tokenway.gateway.budgets_redis import RedisBudgets
+            from tokenway.gateway.limits_redis import RedisLimiter
+
+            url = request.getfixturevalue("redis_url")
+            limiter, budgets = RedisLimiter(url), RedisBudgets(url, ledger.spend_usd, share_seed=Seed())
+        gatekeeper = Gatekeeper(KeyStore(tmp_path / f"{new_key()}.keys.db"), limiter, ledger, prices,
+                                Defaults(batch_share=BatchShare(0.25)), "127.0.0.1", budgets=budgets)
+        assert (gatekeeper.joint is not None) == (request.param == "redis")
+        return gatekeeper
+
+    return make
+
+
+def test_batch_calls_take_their_share_and_interactive_calls_the_rest(gate):
+    from tokenway.gateway.auth import Principal
+    from tokenway.protocol.errors import RateLimitError
+
+    async def body():
+        gatekeeper = gate()
+        caller = Principal(new_key(), "k", rpm=8, budget_usd=1.0)  # a call of 10 tokens: $0.01
+
+        async def admit(tier):
+            try:
+                return await gatekeeper.admit(caller, "m", 5, 5, service_tier=tier)
+            except RateLimitError as exc:
+                return exc
+
+        try:
+            batch = await asyncio.gather(*(admit("batch") for _ in range(6)))
+            refused = [r for r in batch if isinstance(r, RateLimitError)]
+            assert len(refused) == 4 and refused[0].retry_after is not None and refused[0].retry_after > 0
+            assert refused[0].message.startswith("Rate limit reached for requests in this key's batch share (25%")
+            assert refused[0].code == "rate_limit_exceeded_requests"
+            interactive = await asyncio.gather(*(admit("default") for _ in range(7)))
+            assert sum(not isinstance(r, RateLimitError) for r in interactive) == 6  # 8 - the 2 batch calls
+            held = 2 * 5 * 10**6  # two calls at the batch price
+            assert await gatekeeper.budgets.state(caller.key_id, share=True) == BudgetState(0, held)
+
+            caller = Principal(new_key(), "budgeted", budget_usd=0.04)  # the share: $0.01; a batch call $0.005
+            batch = await asyncio.gather(*(admit("batch") for _ in range(4)))
+            refused = [r for r in batch if isinstance(r, RateLimitError)]
+            assert len(refused) == 2 and refused[0].code == "insufficient_quota"
+            assert "the batch share ($0.01) of this API key's budget" in refused[0].message
+            interactive = await asyncio.gather(*(admit("default") for _ in range(4)))  # $0.01 each
+            assert sum(not isinstance(r, RateLimitError) for r in interactive) == 3  # $0.04 - the $0.01 held
+        finally:
+            await gatekeeper.close()
+
+    asyncio.run(body())

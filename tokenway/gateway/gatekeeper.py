@@ -289,13 +289,12 @@ class Gatekeeper:
 
     def _refusal(self, decision: Decision, reserve_tokens: int) -> str:
         kind = decision.limit_kind
-        whose = (f"this key's batch share ({self.defaults.batch_share.fraction:.0%} of its limits, which its "
-                 f"batch lines may use) of its {kind} limit" if decision.by_share else f"this key's {kind} limit")
+        share = (f" in this key's batch share ({self.defaults.batch_share.fraction:.0%} of its limits: what its "
+                 "batch lines may use)") if decision.by_share else ""
         if decision.retry_after_s is None:
-            return (f"This request needs {reserve_tokens} tokens (prompt + max_tokens), more than {whose} "
-                    "allows; lower max_tokens.")
-        return f"Rate limit reached for {kind}" + (f" ({whose})" if decision.by_share else "") + \
-            f"; retry after {decision.retry_after_s:.1f} s."
+            return (f"This request needs {reserve_tokens} tokens (prompt + max_tokens), more than this key's "
+                    f"{kind} limit allows{share}; lower max_tokens.")
+        return f"Rate limit reached for {kind}{share}; retry after {decision.retry_after_s:.1f} s."
 
     # -- what it cost ----------------------------------------------------------------
 
