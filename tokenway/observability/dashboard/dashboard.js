@@ -6,6 +6,8 @@
 //            ── engine ─────────────────► KPIs, current hit rate; null on a server without a local
 //                                          engine (a gateway): its panels are greyed out
 //            ── replicas ───────────────► the Replicas table (pool -> replica -> health, load, tallies)
+//            ── batches ────────────────► the Batches panel: the running batches' progress, the queue's
+//                                          depth, this server's lines (null: no batch runner)
 //
 // Request ids, models and errors come from callers: all text goes in through textContent
 // (el() below, or append(string)), never innerHTML.
@@ -89,6 +91,10 @@ function clock(unixSeconds, withMs = true) {
   const date = new Date(unixSeconds * 1000);
   const hms = date.toLocaleTimeString("en-GB", { hour12: false });
   return withMs ? `${hms}.${String(date.getMilliseconds()).padStart(3, "0")}` : hms;
+}
+
+function dateTime(unixSeconds) {
+  return new Date(unixSeconds * 1000).toLocaleDateString("en-CA") + " " + clock(unixSeconds, false);
 }
 
 function niceStep(rough) {
@@ -197,6 +203,7 @@ function render() {
   renderEngineState(engine);
   renderCharts(snapshot.timeseries || [], engine);
   renderReplicas(replicas);
+  renderBatches(snapshot.batches ?? null);
   renderWaterfall(selected, stagesOf(snapshot));
   renderDetails(selected);
   renderRecent(traces, stagesOf(snapshot));
@@ -311,6 +318,7 @@ function renderDetails(trace) {
     ["Cost", fmtCost(trace.cost_usd)],
     ["Sampling", sampling || "—"],
   ];
+  if (trace.batch_line) items.push(["Batch line", el("code", { text: trace.batch_line })]);
   if (trace.limit_kind) items.push(["Limited by", trace.limit_kind]);
   if (trace.traceparent) items.push(["traceparent", el("code", { text: trace.traceparent })]);
   const list = el("dl", { class: "kv" });
@@ -462,6 +470,52 @@ function renderReplicas(rows) {
     el("td", { class: "num" }, count(r.num_failures), failureShare),
     el("td", { class: "num", title: `${count(r.cached_tokens)} of ${count(r.prompt_tokens)} prompt tokens cached · ` +
       `${count(r.completion_tokens)} completion tokens`, text: fmtPct(r.prefix_cache_hit_rate) }));
+  }));
+}
+
+// ---- batches --------------------------------------------------------------------------------
+
+function renderBatches(batches) {
+  const body = $("batches").tBodies[0];
+  const queue = batches ? batches.queue : null;
+  $("batches-panel").classList.toggle("off", !batches);
+  if (!queue) {
+    $("batches-caption").textContent = "";
+    const text = batches ? "Not read yet: the batch runner reads the queue every few seconds." : "No batch runner.";
+    body.replaceChildren(el("tr", {}, el("td", { colspan: "11", class: "empty", text })));
+    return;
+  }
+  const count = (n) => (n ?? 0).toLocaleString("en-US");
+  const done = batches.num_lines_by_outcome || {};
+  $("batches-caption").textContent = `${count(queue.num_lines_pending)} lines waiting · ` +
+    `${count(queue.num_lines_claimed)} held by runners · this server: ${count(batches.num_running)} running, ` +
+    `${count(done.succeeded)} succeeded, ${count(done.failed)} failed, ${count(batches.num_deferred)} deferred · ` +
+    `as of ${clock(batches.overview_at, false)}`;
+  if (!queue.running.length) {
+    body.replaceChildren(el("tr", {}, el("td", { colspan: "11", class: "empty", text: "No batch running." })));
+    return;
+  }
+  body.replaceChildren(...queue.running.map((b) => {
+    // Ended lines (cancelled and expired ones too) of all of them: the bar's share.
+    const numEnded = b.total - b.pending;
+    const share = b.total ? numEnded / b.total : 0;
+    const failedShare = b.total ? b.failed / b.total : 0;
+    return el("tr", { "data-batch": b.id },
+      el("td", { class: "mono", text: b.id }),
+      el("td", { class: "mono", text: b.key_id }),
+      el("td", { text: b.model || "—" }),
+      el("td", { text: b.endpoint }),
+      el("td", {}, el("span", { class: `pill ${b.status === "in_progress" ? "ok" : "warn"}`, text: b.status })),
+      el("td", { class: "progress-cell", title: `${count(numEnded)} of ${count(b.total)} lines ended` },
+        el("div", { class: "progress" },
+          el("div", { class: "progress-done", style: { width: `${(share - failedShare) * 100}%` } }),
+          el("div", { class: "progress-failed", style: { width: `${failedShare * 100}%` } })),
+        el("span", { class: "progress-text", text: `${count(numEnded)} / ${count(b.total)} · ${fmtPct(share)}` })),
+      el("td", { class: "num", text: count(b.succeeded) }),
+      el("td", { class: "num", text: count(b.failed) }),
+      el("td", { class: "num", text: count(b.pending) }),
+      el("td", { text: dateTime(b.created_at) }),
+      el("td", { text: dateTime(b.expires_at) }));
   }));
 }
 
