@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from tokenway.batches import Batch, BatchCounts, QueueOverview
+from tokenway.batches import Batch, BatchCounts, BatchStatus, QueueOverview
 from tokenway.batches.runner import RunnerStats
 
 from .test_dashboard_replicas import DashboardServer, chromium, dump_dom, server  # noqa: F401  (fixtures)
@@ -16,7 +16,7 @@ from .test_traces import make_trace
 NOW = 1_750_000_000.0
 
 
-def running_batch(batch_id: str, status: str, counts: BatchCounts) -> Batch:
+def running_batch(batch_id: str, status: BatchStatus, counts: BatchCounts) -> Batch:
     return Batch(batch_id, "k_team", "openai", "/v1/chat/completions", "file-" + "a" * 24, status, NOW, NOW + 86400,
                  {"in_progress_at": NOW}, None, (), None, None, counts, "smollm2-135m-instruct")
 
