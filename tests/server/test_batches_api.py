@@ -271,3 +271,23 @@ def test_no_header_makes_a_network_call_a_batch_lines(services):
     assert anonymous.status_code == 401
     assert keyed.status_code == 200 and "forged" not in keyed.json()["id"]
     assert keyed.json()["id"] == keyed.headers["x-request-id"]
+
+
+def test_a_key_without_the_batch_tier_is_refused_at_create_not_line_by_line(services):
+    secret = services.gatekeeper.keys.create(name="interactive-only", service_tiers=("default",))[0]
+    auth = {"Authorization": f"Bearer {secret}"}
+
+    async def steps(client, app):
+        file_id = (await upload(client, auth, jsonl(request_line("chat")))).json()["id"]
+        return [
+            await client.post("/v1/batches", headers=auth, json={
+                "input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}),
+            await client.post("/v1/messages/batches", headers={**auth, "anthropic-version": "2023-06-01"}, json={
+                "requests": [{"custom_id": "a", "params": {"model": MODEL, "max_tokens": 4,
+                                                           "messages": [{"role": "user", "content": "Hi."}]}}]}),
+        ]
+
+    openai_batch, message_batch = session(services, steps)
+    assert openai_batch.status_code == 403 and openai_batch.json()["error"]["code"] == "service_tier_not_allowed"
+    assert "batch" in openai_batch.json()["error"]["message"]
+    assert message_batch.status_code == 403 and message_batch.json()["error"]["type"] == "permission_error"

@@ -22,7 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenway.batches import Batch, new_batch
-from tokenway.gateway.auth import ADMIN
+from tokenway.gateway.auth import ADMIN, Principal
+from tokenway.gateway.tiers import TierAsk
 from tokenway.protocol.batches import (
     BATCH_ENDPOINTS,
     COMPLETION_WINDOW_S,
@@ -41,6 +42,7 @@ from tokenway.server.routes import call_of, schema_extra
 from tokenway.server.services import Services
 
 BATCH_ID = re.compile(r"batch_[A-Za-z0-9]{1,64}")
+BATCH_ASK = TierAsk(("batch",), "batch")
 
 
 def router(services: Services) -> APIRouter:
@@ -51,7 +53,7 @@ def router(services: Services) -> APIRouter:
         store = batch_store_of(services)
         body = await parse_body(request, BatchCreateRequest, services.body_parser)
         principal = call_of(request).start.principal
-        check_may_run(principal.key_id)
+        check_may_run(services, principal)
         if body.endpoint not in BATCH_ENDPOINTS:
             raise InvalidRequestError(f"endpoint: this server runs batches of {', '.join(BATCH_ENDPOINTS)}; got "
                                       f"{truncate(body.endpoint)!r}", param="endpoint")
@@ -103,10 +105,14 @@ def router(services: Services) -> APIRouter:
     return api
 
 
-def check_may_run(key_id: str) -> None:
-    if key_id == ADMIN.key_id:
+def check_may_run(services: Services, principal: Principal) -> None:
+    """A batch is refused at once where none of its lines could run: the admin key's, or a key
+    without the batch tier (403 service_tier_not_allowed, as each line would be)."""
+    if principal.key_id == ADMIN.key_id:
         raise PermissionDeniedError("The admin key manages this server; it runs no batch. Make batches with an API "
                                     "key (POST /admin/keys or `tokenway keys create`).", code="admin_key_not_for_calls")
+    if services.gatekeeper is not None:
+        services.gatekeeper.service_class(principal, BATCH_ASK, batch_line="")
 
 
 async def stored_batch(services: Services, request: Request, batch_id: str) -> Batch:

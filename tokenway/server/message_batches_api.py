@@ -50,7 +50,7 @@ def router(services: Services) -> APIRouter:
         store = batch_store_of(services)
         body = await parse_body(request, MessageBatchCreateRequest, services.body_parser)
         principal = call_of(request).start.principal
-        check_may_run(principal.key_id)
+        check_may_run(services, principal)
         seen: set[str] = set()
         for index, item in enumerate(body.requests):
             where = f"requests[{index}]"
