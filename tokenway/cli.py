@@ -92,6 +92,7 @@ SERVE_OPTIONS = {
     "limits_url": (str, "memory"),  # "memory" (one process) or "redis://host:port" (shared)
     "responses_ttl": (str, None),  # stored responses deleted this long after they were made (30d, 12h); None: kept
     "responses_lease_seconds": (float, 60.0),  # a background response outliving its server this long is failed
+    "batch_lease_seconds": (float, 60.0),  # a batch line outliving its server this long runs again elsewhere
     "limits_on_error": (str, "open"),  # while that Redis is down: "open" admits without it, "closed" 503s
     "admin_key": (str, None),  # guards /admin; better from $TOKENWAY_ADMIN_KEY or admin_key_file
     "admin_key_file": (str, None),  # a file holding the admin key (first line)
@@ -243,6 +244,9 @@ def add_serve_parser(sub) -> None:
                             "use; its other calls always find the rest (default 0.5; 1: no share)")
     serve.add_argument("--responses-ttl", help="delete stored responses (/v1/responses) this long after they were "
                        "made, e.g. 30d, 12h, 3600 (default: kept until deleted)")
+    serve.add_argument("--batch-lease-seconds", type=float,
+                       help="a batch line whose server stopped renewing its claim this long (killed, say) is run "
+                            "again by any server on the database (default 60)")
     serve.add_argument("--limits-on-error", choices=["open", "closed"],
                        help="while the --limits-url Redis is down: open admits calls without its limits (budgets "
                             "by the ledger's spend), closed refuses them with 503 limits_unavailable (default open)")
@@ -326,6 +330,8 @@ def run_serve(options: dict) -> int:
     responses_ttl_s = parse_duration(options["responses_ttl"], "responses_ttl") if options["responses_ttl"] else None
     if not options["responses_lease_seconds"] > 0:
         raise ValueError(f"responses_lease_seconds: must be > 0, got {options['responses_lease_seconds']!r}")
+    if not options["batch_lease_seconds"] > 0:
+        raise ValueError(f"batch_lease_seconds: must be > 0, got {options['batch_lease_seconds']!r}")
     for policy in (server_config.safety, *server_config.model_safety.values()):
         if policy.guard_model is not None and policy.guard_model not in names and policy.guard_model not in aliases:
             raise ValueError(f"safety guard_model: {policy.guard_model!r} is not a served chat model "
@@ -384,7 +390,8 @@ def run_serve(options: dict) -> int:
         # A batch's lines run through the app itself (batch_lines.py) on the room interactive calls leave.
         batch_runner = BatchRunner(batch_store, LineExecutor(app, principal_of(gatekeeper)),
                                    f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-                                   batch_capacity(services.capacity, engine, engine_config.max_num_seqs))
+                                   batch_capacity(services.capacity, router, engine_config.max_num_seqs),
+                                   options["batch_lease_seconds"])
         if services.observer is not None:
             services.observer.watch_batches(batch_runner.stats.to_dict)
         server = Server(uvicorn.Config(

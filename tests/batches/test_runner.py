@@ -57,7 +57,7 @@ async def test_a_runner_works_through_a_batch_within_capacity_and_a_raising_line
         finally:
             num_running -= 1
 
-    the_runner = runner(store, execute, "w1", capacity=lambda: 3 - the_runner.num_running)
+    the_runner = runner(store, execute, "w1", capacity=lambda: 3)
     the_runner.start()
     try:
         await eventually(lambda: ended(store, batch.id), "the batch ends")
@@ -85,6 +85,27 @@ async def test_no_capacity_no_claims(store):
     await asyncio.sleep(0.3)  # several looks for work, none taken
     await idle.stop()
     assert calls == [] and (await store.get_batch(batch.id, "key-a")).counts.pending == 2
+
+
+async def test_capacity_is_a_total_so_a_measure_blind_to_new_lines_bounds_them(store):
+    """An engine counts a line once it reaches it, a step or a probe later: a capacity measured
+    there does not drop as the runner starts lines, and must not make it start more than it says."""
+    await make_batch(store, 10, now=time.time())
+    gate = asyncio.Event()
+
+    async def execute(line: BatchLine) -> LineOutcome:
+        await gate.wait()
+        return succeeded(line.index)
+
+    the_runner = runner(store, execute, "w1", capacity=lambda: 3)
+    the_runner.start()
+    try:
+        await eventually(lambda: asyncio.sleep(0, the_runner.num_running == 3), "three lines run")
+        await asyncio.sleep(0.3)  # several looks for work, with lines ending none
+        assert the_runner.num_running == 3
+    finally:
+        gate.set()
+        await the_runner.stop(grace_s=5)
 
 
 async def test_two_gateways_on_one_database_share_a_batch_and_run_no_line_twice(shared_url):
@@ -137,7 +158,7 @@ async def test_a_runner_killed_mid_batch_leaves_its_lines_to_another_after_the_l
             finished[line.index] += 1
             return succeeded(line.index)
 
-        doomed = runner(stores[0], hangs, "gw-doomed", capacity=lambda: 4 - doomed.num_running, lease_s=0.5)
+        doomed = runner(stores[0], hangs, "gw-doomed", capacity=lambda: 4, lease_s=0.5)
         task = doomed.start()
         await eventually(lambda: asyncio.sleep(0, len(started) == 4), "the first runner holds four lines")
         task.cancel()  # killed: no finish, no renewal, its claims abandoned
@@ -190,7 +211,7 @@ async def test_a_cancelled_batch_ends_cancelled_with_what_ran(store):
         await gate.wait()
         return succeeded(line.index)
 
-    the_runner = runner(store, execute, "w1", capacity=lambda: 2 - the_runner.num_running)
+    the_runner = runner(store, execute, "w1", capacity=lambda: 2)
     the_runner.start()
     try:
         await eventually(lambda: asyncio.sleep(0, the_runner.num_running == 2), "two lines run")

@@ -1,6 +1,6 @@
 """BatchRunner: one gateway's worker on the shared batch queue, an asyncio task.
 
-    loop:  capacity() > 0 and room under max_running ─► store.claim(worker_id, n, lease_s)
+    loop:  room under capacity() and max_running ─► store.claim(worker_id, n, lease_s)
                └─► each line, concurrently: execute(line) ─► LineOutcome ─► store.finish(worker_id, line, outcome)
            every lease_s / 3 ─► store.renew(the lines running): a live runner's claims never lapse
            every upkeep_s, and when its last line ends ─► store.expire, finalize_ready, purge_files
@@ -94,8 +94,11 @@ class BatchRunner:
                  max_claim: int = DEFAULT_MAX_CLAIM, poll_s: float = DEFAULT_POLL_S,
                  upkeep_s: float = DEFAULT_UPKEEP_S, stats: RunnerStats | None = None) -> None:
         """worker_id: unique to this runner's life (a restarted process is another worker: the
-        claims of the one before lapse, they are not resumed). capacity: how many more lines may
-        start now (the engine's or the replicas' idle room, as the caller measures it). stats:
+        claims of the one before lapse, they are not resumed). capacity: how many lines this runner
+        may have running now, its own included (the room interactive work leaves on the engine or
+        the replicas, as the caller measures it); it starts the difference. A total, not what is
+        free: a line just started is not in the engine's counts yet, and what is free there would
+        count its slot again. stats:
         where it counts (made before the runner, for readers made before it)."""
         if lease_s <= 0 or max_running < 1 or max_claim < 1 or poll_s <= 0 or upkeep_s <= 0:
             raise ValueError("lease_s, poll_s and upkeep_s must be > 0; max_running and max_claim >= 1")
@@ -197,10 +200,11 @@ class BatchRunner:
         """Claim what there is room for, and start running it; whether it took all it asked for
         (then more may be waiting)."""
         try:
-            free = min(self._capacity(), self._max_running - len(self._running), self._max_claim)
+            target = min(self._capacity(), self._max_running)
         except Exception:
             logger.exception("batch runner %s: capacity() failed; taken as none", self.worker_id)
             return False
+        free = min(target - len(self._running), self._max_claim)
         if free <= 0:
             return False
         try:

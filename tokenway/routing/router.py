@@ -18,8 +18,8 @@ replica the call ran on, and why (ReplicaChoice): the trace's routing stage.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 
 from tokenway.protocol.errors import GatewayTimeoutError, RateLimitError, ServiceUnavailableError, TokenwayError
@@ -70,6 +70,9 @@ class Pool:
     healths: Mapping[str, ReplicaHealth] = field(default_factory=dict)
     checker: HealthChecker | None = None
     tallies: dict[str, ReplicaTally] = field(default_factory=dict)  # only Router.generate writes these
+    # replica -> this gateway's calls of service class "batch" running there (the rest of its
+    # leases are interactive): what batch_room.py leaves to interactive calls. Router.generate's.
+    name_to_num_batch: dict[str, int] = field(default_factory=dict)
 
     def tally(self, name: str) -> ReplicaTally:
         tally = self.tallies.get(name)
@@ -163,7 +166,7 @@ class Router:
                 replica, tally = pool.replicas[lease.name], pool.tally(lease.name)
                 tally.num_calls += 1
                 started = False
-                with lease:
+                with lease, _counted(pool.name_to_num_batch, lease.name, job.service_class == "batch"):
                     try:
                         async with aclosing(replica.generate(job)) as events:
                             async for event in events:
@@ -191,6 +194,18 @@ class Router:
                     return
         on_replica(ReplicaChoice(chain[-1], "", "none", num_failed))
         raise _exhausted(refusal, last_fault)
+
+
+@contextmanager
+def _counted(name_to_count: dict[str, int], name: str, counts: bool) -> Iterator[None]:
+    if not counts:
+        yield
+        return
+    name_to_count[name] = name_to_count.get(name, 0) + 1
+    try:
+        yield
+    finally:
+        name_to_count[name] -= 1
 
 
 def _time_left(job: GenerationJob) -> float | None:

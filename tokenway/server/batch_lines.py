@@ -22,7 +22,6 @@ from typing import Any
 from starlette.types import ASGIApp, Message
 
 from tokenway.batches.store import BatchLine, LineOutcome
-from tokenway.engine.client import EngineClient
 from tokenway.gateway.auth import ANONYMOUS, ANONYMOUS_KEY_ID, Principal
 from tokenway.gateway.call import CallStart
 from tokenway.gateway.gatekeeper import Gatekeeper
@@ -33,6 +32,8 @@ from tokenway.protocol.errors import (
     anthropic_error_body,
     openai_error_body,
 )
+from tokenway.routing.batch_room import batch_room
+from tokenway.routing.router import Router
 from tokenway.server.gateway_middleware import IN_PROCESS_CALL
 from tokenway.server.services import Capacity
 
@@ -145,18 +146,16 @@ def _refused(endpoint: str, exc: TokenwayError) -> LineOutcome:
     return LineOutcome("failed", exc.status, dict(body), None)
 
 
-def batch_capacity(capacity: Capacity, engine: EngineClient | None, max_num_seqs: int) -> Callable[[], int]:
-    """How many more batch lines may start now: the local engine's free sequence slots (its
-    max_num_seqs less what runs and waits there), within the requests this server still admits.
-    The engine schedules a line as class "batch", so an interactive request arriving later is
-    admitted ahead of it whatever this lets start. Without a local engine: half the room left
-    under --max-pending-requests, the other half kept for interactive calls."""
+def batch_capacity(capacity: Capacity, router: Router, local_max_num_seqs: int | None) -> Callable[[], int]:
+    """How many batch lines may run at once now (BatchRunner's capacity: a total, its lines running
+    included): the room the router's replicas leave beside interactive calls (routing/batch_room.py:
+    the local engine's sequences, workers' loads, half an upstream's slots), within the requests
+    this server admits less the interactive ones in flight. An engine schedules a line as class
+    "batch", so an interactive request arriving later is admitted there ahead of it."""
 
-    def free() -> int:
-        free_requests = capacity.max_pending_requests - capacity.num_in_flight
-        if engine is None:
-            return free_requests // 2
-        stats = engine.stats()
-        return max(0, min(free_requests, max_num_seqs - stats.num_running - stats.num_waiting))
+    def room() -> int:
+        num_batch = sum(sum(pool.name_to_num_batch.values()) for pool in router.unique_pools())
+        num_interactive = max(0, capacity.num_in_flight - num_batch)
+        return min(batch_room(router, local_max_num_seqs), capacity.max_pending_requests - num_interactive)
 
-    return free
+    return room
