@@ -273,7 +273,7 @@ def run_serve(options: dict) -> int:
     import uvicorn
 
     from tokenway.batches import open_batch_store
-    from tokenway.batches.runner import BatchRunner
+    from tokenway.batches.runner import DEFAULT_MAX_RUNNING, BatchRunner
     from tokenway.conversations import open_response_store, parse_duration
     from tokenway.engine.client import AsyncEngine
     from tokenway.engine.process import ProcessEngine
@@ -391,7 +391,9 @@ def run_serve(options: dict) -> int:
         batch_runner = BatchRunner(batch_store, LineExecutor(app, principal_of(gatekeeper)),
                                    f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
                                    batch_capacity(services.capacity, router, engine_config.max_num_seqs),
-                                   options["batch_lease_seconds"])
+                                   options["batch_lease_seconds"],
+                                   # as many lines as the engine runs at once: capacity is the bound
+                                   max_running=max(DEFAULT_MAX_RUNNING, engine_config.max_num_seqs))
         if services.observer is not None:
             services.observer.watch_batches(batch_runner.stats.to_dict)
         server = Server(uvicorn.Config(
