@@ -254,7 +254,7 @@ def main() -> None:
     for bound in bounds:
         rows = [r for r in results if r["bound"] == bound]
 
-        def med(path: tuple[str, str]) -> float:
+        def med(path: tuple[str, str], rows: list[dict] = rows) -> float:
             return statistics.median(r[path[0]][path[1]] for r in rows)
 
         tpot, tpot_alone = med(("mixed", "tpot_p50")), med(("alone", "tpot_p50"))
