@@ -1,28 +1,13 @@
-"""SqlBatchStore: the BatchStore over one database, its queries on threads of its own.
-
-    event loop ── store.claim(...) ──► outage? ── refuse at once: BatchStoreUnavailable (503, Retry-After)
-                                          │ no
-                                          ▼
-    executor: num_connections threads, each with its own backend (connection), opened by its
-    first query ──► the query; a transient failure: once more on a new connection, then an outage
-
-An outage (the database failed twice running) makes every call refuse at once until its retry
-time, 0.5 s doubling to 5 s, so a database host gone silent costs the first call a timeout
-rather than every call one; the first call after that time tries again, and its success ends it.
-The log gets one line as an outage starts and one as it ends. (The response store,
-conversations/database.py, handles its outages the same way.)
-"""
+"""SqlBatchStore: the BatchStore over one database, its queries on threads of their own
+(tokenway/sql.py DatabaseThreads: an outage refuses calls at once with BatchStoreUnavailable, a
+503 with Retry-After, 0.5 s doubling to 5 s, until the database answers again)."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 from tokenway.batches.backend import RESULTS_PAGE, BatchBackend
@@ -43,7 +28,7 @@ from tokenway.batches.store import (
     StoredFile,
 )
 from tokenway.protocol.errors import FieldError, truncate
-from tokenway.sql import is_transient
+from tokenway.sql import DatabaseThreads
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +37,6 @@ T = TypeVar("T")
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 5.0
 PURGE_BATCH = 500  # files a purge deletes a statement: a write lock (SQLite's is the ledger's too) held briefly
-
-
-@dataclass(frozen=True, slots=True)
-class Outage:
-    since: float  # unix time of the failure that began it
-    backoff_s: float
-    retry_at: float  # time.monotonic(): before it, calls are refused without trying the database
 
 
 def _check_page(limit: int, order: str = "desc") -> None:
@@ -72,17 +50,11 @@ class SqlBatchStore:
     def __init__(self, connect: Callable[[], BatchBackend], num_connections: int, name: str) -> None:
         """connect: opens one backend (a connection; the schema made if missing). name: the
         database for the log, without a password."""
-        self._connect = connect
-        self._name = name
-        self._executor = ThreadPoolExecutor(max_workers=num_connections, thread_name_prefix="batch-store")
-        self._local = threading.local()  # .backend: the executor thread's own connection
-        self._backends: list[BatchBackend] = []  # every one open, to close them all at the end
-        self._backends_lock = threading.Lock()
-        # Connections are opened one at a time: each makes the schema if missing (and SQLite's
-        # switch to WAL), which concurrent openers on one new file would otherwise fight over.
-        self._opening = threading.Lock()
-        self._outage: Outage | None = None  # swapped whole; read on the event loop, written by the threads
-        self._closed = False
+        # Every write is safe to try twice: inserts of an id there already are no-ops, and a
+        # claim made twice leaves the first's lines to their lease.
+        self._threads = DatabaseThreads(connect, num_connections, name, what="batch store",
+                                        unavailable=BatchStoreUnavailable, retry_first_s=RETRY_FIRST_S,
+                                        retry_max_s=RETRY_MAX_S, log=logger)
 
     # ---- files ----
 
@@ -218,79 +190,7 @@ class SqlBatchStore:
         return await self._run(lambda backend: backend.overview(limit))
 
     async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        await asyncio.to_thread(self._executor.shutdown)  # the queries under way finish first
-        with self._backends_lock:
-            backends, self._backends = self._backends, []
-        for backend in backends:
-            _close_quietly(backend)
-
-    # ---- the threads ----
+        await self._threads.close()
 
     async def _run(self, query: Callable[[BatchBackend], T]) -> T:
-        if self._closed:
-            raise RuntimeError("the batch store is closed")
-        outage = self._outage
-        if outage is not None and (wait_s := outage.retry_at - time.monotonic()) > 0:
-            raise BatchStoreUnavailable(wait_s)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._query, query)
-
-    def _query(self, query: Callable[[BatchBackend], T]) -> T:
-        """On an executor thread."""
-        error: Exception | None = None
-        # A connection that fails gets one more try on a new one: the database may have dropped
-        # it (a restart, an idle timeout). A new one that fails does not: the next would wait out
-        # the same connect timeout. Every write is safe to try twice: inserts of an id there
-        # already are no-ops, and a claim made twice leaves the first's lines to their lease.
-        for _ in range(2):
-            backend: BatchBackend | None = getattr(self._local, "backend", None)
-            reused = backend is not None
-            try:
-                if backend is None:
-                    backend = self._local.backend = self._open()
-                result = query(backend)
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                self._drop(backend)
-                error = exc
-                if reused:
-                    continue
-                break
-            if (outage := self._outage) is not None:
-                self._outage = None
-                logger.info("batch store: %s is reachable again, after %.0f s", self._name,
-                            time.time() - outage.since)
-            return result
-        previous = self._outage
-        backoff_s = RETRY_FIRST_S if previous is None else min(2 * previous.backoff_s, RETRY_MAX_S)
-        if previous is None:
-            logger.warning("batch store: %s is unreachable (%r); calls are refused with 503 until it is back",
-                           self._name, error)
-        since = time.time() if previous is None else previous.since
-        self._outage = Outage(since, backoff_s, time.monotonic() + backoff_s)
-        raise BatchStoreUnavailable(backoff_s) from error
-
-    def _open(self) -> BatchBackend:
-        with self._opening:
-            backend = self._connect()
-        with self._backends_lock:
-            self._backends.append(backend)
-        return backend
-
-    def _drop(self, backend: BatchBackend | None) -> None:
-        self._local.backend = None
-        if backend is not None:
-            with self._backends_lock:
-                if backend in self._backends:
-                    self._backends.remove(backend)
-            _close_quietly(backend)
-
-
-def _close_quietly(backend: BatchBackend) -> None:
-    try:
-        backend.close()
-    except Exception:  # already failing, or closing at shutdown: the connection is dropped either way
-        pass
+        return await self._threads.run(query)

@@ -184,10 +184,3 @@ def purge_sql(mark: LiteralString) -> LiteralString:
     return (f"DELETE FROM stored_responses WHERE id IN (SELECT id FROM stored_responses WHERE created_at < {mark}"
             f" AND {FINAL} LIMIT {mark})")
 
-
-def close_quietly(backend: ResponseBackend | None) -> None:
-    if backend is not None:
-        try:
-            backend.close()
-        except Exception:  # already failing, or closing at shutdown: the connection is dropped either way
-            pass

@@ -1,15 +1,6 @@
-"""SqlResponseStore: the ResponseStore over one database, its queries on threads of its own.
-
-    event loop ── store.get(...) ──► outage? ── refuse at once: ResponseStoreUnavailable (503, Retry-After)
-                                        │ no
-                                        ▼
-    executor: num_connections threads, each with its own backend (connection), opened by its
-    first query ──► the query; a transient failure: once more on a new connection, then an outage
-
-An outage (the database failed twice running) makes every call refuse at once until its
-retry time, 0.5 s doubling to 5 s, so that a database host gone silent costs the first call a
-timeout rather than every call one; the first call after that time tries the database again,
-and its success ends the outage. The log gets one line when an outage starts and one when it ends.
+"""SqlResponseStore: the ResponseStore over one database, its queries on threads of their own
+(tokenway/sql.py DatabaseThreads: an outage refuses calls at once with ResponseStoreUnavailable,
+a 503 with Retry-After, 0.5 s doubling to 5 s, until the database answers again).
 
 keep() inserts off the reply's path (a commit is ~0.3 ms the caller need not wait for): the
 insert's first try is tracked until it ends, and every other call waits for the tries under way
@@ -20,14 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from tokenway.conversations.backend import PURGE_BATCH, ResponseBackend, close_quietly
+from tokenway.conversations.backend import PURGE_BATCH, ResponseBackend
 from tokenway.conversations.store import (
     DEFAULT_CHAIN_LIMIT,
     KEEP_PATIENCE_S,
@@ -45,7 +33,7 @@ from tokenway.conversations.store import (
     check_status,
 )
 from tokenway.protocol.errors import FieldError, truncate
-from tokenway.sql import is_transient
+from tokenway.sql import DatabaseThreads
 
 logger = logging.getLogger(__name__)
 
@@ -59,28 +47,15 @@ RENEW_BATCH = 500  # ids a statement: far below either database's bound on param
 UNLEASED_GRACE_S = 3600.0
 
 
-@dataclass(frozen=True, slots=True)
-class Outage:
-    since: float  # unix time of the failure that began it
-    backoff_s: float
-    retry_at: float  # time.monotonic(): before it, calls are refused without trying the database
-
-
 class SqlResponseStore:
     def __init__(self, connect: Callable[[], ResponseBackend], num_connections: int, name: str) -> None:
         """connect: opens one backend (a connection; the schema made if missing). name: the
         database for the log, without a password."""
-        self._connect = connect
         self._name = name
-        self._executor = ThreadPoolExecutor(max_workers=num_connections, thread_name_prefix="response-store")
-        self._local = threading.local()  # .backend: the executor thread's own connection
-        self._backends: list[ResponseBackend] = []  # every one open, to close them all at the end
-        self._backends_lock = threading.Lock()
-        # Connections are opened one at a time: each makes the schema if missing (and SQLite's
-        # switch to WAL), which concurrent openers on one new file would otherwise fight over.
-        self._opening = threading.Lock()
-        self._outage: Outage | None = None  # swapped whole; read on the event loop, written by the threads
-        self._closed = False
+        # An insert retried after a commit whose reply was lost is a no-op.
+        self._threads = DatabaseThreads(connect, num_connections, name, what="response store",
+                                        unavailable=ResponseStoreUnavailable, retry_first_s=RETRY_FIRST_S,
+                                        retry_max_s=RETRY_MAX_S, log=logger)
         self._first_tries: set[asyncio.Future[None]] = set()  # keep()'s inserts whose first try is under way
         self._keeping: set[asyncio.Task[None]] = set()  # keep()'s inserts not yet committed or given up
 
@@ -88,7 +63,7 @@ class SqlResponseStore:
         await self._run(lambda backend: backend.insert(response))
 
     def keep(self, response: StoredResponse) -> None:
-        if self._closed:
+        if self._threads.closed:
             raise RuntimeError("the response store is closed")
         first_try = asyncio.get_running_loop().create_future()
         self._first_tries.add(first_try)
@@ -101,7 +76,7 @@ class SqlResponseStore:
         try:
             while True:
                 try:
-                    await self._query_async(lambda backend: backend.insert(response))
+                    await self._threads.run(lambda backend: backend.insert(response))
                     return
                 except ResponseStoreUnavailable as exc:
                     self._tried(first_try)
@@ -205,7 +180,7 @@ class SqlResponseStore:
         return await self._run(purge_all)
 
     async def close(self) -> None:
-        if self._closed:
+        if self._threads.closed:
             return
         if self._keeping:  # inserts still going (through an outage) get the time of two more tries
             _, going = await asyncio.wait(list(self._keeping), timeout=2 * RETRY_MAX_S)
@@ -214,71 +189,8 @@ class SqlResponseStore:
             if going:
                 logger.error("response store: %d responses are not stored: %s stayed unreachable until the "
                              "store closed", len(going), self._name)
-        self._closed = True
-        await asyncio.to_thread(self._executor.shutdown)  # the queries under way finish first
-        with self._backends_lock:
-            backends, self._backends = self._backends, []
-        for backend in backends:
-            close_quietly(backend)
+        await self._threads.close()
 
     async def _run(self, query: Callable[[ResponseBackend], T]) -> T:
         await self._after_keeps()
-        return await self._query_async(query)
-
-    async def _query_async(self, query: Callable[[ResponseBackend], T]) -> T:
-        if self._closed:
-            raise RuntimeError("the response store is closed")
-        outage = self._outage
-        if outage is not None and (wait_s := outage.retry_at - time.monotonic()) > 0:
-            raise ResponseStoreUnavailable(wait_s)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._query, query)
-
-    def _query(self, query: Callable[[ResponseBackend], T]) -> T:
-        """On an executor thread."""
-        error: Exception | None = None
-        # A connection that fails gets one more try on a new one: the database may have dropped
-        # it (a restart, an idle timeout). A new one that fails does not: the next would wait out
-        # the same connect timeout. An insert retried after a commit whose reply was lost is a no-op.
-        for _ in range(2):
-            backend: ResponseBackend | None = getattr(self._local, "backend", None)
-            reused = backend is not None
-            try:
-                if backend is None:
-                    backend = self._local.backend = self._open()
-                result = query(backend)
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                self._drop(backend)
-                error = exc
-                if reused:
-                    continue
-                break
-            if (outage := self._outage) is not None:
-                self._outage = None
-                logger.info("response store: %s is reachable again, after %.0f s", self._name,
-                            time.time() - outage.since)
-            return result
-        previous = self._outage
-        backoff_s = RETRY_FIRST_S if previous is None else min(2 * previous.backoff_s, RETRY_MAX_S)
-        if previous is None:
-            logger.warning("response store: %s is unreachable (%r); calls are refused with 503 until it is back",
-                           self._name, error)
-        since = time.time() if previous is None else previous.since
-        self._outage = Outage(since, backoff_s, time.monotonic() + backoff_s)
-        raise ResponseStoreUnavailable(backoff_s) from error
-
-    def _open(self) -> ResponseBackend:
-        with self._opening:
-            backend = self._connect()
-        with self._backends_lock:
-            self._backends.append(backend)
-        return backend
-
-    def _drop(self, backend: ResponseBackend | None) -> None:
-        self._local.backend = None
-        if backend is not None:
-            with self._backends_lock:
-                if backend in self._backends:
-                    self._backends.remove(backend)
-            close_quietly(backend)
+        return await self._threads.run(query)
