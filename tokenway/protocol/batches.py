@@ -26,8 +26,8 @@ from pydantic import Field, StringConstraints, field_validator
 from typing_extensions import TypedDict
 
 from tokenway.protocol.errors import InvalidRequestError, short_repr
-from tokenway.protocol.openai_messages import RequestModel, WireModel, fail
-from tokenway.protocol.responses import MAX_METADATA_KEY_CHARS, MAX_METADATA_PAIRS, MAX_METADATA_VALUE_CHARS
+from tokenway.protocol.openai_messages import RequestModel, WireModel
+from tokenway.protocol.responses import check_metadata
 
 BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
 BATCH_ENDPOINTS: tuple[BatchEndpoint, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings",
@@ -39,21 +39,6 @@ MAX_LISTED_BAD_LINES = 10  # a 400 names this many bad lines, and counts the res
 COMPLETION_WINDOW_S = 24 * 3600
 # Anthropic's custom_id: 1 to 64 of these.
 MessageCustomId = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
-
-
-def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
-    """OpenAI's metadata rules: at most 16 pairs, keys of 64 characters, values of 512."""
-    if value is None:
-        return value
-    if len(value) > MAX_METADATA_PAIRS:
-        raise fail("metadata", "may hold at most {n} pairs, got {got}", n=MAX_METADATA_PAIRS, got=len(value))
-    for key, item in value.items():
-        if len(key) > MAX_METADATA_KEY_CHARS:
-            raise fail("metadata", "keys may have at most {n} characters, got {got}", n=MAX_METADATA_KEY_CHARS,
-                       got=short_repr(key))
-        if len(item) > MAX_METADATA_VALUE_CHARS:
-            raise fail("metadata", "values may have at most {n} characters", n=MAX_METADATA_VALUE_CHARS)
-    return value
 
 
 # ---- requests -----------------------------------------------------------------------------------

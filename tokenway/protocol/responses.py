@@ -193,7 +193,8 @@ def finite(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def _check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's metadata rules (responses, batches): at most 16 pairs, keys of 64 characters, values of 512."""
     if value is None:
         return value
     if len(value) > MAX_METADATA_PAIRS:
@@ -355,7 +356,7 @@ class ResponsesRequest(ResponsesPrompt):
     @field_validator("metadata")
     @classmethod
     def _metadata_bounds(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        return _check_metadata(value)
+        return check_metadata(value)
 
     @field_validator("prompt")
     @classmethod
