@@ -1,5 +1,5 @@
 """The Batch APIs with the official SDKs, unchanged, against a real `tokenway serve`: a batch's
-lines run on the server's runner and answer exactly what the same requests answer one by one
+200 lines run on the server's runner and answer exactly what the same requests answer one by one
 (greedy, float32), a bad line lands in the error file, a cancelled batch stops, and Anthropic's
 Message Batches give their results the same way."""
 
@@ -17,6 +17,7 @@ MODEL = "smollm2-135m-instruct"
 EMBEDDING_MODEL = "all-minilm-l6-v2"
 TOPICS = ("the sea", "a cat", "rain", "bread", "a clock", "the moon", "a bridge", "snow", "a violin", "tea")
 DEADLINE_S = 300  # how long a batch may take before the test gives up waiting (not a speed check)
+NUM_LINES = 200  # the issue's size: the runner must go round its capacity several times
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +25,13 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def chat_body(topic: str) -> dict:
+def chat_body(topic: str, max_tokens: int = 12) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": f"Write one sentence about {topic}."}],
-            "max_tokens": 12, "temperature": 0}
+            "max_tokens": max_tokens, "temperature": 0}
+
+
+def topic_of(i: int) -> str:
+    return f"{TOPICS[i % len(TOPICS)]} ({i})"
 
 
 def run(client, lines: list[dict], endpoint: str):
@@ -54,24 +59,24 @@ def lines_of(client, file_id: str | None) -> dict[str, dict]:
 
 
 def test_a_chat_batch_answers_as_its_requests_one_by_one(client, server):
-    lines = [{"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions", "body": chat_body(topic)}
-             for i, topic in enumerate(TOPICS)]
-    lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
-                  "body": {**chat_body("x"), "temperature": 5}})
+    lines = [{"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": chat_body(topic_of(i), max_tokens=6)} for i in range(NUM_LINES)]
+    lines.insert(NUM_LINES // 2, {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+                                  "body": {**chat_body("x"), "temperature": 5}})
     batch = run(client, lines, "/v1/chat/completions")
     assert batch.status == "completed", batch
     counts = batch.request_counts
-    assert (counts.total, counts.completed, counts.failed) == (len(TOPICS) + 1, len(TOPICS), 1)
+    assert (counts.total, counts.completed, counts.failed) == (NUM_LINES + 1, NUM_LINES, 1)
     assert batch.metadata == {"test": "e2e"} and batch.model == MODEL and batch.completed_at is not None
     outputs, errors = lines_of(client, batch.output_file_id), lines_of(client, batch.error_file_id)
-    assert sorted(outputs) == sorted(f"chat-{i}" for i in range(len(TOPICS))) and list(errors) == ["bad"]
+    assert sorted(outputs) == sorted(f"chat-{i}" for i in range(NUM_LINES)) and list(errors) == ["bad"]
     bad = errors["bad"]["response"]
     assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "temperature"
-    for i, topic in enumerate(TOPICS):
+    for i in range(NUM_LINES):
         line = outputs[f"chat-{i}"]
         assert line["error"] is None and line["response"]["status_code"] == 200
         answered = line["response"]["body"]
-        alone = client.chat.completions.create(**chat_body(topic))
+        alone = client.chat.completions.create(**chat_body(topic_of(i), max_tokens=6))
         assert answered["choices"][0]["message"]["content"] == alone.choices[0].message.content
         assert answered["usage"]["completion_tokens"] == alone.usage.completion_tokens
     # Each line is one ledger row, under the id its answer names.
@@ -81,7 +86,7 @@ def test_a_chat_batch_answers_as_its_requests_one_by_one(client, server):
 
 
 def test_an_embeddings_batch_answers_as_its_requests_one_by_one(client):
-    texts = [f"A short note about {topic}." for topic in TOPICS[:6]]
+    texts = [f"A short note about {topic_of(i)}." for i in range(NUM_LINES)]
     lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
               "body": {"model": EMBEDDING_MODEL, "input": text, "encoding_format": "float"}}
              for i, text in enumerate(texts)]
