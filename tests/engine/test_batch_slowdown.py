@@ -103,3 +103,21 @@ def test_the_engine_config_takes_a_bound_or_none():
     assert EngineConfig().batch_slowdown == 0.25 and EngineConfig(batch_slowdown=None).batch_slowdown is None
     with pytest.raises(ValueError, match="batch_slowdown"):
         EngineConfig(batch_slowdown=-1)
+
+
+def test_the_plane_tells_what_a_batch_token_costs_apart_from_an_interactive_one():
+    cost = StepCost()
+    for _ in range(20):
+        for interactive in (1, 4, 9, 16):
+            for batch in (0, 2, 5, 11):
+                cost.observe(interactive + batch, 0.002 + 0.0004 * interactive + 0.0008 * batch, batch)
+    fixed, per_interactive, per_batch = cost.plane()
+    assert (fixed, per_interactive, per_batch) == pytest.approx((0.002, 0.0004, 0.0008))
+    # Four interactive tokens cost 3.6 ms; 25% of it, 0.9 ms, buys 1.125 batch tokens of 0.8 ms.
+    allowance = BatchAllowance(0.25, cost, Clock())
+    assert allowance.tokens(4) == 1
+    # Batch tokens that never vary: no plane, the line on all tokens stands in.
+    alone = StepCost()
+    for interactive in (1, 4, 9, 16):
+        alone.observe(interactive + 2, 0.002 + 0.0004 * interactive + 0.0018, 2)
+    assert alone.plane() is None and alone.line() is not None

@@ -23,7 +23,7 @@ from tokenway.config import EngineConfig
 from tokenway.engine.request import Request, RequestStatus
 from tokenway.engine.runner import ModelRunner, kv_bytes_per_block
 from tokenway.engine.sampler import Sampler, SamplingMetadata
-from tokenway.engine.scheduler import Scheduler
+from tokenway.engine.scheduler import BATCH_RANK, Scheduler, SchedulerOutput
 from tokenway.engine.spec_decode import NgramProposer
 from tokenway.engine.stats import ClassStats, EngineStats
 from tokenway.engine.step_cost import BatchAllowance
@@ -42,6 +42,9 @@ from tokenway.protocol.outputs import EngineOutput
 from tokenway.protocol.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# A cycle longer than twice its step and this is a loop that waited for work: not the step's cost.
+CYCLE_SLACK_S = 0.005
 
 
 def cpu_has_bf16() -> bool:
@@ -137,6 +140,8 @@ class EngineCore:
         # model that turns the bound into tokens (engine/step_cost.py).
         allowance = None if config.batch_slowdown is None else BatchAllowance(config.batch_slowdown)
         self.step_cost = None if allowance is None else allowance.cost
+        # (perf_counter at its start, its seconds, its tokens, those of the batch class)
+        self._last_step: tuple[float, float, int, int] | None = None
         self.scheduler = Scheduler(
             self.kv_manager, self.max_model_len, config.max_num_batched_tokens, config.max_num_seqs, self.eos_token_ids,
             proposer, allowance,
@@ -215,8 +220,11 @@ class EngineCore:
 
     def step(self) -> list[EngineOutput]:
         started = time.perf_counter()
+        if self.step_cost is not None and self._last_step is not None:
+            self._observe_cycle(started)
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.requests:
+            self._last_step = None
             return []
         sampling_requests = scheduler_output.sampling_requests
         spec_token_ids = scheduler_output.sampling_spec_token_ids if scheduler_output.num_spec_tokens else None
@@ -229,5 +237,23 @@ class EngineCore:
         )
         self.num_steps += 1
         if self.step_cost is not None:
-            self.step_cost.observe(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started)
+            # What a step costs is the whole cycle to the next (its outputs folded, detokenized and
+            # sent too, work that grows with its requests); measured when the next step starts.
+            self._last_step = (started, time.perf_counter() - started, scheduler_output.total_num_scheduled_tokens,
+                               batch_tokens(scheduler_output))
         return outputs
+
+    def _observe_cycle(self, now: float) -> None:
+        """The last step's cost: the time from its start to this one's, unless the loop waited
+        for work between them (then only the step itself)."""
+        assert self.step_cost is not None and self._last_step is not None
+        started, step_s, num_tokens, num_batch_tokens = self._last_step
+        cycle_s = now - started
+        seconds = cycle_s if cycle_s < 2 * step_s + CYCLE_SLACK_S else step_s
+        self.step_cost.observe(num_tokens, seconds, num_batch_tokens)
+        self._last_step = None
+
+
+def batch_tokens(scheduler_output: SchedulerOutput) -> int:
+    return sum(num_new for request, num_new in zip(scheduler_output.requests, scheduler_output.num_scheduled_tokens)
+               if request.class_rank == BATCH_RANK)

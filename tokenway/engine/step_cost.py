@@ -42,36 +42,63 @@ UNBOUNDED = 1 << 62
 
 
 class StepCost:
-    """An exponentially weighted least-squares line: step seconds against tokens computed."""
+    """Exponentially weighted least squares of a step's seconds: a line against the tokens it
+    computed (line), and a plane against its interactive and its batch tokens apart (plane),
+    which measures what a batch token costs the step, whatever the tokens beside it."""
 
     def __init__(self, decay: float = DECAY) -> None:
         if not 0 < decay < 1:
             raise ValueError(f"decay must be in (0, 1), got {decay}")
         self.decay = decay
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        # Weighted sums: w, a (interactive tokens), b (batch tokens), y (seconds), and products.
+        self._w = self._a = self._b = self._y = 0.0
+        self._aa = self._bb = self._ab = self._ay = self._by = 0.0
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens <= 0 or not math.isfinite(seconds) or seconds <= 0:
+    def observe(self, num_tokens: int, seconds: float, num_batch_tokens: int = 0) -> None:
+        """A step of num_tokens tokens, num_batch_tokens of them the batch class's."""
+        if num_tokens <= 0 or not math.isfinite(seconds) or seconds <= 0 or not 0 <= num_batch_tokens <= num_tokens:
             return
-        d = self.decay
+        a, b, d = num_tokens - num_batch_tokens, num_batch_tokens, self.decay
         self._w = d * self._w + 1.0
-        self._x = d * self._x + num_tokens
-        self._y = d * self._y + seconds
-        self._xx = d * self._xx + num_tokens * num_tokens
-        self._xy = d * self._xy + num_tokens * seconds
+        self._a, self._b, self._y = d * self._a + a, d * self._b + b, d * self._y + seconds
+        self._aa, self._bb, self._ab = d * self._aa + a * a, d * self._bb + b * b, d * self._ab + a * b
+        self._ay, self._by = d * self._ay + a * seconds, d * self._by + b * seconds
 
     def line(self) -> tuple[float, float] | None:
         """(seconds a step costs whatever its tokens, seconds each token adds); None before any step."""
-        w, x, y = self._w, self._x, self._y
+        w = self._w
         if w == 0.0:
             return None
-        variance = self._xx / w - (x / w) ** 2
+        x, y = self._a + self._b, self._y
+        xx = self._aa + 2 * self._ab + self._bb
+        xy = self._ay + self._by
+        variance = xx / w - (x / w) ** 2
         if variance >= MIN_VARIANCE:
-            slope = (self._xy / w - (x / w) * (y / w)) / variance
+            slope = (xy / w - (x / w) * (y / w)) / variance
             intercept = (y - slope * x) / w
             if slope > 0 and intercept >= 0:
                 return intercept, slope
         return 0.0, y / x  # the steps alike in size, or a fit that makes no physical sense
+
+    def plane(self) -> tuple[float, float, float] | None:
+        """(seconds a step costs, seconds an interactive token adds, seconds a batch token adds);
+        None until the recent steps' interactive and batch tokens vary enough, and apart enough,
+        to tell the two costs apart (or where the fit makes no physical sense)."""
+        w = self._w
+        if w == 0.0:
+            return None
+        ma, mb, my = self._a / w, self._b / w, self._y / w
+        saa, sbb, sab = self._aa / w - ma * ma, self._bb / w - mb * mb, self._ab / w - ma * mb
+        say, sby = self._ay / w - ma * my, self._by / w - mb * my
+        det = saa * sbb - sab * sab
+        if saa < MIN_VARIANCE or sbb < MIN_VARIANCE or det < MIN_VARIANCE * MIN_VARIANCE:
+            return None
+        per_interactive = (say * sbb - sby * sab) / det
+        per_batch = (sby * saa - say * sab) / det
+        fixed = my - per_interactive * ma - per_batch * mb
+        if per_interactive <= 0 or per_batch <= 0 or fixed < 0:
+            return None
+        return fixed, per_interactive, per_batch
 
 
 class BatchAllowance:
@@ -101,7 +128,11 @@ class BatchAllowance:
             self._interactive_at = now
             weight = INTERACTIVE_WEIGHT if self._interactive_tokens else 1.0
             self._interactive_tokens += (num_interactive_tokens - self._interactive_tokens) * weight
-            if line is None:  # no step measured yet: as if a step cost its tokens alone
+            plane = self.cost.plane()
+            if plane is not None:  # what a batch token costs, measured beside interactive ones
+                fixed, per_interactive, per_batch = plane
+                allowed = self.slowdown * (fixed + per_interactive * num_interactive_tokens) / per_batch
+            elif line is None:  # no step measured yet: as if a step cost its tokens alone
                 allowed = self.slowdown * num_interactive_tokens
             else:
                 intercept, slope = line
