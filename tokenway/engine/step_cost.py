@@ -3,12 +3,16 @@ the slowdown of interactive requests allows beside them.
 
 A step's time on this hardware is close to linear in the tokens it computes: a fixed part (the
 weights are read once a step, whatever the batch) and a part per token (the products, and the
-attention). StepCost fits that line to the recent steps (least squares, the older steps weighing
-less), so it follows the machine as it is now (other load, the context lengths of the moment).
+attention). A batch token costs more than an average one (its sequence's outputs folded and
+sent, the HTTP side's work for its line, on the same cores), so StepCost fits a plane, the
+step's whole cycle against its interactive and its batch tokens apart, and a line on all tokens
+to stand in until both vary enough to tell apart (least squares, the older steps weighing less:
+it follows the machine as it is now, other load and the context lengths of the moment).
 
 BatchAllowance turns a bound on the slowdown ("a step with batch work may take 25% longer than
 the same step without it") into tokens: while interactive requests run, batch requests may add
-up to bound * cost(interactive tokens) of time, that is bound * cost / cost_per_token tokens.
+up to bound * cost(interactive tokens) of time, that is bound * cost / cost_per_batch_token
+tokens (bench/batch_bench.py: the line alone let TPOT rise 30% at a 25% bound; the plane, 15%).
 What a step leaves of its allowance is carried to the next (up to one step's worth), so a bound
 worth half a token a step still lets the batch advance a token every other step.
 
