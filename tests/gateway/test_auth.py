@@ -90,6 +90,17 @@ def test_an_expired_key_fails_and_is_not_counted_active(store):
     assert store.get(info.key_id).status(time.time()) == "expired"
 
 
+def test_a_keys_principal_by_id_is_the_one_it_authenticates_as_while_it_is_active(store):
+    secret, info = store.create("batches", rpm=7, service_tiers=("default", "batch"))
+    _, short = store.create("short", expires_at=time.time() + 0.3)
+    assert store.principal(info.key_id) == store.authenticate(secret)
+    assert store.principal(info.key_id).rpm == 7 and store.principal("k_00000000") is None
+    store.revoke(info.key_id)
+    assert store.principal(info.key_id) is None
+    time.sleep(0.35)
+    assert store.principal(short.key_id) is None
+
+
 def test_rotate_keeps_id_and_limits_and_only_the_new_secret_works(store):
     old_secret, info = store.create("ci", models=["m1"], rpm=5)
     new_secret = store.rotate(info.key_id)

@@ -149,9 +149,7 @@ class KeyStore:
         key_id = key_id_of(secret)
         if key_id is None:
             return None
-        if time.monotonic() - self._checked_at >= self.refresh_seconds:
-            self._refresh(force=False)
-        entry = self._key_id_to_entry.get(key_id)
+        entry = self._entry(key_id)
         if entry is None or not hmac.compare_digest(entry.secret_sha256, hash_secret(secret)):
             return None
         now = time.time()
@@ -159,6 +157,19 @@ class KeyStore:
             return None
         self._key_id_to_last_used[key_id] = now
         return entry.principal
+
+    def principal(self, key_id: str) -> Principal | None:
+        """An active key's Principal by its id, from the cache authenticate() reads (None:
+        unknown, revoked or expired): for work a key submitted earlier, such as a batch's lines."""
+        entry = self._entry(key_id)
+        if entry is None or entry.principal.is_expired(time.time()):
+            return None
+        return entry.principal
+
+    def _entry(self, key_id: str) -> _Entry | None:
+        if time.monotonic() - self._checked_at >= self.refresh_seconds:
+            self._refresh(force=False)
+        return self._key_id_to_entry.get(key_id)
 
     # ---- administration --------------------------------------------------------------------------
 

@@ -25,7 +25,6 @@ from tokenway.batches.store import BatchLine, LineOutcome
 from tokenway.gateway.auth import ANONYMOUS, ANONYMOUS_KEY_ID, Principal
 from tokenway.gateway.call import CallStart
 from tokenway.gateway.gatekeeper import Gatekeeper
-from tokenway.gateway.keystore import _principal
 from tokenway.protocol.errors import (
     AuthenticationError,
     TokenwayError,
@@ -52,10 +51,7 @@ def principal_of(gatekeeper: Gatekeeper | None) -> PrincipalOf:
     def lookup(key_id: str) -> Principal | None:
         if gatekeeper is None or key_id == ANONYMOUS_KEY_ID:
             return ANONYMOUS
-        info = gatekeeper.keys.get(key_id)
-        if info is None or info.status(time.time()) != "active":
-            return None
-        return _principal(info)
+        return gatekeeper.keys.principal(key_id)
 
     return lookup
 
