@@ -291,3 +291,16 @@ def test_a_key_without_the_batch_tier_is_refused_at_create_not_line_by_line(serv
     assert openai_batch.status_code == 403 and openai_batch.json()["error"]["code"] == "service_tier_not_allowed"
     assert "batch" in openai_batch.json()["error"]["message"]
     assert message_batch.status_code == 403 and message_batch.json()["error"]["type"] == "permission_error"
+
+
+def test_a_files_list_takes_only_asc_or_desc_order(services):
+    [auth] = keys(services, "a")
+
+    async def steps(client, app):
+        await upload(client, auth, jsonl(request_line("one")))
+        await upload(client, auth, jsonl(request_line("two")))
+        return [await client.get(f"/v1/files?order={order}", headers=auth) for order in ("asc", "desc", "newest")]
+
+    asc, desc, bad = session(services, steps)
+    assert [f["id"] for f in asc.json()["data"]] == [f["id"] for f in desc.json()["data"]][::-1]
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "order")

@@ -17,7 +17,6 @@ import asyncio
 import re
 import time
 from collections.abc import Callable
-from typing import Literal
 
 from fastapi import APIRouter
 from starlette.datastructures import UploadFile
@@ -37,7 +36,7 @@ from tokenway.protocol.errors import (
     short_repr,
     truncate,
 )
-from tokenway.server.responses_api import key_of, page_limit
+from tokenway.server.responses_api import key_of, page_limit, page_order
 from tokenway.server.routes import call_of
 from tokenway.server.services import Services
 
@@ -82,15 +81,13 @@ def router(services: Services) -> APIRouter:
     async def list_files(request: Request) -> Response:
         store = batch_store_of(services)
         query = request.query_params
-        purpose, order = query.get("purpose"), query.get("order", "desc")
+        purpose, order = query.get("purpose"), page_order(query.get("order"))
         if purpose not in (None, "batch", "batch_output"):
             raise InvalidRequestError(f"purpose: this server keeps 'batch' and 'batch_output' files, got "
                                       f"{short_repr(purpose)}", param="purpose")
-        if order not in ("asc", "desc"):
-            raise InvalidRequestError(f"order: must be 'asc' or 'desc', got {short_repr(order)}", param="order")
         try:
             page = await store.list_files(key_of(request), purpose=purpose, after=query.get("after"),
-                                          limit=page_limit(query.get("limit")), order=_order(order))
+                                          limit=page_limit(query.get("limit")), order=order)
         except FieldError as exc:
             raise InvalidRequestError(str(exc), param=exc.param) from None
         listed: FileList = {"object": "list", "data": [file_json(file) for file in page.data],
@@ -172,6 +169,3 @@ def file_json(file: StoredFile) -> FileObject:
             "expires_at": int(file.expires_at) if file.expires_at is not None else None, "filename": file.filename,
             "purpose": file.purpose, "status": "processed", "status_details": None}
 
-
-def _order(order: str) -> Literal["asc", "desc"]:
-    return "asc" if order == "asc" else "desc"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import time
 from itertools import count
-from typing import cast
+from typing import Literal, cast
 
 from fastapi import APIRouter
 from starlette.requests import Request
@@ -144,14 +144,12 @@ def router(services: Services) -> APIRouter:
     @api.get("/v1/responses/{response_id}/input_items")
     async def input_items(request: Request, response_id: str) -> Response:
         query = request.query_params
-        limit, order, after = page_limit(query.get("limit")), query.get("order", "desc"), query.get("after")
-        if order not in ("asc", "desc"):
-            raise InvalidRequestError(f"order: must be 'asc' or 'desc', got {order[:20]!r}", param="order")
+        limit, order, after = page_limit(query.get("limit")), page_order(query.get("order")), query.get("after")
         page = None
         if RESPONSE_ID.fullmatch(response_id):
             try:
                 page = await stored_in(services).input_items(response_id, key_of(request), after=after, limit=limit,
-                                                             order="asc" if order == "asc" else "desc")
+                                                             order=order)
             except ValueError as exc:  # an `after` the response has no item for
                 raise InvalidRequestError(str(exc), param="after") from None
         if page is None:
@@ -213,6 +211,15 @@ def page_limit(text: str | None) -> int:
         raise InvalidRequestError(f"limit: must be an integer from 1 to {MAX_PAGE_ITEMS}, got {text[:20]!r}",
                                   param="limit")
     return int(text)
+
+
+def page_order(text: str | None) -> Literal["asc", "desc"]:
+    """A list's `order` query parameter: newest first ("desc") unless asked."""
+    if text is None or text == "desc":
+        return "desc"
+    if text != "asc":
+        raise InvalidRequestError(f"order: must be 'asc' or 'desc', got {text[:20]!r}", param="order")
+    return "asc"
 
 
 async def history_of(services: Services, body: ResponsesPrompt, call: Call) -> History:
