@@ -88,6 +88,9 @@ class Principal:
     expires_at: float | None = None  # unix seconds
     safety: SafetyPolicy | None = None  # the key's own safety policy; None: the model's or the server's
     service_tiers: tuple[ServiceClass, ...] | None = None  # the tiers it may run at; None: the server's default
+    # whether its calls may be answered from the response cache: None follows the model's
+    # setting; True or False overrides it for this key
+    response_cache: bool | None = None
 
     def __post_init__(self) -> None:
         check_key_fields(self.name, self.models, self.rpm, self.tpm, self.tpd, self.max_concurrent,

@@ -59,14 +59,15 @@ CREATE TABLE IF NOT EXISTS api_keys (
     revoked_at REAL,
     last_used_at REAL,
     safety TEXT,                -- JSON SafetyPolicy; NULL: the model's or the server's
-    service_tiers TEXT          -- JSON array of service tiers; NULL: the server's default grant
+    service_tiers TEXT,         -- JSON array of service tiers; NULL: the server's default grant
+    response_cache INTEGER      -- 1 or 0: the key's answers may (not) come from the response cache; NULL: the model's
 );
 CREATE TABLE IF NOT EXISTS api_keys_version (id INTEGER PRIMARY KEY CHECK (id = 0), version INTEGER NOT NULL);
 INSERT OR IGNORE INTO api_keys_version (id, version) VALUES (0, 0);
 """
 _LIMIT_COLUMNS = ("rpm", "tpm", "tpd", "max_concurrent", "max_tokens", "budget_usd", "expires_at")
 _COLUMNS = ("key_id", "name", "models", *_LIMIT_COLUMNS, "created_at", "revoked_at", "last_used_at", "hint",
-            "safety", "service_tiers")
+            "safety", "service_tiers", "response_cache")
 
 
 class UnknownKeyError(ValueError):
@@ -93,6 +94,7 @@ class KeyInfo:
     hint: str  # "tw-k_3f9a2c1b-…a9Zq"
     safety: SafetyPolicy | None = None
     service_tiers: tuple[ServiceClass, ...] | None = None  # None: the server's default grant
+    response_cache: bool | None = None  # None: the model's setting
 
     def status(self, now: float) -> str:
         if self.revoked_at is not None:
@@ -135,6 +137,8 @@ class KeyStore:
                 self._conn.execute("ALTER TABLE api_keys ADD COLUMN safety TEXT")
             if "service_tiers" not in columns:  # ... and before per-key service tiers
                 self._conn.execute("ALTER TABLE api_keys ADD COLUMN service_tiers TEXT")
+            if "response_cache" not in columns:  # ... and before per-key response caching
+                self._conn.execute("ALTER TABLE api_keys ADD COLUMN response_cache INTEGER")
         # Replaced whole, never mutated, so a reader needs no lock.
         self._key_id_to_entry: dict[str, _Entry] = {}
         self._version = -1
@@ -177,9 +181,11 @@ class KeyStore:
                tpm: int | None = None, tpd: int | None = None, max_concurrent: int | None = None,
                max_tokens: int | None = None, budget_usd: float | None = None,
                expires_at: float | None = None, safety: SafetyPolicy | None = None,
-               service_tiers: tuple[ServiceClass, ...] | list[ServiceClass] | None = None) -> tuple[str, KeyInfo]:
+               service_tiers: tuple[ServiceClass, ...] | list[ServiceClass] | None = None,
+               response_cache: bool | None = None) -> tuple[str, KeyInfo]:
         """A new key; the secret is returned here once and stored only as a hash. service_tiers:
-        the tiers its calls may run at (None: the server's default grant)."""
+        the tiers its calls may run at (None: the server's default grant); response_cache:
+        whether its calls may be answered from the response cache (None: as the model says)."""
         models = tuple(models) if models is not None else None
         service_tiers = tuple(service_tiers) if service_tiers is not None else None
         check_key_fields(name, models, rpm, tpm, tpd, max_concurrent, max_tokens, budget_usd, expires_at)
@@ -194,13 +200,14 @@ class KeyStore:
                 with self._write() as conn:
                     conn.execute(
                         f"INSERT INTO api_keys (key_id, secret_sha256, hint, name, models, {', '.join(_LIMIT_COLUMNS)},"
-                        f" created_at, safety, service_tiers)"
-                        f" VALUES (?, ?, ?, ?, ?, {', '.join('?' * len(_LIMIT_COLUMNS))}, ?, ?, ?)",
+                        f" created_at, safety, service_tiers, response_cache)"
+                        f" VALUES (?, ?, ?, ?, ?, {', '.join('?' * len(_LIMIT_COLUMNS))}, ?, ?, ?, ?)",
                         (key_id, hash_secret(secret), secret_hint(secret), name,
                          json.dumps(list(models)) if models is not None else None,
                          rpm, tpm, tpd, max_concurrent, max_tokens, budget_usd, expires_at, now,
                          json.dumps(safety.to_dict()) if safety is not None else None,
-                         json.dumps(list(service_tiers)) if service_tiers is not None else None))
+                         json.dumps(list(service_tiers)) if service_tiers is not None else None,
+                         None if response_cache is None else int(response_cache)))
             except sqlite3.IntegrityError:
                 continue  # key_id taken
             break
@@ -348,6 +355,7 @@ def _key_info(row: tuple) -> KeyInfo:
     values["safety"] = SafetyPolicy.from_dict(json.loads(values["safety"])) if values["safety"] is not None else None
     tiers = values["service_tiers"]
     values["service_tiers"] = tuple(json.loads(tiers)) if tiers is not None else None
+    values["response_cache"] = None if values["response_cache"] is None else bool(values["response_cache"])
     return KeyInfo(**values)
 
 
@@ -355,4 +363,4 @@ def _principal(info: KeyInfo) -> Principal:
     return Principal(key_id=info.key_id, name=info.name, models=info.models, rpm=info.rpm, tpm=info.tpm,
                      tpd=info.tpd, max_concurrent=info.max_concurrent, max_tokens=info.max_tokens,
                      budget_usd=info.budget_usd, expires_at=info.expires_at, safety=info.safety,
-                     service_tiers=info.service_tiers)
+                     service_tiers=info.service_tiers, response_cache=info.response_cache)
