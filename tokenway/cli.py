@@ -79,6 +79,7 @@ SERVE_OPTIONS = {
     "max_body_bytes": (str, "8MiB"),
     "max_batch_file_bytes": (str, "200MiB"),  # a Batch API input file, or a message batch's body
     "graceful_shutdown_seconds": (float, 30.0),
+    "workers": (int, 1),  # HTTP processes on the one port (server/workers.py)
     # reading requests (server/connections.py ConnectionPolicy; None: its default, caps from RLIMIT_NOFILE)
     "header_timeout_seconds": (float, None),
     "body_timeout_seconds": (float, None),
@@ -255,6 +256,8 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--admin-key-file", help="a file whose first line is the admin key")
     serve.add_argument("--ssl-certfile", help="serve HTTPS with this PEM certificate (chain)")
     serve.add_argument("--ssl-keyfile", help="... and this PEM private key")
+    serve.add_argument("--workers", type=int, help="HTTP processes serving the one port, under a supervisor that "
+                       "owns the limits (without a Redis) and reloads the config on SIGHUP (default 1)")
     serve.add_argument("--no-gateway", dest="gateway", action="store_const", const=False,
                        help="no auth, limits or ledger (to measure what they cost)")
     for name in ("rpm", "tpm", "tpd", "max-concurrent", "max-tokens"):
@@ -266,7 +269,13 @@ def add_serve_parser(sub) -> None:
                        "(default $OTEL_EXPORTER_OTLP_ENDPOINT; unset: off)")
 
 
-def run_serve(options: dict) -> int:
+def run_serve(options: dict, argv: list[str] | None = None) -> int:
+    """argv: the command line, which each of --workers N processes is started with."""
+    from tokenway.server.workers import WorkerSlot
+
+    slot = WorkerSlot.from_env()
+    if options["workers"] != 1 and slot is None:
+        return supervise(options, sys.argv[1:] if argv is None else argv)
     import socket
     import uuid
 
@@ -279,6 +288,7 @@ def run_serve(options: dict) -> int:
     from tokenway.engine.process import ProcessEngine
     from tokenway.frontend.reasoning_parsers import check_reasoning_parser
     from tokenway.frontend.tool_parsers import FORMATS
+    from tokenway.routing.batch_room import LOCAL_QUEUE_DEPTH
     from tokenway.server.app import create_app
     from tokenway.server.batch_lines import LineExecutor, batch_capacity, principal_of
     from tokenway.server.services import ModelCatalog, ServerConfig, Services, local_router
@@ -392,8 +402,8 @@ def run_serve(options: dict) -> int:
                                    f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
                                    batch_capacity(services.capacity, router, engine_config.max_num_seqs),
                                    options["batch_lease_seconds"],
-                                   # as many lines as the engine runs at once: capacity is the bound
-                                   max_running=max(DEFAULT_MAX_RUNNING, engine_config.max_num_seqs))
+                                   # as many lines as the engine runs and queues: capacity is the bound
+                                   max_running=max(DEFAULT_MAX_RUNNING, LOCAL_QUEUE_DEPTH * engine_config.max_num_seqs))
         if services.observer is not None:
             services.observer.watch_batches(batch_runner.stats.to_dict)
         server = Server(uvicorn.Config(
@@ -649,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.admin_key:
                 print("tokenway: WARNING: --admin-key is visible to every user of this machine (ps, /proc); "
                       "use $TOKENWAY_ADMIN_KEY or --admin-key-file", file=sys.stderr, flush=True)
-            return run_serve(serve_options(args))
+            return run_serve(serve_options(args), argv)
         if args.command == "keys":
             return run_keys(args)
         if args.command == "batches":

@@ -90,18 +90,19 @@ async def started(router: Router, model: str, service_classes: list[ServiceClass
     return tasks
 
 
-async def test_the_local_engine_leaves_its_sequences_less_its_interactive_work():
+async def test_the_local_engine_leaves_two_waves_of_its_sequences_less_its_interactive_work():
     local = Replica("local", "engine", engine_stats())
     router = Router({"m": pool("m", local, max_in_flight=256)})
-    assert batch_room(router, local_max_num_seqs=8) == 8
+    # 8 sequences running and 8 waiting: the second wave is admitted the step the first ends.
+    assert batch_room(router, local_max_num_seqs=8) == 16
     tasks = await started(router, "m", ["batch", "batch", "batch", "default", "default"])
     assert router.pools["m"].name_to_num_batch == {"local": 3}
     # The engine has not counted the new calls yet, then has: the room is the same either way (a
     # total: the runner subtracts its own lines), less the interactive work once the engine has it.
-    assert batch_room(router, local_max_num_seqs=8) == 8
+    assert batch_room(router, local_max_num_seqs=8) == 16
     local.engine = engine_stats(num_batch=3, num_interactive=2, num_waiting=1)
-    assert batch_room(router, local_max_num_seqs=8) == 8 - 3
-    local.engine = engine_stats(num_batch=3, num_interactive=8, num_waiting=4)
+    assert batch_room(router, local_max_num_seqs=8) == 16 - 3
+    local.engine = engine_stats(num_batch=3, num_interactive=12, num_waiting=6)
     assert batch_room(router, local_max_num_seqs=8) == 0  # never below none
     local.gate.set()
     await asyncio.gather(*tasks)
@@ -136,6 +137,6 @@ async def test_a_replica_down_has_no_room_and_each_replica_counts_once():
     worker = Replica("w", "worker", engine_stats(num_interactive=4))
     chat = pool("chat", local, worker, max_in_flight=10)
     router = Router({"chat": chat, "chat-alias": chat, "other": pool("other", upstream, max_in_flight=10)})
-    assert batch_room(router, local_max_num_seqs=4) == 4 + (10 - 4) + 5
+    assert batch_room(router, local_max_num_seqs=4) == 2 * 4 + (10 - 4) + 5  # the local engine two waves deep
     chat.healths["w"].record_probe(False, "connection refused")
-    assert batch_room(router, local_max_num_seqs=4) == 4 + 5
+    assert batch_room(router, local_max_num_seqs=4) == 2 * 4 + 5

@@ -8,13 +8,19 @@ calls, as this gateway's router sees them (no I/O: read on every look the batch 
         of its last probe):
             room(r) = min(slots(r), seqs(r) - its engine's other classes running and waiting
                                             - the batch work other gateways run there)
-            seqs(r): the local engine's max_num_seqs; a worker's max_in_flight (it reports no max_num_seqs)
+            seqs(r): twice the local engine's max_num_seqs (below); a worker's max_in_flight (it
+                     reports no max_num_seqs)
         else (an upstream, a worker not probed yet or too old to count classes: nothing here can
         put an interactive call ahead of a batch one there):
             room(r) = slots(r) // 2: the other half kept for interactive calls arriving later
     room = the sum: a total this gateway's batch lines may reach, its own running ones included
 
-An engine admits a better class first, so a batch line never delays an interactive one there
+The local engine is kept a second wave deep: lines waiting in its queue are admitted the step
+running ones end, where a line claimed only when one ends reaches the engine a claim, a
+templating and a ledger row later (128 lines of one length ending in one step left the engine
+at a fifth of its throughput for ~1 s, each time: bench/batch_bench.py). Waiting there costs
+nothing: a waiting request holds no KV blocks, and
+an engine admits a better class first, so a batch line never delays an interactive one there
 whatever this lets run; the room keeps the queue's lines with the gateways whose replicas are
 free (a line claimed here and waiting in a full engine is one another gateway could have run).
 Other gateways' batch work on a shared worker is its engine's batch count less this gateway's
@@ -27,6 +33,8 @@ from __future__ import annotations
 from tokenway.engine.stats import EngineStats
 from tokenway.routing.balancer import ReplicaView
 from tokenway.routing.router import Router
+
+LOCAL_QUEUE_DEPTH = 2  # the local engine's batch lines: running, and as many again waiting
 
 
 def batch_room(router: Router, local_max_num_seqs: int | None = None) -> int:
@@ -42,7 +50,8 @@ def batch_room(router: Router, local_max_num_seqs: int | None = None) -> int:
             seen.add(id(replica))
             if view.health is not None and view.health.unavailable_reason is not None:
                 continue
-            num_seqs = local_max_num_seqs if replica.kind == "engine" else None
+            num_seqs = LOCAL_QUEUE_DEPTH * local_max_num_seqs \
+                if replica.kind == "engine" and local_max_num_seqs is not None else None
             room += replica_room(view, pool.name_to_num_batch.get(view.name, 0), replica.stats(), num_seqs)
     return room
 
