@@ -1,30 +1,34 @@
-"""API keys in SQLite, and the in-memory cache that authenticates every request.
+"""API keys: the in-memory cache that authenticates every request, and the rules of creating,
+revoking, rotating, exporting and importing keys, over a backend that holds the table:
 
-    table api_keys           one row per key ever created; revoked rows stay, with revoked_at
-    table api_keys_version   one row: bumped in the same transaction as every create, revoke, rotate
+    KeyStore("/path/tokenway.db")            SQLite (keystore_sqlite.py): the embedded default
+    KeyStore("postgresql://host/db")         PostgreSQL (keystore_postgres.py): one store for every gateway
 
-The store may share its SQLite file with the usage ledger: it owns only these two tables and
-its own connection. The gateway and `tokenway keys` (another process) write the same file.
+authenticate() never touches the database: it parses the key_id out of the secret, looks it up
+in `key_id_to_entry` and compares SHA-256 digests in constant time. The cache learns of a change
+made through this store at once (the write reloads it), and of another process's change
 
-authenticate() never touches SQLite on a cache hit: it parses the key_id out of the secret,
-looks it up in `key_id_to_entry` and compares SHA-256 digests in constant time. At most every
-`refresh_seconds` one call reads api_keys_version and, only if it moved, reloads the table; so
-a revoke or rotate made by another process takes effect within refresh_seconds, and one made
-through this store at once. (PRAGMA data_version would be cheaper still, but the ledger's
-writes to the same file would change it on every request.)
+    SQLite      by polling: at most every `refresh_seconds` one call reads the table's version
+                and, only if it moved, reloads the table (a file read, cheap enough inline);
+    PostgreSQL  by LISTEN/NOTIFY on a thread of its own, within milliseconds; the same thread
+                also reads the version every `refresh_seconds`, in case a notification was lost
+                with its connection. No request ever waits on the network for a key.
+
+While the database is unreachable, calls are still authenticated from the cache (a revocation
+made meanwhile waits for it to come back); administration fails with KeyStoreUnavailable.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import sqlite3
 import threading
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Self
+from typing import Self
 
 from tokenway.gateway.auth import (
     Principal,
@@ -36,79 +40,51 @@ from tokenway.gateway.auth import (
     new_secret,
     secret_hint,
 )
+from tokenway.gateway.keystore_backend import (
+    ChangeFeed,
+    KeyBackend,
+    KeyInfo,
+    KeyStoreUnavailable,
+    StoredKey,
+    UnknownKeyError,
+)
+from tokenway.gateway.keystore_sqlite import SqliteKeys
 from tokenway.protocol.errors import FieldError
 from tokenway.protocol.job import ServiceClass
 from tokenway.safety.screen import SafetyPolicy
+from tokenway.sql import is_transient
+
+__all__ = ["KeyInfo", "KeyStore", "KeyStoreUnavailable", "StoredKey", "UnknownKeyError", "ImportConflict"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_REFRESH_SECONDS = 2.0
 _NUM_ID_ATTEMPTS = 8  # 32-bit key_ids: a collision is rare, eight in a row is impossible
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS api_keys (
-    key_id TEXT PRIMARY KEY,
-    secret_sha256 BLOB NOT NULL,
-    hint TEXT NOT NULL,
-    name TEXT NOT NULL,
-    models TEXT,                -- JSON array of served model names; NULL: all
-    rpm INTEGER, tpm INTEGER, tpd INTEGER, max_concurrent INTEGER, max_tokens INTEGER,
-    budget_usd REAL,
-    expires_at REAL,            -- unix seconds; NULL: never
-    created_at REAL NOT NULL,
-    revoked_at REAL,
-    last_used_at REAL,
-    safety TEXT,                -- JSON SafetyPolicy; NULL: the model's or the server's
-    service_tiers TEXT,         -- JSON array of service tiers; NULL: the server's default grant
-    response_cache INTEGER      -- 1 or 0: the key's answers may (not) come from the response cache; NULL: the model's
-);
-CREATE TABLE IF NOT EXISTS api_keys_version (id INTEGER PRIMARY KEY CHECK (id = 0), version INTEGER NOT NULL);
-INSERT OR IGNORE INTO api_keys_version (id, version) VALUES (0, 0);
-"""
-_LIMIT_COLUMNS = ("rpm", "tpm", "tpd", "max_concurrent", "max_tokens", "budget_usd", "expires_at")
-_COLUMNS = ("key_id", "name", "models", *_LIMIT_COLUMNS, "created_at", "revoked_at", "last_used_at", "hint",
-            "safety", "service_tiers", "response_cache")
+_WAKE_S = 0.25  # how often the change feed's thread looks up from its wait (and so how long close() takes)
+_FEED_RETRY_S = 1.0  # after the change feed's connection failed
+_TOUCH_EVERY_S = 30.0  # how often the change feed's thread writes last_used_at
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+SCALE_EXTRA = "pip install 'tokenway[scale]'"
 
 
-class UnknownKeyError(ValueError):
-    """No key has this key_id."""
+class ImportConflict(ValueError):
+    """Rows to import whose key_id the store holds with other values."""
 
 
-@dataclass(frozen=True, slots=True)
-class KeyInfo:
-    """A key as listed: its limits and history, and a hint; never the secret or its hash."""
-
-    key_id: str
-    name: str
-    models: tuple[str, ...] | None
-    rpm: int | None
-    tpm: int | None
-    tpd: int | None
-    max_concurrent: int | None
-    max_tokens: int | None
-    budget_usd: float | None
-    expires_at: float | None
-    created_at: float
-    revoked_at: float | None
-    last_used_at: float | None
-    hint: str  # "tw-k_3f9a2c1b-…a9Zq"
-    safety: SafetyPolicy | None = None
-    service_tiers: tuple[ServiceClass, ...] | None = None  # None: the server's default grant
-    response_cache: bool | None = None  # None: the model's setting
-
-    def status(self, now: float) -> str:
-        if self.revoked_at is not None:
-            return "revoked"
-        if self.expires_at is not None and now >= self.expires_at:
-            return "expired"
-        return "active"
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["models"] = list(self.models) if self.models is not None else None
-        data["safety"] = self.safety.to_dict() if self.safety is not None else None
-        data["service_tiers"] = list(self.service_tiers) if self.service_tiers is not None else None
-        return data
+def open_backend(store: str | Path) -> KeyBackend:
+    """A path or sqlite:///path: SQLite; postgresql://...: PostgreSQL (psycopg, the [scale] extra)."""
+    text = str(store)
+    if text.startswith(POSTGRES_SCHEMES):
+        try:
+            from tokenway.gateway.keystore_postgres import PostgresKeys
+        except ModuleNotFoundError as exc:
+            if exc.name != "psycopg":
+                raise
+            raise RuntimeError(f"a postgresql:// key store needs psycopg: {SCALE_EXTRA}") from None
+        return PostgresKeys(text)
+    if "://" in text and not text.startswith("sqlite:///"):
+        raise FieldError("store_url", f"must be a SQLite file, sqlite:///path or postgresql://..., got {text!r}")
+    return SqliteKeys(text.removeprefix("sqlite://") if text.startswith("sqlite:///") else store)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,34 +93,38 @@ class _Entry:
     principal: Principal
 
 
+@dataclass(frozen=True, slots=True)
+class ImportResult:
+    num_added: int
+    num_unchanged: int  # already there, the same in every field but last_used_at
+
+
 class KeyStore:
-    def __init__(self, sqlite_path: str | Path, refresh_seconds: float = DEFAULT_REFRESH_SECONDS) -> None:
+    def __init__(self, store: str | Path, refresh_seconds: float = DEFAULT_REFRESH_SECONDS) -> None:
+        """store: a SQLite file (or sqlite:///path, or ":memory:") or a postgresql:// url."""
         if refresh_seconds < 0:
             raise FieldError("refresh_seconds", f"must be >= 0, got {refresh_seconds!r}")
-        self.path = Path(sqlite_path)
         self.refresh_seconds = refresh_seconds
-        if str(sqlite_path) != ":memory:":
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        # One connection, shared by the event loop and worker threads under `_lock`.
-        self._conn = sqlite3.connect(str(sqlite_path), isolation_level=None, check_same_thread=False)
-        self._lock = threading.Lock()
-        with self._lock:
-            self._conn.execute("PRAGMA busy_timeout = 5000")
-            self._conn.execute("PRAGMA journal_mode = WAL")
-            self._conn.executescript(_SCHEMA)
-            columns = {row[1] for row in self._conn.execute("PRAGMA table_info(api_keys)")}
-            if "safety" not in columns:  # a database from before per-key safety policies
-                self._conn.execute("ALTER TABLE api_keys ADD COLUMN safety TEXT")
-            if "service_tiers" not in columns:  # ... and before per-key service tiers
-                self._conn.execute("ALTER TABLE api_keys ADD COLUMN service_tiers TEXT")
-            if "response_cache" not in columns:  # ... and before per-key response caching
-                self._conn.execute("ALTER TABLE api_keys ADD COLUMN response_cache INTEGER")
+        self._backend = open_backend(store)
+        self.where = self._backend.where  # for messages: never a password
+        self.path = Path(store) if isinstance(self._backend, SqliteKeys) and "://" not in str(store) else None
         # Replaced whole, never mutated, so a reader needs no lock.
         self._key_id_to_entry: dict[str, _Entry] = {}
-        self._version = -1
+        self._version: int | None = None
         self._checked_at = float("-inf")  # time.monotonic() of the last version check
+        self._refreshing = threading.Lock()  # one reload at a time, so an older one never replaces a newer
         self._key_id_to_last_used: dict[str, float] = {}  # flushed by flush_last_used()
-        self._refresh(force=True)
+        try:
+            self._refresh(force=True)
+        except BaseException:
+            self._backend.close()
+            raise
+        self._closed = threading.Event()
+        self._feed: threading.Thread | None = None
+        if isinstance(self._backend, ChangeFeed):
+            self._feed = threading.Thread(target=self._follow, args=(self._backend,), name="keystore-feed",
+                                          daemon=True)
+            self._feed.start()
 
     # ---- the request path ------------------------------------------------------------------------
 
@@ -170,10 +150,20 @@ class KeyStore:
             return None
         return entry.principal
 
+    def count_active(self) -> int:
+        """Keys neither revoked nor expired, from the cache (so at most refresh_seconds old):
+        cheap enough to ask on the request path, e.g. whether auth may stay off."""
+        self._poll()
+        now = time.time()
+        return sum(not entry.principal.is_expired(now) for entry in self._key_id_to_entry.values())
+
     def _entry(self, key_id: str) -> _Entry | None:
-        if time.monotonic() - self._checked_at >= self.refresh_seconds:
-            self._refresh(force=False)
+        self._poll()
         return self._key_id_to_entry.get(key_id)
+
+    def _poll(self) -> None:
+        if self._feed is None and time.monotonic() - self._checked_at >= self.refresh_seconds:
+            self._refresh(force=False)
 
     # ---- administration --------------------------------------------------------------------------
 
@@ -196,93 +186,92 @@ class KeyStore:
         for _ in range(_NUM_ID_ATTEMPTS):
             key_id = new_key_id()
             secret = new_secret(key_id)
-            try:
-                with self._write() as conn:
-                    conn.execute(
-                        f"INSERT INTO api_keys (key_id, secret_sha256, hint, name, models, {', '.join(_LIMIT_COLUMNS)},"
-                        f" created_at, safety, service_tiers, response_cache)"
-                        f" VALUES (?, ?, ?, ?, ?, {', '.join('?' * len(_LIMIT_COLUMNS))}, ?, ?, ?, ?)",
-                        (key_id, hash_secret(secret), secret_hint(secret), name,
-                         json.dumps(list(models)) if models is not None else None,
-                         rpm, tpm, tpd, max_concurrent, max_tokens, budget_usd, expires_at, now,
-                         json.dumps(safety.to_dict()) if safety is not None else None,
-                         json.dumps(list(service_tiers)) if service_tiers is not None else None,
-                         None if response_cache is None else int(response_cache)))
-            except sqlite3.IntegrityError:
-                continue  # key_id taken
-            break
+            info = KeyInfo(key_id=key_id, name=name, models=models, rpm=rpm, tpm=tpm, tpd=tpd,
+                           max_concurrent=max_concurrent, max_tokens=max_tokens, budget_usd=budget_usd,
+                           expires_at=expires_at, created_at=now, revoked_at=None, last_used_at=None,
+                           hint=secret_hint(secret), safety=safety, service_tiers=service_tiers,
+                           response_cache=response_cache)
+            if self._backend.insert([StoredKey(hash_secret(secret), info)]):
+                break
         else:
             raise RuntimeError("could not find a free key_id")
+        self._refresh(force=True)
         logger.info("api key %s created (name %r)", key_id, name)
-        info = self.get(key_id)
-        assert info is not None
         return secret, info
 
     def get(self, key_id: str) -> KeyInfo | None:
-        with self._lock:
-            row = self._conn.execute(f"SELECT {', '.join(_COLUMNS)} FROM api_keys WHERE key_id = ?",
-                                     (key_id,)).fetchone()
-        return _key_info(row) if row is not None else None
+        key = self._backend.get(key_id)
+        return key.info if key is not None else None
 
     def list(self, include_revoked: bool = True) -> list[KeyInfo]:
-        where = "" if include_revoked else "WHERE revoked_at IS NULL"
-        with self._lock:
-            rows = self._conn.execute(
-                f"SELECT {', '.join(_COLUMNS)} FROM api_keys {where} ORDER BY created_at, key_id").fetchall()
-        return [_key_info(row) for row in rows]
+        return [key.info for key in self._backend.list(include_revoked)]
 
     def revoke(self, key_id: str) -> bool:
         """True if the key was live and is now revoked; False if unknown or already revoked."""
-        with self._write() as conn:
-            num_changed = conn.execute("UPDATE api_keys SET revoked_at = ? WHERE key_id = ? AND revoked_at IS NULL",
-                                       (time.time(), key_id)).rowcount
-        if num_changed:
+        revoked = self._backend.revoke(key_id, time.time())
+        self._refresh(force=True)
+        if revoked:
             logger.info("api key %s revoked", key_id)
-        return num_changed == 1
+        return revoked
 
     def rotate(self, key_id: str) -> str:
         """A new secret for the same key_id and limits; the old one stops working at once here,
-        and within refresh_seconds in other processes. UnknownKeyError / ValueError if revoked."""
+        and in other processes as soon as they learn of it. UnknownKeyError / ValueError if revoked."""
         secret = new_secret(key_id)
-        with self._write() as conn:
-            row = conn.execute("SELECT revoked_at FROM api_keys WHERE key_id = ?", (key_id,)).fetchone()
-            if row is None:
-                raise UnknownKeyError(f"no API key {key_id!r}")
-            if row[0] is not None:
-                raise ValueError(f"API key {key_id} is revoked; create a new one instead")
-            conn.execute("UPDATE api_keys SET secret_sha256 = ?, hint = ? WHERE key_id = ?",
-                         (hash_secret(secret), secret_hint(secret), key_id))
+        self._backend.rotate(key_id, hash_secret(secret), secret_hint(secret))
+        self._refresh(force=True)
         logger.info("api key %s rotated", key_id)
         return secret
 
-    def count_active(self) -> int:
-        """Keys neither revoked nor expired, from the cache (so at most refresh_seconds old):
-        cheap enough to ask on the request path, e.g. whether auth may stay off."""
-        if time.monotonic() - self._checked_at >= self.refresh_seconds:
-            self._refresh(force=False)
-        now = time.time()
-        return sum(not entry.principal.is_expired(now) for entry in self._key_id_to_entry.values())
+    def export(self) -> list[StoredKey]:
+        """Every key, revoked ones too, with its secret's hash: what `tokenway keys import`
+        takes into another store (the secrets themselves exist nowhere)."""
+        return self._backend.list(include_revoked=True)
+
+    def import_keys(self, keys: Iterable[StoredKey]) -> ImportResult:
+        """Adds the keys this store lacks, in one transaction. A key it holds already with the
+        same values (last_used_at aside) is left as it is, so importing twice changes nothing;
+        one it holds with other values (another secret, other limits, revoked on one side
+        only) is a conflict, and then nothing is added (ImportConflict names them)."""
+        new: dict[str, StoredKey] = {}
+        num_unchanged = 0
+        conflicts = []
+        for key in keys:
+            key_id = key.info.key_id
+            held = new.get(key_id) or self._backend.get(key_id)
+            if held is None:
+                new[key_id] = key
+            elif _same(held, key):
+                num_unchanged += key_id not in new
+            else:
+                conflicts.append(key_id)
+        if conflicts:
+            raise ImportConflict(_conflict_message(conflicts))
+        if new and not self._backend.insert(list(new.values())):
+            raise ImportConflict("another process added some of these keys meanwhile; import again to see which")
+        self._refresh(force=True)
+        logger.info("api keys imported: %d added, %d already there", len(new), num_unchanged)
+        return ImportResult(len(new), num_unchanged)
 
     def flush_last_used(self) -> None:
         """Writes when each key was last used. Call it off the request path (a periodic task):
         authenticate() only notes the time in memory."""
         pending, self._key_id_to_last_used = self._key_id_to_last_used, {}
         if pending:
-            with self._lock:
-                self._conn.execute("BEGIN IMMEDIATE")
-                try:
-                    self._conn.executemany(
-                        "UPDATE api_keys SET last_used_at = max(coalesce(last_used_at, 0), ?) WHERE key_id = ?",
-                        [(used_at, key_id) for key_id, used_at in pending.items()])
-                    self._conn.execute("COMMIT")
-                except BaseException:
-                    self._conn.execute("ROLLBACK")
-                    raise
+            self._backend.touch(pending)
 
     def close(self) -> None:
-        self.flush_last_used()
-        with self._lock:
-            self._conn.close()
+        self._closed.set()
+        if self._feed is not None:
+            self._feed.join()
+        try:
+            self.flush_last_used()
+        except Exception as exc:  # the database is gone: a key's last use is not worth failing a shutdown
+            if not is_transient(exc) and not isinstance(exc, KeyStoreUnavailable):
+                raise
+            logger.warning("api keys: last use not written to %s: %r", self.where, exc)
+        finally:
+            self._backend.close()
 
     def __enter__(self) -> Self:
         return self
@@ -292,71 +281,66 @@ class KeyStore:
 
     # ---- internals -------------------------------------------------------------------------------
 
-    def _write(self) -> _WriteTransaction:
-        return _WriteTransaction(self)
-
     def _refresh(self, force: bool) -> None:
         """Reloads the cache if the version moved (or `force`). A caller that finds another
         thread refreshing goes on with the current cache rather than wait."""
-        if not self._lock.acquire(blocking=force):
+        if not self._refreshing.acquire(blocking=force):
             return
         try:
             self._checked_at = time.monotonic()
-            (version,) = self._conn.execute("SELECT version FROM api_keys_version WHERE id = 0").fetchone()
-            if version == self._version and not force:
-                return
-            rows = self._conn.execute(
-                f"SELECT secret_sha256, {', '.join(_COLUMNS)} FROM api_keys WHERE revoked_at IS NULL").fetchall()
-        except sqlite3.Error:
-            # Keep serving from the cache we have; the next call after refresh_seconds retries.
-            logger.warning("could not refresh the API key cache from %s", self.path, exc_info=True)
-            return
-        finally:
-            self._lock.release()
-        key_id_to_entry = {}
-        for row in rows:
             try:
-                key_id_to_entry[row[1]] = _Entry(row[0], _principal(_key_info(row[1:])))
-            except ValueError:
-                logger.warning("api key %s has an invalid row in %s; it is ignored", row[1], self.path)
-        self._key_id_to_entry = key_id_to_entry
-        self._version = version
-
-
-class _WriteTransaction:
-    """BEGIN IMMEDIATE ... bump the version ... COMMIT, then reload this store's cache, so a
-    change made here is seen here at once."""
-
-    def __init__(self, store: KeyStore) -> None:
-        self.store = store
-
-    def __enter__(self) -> sqlite3.Connection:
-        self.store._lock.acquire()
-        self.store._conn.execute("BEGIN IMMEDIATE")
-        return self.store._conn
-
-    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
-        conn = self.store._conn
-        try:
-            if exc_type is None:
-                conn.execute("UPDATE api_keys_version SET version = version + 1 WHERE id = 0")
-                conn.execute("COMMIT")
-            else:
-                conn.execute("ROLLBACK")
+                snapshot = self._backend.snapshot(None if force else self._version, wait=force)
+            except Exception as exc:
+                if self._version is None:  # the first load: a store that cannot be read is no store
+                    raise
+                # Keep serving from the cache we have; the next refresh retries.
+                logger.warning("could not refresh the API key cache from %s: %r", self.where, exc,
+                               exc_info=not isinstance(exc, (sqlite3.Error, KeyStoreUnavailable)))
+                return
+            if snapshot is None:
+                return
+            key_id_to_entry = {}
+            for key in snapshot.keys:
+                try:
+                    key_id_to_entry[key.info.key_id] = _Entry(key.secret_sha256, _principal(key.info))
+                except ValueError:
+                    logger.warning("api key %s has an invalid row in %s; it is ignored", key.info.key_id, self.where)
+            self._key_id_to_entry = key_id_to_entry
+            self._version = snapshot.version
         finally:
-            self.store._lock.release()
-        if exc_type is None:
-            self.store._refresh(force=True)
+            self._refreshing.release()
+
+    def _follow(self, feed: ChangeFeed) -> None:
+        """The change feed's thread: reload on a notification, or after refresh_seconds without
+        one; write last_used_at now and then."""
+        touched_at = time.monotonic()
+        while not self._closed.is_set():
+            try:
+                changed = feed.wait_for_change(_WAKE_S)
+            except Exception as exc:  # the feed's connection is gone; it reconnects on the next wait
+                logger.warning("api keys: the change feed from %s failed (%r); polling every %g s until it is "
+                               "back", self.where, exc, self.refresh_seconds)
+                changed = False
+                self._closed.wait(_FEED_RETRY_S)
+            if changed or time.monotonic() - self._checked_at >= self.refresh_seconds:
+                self._refresh(force=False)
+            if time.monotonic() - touched_at >= _TOUCH_EVERY_S:
+                touched_at = time.monotonic()
+                try:
+                    self.flush_last_used()
+                except (KeyStoreUnavailable, sqlite3.Error) as exc:
+                    logger.warning("api keys: last use not written to %s: %r", self.where, exc)
 
 
-def _key_info(row: tuple) -> KeyInfo:
-    values = dict(zip(_COLUMNS, row))
-    values["models"] = tuple(json.loads(values["models"])) if values["models"] is not None else None
-    values["safety"] = SafetyPolicy.from_dict(json.loads(values["safety"])) if values["safety"] is not None else None
-    tiers = values["service_tiers"]
-    values["service_tiers"] = tuple(json.loads(tiers)) if tiers is not None else None
-    values["response_cache"] = None if values["response_cache"] is None else bool(values["response_cache"])
-    return KeyInfo(**values)
+def _same(held: StoredKey, given: StoredKey) -> bool:
+    return (hmac.compare_digest(held.secret_sha256, given.secret_sha256)
+            and replace(held.info, last_used_at=None) == replace(given.info, last_used_at=None))
+
+
+def _conflict_message(key_ids: list[str]) -> str:
+    shown = ", ".join(key_ids[:10]) + (f" and {len(key_ids) - 10} more" if len(key_ids) > 10 else "")
+    return (f"{len(key_ids)} key(s) are in the store already with another secret or other values: {shown}; "
+            "nothing was imported")
 
 
 def _principal(info: KeyInfo) -> Principal:
