@@ -287,8 +287,13 @@ ERRORS = [
      "models[0].breaker.failure_threshold: must be an integer >= 1, got 0"),
     # urls and keys
     ([model("m", {"kind": "openai", "url": "ftp://h/v1", "context_window": 1})], {},
-     ("models[0].replicas[0]: unknown key 'context_window' for an openai replica; known: api_key_env, kind, "
-      "max_in_flight, model, name, url")),
+     ("models[0].replicas[0]: unknown key 'context_window' for an openai replica; known: api_key_env, batch_api, "
+      "kind, max_in_flight, model, name, url")),
+    ([model("m", {"kind": "responses", "url": "http://h/v1", "batch_api": True}, context_window=8)], {},
+     "models[0].replicas[0].batch_api: a responses replica has no Batch API tokenway speaks; only openai and "
+     "anthropic replicas may take a batch whole"),
+    ([model("m", {"kind": "openai", "url": "http://h/v1", "batch_api": "yes"}, context_window=8)], {},
+     "models[0].replicas[0].batch_api: must be true or false, got 'yes'"),
     ([model("m", {"kind": "openai", "url": "ftp://h/v1"}, context_window=8)], {},
      "models[0].replicas[0].url: must be http(s)://host[:port][/path], got 'ftp://h/v1'"),
     ([model("m", {"kind": "openai", "url": "http://h:99999/v1"}, context_window=8)], {},

@@ -160,7 +160,9 @@ class BatchBackend:
         with self.transaction():
             if self.execute(schema.CANCEL, (now, batch_id, key_id)).rowcount != 1:
                 return False
-            self.execute(schema.END_IDLE_LINES, ("cancelled", dumps(CANCELLED_ERROR), now, batch_id, now))
+            # A batch an upstream runs: the cancel goes there, and its lines end as its results say.
+            if self.execute("SELECT upstream FROM batches WHERE id = ?", (batch_id,)).fetchone()[0] is None:
+                self.execute(schema.END_IDLE_LINES, ("cancelled", dumps(CANCELLED_ERROR), now, batch_id, now))
             return True
 
     def delete_batch(self, batch_id: str, key_id: str) -> BatchStatus | None:
@@ -288,6 +290,47 @@ class BatchBackend:
         counts = self.counts([row[0] for row in rows])
         return QueueOverview(by_status, by_state.get("pending", 0), by_state.get("claimed", 0),
                              tuple(schema.batch_from_row(row, counts[row[0]]) for row in rows))
+
+    # ---- batches an upstream runs whole ----
+
+    def take_forwarded(self, now: float, lease_s: float, limit: int) -> list[Batch]:
+        """Up to `limit` forwarded batches due now, each leased until now + lease_s (their counts
+        left empty): no other gateway takes one until its lease passes."""
+        taken = []
+        with self.transaction():
+            for row in self.execute(schema.FORWARDED_DUE + self.LOCK_LINES, (now, limit)).fetchall():
+                if self.execute(schema.LEASE_FORWARDED, (now + lease_s, row[0], now)).rowcount == 1:
+                    taken.append(schema.batch_from_row(row, BatchCounts(0)))
+        return taken
+
+    def lines_of(self, batch_id: str) -> list[tuple[int, str, JSONObject]]:
+        rows = self.execute("SELECT line_index, custom_id, body FROM batch_lines WHERE batch_id = ?"
+                            " ORDER BY line_index", (batch_id,)).fetchall()
+        return [(index, custom_id, json.loads(body)) for index, custom_id, body in rows]
+
+    def set_upstream(self, batch_id: str, upstream_batch_id: str | None, next_at: float) -> bool:
+        """Lease the batch until next_at; with upstream_batch_id, record it too if the batch is
+        still to run (False: it was cancelled or expired meanwhile, nothing recorded)."""
+        if upstream_batch_id is None:
+            self.execute("UPDATE batches SET upstream_lease_until = ? WHERE id = ?", (next_at, batch_id))
+            return True
+        return self.execute(schema.SET_UPSTREAM_ID, (upstream_batch_id, next_at, batch_id)).rowcount == 1
+
+    def finish_forwarded(self, batch_id: str, results: Sequence[tuple[int, LineOutcome]], rest: LineOutcome | None,
+                         now: float) -> int:
+        """Each line's outcome, unless it is done already; then, with `rest`, every line still
+        undone ends so. How many of `results` were written."""
+        num_written = 0
+        with self.transaction():
+            for index, outcome in results:
+                num_written += self.execute(schema.FINISH_FORWARDED, (
+                    outcome.outcome, outcome.status_code, None if outcome.response is None else dumps(outcome.response),
+                    None if outcome.error is None else dumps(outcome.error), outcome.request_id, now, batch_id,
+                    index)).rowcount
+            if rest is not None:
+                self.execute(schema.END_IDLE_LINES, (rest.outcome, None if rest.error is None else dumps(rest.error),
+                                                     now, batch_id, now))
+        return num_written
 
     def owns(self, batch_id: str, key_id: str) -> bool:
         return self.execute("SELECT 1 FROM batches WHERE id = ? AND key_id = ?", (batch_id, key_id)).fetchone() \

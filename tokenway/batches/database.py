@@ -55,6 +55,7 @@ class SqlBatchStore:
         self._threads = DatabaseThreads(connect, num_connections, name, what="batch store",
                                         unavailable=BatchStoreUnavailable, retry_first_s=RETRY_FIRST_S,
                                         retry_max_s=RETRY_MAX_S, log=logger)
+        self._created_callbacks: list[Callable[[], None]] = []
 
     # ---- files ----
 
@@ -103,7 +104,13 @@ class SqlBatchStore:
             model = lines[0][1]["model"]
         stored = dataclasses.replace(batch, model=model, counts=BatchCounts(len(lines), pending=len(lines)))
         await self._run(lambda backend: backend.create_batch(stored, lines))
+        if stored.status == "in_progress":
+            for callback in self._created_callbacks:
+                callback()
         return stored
+
+    def on_created(self, callback: Callable[[], None]) -> None:
+        self._created_callbacks.append(callback)
 
     async def get_batch(self, batch_id: str, key_id: str) -> Batch | None:
         return await self._run(lambda backend: backend.get_batch(batch_id, key_id))
@@ -183,6 +190,24 @@ class SqlBatchStore:
             return tuple(expired)
 
         return await self._run(expire_all)
+
+    async def take_forwarded(self, now: float, lease_s: float, limit: int) -> list[Batch]:
+        if limit < 1 or lease_s <= 0:
+            raise ValueError(f"take_forwarded needs limit >= 1 and lease_s > 0, got {limit} and {lease_s}")
+        return await self._run(lambda backend: backend.take_forwarded(now, lease_s, limit))
+
+    async def lines_of(self, batch_id: str) -> list[tuple[int, str, JSONObject]]:
+        return await self._run(lambda backend: backend.lines_of(batch_id))
+
+    async def set_upstream(self, batch_id: str, upstream_batch_id: str | None, next_at: float) -> bool:
+        return await self._run(lambda backend: backend.set_upstream(batch_id, upstream_batch_id, next_at))
+
+    async def finish_forwarded(self, batch_id: str, results: Sequence[tuple[int, LineOutcome]],
+                               rest: LineOutcome | None = None) -> int:
+        if rest is not None and rest.response is not None:
+            raise ValueError("the lines left end without a response: cancelled, expired, or failed with an error")
+        now = time.time()
+        return await self._run(lambda backend: backend.finish_forwarded(batch_id, results, rest, now))
 
     async def overview(self, limit: int) -> QueueOverview:
         if limit < 0:

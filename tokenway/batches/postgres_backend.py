@@ -10,15 +10,15 @@ from typing import Any, LiteralString, cast
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from tokenway.batches import schema
 from tokenway.batches.backend import BatchBackend, Cursor
-from tokenway.batches.schema import schema
 from tokenway.sql import pg_timeouts
 
 # Any constant (not the ledger's nor the response store's): serializes CREATE TABLE IF NOT
 # EXISTS between gateways starting together (concurrent creates of one table can fail on the
 # catalog's unique index).
 _SCHEMA_LOCK_ID = 0x7BA7_C0DE
-_SCHEMA = schema("DOUBLE PRECISION", "BYTEA")
+_SCHEMA = schema.schema("DOUBLE PRECISION", "BYTEA")
 
 
 def connect_kwargs(url: str) -> dict[str, Any]:
@@ -50,6 +50,9 @@ class PostgresBatchBackend(BatchBackend):
                 self._conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_ID,))
                 for statement in _SCHEMA:
                     self._conn.execute(statement)
+                for name, kind in schema.added_columns("DOUBLE PRECISION"):
+                    self._conn.execute(f"ALTER TABLE batches ADD COLUMN IF NOT EXISTS {name} {kind}")
+                self._conn.execute(schema.FORWARDED_INDEX)
         except BaseException:
             self._conn.close()
             raise

@@ -59,7 +59,8 @@ def schema(real: LiteralString, blob: LiteralString) -> tuple[LiteralString, ...
         " id TEXT PRIMARY KEY, key_id TEXT NOT NULL, api TEXT NOT NULL, endpoint TEXT NOT NULL, input_file_id TEXT,"
         f" status TEXT NOT NULL CHECK (status IN {_in(BATCH_STATUSES)}),"
         f" created_at {real} NOT NULL, expires_at {real} NOT NULL, {status_times}"
-        " metadata TEXT, errors TEXT NOT NULL, output_file_id TEXT, error_file_id TEXT, model TEXT)",
+        " metadata TEXT, errors TEXT NOT NULL, output_file_id TEXT, error_file_id TEXT, model TEXT,"
+        f" upstream TEXT, upstream_batch_id TEXT, upstream_lease_until {real})",
         "CREATE INDEX IF NOT EXISTS batches_by_key ON batches (key_id, api, created_at)",
         "CREATE INDEX IF NOT EXISTS batches_running ON batches (created_at)"
         " WHERE status IN ('in_progress', 'cancelling')",
@@ -75,10 +76,20 @@ def schema(real: LiteralString, blob: LiteralString) -> tuple[LiteralString, ...
     )
 
 
+def added_columns(real: LiteralString) -> tuple[tuple[LiteralString, LiteralString], ...]:
+    """The batches table's columns added since it was first made, (name, type): a database made
+    before gains them (ALTER TABLE, each dialect its own way) after schema()'s statements, and
+    then FORWARDED_INDEX."""
+    return (("upstream", "TEXT"), ("upstream_batch_id", "TEXT"), ("upstream_lease_until", real))
+
+
+FORWARDED_INDEX: LiteralString = ("CREATE INDEX IF NOT EXISTS batches_forwarded ON batches (upstream_lease_until)"
+                                  " WHERE upstream IS NOT NULL AND status IN ('in_progress', 'cancelling')")
+
 FILE_COLUMNS: LiteralString = "id, key_id, purpose, filename, bytes, created_at, expires_at"
 _TIMES: LiteralString = cast(LiteralString, ", ".join(STATUS_TIME_FIELDS))
 BATCH_COLUMNS: LiteralString = (f"id, key_id, api, endpoint, input_file_id, status, created_at, expires_at, {_TIMES},"
-                                " metadata, errors, output_file_id, error_file_id, model")
+                                " metadata, errors, output_file_id, error_file_id, model, upstream, upstream_batch_id")
 # A line as a runner gets it: its own columns, and its batch's (`l` and `b`).
 LINE_COLUMNS: LiteralString = "l.batch_id, l.line_index, l.custom_id, l.body, b.endpoint, b.key_id, b.api"
 OUTCOME_COLUMNS: LiteralString = "l.outcome, l.status_code, l.response, l.error, l.request_id"
@@ -86,15 +97,15 @@ OUTCOME_COLUMNS: LiteralString = "l.outcome, l.status_code, l.response, l.error,
 # ON CONFLICT: a retry of an insert whose commit's reply was lost is a no-op.
 INSERT_FILE: LiteralString = (f"INSERT INTO files ({FILE_COLUMNS}, content) VALUES ({marks(8)})"
                               " ON CONFLICT (id) DO NOTHING")
-INSERT_BATCH: LiteralString = (f"INSERT INTO batches ({BATCH_COLUMNS}) VALUES ({marks(13 + len(STATUS_TIME_FIELDS))})"
+INSERT_BATCH: LiteralString = (f"INSERT INTO batches ({BATCH_COLUMNS}) VALUES ({marks(15 + len(STATUS_TIME_FIELDS))})"
                                " ON CONFLICT (id) DO NOTHING")
 INSERT_LINE: LiteralString = ("INSERT INTO batch_lines (batch_id, line_index, custom_id, body, state)"
                               " VALUES (?, ?, ?, ?, 'pending')")
 # Parameter: now. The batches whose lines may be claimed, the oldest first, so a batch submitted
-# later waits for those before it rather than slowing them all. (The index's predicate is this
-# query's own term: SQLite uses a partial index only then.)
+# later waits for those before it rather than slowing them all; never a forwarded one's. (The
+# index's predicate is this query's own term: SQLite uses a partial index only then.)
 CLAIMABLE_BATCHES: LiteralString = ("SELECT id, endpoint, key_id, api FROM batches WHERE status = 'in_progress'"
-                                    " AND expires_at > ? ORDER BY created_at, id")
+                                    " AND expires_at > ? AND upstream IS NULL ORDER BY created_at, id")
 # Parameters: batch_id, now (claims lapsed before it), limit. Walks the undone lines' index in
 # line order and stops at `limit`: a claim costs the lines it takes, not the batch's size.
 CLAIMABLE_LINES: LiteralString = (
@@ -132,12 +143,32 @@ BATCHES_BY_STATUS: LiteralString = "SELECT status, COUNT(*) FROM batches GROUP B
 UNDONE_LINES_BY_STATE: LiteralString = "SELECT state, COUNT(*) FROM batch_lines WHERE state <> 'done' GROUP BY state"
 RUNNING_BATCHES: LiteralString = (f"SELECT {BATCH_COLUMNS} FROM batches WHERE status IN ('in_progress', 'cancelling')"
                                   " ORDER BY created_at, id LIMIT ?")
-EXPIRABLE: LiteralString = "SELECT id FROM batches WHERE status = 'in_progress' AND expires_at <= ? ORDER BY created_at"
+# A batch an upstream runs is not: the upstream ends it, at its own window (its lines' results,
+# expired ones included, come back from there).
+EXPIRABLE: LiteralString = ("SELECT id FROM batches WHERE status = 'in_progress' AND expires_at <= ?"
+                            " AND upstream_batch_id IS NULL ORDER BY created_at")
 # Parameters: now, batch_id. expired_at marks it: finalize makes it expired, not completed.
 MARK_EXPIRED: LiteralString = ("UPDATE batches SET expired_at = ? WHERE id = ? AND status = 'in_progress'"
                                " AND expired_at IS NULL")
 CANCEL: LiteralString = ("UPDATE batches SET status = 'cancelling', cancelling_at = ? WHERE id = ? AND key_id = ?"
                          " AND status = 'in_progress'")
+# Parameters: now, limit. The batches an upstream runs whose lease is free: due for their next
+# step (submit, poll, forward a cancel). The lease is also their schedule: set to the next poll.
+FORWARDED_DUE: LiteralString = (
+    f"SELECT {BATCH_COLUMNS} FROM batches WHERE upstream IS NOT NULL AND status IN ('in_progress', 'cancelling')"
+    " AND (upstream_lease_until IS NULL OR upstream_lease_until <= ?) ORDER BY upstream_lease_until, id LIMIT ?")
+# Parameters: until, batch_id, now.
+LEASE_FORWARDED: LiteralString = ("UPDATE batches SET upstream_lease_until = ? WHERE id = ?"
+                                  " AND (upstream_lease_until IS NULL OR upstream_lease_until <= ?)")
+# Parameters: upstream_batch_id, next poll, batch_id. Kept only for a batch still to run: one
+# cancelled or expired meanwhile is the caller's to cancel there.
+SET_UPSTREAM_ID: LiteralString = (
+    "UPDATE batches SET upstream_batch_id = ?, upstream_lease_until = ? WHERE id = ? AND upstream_batch_id IS NULL"
+    " AND status = 'in_progress' AND expired_at IS NULL")
+# A line's outcome as the upstream's results give it: written once, whichever poll comes first.
+FINISH_FORWARDED: LiteralString = (
+    "UPDATE batch_lines SET state = 'done', claim_until = NULL, outcome = ?, status_code = ?, response = ?, error = ?,"
+    " request_id = ?, finished_at = ? WHERE batch_id = ? AND line_index = ? AND state <> 'done'")
 # The final status's own time; an expired batch keeps the time it expired at.
 _SET_FINAL: LiteralString = "UPDATE batches SET status = ?, finalizing_at = ?, output_file_id = ?, error_file_id = ?, "
 _WHERE_FINAL: LiteralString = " WHERE id = ? AND status = ?"
@@ -166,17 +197,18 @@ def batch_row(batch: Batch) -> tuple:
     return (batch.id, batch.key_id, batch.api, batch.endpoint, batch.input_file_id, batch.status, batch.created_at,
             batch.expires_at, *(batch.status_times.get(name) for name in STATUS_TIME_FIELDS),
             None if batch.metadata is None else dumps(batch.metadata), dumps(list(batch.errors)),
-            batch.output_file_id, batch.error_file_id, batch.model)
+            batch.output_file_id, batch.error_file_id, batch.model, batch.upstream, batch.upstream_batch_id)
 
 
 def batch_from_row(row: Sequence[Any], counts: BatchCounts) -> Batch:
     batch_id, key_id, api, endpoint, input_file_id, status, created_at, expires_at = row[:8]
     times = row[8:8 + len(STATUS_TIME_FIELDS)]
-    metadata, errors, output_file_id, error_file_id, model = row[8 + len(STATUS_TIME_FIELDS):]
+    metadata, errors, output_file_id, error_file_id, model, upstream, upstream_batch_id = \
+        row[8 + len(STATUS_TIME_FIELDS):]
     status_times = {name: value for name, value in zip(STATUS_TIME_FIELDS, times, strict=True) if value is not None}
     return Batch(batch_id, key_id, cast(BatchApi, api), endpoint, input_file_id, cast(BatchStatus, status), created_at,
                  expires_at, status_times, loads_or_none(metadata), tuple(json.loads(errors)), output_file_id,
-                 error_file_id, counts, model)
+                 error_file_id, counts, model, upstream, upstream_batch_id)
 
 
 def line_from_row(row: Sequence[Any]) -> BatchLine:

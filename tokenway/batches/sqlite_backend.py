@@ -8,10 +8,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, LiteralString
 
+from tokenway.batches import schema
 from tokenway.batches.backend import BatchBackend, Cursor
-from tokenway.batches.schema import schema
 
-_SCHEMA = schema("REAL", "BLOB")
+_SCHEMA = schema.schema("REAL", "BLOB")
 
 
 class SqliteBatchBackend(BatchBackend):
@@ -30,6 +30,11 @@ class SqliteBatchBackend(BatchBackend):
                 self._conn.execute("PRAGMA synchronous = NORMAL")
             for statement in _SCHEMA:
                 self._conn.execute(statement)
+            have = {row[1] for row in self._conn.execute("PRAGMA table_info(batches)")}
+            for name, kind in schema.added_columns("REAL"):
+                if name not in have:
+                    self._conn.execute(f"ALTER TABLE batches ADD COLUMN {name} {kind}")
+            self._conn.execute(schema.FORWARDED_INDEX)
         except BaseException:
             self._conn.close()
             raise

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import secrets
 import string
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar, get_args
 
@@ -184,6 +184,11 @@ class Batch:
     error_file_id: str | None
     counts: BatchCounts
     model: str | None  # the first line's body's "model"
+    # A batch handed whole to an upstream's own Batch API (server/batch_forward.py): the replica
+    # ("model/replica": its pool and name) and, once submitted there, the upstream's batch id.
+    # Its lines are never claimed; the forwarder writes their outcomes from the upstream's results.
+    upstream: str | None = None
+    upstream_batch_id: str | None = None
 
     def __post_init__(self) -> None:
         if not self.id.startswith(ID_PREFIXES.get(self.api, "\0")):
@@ -217,13 +222,15 @@ class Batch:
 
 def new_batch(api: BatchApi, key_id: str, endpoint: str, *, now: float, input_file_id: str | None = None,
               metadata: Mapping[str, str] | None = None, completion_window_s: float = DEFAULT_COMPLETION_WINDOW_S,
-              errors: Sequence[JSONObject] = ()) -> Batch:
-    """A batch to create: in_progress, or failed when `errors` (its input refused) are given."""
+              errors: Sequence[JSONObject] = (), upstream: str | None = None) -> Batch:
+    """A batch to create: in_progress, or failed when `errors` (its input refused) are given.
+    upstream: the replica whose Batch API runs it whole (Batch.upstream)."""
     if completion_window_s <= 0:
         raise ValueError(f"completion_window_s must be > 0, got {completion_window_s}")
     status: BatchStatus = "failed" if errors else "in_progress"
     return Batch(new_batch_id(api), key_id, api, endpoint, input_file_id, status, now, now + completion_window_s,
-                 {f"{status}_at": now}, metadata, tuple(errors), None, None, BatchCounts(0), None)
+                 {f"{status}_at": now}, metadata, tuple(errors), None, None, BatchCounts(0), None,
+                 upstream if not errors else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,6 +310,11 @@ class BatchStore(Protocol):
 
     async def get_batch(self, batch_id: str, key_id: str) -> Batch | None: ...
 
+    def on_created(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (on the event loop) after each batch this store creates, once it is
+        stored: a runner in this process wakes for it rather than at its next look."""
+        ...
+
     async def list_batches(self, key_id: str, *, api: BatchApi, after: str | None = None,
                            limit: int = 20) -> Page[Batch]:
         """Newest first, from the batch after `after` (FieldError "after" when the key has no such batch)."""
@@ -363,6 +375,30 @@ class BatchStore(Protocol):
     async def results(self, batch_id: str, key_id: str) -> AsyncIterator[tuple[BatchLine, LineOutcome]] | None:
         """The batch's lines done and their outcomes, in line order, read a page at a time as
         the iterator is consumed (Anthropic's results); None when the key has no such batch."""
+        ...
+
+    async def take_forwarded(self, now: float, lease_s: float, limit: int) -> list[Batch]:
+        """Batches an upstream runs (Batch.upstream) that are due for a step, in_progress or
+        cancelling, each leased until now + lease_s: one gateway at a time submits, polls or
+        cancels a batch there. Their counts are left empty."""
+        ...
+
+    async def lines_of(self, batch_id: str) -> list[tuple[int, str, JSONObject]]:
+        """Every line of the batch, (index, custom_id, body), in order: what an upstream is sent."""
+        ...
+
+    async def set_upstream(self, batch_id: str, upstream_batch_id: str | None, next_at: float) -> bool:
+        """The batch's lease set to next_at (its next step); with upstream_batch_id, that id is
+        recorded if the batch has none and is still in_progress: False when it is not (cancelled
+        or expired meanwhile), and the caller cancels what it made there."""
+        ...
+
+    async def finish_forwarded(self, batch_id: str, results: Sequence[tuple[int, LineOutcome]],
+                               rest: LineOutcome | None = None) -> int:
+        """A forwarded batch's lines' outcomes, (index, outcome): each written unless the line is
+        done (exactly once, however often the upstream's results are read); then, with `rest`
+        (no response: cancelled, expired, or failed with an error), every line still undone ends
+        so. How many of `results` were written. finalize_ready does the rest, as for any batch."""
         ...
 
     async def overview(self, limit: int) -> QueueOverview:

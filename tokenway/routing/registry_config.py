@@ -38,6 +38,9 @@ MODEL_KINDS: tuple[ModelKind, ...] = ("chat", "embeddings")
 REPLICA_KINDS: tuple[ReplicaKind, ...] = ("local", "worker", "openai", "anthropic", "responses")
 # Upstreams: another server templates and counts the model's calls; tokenway sends messages.
 UPSTREAM_KINDS: tuple[ReplicaKind, ...] = ("openai", "anthropic", "responses")
+# Upstreams whose own Batch API may take a batch whole (OpenAI's /files + /batches, Anthropic's
+# /messages/batches): server/batch_forward.py.
+BATCH_API_KINDS: tuple[ReplicaKind, ...] = ("openai", "anthropic")
 # A worker speaks only generation (wire.py); Anthropic has no embeddings API.
 MODEL_KIND_TO_REPLICA_KINDS: Mapping[ModelKind, tuple[ReplicaKind, ...]] = {
     "chat": REPLICA_KINDS, "embeddings": ("local", "openai")}
@@ -96,6 +99,8 @@ class ReplicaSpec:
     openai     an OpenAI-compatible base URL, /v1 included (vLLM, SGLang, llama.cpp, a provider);
                model: the upstream's name for the model. api_key_env: the variable with its key
     anthropic  an Anthropic Messages base URL, /v1 included; model and api_key_env as openai
+    batch_api  (openai, anthropic) the upstream's own Batch API takes a batch of this model's
+               whole, instead of its lines one by one through the router (server/batch_forward.py)
     responses  a base URL that speaks OpenAI's Responses API (POST /responses), /v1 included: for
                models served only there (OpenAI's newest); model and api_key_env as openai
     """
@@ -107,6 +112,7 @@ class ReplicaSpec:
     secret_env: str | None = None
     api_key_env: str | None = None
     max_in_flight: int | None = None  # None: the model's
+    batch_api: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in REPLICA_KINDS:
@@ -143,6 +149,9 @@ class ReplicaSpec:
             raise ValueError(f"model: must be a non-empty string, got {self.model!r}")
         if self.max_in_flight is not None:
             check_count(self.max_in_flight, "max_in_flight")
+        if self.batch_api and self.kind not in BATCH_API_KINDS:
+            raise ValueError(f"batch_api: {a(self.kind)} replica has no Batch API tokenway speaks; "
+                             f"only {' and '.join(BATCH_API_KINDS)} replicas may take a batch whole")
 
     @property
     def key_env(self) -> str | None:
@@ -239,3 +248,8 @@ class ModelEntry:
         t = self.timeouts
         return UpstreamTimeouts(connect=t.connect, first_event=t.first_token, between_events=t.between_tokens,
                                 total=t.deadline, probe=self.health.timeout)
+    @property
+    def batch_replica(self) -> ReplicaSpec | None:
+        """The replica a batch of this model's is handed whole: the first, in order, with batch_api."""
+        return next((r for r in self.replicas if r.batch_api), None)
+

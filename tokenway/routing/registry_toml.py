@@ -87,6 +87,12 @@ class Table:
         return value
 
     def texts(self, key: str) -> tuple[str, ...]:
+    def flag(self, key: str) -> bool | None:
+        value = self._get(key, False)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{self.at(key)}: must be true or false, got {value!r}")
+        return value
+
         value = self._get(key, False)
         if value is None:
             return ()
@@ -150,6 +156,7 @@ def parse_replica(table: Table, model_name: str, model_kind: ModelKind, default_
             fields["model"] = table.text("model") or model_name
             fields["api_key_env"] = table.text("api_key_env")
     table.finish(f" for {a(kind)} replica")
+            fields["batch_api"] = bool(table.flag("batch_api"))
     with at(table.path):
         return ReplicaSpec(kind, **fields)
 
