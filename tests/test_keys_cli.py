@@ -98,3 +98,43 @@ def test_parse_expires():
     for bad in ("0d", "tomorrow", "30x", ""):
         with pytest.raises(ValueError, match="--expires"):
             parse_expires(bad, now)
+
+
+def test_export_then_import_moves_keys_between_stores_once(db, tmp_path, capsys):
+    assert keys("create", "--db", db, "--name", "moved", "--rpm", "7") == 0
+    secret = capsys.readouterr().out.strip()
+    assert keys("--db", db, "export") == 0
+    exported = capsys.readouterr().out
+    assert secret not in exported and json.loads(exported)["rpm"] == 7
+    dump = tmp_path / "keys.jsonl"
+    dump.write_text(exported)
+    target = f"sqlite:///{tmp_path / 'other.db'}"
+
+    assert keys("--store-url", target, "import", str(dump)) == 0
+    assert "imported 1 API key(s)" in capsys.readouterr().err
+    assert keys("--store-url", target, "import", str(dump)) == 0  # again: nothing changes
+    assert "imported 0 API key(s)" in (err := capsys.readouterr().err) and "1 were there already" in err
+    with KeyStore(tmp_path / "other.db") as store:
+        principal = store.authenticate(secret)
+        assert principal is not None and principal.rpm == 7 and len(store.list()) == 1
+
+    dump.write_text(exported.replace('"rpm": 7', '"rpm": 8'))
+    assert keys("--store-url", target, "import", str(dump)) == 2
+    assert "another secret or other values" in capsys.readouterr().err
+    assert keys("--store-url", target, "--db", db, "list") == 2
+
+
+def test_a_postgresql_store_without_psycopg_names_the_extra(monkeypatch):
+    import importlib.util
+
+    from tokenway.gateway.extras import missing_package
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("psycopg", "redis")
+                        else real_find_spec(name, *a))
+    assert missing_package("--store-url", "postgresql://db/keys") == (
+        "--store-url postgresql://... needs the psycopg package, not installed: pip install 'tokenway[scale]'")
+    assert "redis package" in missing_package("--limits-url", "redis://127.0.0.1:6379")
+    assert missing_package("--limits-url", "memory") is None and missing_package("--store-url", None) is None
+    with pytest.raises(RuntimeError, match=r"tokenway\[scale\]"):
+        KeyStore("postgresql://db/keys")

@@ -91,6 +91,7 @@ SERVE_OPTIONS = {
     "db": (str, None),  # SQLite file for API keys and (by default) the ledger
     "ledger_url": (str, None),  # "sqlite:///path" or "postgresql://..."; default: the db file
     "limits_url": (str, "memory"),  # "memory" (one process) or "redis://host:port" (shared)
+    "store_url": (str, None),  # API keys: "postgresql://..." shared by every gateway; default: the db file
     "responses_ttl": (str, None),  # stored responses deleted this long after they were made (30d, 12h); None: kept
     "responses_lease_seconds": (float, 60.0),  # a background response outliving its server this long is failed
     "batch_lease_seconds": (float, 60.0),  # a batch line outliving its server this long runs again elsewhere
@@ -240,6 +241,8 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--db", help="SQLite file for API keys and the usage ledger (default: the keys CLI's)")
     serve.add_argument("--ledger-url", help="sqlite:///path or postgresql://... for the usage ledger")
     serve.add_argument("--limits-url", help="'memory' (default) or redis://host:port to share limits and budgets")
+    serve.add_argument("--store-url", help="postgresql://... to keep API keys (limits, budgets, policies) in one "
+                       "database every gateway shares (default: the --db SQLite file)")
     serve.add_argument("--batch-limit-share", type=float,
                        help="the fraction of each key's RPM, TPM, TPD, concurrency and budget its batch lines may "
                             "use; its other calls always find the rest (default 0.5; 1: no share)")
@@ -559,12 +562,17 @@ def build_gatekeeper(options: dict, registry=None):
     from tokenway.billing.ledger import Ledger
     from tokenway.billing.pricing import PriceTable
     from tokenway.gateway.budgets import make_budgets
+    from tokenway.gateway.extras import missing_package
     from tokenway.gateway.gatekeeper import Defaults, Gatekeeper
     from tokenway.gateway.keystore import KeyStore
     from tokenway.gateway.limits import make_limiter
     from tokenway.gateway.shares import BatchShare, batch_spend_seed
     from tokenway.gateway.tiers import DEFAULT_GRANT
 
+    for option, url in (("--store-url", options["store_url"]), ("--ledger-url", options["ledger_url"]),
+                        ("--limits-url", options["limits_url"])):
+        if (missing := missing_package(option, url)) is not None:
+            raise SystemExit(f"tokenway: {missing}")
     db = database_path(options)
     db.parent.mkdir(parents=True, exist_ok=True)
     defaults = Defaults(rpm=options["default_rpm"], tpm=options["default_tpm"], tpd=options["default_tpd"],
@@ -577,7 +585,7 @@ def build_gatekeeper(options: dict, registry=None):
     ledger = Ledger(database_url(options), journal_dir=db.parent,
                     journal_name=str(options["port"]))
     return Gatekeeper(
-        keys=KeyStore(db),
+        keys=KeyStore(options["store_url"] or db),
         limiter=make_limiter(options["limits_url"]),
         ledger=ledger,
         prices=registry.price_table(options["prices"], options["tier_price_multipliers"]) if registry is not None

@@ -1,14 +1,19 @@
-"""tokenway keys create | list | revoke | rotate: API keys, straight in the SQLite file the
-gateway reads (a running gateway sees a change within its key cache's refresh interval).
+"""tokenway keys create | list | revoke | rotate | export | import: API keys, straight in the
+store the gateways read: the SQLite file (a running gateway sees a change within its key cache's
+refresh interval) or, with --store-url postgresql://..., the database every gateway shares (each
+sees it at once).
 
     tokenway keys create --name ci --models smollm2-135m-instruct --rpm 60 --expires 30d
     tokenway keys create --name app --tiers default,flex,priority
     tokenway keys list
     tokenway keys revoke k_3f9a2c1b
     tokenway keys rotate k_3f9a2c1b
+    tokenway keys export > keys.jsonl                                # every key, secret hashes only
+    tokenway keys --store-url postgresql://db/tokenway import keys.jsonl
 
 create and rotate print the secret alone on stdout (so `KEY=$(tokenway keys create ...)`
-works) and everything else on stderr.
+works) and everything else on stderr. import adds the keys the store lacks and leaves those it
+holds with the same values; one it holds with other values refuses the whole import.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import cast
 
-from tokenway.gateway.keystore import KeyInfo, KeyStore, UnknownKeyError
+from tokenway.gateway.keystore import KeyInfo, KeyStore, KeyStoreUnavailable, StoredKey, UnknownKeyError
 from tokenway.protocol.job import SERVICE_CLASSES, ServiceClass
 from tokenway.safety.screen import SafetyPolicy
 
@@ -62,6 +67,8 @@ def add_keys_parser(subparsers) -> None:
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     keys.add_argument("--db", help="the SQLite file (default $TOKENWAY_DATA_DIR/tokenway.db, "
                                    "else ~/.local/share/tokenway/tokenway.db)")
+    keys.add_argument("--store-url", help="the key store the gateways share, postgresql://... (or "
+                                          "sqlite:///path), in place of --db: as `serve --store-url`")
     sub = keys.add_subparsers(dest="keys_command", required=True)
     create = sub.add_parser("create", help="make a key and print its secret, once")
     create.add_argument("--name", required=True)
@@ -83,16 +90,26 @@ def add_keys_parser(subparsers) -> None:
     listing.add_argument("--json", action="store_true", help="one JSON array instead of a table")
     for command, text in (("revoke", "stop a key working"), ("rotate", "give a key a new secret")):
         sub.add_parser(command, help=text).add_argument("key_id")
+    sub.add_parser("export", help="every key, revoked ones too, as JSON lines on stdout (secret hashes, never "
+                                  "secrets): for import into another store")
+    sub.add_parser("import", help="add the keys of an export this store lacks (idempotent)").add_argument(
+        "file", help="the JSON lines of `tokenway keys export`; - for stdin")
     # `tokenway keys --db X list` and `tokenway keys list --db X` both work.
     for parser in sub.choices.values():
         parser.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        parser.add_argument("--store-url", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def run_keys(args: argparse.Namespace) -> int:
+    db, store_url = getattr(args, "db", None), getattr(args, "store_url", None)
+    if db and store_url:
+        print("tokenway: give --db or --store-url, not both", file=sys.stderr)
+        return 2
     try:
-        with KeyStore(getattr(args, "db", None) or default_db_path()) as store:
+        with KeyStore(store_url or db or default_db_path()) as store:
             return _COMMANDS[args.keys_command](store, args)
-    except UnknownKeyError as exc:
+    # RuntimeError: psycopg missing; OSError: an import's file
+    except (UnknownKeyError, KeyStoreUnavailable, RuntimeError, OSError) as exc:
         print(f"tokenway: {exc}", file=sys.stderr)
         return 1
     except ValueError as exc:
@@ -136,7 +153,32 @@ def _list(store: KeyStore, args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"create": _create, "list": _list, "revoke": _revoke, "rotate": _rotate}
+def _export(store: KeyStore, args: argparse.Namespace) -> int:
+    keys = store.export()
+    for key in keys:
+        print(json.dumps(key.to_dict()))
+    print(f"tokenway: exported {len(keys)} API key(s) from {store.where}", file=sys.stderr)
+    return 0
+
+
+def _import(store: KeyStore, args: argparse.Namespace) -> int:
+    lines = sys.stdin.readlines() if args.file == "-" else Path(args.file).read_text().splitlines()
+    keys = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            keys.append(StoredKey.from_dict(json.loads(line)))
+        except ValueError as exc:  # json's errors are ValueErrors too
+            raise ValueError(f"{args.file}, line {number}: {exc}; nothing was imported") from None
+    result = store.import_keys(keys)
+    print(f"tokenway: imported {result.num_added} API key(s) into {store.where}; {result.num_unchanged} were "
+          "there already", file=sys.stderr)
+    return 0
+
+
+_COMMANDS = {"create": _create, "list": _list, "revoke": _revoke, "rotate": _rotate, "export": _export,
+             "import": _import}
 
 
 def _print_secret(what: str, secret: str) -> None:

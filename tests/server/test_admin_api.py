@@ -126,3 +126,17 @@ def test_bad_create_bodies_get_openai_shaped_400s(client, store, body, param, fr
 def test_malformed_json_is_a_400(client):
     response = client.post("/admin/keys", headers={**ADMIN, "content-type": "application/json"}, content=b"{nope")
     assert "not valid JSON" in assert_error(response, 400, "invalid_request_error")["message"]
+
+
+def test_an_unreachable_key_store_is_a_503_with_retry_after(client, store, monkeypatch):
+    from tokenway.gateway.keystore import KeyStoreUnavailable
+
+    def unreachable(*args, **kwargs):
+        raise KeyStoreUnavailable("db:5432/keys", 5.0)
+
+    monkeypatch.setattr(store, "create", unreachable)
+    monkeypatch.setattr(store, "list", unreachable)
+    for response in (client.post("/admin/keys", headers=ADMIN, json={"name": "x"}),
+                     client.get("/admin/keys", headers=ADMIN)):
+        error = assert_error(response, 503, "service_unavailable")
+        assert error["code"] == "key_store_unavailable" and response.headers["retry-after"] == "5"

@@ -40,6 +40,7 @@ from tokenway.gateway.auth import (
     new_secret,
     secret_hint,
 )
+from tokenway.gateway.extras import missing_package
 from tokenway.gateway.keystore_backend import (
     ChangeFeed,
     KeyBackend,
@@ -64,7 +65,6 @@ _WAKE_S = 0.25  # how often the change feed's thread looks up from its wait (and
 _FEED_RETRY_S = 1.0  # after the change feed's connection failed
 _TOUCH_EVERY_S = 30.0  # how often the change feed's thread writes last_used_at
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
-SCALE_EXTRA = "pip install 'tokenway[scale]'"
 
 
 class ImportConflict(ValueError):
@@ -75,12 +75,11 @@ def open_backend(store: str | Path) -> KeyBackend:
     """A path or sqlite:///path: SQLite; postgresql://...: PostgreSQL (psycopg, the [scale] extra)."""
     text = str(store)
     if text.startswith(POSTGRES_SCHEMES):
-        try:
-            from tokenway.gateway.keystore_postgres import PostgresKeys
-        except ModuleNotFoundError as exc:
-            if exc.name != "psycopg":
-                raise
-            raise RuntimeError(f"a postgresql:// key store needs psycopg: {SCALE_EXTRA}") from None
+        missing = missing_package("--store-url", text)
+        if missing is not None:
+            raise RuntimeError(missing)
+        from tokenway.gateway.keystore_postgres import PostgresKeys  # psycopg is only needed for this backend
+
         return PostgresKeys(text)
     if "://" in text and not text.startswith("sqlite:///"):
         raise FieldError("store_url", f"must be a SQLite file, sqlite:///path or postgresql://..., got {text!r}")

@@ -6,6 +6,7 @@ the ledger holds.
     GET  /admin/keys                   -> {"object": "list", "data": [info, ...]}     (never a secret)
     POST /admin/keys/{key_id}/revoke   -> info (revoking twice is not an error)
     POST /admin/keys/{key_id}/rotate   -> {"key": <new secret>, ...info}
+                                       (503 + Retry-After while the key store's database is unreachable)
     GET  /v1/usage[?key_id&since&until] the caller's usage by day, model and tier (the admin key: anyone's)
 
 Every /admin route needs `Authorization: Bearer <admin_key>` (401 otherwise). With no admin key
@@ -16,7 +17,8 @@ gatekeeper (no keys, no ledger) has none of these routes.
 from __future__ import annotations
 
 import hmac
-from typing import Annotated, Any, Literal, TypeAlias
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypeAlias, TypeVar
 
 import pydantic
 from fastapi import APIRouter, Depends
@@ -26,7 +28,7 @@ from starlette.responses import JSONResponse
 
 from tokenway.billing.ledger import LedgerUnavailable
 from tokenway.gateway.auth import ADMIN, MAX_NAME_CHARS
-from tokenway.gateway.keystore import KeyStore, UnknownKeyError
+from tokenway.gateway.keystore import KeyStore, KeyStoreUnavailable, UnknownKeyError
 from tokenway.protocol.errors import (
     AuthenticationError,
     FieldError,
@@ -45,6 +47,7 @@ from tokenway.server.routes import call_of
 from tokenway.server.services import Services
 
 PositiveInt = Annotated[int, pydantic.Field(ge=1)]
+T = TypeVar("T")
 
 
 # Built from the safety stage's own names (one owner for them), which pydantic reads at run time.
@@ -133,8 +136,16 @@ def admin_router(store: KeyStore, admin_key: str | None) -> APIRouter:
     router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], include_in_schema=False)
     parser = BodyParser()  # admin bodies are small (the gateway caps them): parsed where they arrive
 
-    # Store calls run in the thread pool: a write may wait on SQLite's lock (the ledger shares
-    # the file), and the event loop must not wait with it.
+    async def call(method: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """In the thread pool: a write may wait on SQLite's lock (the ledger shares the file) or on
+        PostgreSQL, and the event loop must not wait with it."""
+        try:
+            return await run_in_threadpool(method, *args, **kwargs)
+        except KeyStoreUnavailable as exc:
+            raise ServiceUnavailableError("API keys cannot be managed while the key store's database is "
+                                          "unreachable; calls with existing keys are still served.",
+                                          retry_after=exc.retry_after_s, code="key_store_unavailable") from exc
+
     @router.post("/keys")
     async def create_key(request: Request) -> JSONResponse:
         body = await parse_body(request, CreateKeyRequest, parser)
@@ -142,7 +153,7 @@ def admin_router(store: KeyStore, admin_key: str | None) -> APIRouter:
             fields = body.model_dump()
             if body.safety is not None:
                 fields["safety"] = SafetyPolicy.from_dict(fields["safety"])
-            secret, info = await run_in_threadpool(store.create, **fields)
+            secret, info = await call(store.create, **fields)
         except ValueError as exc:  # e.g. expires_at in the past (a FieldError naming it)
             param = exc.param if isinstance(exc, FieldError) else None
             known = param in CreateKeyRequest.model_fields
@@ -151,13 +162,13 @@ def admin_router(store: KeyStore, admin_key: str | None) -> APIRouter:
 
     @router.get("/keys")
     async def list_keys() -> dict[str, Any]:
-        infos = await run_in_threadpool(store.list)
+        infos = await call(store.list)
         return {"object": "list", "data": [info.to_dict() for info in infos]}
 
     @router.post("/keys/{key_id}/revoke")
     async def revoke_key(key_id: str) -> dict[str, Any]:
-        await run_in_threadpool(store.revoke, key_id)
-        info = await run_in_threadpool(store.get, key_id)
+        await call(store.revoke, key_id)
+        info = await call(store.get, key_id)
         if info is None:
             raise _unknown_key(key_id)
         return info.to_dict()
@@ -165,12 +176,12 @@ def admin_router(store: KeyStore, admin_key: str | None) -> APIRouter:
     @router.post("/keys/{key_id}/rotate")
     async def rotate_key(key_id: str) -> dict[str, Any]:
         try:
-            secret = await run_in_threadpool(store.rotate, key_id)
+            secret = await call(store.rotate, key_id)
         except UnknownKeyError:
             raise _unknown_key(key_id) from None
         except ValueError as exc:  # revoked
             raise InvalidRequestError(str(exc)) from None
-        info = await run_in_threadpool(store.get, key_id)
+        info = await call(store.get, key_id)
         assert info is not None
         return {"key": secret, **info.to_dict()}
 
