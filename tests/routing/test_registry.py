@@ -232,7 +232,7 @@ ERRORS = [
     # keys
     ([model(context_windw=4096)], {},
      ("models[0]: unknown key 'context_windw' (did you mean 'context_window'?); known: aliases, balancer, "
-      "between_tokens_timeout_s, breaker, connect_timeout_s, context_window, fallbacks, first_token_timeout_s, "
+      "between_tokens_timeout_s, breaker, cache, connect_timeout_s, context_window, fallbacks, first_token_timeout_s, "
       "health, kind, max_in_flight, name, prices, replicas, safety, timeout_s")),
     ([model("m", {"kind": "worker", "url": "http://h:8100", "api_key_env": "K"})], {},
      ("models[0].replicas[0]: unknown key 'api_key_env' for a worker replica; known: kind, max_in_flight, name, "
@@ -245,8 +245,8 @@ ERRORS = [
       "balance_factor, balance_slack_tokens, block_size, max_num_indexed_blocks, max_queue, min_match_fraction, "
       "policy, queue_timeout_s, retry_after_s")),
     ([model(prices={"input": 1, "outptu": 2})], {},
-     "models[0].prices: unknown key 'outptu' (did you mean 'output'?); known: batch, cached_input, flex, input, "
-     "output, priority"),
+     "models[0].prices: unknown key 'outptu' (did you mean 'output'?); known: batch, cached_input, "
+     "cached_response, flex, input, output, priority"),
     ([model(**{"context-window": 1, "context_window": 2})], {},
      "models[0]: 'context_window' is given twice (with - and with _)"),
     ([{"replicas": [LOCAL]}], {}, "models[0].name: required"),

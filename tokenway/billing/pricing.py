@@ -1,7 +1,9 @@
 """What a request cost: per-model prices in USD per million tokens, from the config, per service tier.
 
-    config {"prices": {model: {"input", "cached_input", "output", "flex": {...}, ...}}} -> PriceTable
+    config {"prices": {model: {"input", "cached_input", "output", "cached_response", "flex": {...}, ...}}}
+        -> PriceTable
     PriceTable.price(model, service_tier) + usage (prompt, cached, completion tokens) -> cost_usd
+    ... a call the response cache answered (gateway/response_cache.py) -> response_cache_cost_usd
 
 A model's own price is its "default" tier's. Another tier (priority, flex, batch) costs its own
 price where the model's sets one, else the default price times the tier's multiplier
@@ -16,19 +18,21 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 _TOKENS_PER_UNIT = 1_000_000
-_PRICE_FIELDS = ("input", "cached_input", "output")
+_PRICE_FIELDS = ("input", "cached_input", "output", "cached_response")
 PRICED_TIERS = ("priority", "flex", "batch")  # the tiers beside "default", which is the model's own price
 DEFAULT_TIER_MULTIPLIERS: Mapping[str, float] = MappingProxyType({"priority": 1.0, "flex": 0.5, "batch": 0.5})
 
 
 @dataclass(frozen=True, slots=True)
 class ModelPrice:
-    """USD per million tokens. cached_input prices the prompt tokens served from the prefix cache.
+    """USD per million tokens. cached_input prices the prompt tokens served from the prefix cache;
+    cached_response every token (prompt and completion) of a call the response cache answered.
     tiers: a service tier's own price, where the config gives it one (priced by multiplier else)."""
 
     input: float = 0.0
     cached_input: float = 0.0
     output: float = 0.0
+    cached_response: float = 0.0
     tiers: Mapping[str, ModelPrice] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -43,14 +47,17 @@ class ModelPrice:
         object.__setattr__(self, "tiers", dict(self.tiers))  # the caller's mapping is not shared
 
     def __hash__(self) -> int:
-        return hash((self.input, self.cached_input, self.output, tuple(sorted(self.tiers.items()))))
+        return hash((self.input, self.cached_input, self.output, self.cached_response,
+                     tuple(sorted(self.tiers.items()))))
 
     def scaled(self, factor: float) -> ModelPrice:
-        return ModelPrice(self.input * factor, self.cached_input * factor, self.output * factor)
+        return ModelPrice(self.input * factor, self.cached_input * factor, self.output * factor,
+                          self.cached_response * factor)
 
     def to_dict(self) -> dict[str, float]:
         """As /v1/models shows it: USD per million tokens (the default tier's)."""
-        return {"input": self.input, "cached_input": self.cached_input, "output": self.output}
+        return {"input": self.input, "cached_input": self.cached_input, "output": self.output,
+                "cached_response": self.cached_response}
 
 
 def cost_usd(price: ModelPrice, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> float:
@@ -63,6 +70,11 @@ def cost_usd(price: ModelPrice, prompt_tokens: int, cached_tokens: int, completi
     micro_usd = ((prompt_tokens - cached_tokens) * price.input + cached_tokens * price.cached_input
                  + completion_tokens * price.output)
     return micro_usd / _TOKENS_PER_UNIT
+
+
+def response_cache_cost_usd(price: ModelPrice, prompt_tokens: int, completion_tokens: int) -> float:
+    """A call the response cache answered: every token it replayed at cached_response (0 unless set)."""
+    return (prompt_tokens + completion_tokens) * price.cached_response / _TOKENS_PER_UNIT
 
 
 def model_price(name: str, fields: object) -> ModelPrice:

@@ -91,6 +91,9 @@ class CallOutcome:
     safety_output: tuple[str, ...] = ()
     safety_output_action: str | None = None
     safety_output_ms: float = 0.0
+    # The response cache (gateway/response_cache.py) on a call it may answer: "hit" (replayed,
+    # priced at cached_response) or "miss". None: a call it does not cover.
+    response_cache: str | None = None
 
     def unbilled(self) -> CallOutcome:
         """The same outcome with no tokens: a call that generated nothing."""

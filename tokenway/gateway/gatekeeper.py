@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from tokenway.billing.ledger import Ledger, UsageRecord
-from tokenway.billing.pricing import ModelPrice, PriceTable, cost_usd
+from tokenway.billing.pricing import ModelPrice, PriceTable, cost_usd, response_cache_cost_usd
 from tokenway.gateway.auth import (
     ANONYMOUS,
     Principal,
@@ -299,8 +299,10 @@ class Gatekeeper:
     # -- what it cost ----------------------------------------------------------------
 
     def cost_usd(self, model: str, outcome: CallOutcome, service_tier: ServiceClass = "default") -> float:
-        return cost_usd(self.prices.price(model, service_tier), outcome.prompt_tokens, outcome.cached_tokens,
-                        outcome.completion_tokens)
+        price = self.prices.price(model, service_tier)
+        if outcome.response_cache == "hit":
+            return response_cache_cost_usd(price, outcome.prompt_tokens, outcome.completion_tokens)
+        return cost_usd(price, outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens)
 
     def call_cost_usd(self, call: Call, outcome: CallOutcome) -> float:
         """What the call's outcome cost at the tier it ran at: its ledger row's and its trace's."""

@@ -65,6 +65,7 @@ class Trace:
     # The Batch API line the call ran (CallStart.batch_line: its batch id's random part, "l", its
     # index); None for a call made over HTTP.
     batch_line: str | None = None
+    response_cache: str | None = None  # "hit" (answered from the response cache) or "miss"; None: not covered
 
     @classmethod
     def of_call(cls, call, outcome, cost_usd: float = 0.0) -> Trace:
@@ -87,11 +88,12 @@ class Trace:
                                                 "reason": replica.reason,
                                                 "failed_attempts": replica.num_failed_attempts},
             json_complete=outcome.json_complete, safety=safety_of(call, outcome), batch_line=call.start.batch_line,
+            response_cache=outcome.response_cache,
         )
 
     # What the ledger row keeps besides its own columns (`tokenway trace` rebuilds the rest).
     LEDGER_FIELDS = ("endpoint", "total_ms", "ttft_ms", "tpot_ms", "stream", "num_choices", "cache_reason",
-                     "limit_kind", "sampling", "route", "json_complete", "safety", "batch_line")
+                     "limit_kind", "sampling", "route", "json_complete", "safety", "batch_line", "response_cache")
 
     def ledger_fields(self) -> dict:
         return {name: getattr(self, name) for name in self.LEDGER_FIELDS}

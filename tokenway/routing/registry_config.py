@@ -177,6 +177,21 @@ class ModelTimeouts:
 
 
 @dataclass(frozen=True, slots=True)
+class ResponseCacheConfig:
+    """[models.cache]: the model's response cache (gateway/response_cache.py). A key's own
+    setting (Principal.response_cache) turns it on or off for that key, whatever `enabled` says."""
+
+    enabled: bool = False
+    ttl_s: float = 3600.0  # an entry's life
+    forced: bool = False  # every call is cached, not only greedy (temperature 0) or seeded ones
+    shared: bool = False  # an entry serves every key, not only the key whose call made it
+
+    def __post_init__(self) -> None:
+        if type(self.ttl_s) not in (int, float) or not 0 < self.ttl_s < math.inf:
+            raise ValueError(f"ttl_s: must be a number of seconds > 0, got {self.ttl_s!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelEntry:
     """A served model: its names, its pool of replicas and how calls to it are routed."""
 
@@ -195,6 +210,7 @@ class ModelEntry:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     health: HealthCheckConfig = field(default_factory=HealthCheckConfig)
     safety: SafetyPolicy | None = None  # config [models.safety]; None: serve's --safety-* policy
+    cache: ResponseCacheConfig | None = None  # config [models.cache]; None: the defaults (off)
 
     def __post_init__(self) -> None:
         for key in ("replicas", "aliases", "fallbacks"):

@@ -20,6 +20,7 @@ from tokenway.routing.registry_config import (
     ModelTimeouts,
     ReplicaKind,
     ReplicaSpec,
+    ResponseCacheConfig,
     a,
     check_count,
 )
@@ -178,6 +179,7 @@ def parse_model(table: Table, default_local_model: str) -> ModelEntry:
     fields["breaker"] = _breaker(table.table("breaker"))
     fields["health"] = _health(table.table("health"))
     fields["safety"] = _safety(table.table("safety"))
+    fields["cache"] = _cache(table.table("cache"))
     replicas = tuple(parse_replica(t, name, kind, default_local_model) for t in table.tables("replicas"))
     table.finish()
     with at(table.path):
@@ -194,7 +196,7 @@ def _price(table: Table | None, tiers: bool = True) -> ModelPrice | None:
     if table is None:
         return None
     fields: dict[str, Any] = _present({key: table.number(key, minimum=0, unit=" (USD per million tokens)")
-                                       for key in ("input", "cached_input", "output")})
+                                       for key in ("input", "cached_input", "output", "cached_response")})
     if tiers:
         fields["tiers"] = {tier: price for tier in PRICED_TIERS
                            if (price := _price(table.table(tier), tiers=False)) is not None}
@@ -253,3 +255,17 @@ def _safety(table: Table | None) -> SafetyPolicy | None:
                                       "guard_fail_closed": None if fail_closed is None else fail_closed == "refuse"}))
     table.finish()
     return policy
+
+
+def _cache(table: Table | None) -> ResponseCacheConfig | None:
+    """[models.cache]: the model's response cache (enabled, ttl_s, forced, shared)."""
+    if table is None:
+        return None
+    fields: dict[str, Any] = {"ttl_s": table.seconds("ttl_s")}
+    for key in ("enabled", "forced", "shared"):
+        value = fields[key] = table._get(key, False)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{table.at(key)}: must be true or false, got {value!r}")
+    config = ResponseCacheConfig(**_present(fields))
+    table.finish()
+    return config

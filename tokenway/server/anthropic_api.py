@@ -19,6 +19,7 @@ from tokenway.server.anthropic_prepare import count_message_tokens, prepare_mess
 from tokenway.server.anthropic_render import message_response, message_stream
 from tokenway.server.generation import admitted
 from tokenway.server.http import EventStreamResponse, offload, parse_body
+from tokenway.server.response_cache import cache_directive
 from tokenway.server.routes import call_of, schema_extra
 from tokenway.server.services import Services
 
@@ -32,10 +33,11 @@ def router(services: Services) -> APIRouter:
         body = await parse_body(request, MessagesRequest, services.body_parser)
         call = call_of(request)
         messages_call = await offload(request, inline_bytes, prepare_messages, services, body, call)
-        generation = await admitted(services, call, messages_call.prepared)
+        generation = await admitted(services, call, messages_call.prepared, cache_directive(request))
         if body.stream:
             await generation.start_stream(request)  # a refusal is a status, not a 200 stream of one error
-            return EventStreamResponse(message_stream(generation, messages_call), on_close=generation.aclose)
+            return EventStreamResponse(message_stream(generation, messages_call), generation.cache_headers,
+                                       on_close=generation.aclose)
         return await generation.json_response(request, message_response(generation, messages_call), "request-id")
 
     @api.post("/v1/messages/count_tokens", openapi_extra=schema_extra(MessagesPrompt))

@@ -6,6 +6,9 @@ made, once.
                                                   final_outputs(): [ChoiceResult] by index
                  ─► finish(status, error) ─► CallOutcome ─► the ledger row and the trace
 
+A call the response cache answers (server/response_cache.py) takes the same path, its events
+replayed from the entry instead of a replica's; a miss keeps its replica's events for the next.
+
 Each delta from the replica is read in order: a reasoning model's thinking split off its text
 (reasoning_parsers.py: `reasoning`, and the tokens spent thinking), the content's tool calls
 (tool_parsers.py), then the safety stage's output check, of both parts.
@@ -32,10 +35,12 @@ from tokenway.gateway.call import Call, CallOutcome
 from tokenway.protocol.errors import InternalServerError, TokenwayError
 from tokenway.protocol.job import ChoiceDelta, ReplicaEvent, ToolCallDelta, Usage, estimate_tokens
 from tokenway.protocol.openai_bodies import CompletionUsage
+from tokenway.routing.router import ReplicaChoice
 from tokenway.safety.screen import OutputScreen, ReplyScreen
 from tokenway.server import sse
 from tokenway.server.http import ClientDisconnected, unless_disconnected
 from tokenway.server.prepare import PreparedCall, guard, replica_events
+from tokenway.server.response_cache import CacheDirective, CacheLookup
 from tokenway.server.services import Services
 from tokenway.stages import StageClock
 
@@ -67,19 +72,25 @@ class ToolCall:
     arguments: str = ""
 
 
-async def admitted(services: Services, call: Call, prepared: PreparedCall) -> Generation:
+async def admitted(services: Services, call: Call, prepared: PreparedCall,
+                   cache: CacheDirective | None = None) -> Generation:
     """A route's steps on its prepared call: the guard model's verdict (where the call's
-    policy names one), the budget and limits, then its Generation."""
+    policy names one), the budget and limits, the response cache (a route that passes its
+    caller's directive), then its Generation."""
     await guard(services, call, prepared)
     await admit(services.gatekeeper, call)
-    return Generation(services, call, prepared)
+    response_cache = services.response_cache
+    lookup = await response_cache.lookup(call, prepared.job, cache) \
+        if cache is not None and response_cache is not None else None
+    return Generation(services, call, prepared, lookup)
 
 
 class Generation:
     """One prepared call's run on its replica: what outputs() has seen of each choice, and the
     call's outcome, made once (finish). Built once the call is admitted."""
 
-    def __init__(self, services: Services, call: Call, prepared: PreparedCall) -> None:
+    def __init__(self, services: Services, call: Call, prepared: PreparedCall, cache: CacheLookup | None = None
+                 ) -> None:
         job = prepared.job
         self.services = services
         self.call = call
@@ -123,6 +134,12 @@ class Generation:
         self._events: AsyncGenerator[ReplicaEvent, None] | None = None
         self._first: list[ReplicaEvent] = []
         self._closed = False
+        self._num_slots = 0  # the engine slots start() took (none for a call the cache answers)
+        # The response cache: a hit's events replace the replica's; a miss that may be kept
+        # records its replica's events as they came (before any parsing: a hit is parsed again).
+        self.cache = cache
+        self._recorded: list[ReplicaEvent] | None = [] if cache is not None and cache.events is None and cache.store \
+            else None
 
     async def start(self) -> None:
         """Take the call's engine slots and wait for the replica's first event. Whatever
@@ -132,8 +149,13 @@ class Generation:
         Idempotent; aclose() undoes it."""
         if self._events is not None or self._closed:
             return
-        self.services.capacity.take(self.num_choices)
-        self._events = replica_events(self.services.router, self.job, self.call.set_replica)
+        if self.cache is not None and self.cache.events is not None:
+            self.call.set_replica(ReplicaChoice(self.model, "response_cache", "response_cache"))
+            self._events = _replayed(self.cache.events)
+        else:
+            self.services.capacity.take(self.num_choices)
+            self._num_slots = self.num_choices
+            self._events = replica_events(self.services.router, self.job, self.call.set_replica)
         try:
             first = await anext(self._events, None)
         except BaseException:
@@ -151,19 +173,23 @@ class Generation:
         try:
             await events.aclose()
         finally:
-            self.services.capacity.release(self.num_choices)
+            self.services.capacity.release(self._num_slots)
 
     async def outputs(self) -> AsyncIterator[ChoiceDelta]:
         """The replica's deltas, in order, with the call's counts and stage times kept up to date."""
         await self.start()
         if self._events is None:  # closed already: nothing more comes
             return
-        observer = self.services.observer
+        # A replay's tokens are no engine's: they stay out of the token rate and inter-token times.
+        observer = self.services.observer if self.cache is None or self.cache.events is None else None
         last_token_times: list[float | None] = [None] * self.num_choices
         first, self._first = self._first, []
+        recorded = self._recorded
         try:
             async with aclosing(_chained(first, self._events)) as events:
                 async for event in events:
+                    if recorded is not None:
+                        recorded.append(event)
                     if isinstance(event, Usage):
                         self.reported = event
                         self.num_cached_tokens, self.cache_reason = event.cached_tokens, event.cache_reason
@@ -173,9 +199,12 @@ class Generation:
                     num_new = len(event.token_ids)
                     if observer is not None and num_new > 0:
                         now, previous = time.monotonic(), last_token_times[index]
-                        if event.engine_times is not None and event.engine_times[2] is not None:
-                            now = event.engine_times[2]
-                        gap = None if previous is None else (now - previous) / num_new
+                        num_gaps, times = num_new, event.engine_times
+                        if times is not None and times[2] is not None:
+                            now = times[2]
+                            if previous is None and num_new > 1 and times[1] is not None:
+                                previous, num_gaps = times[1], num_new - 1  # a reply sent whole: its mean gap
+                        gap = None if previous is None else (now - previous) / num_gaps
                         observer.on_tokens(self.model, num_new, gap)
                         last_token_times[index] = now
                     self.completion_tokens[index] += num_new
@@ -322,9 +351,15 @@ class Generation:
             self.finish(exc.status, exc.message)
             raise
         self.clock.end("postprocess")
-        response = JSONResponse(body, headers={"Server-Timing": self.clock.server_timing(), id_header: self.request_id})
+        response = JSONResponse(body, headers={"Server-Timing": self.clock.server_timing(), id_header: self.request_id,
+                                               **self.cache_headers})
         self.finish()
         return response
+
+    @property
+    def cache_headers(self) -> dict[str, str]:
+        """x-tokenway-cache on a call the response cache covers; {} on any other."""
+        return self.cache.headers if self.cache is not None else {}
 
     @property
     def num_completion_tokens(self) -> int:
@@ -376,14 +411,29 @@ class Generation:
         """The call's outcome, made once from the counts as they stand, and its log line."""
         reasons = [r for r in self.finish_reasons if r]
         reported = self.reported
+        cache = self.cache
+        num_prompt_tokens = reported.prompt_tokens if reported is not None else self.num_prompt_tokens
         outcome = CallOutcome(  # Call.end bills nothing of a call its replica never started
-            status, prompt_tokens=reported.prompt_tokens if reported is not None else self.num_prompt_tokens,
-            cached_tokens=self.num_cached_tokens, completion_tokens=self.num_completion_tokens,
+            status, prompt_tokens=num_prompt_tokens,
+            # A hit's whole prompt was served from a cache (its body still says what the miss's did).
+            cached_tokens=num_prompt_tokens if cache is not None and cache.events is not None
+            else self.num_cached_tokens, completion_tokens=self.num_completion_tokens,
             reasoning_tokens=self.num_reasoning_tokens, max_choice_tokens=max(self.completion_tokens),
             finish_reason=reasons[0] if reasons else None, error=error, cache_reason=self.cache_reason,
-            json_complete=self.json_complete() if status == 200 else None, **self.safety_output())
+            json_complete=self.json_complete() if status == 200 else None,
+            response_cache=cache.status if cache is not None else None, **self.safety_output())
         self.call.end(outcome)
         log_request(self.request_id, self.model, self.clock, outcome)
+        recorded, self._recorded = self._recorded, None
+        # Kept only whole: every choice ended by its replica (a safety stop cuts the events short).
+        if recorded is not None and cache is not None and status == 200 and all(self.finish_reasons) \
+                and "content_filter" not in self.finish_reasons and self.services.response_cache is not None:
+            self.services.response_cache.keep(cache, recorded)
+
+
+async def _replayed(events: tuple[ReplicaEvent, ...]) -> AsyncGenerator[ReplicaEvent, None]:
+    for event in events:
+        yield event
 
 
 async def _chained(first: list[ReplicaEvent], rest: AsyncIterator[ReplicaEvent]

@@ -43,6 +43,7 @@ from tokenway.server.prepare import (
     screen,
     service_class,
 )
+from tokenway.server.response_cache import cache_directive
 from tokenway.server.routes import call_of, schema_extra
 from tokenway.server.services import Services
 
@@ -58,11 +59,11 @@ def router(services: Services) -> APIRouter:
         body = await parse_body(request, ChatCompletionRequest, services.body_parser)
         call = call_of(request)
         generation = await admitted(services, call, await offload(request, inline_bytes, prepare_chat, services,
-                                                                  body, call))
+                                                                  body, call), cache_directive(request))
         if body.stream:
             await generation.start_stream(request)  # a refusal is a status, not a 200 stream of one error
             return EventStreamResponse(guarded_stream(chat_stream(body, generation), generation),
-                                       on_close=generation.aclose)
+                                       generation.cache_headers, on_close=generation.aclose)
         return await generation.json_response(request, chat_response(body, generation))
 
     @api.post("/v1/completions", openapi_extra=schema_extra(CompletionRequest))
@@ -70,11 +71,11 @@ def router(services: Services) -> APIRouter:
         body = await parse_body(request, CompletionRequest, services.body_parser)
         call = call_of(request)
         prepared_call = await offload(request, inline_bytes, prepare_completion, services, body, call)
-        generation = await admitted(services, call, prepared_call)
+        generation = await admitted(services, call, prepared_call, cache_directive(request))
         if body.stream:
             await generation.start_stream(request)
             return EventStreamResponse(guarded_stream(completion_stream(body, generation, prepared_call.echo),
-                                                      generation), on_close=generation.aclose)
+                                                      generation), generation.cache_headers, on_close=generation.aclose)
         return await generation.json_response(request, completion_response(body, generation, prepared_call.echo))
 
     return api

@@ -7,7 +7,7 @@
                    the one counter a request changes, owned here, held by Services)
     Services       the settings, the catalog and the collaborators: router, engine, embedder,
                    gatekeeper, observer, capacity, body parser, response store, background responses,
-                   batch store
+                   batch store, response cache
 
 Stage functions (frontend/templating.py, safety/, gateway/admission.py) take typed inputs;
 Services only wires them for the routes (server/prepare.py, the *_api.py routers).
@@ -33,6 +33,7 @@ from tokenway.routing.replicas import LocalReplica
 from tokenway.routing.router import Pool, Router
 from tokenway.safety.screen import SafetyPolicy
 from tokenway.server.body_parser import BodyParser
+from tokenway.server.response_cache import ResponseCache
 from tokenway.server.responses_tasks import BackgroundResponses
 from tokenway.server.stats import ServerStats
 
@@ -134,6 +135,7 @@ class Services:
     response_store: ResponseStore | None = None  # /v1/responses' stored responses; None: none kept (tests)
     background: BackgroundResponses = field(default_factory=BackgroundResponses)  # background responses running
     batch_store: BatchStore | None = None  # the Files and Batch APIs' files, batches and lines; None: not served
+    response_cache: ResponseCache | None = None  # whole responses kept for calls made again; None: none
 
     @classmethod
     def build(cls, settings: ServerConfig, catalog: ModelCatalog, router: Router, *,
@@ -141,14 +143,14 @@ class Services:
               gatekeeper: Gatekeeper | None = None,
               observer_for: Callable[[Callable[[], ServerStats]], Observer] | None = None,
               body_parser: BodyParser | None = None, response_store: ResponseStore | None = None,
-              batch_store: BatchStore | None = None) -> Services:
+              batch_store: BatchStore | None = None, response_cache: ResponseCache | None = None) -> Services:
         """The record, with its capacity and (given observer_for) the observer made from the
         /engine/stats reader they share."""
         capacity = Capacity(settings.max_pending_requests)
         stats = partial(_read_stats, engine, router, capacity)
         return cls(settings, catalog, router, capacity, engine, embedder, gatekeeper,
                    observer_for(stats) if observer_for is not None else None, body_parser or BodyParser(),
-                   response_store=response_store, batch_store=batch_store)
+                   response_store=response_store, batch_store=batch_store, response_cache=response_cache)
 
     def resolve_model(self, name: str | None, principal: Principal | None = None, kind: str = "chat") -> str:
         """The catalog's served name for a request's `model` (404, 400), and 403 for one the
