@@ -91,6 +91,9 @@ SERVE_OPTIONS = {
     "db": (str, None),  # SQLite file for API keys and (by default) the ledger
     "ledger_url": (str, None),  # "sqlite:///path" or "postgresql://..."; default: the db file
     "limits_url": (str, "memory"),  # "memory" (one process) or "redis://host:port" (shared)
+    # whole responses kept for calls made again ([models.cache], a key's response_cache)
+    "response_cache_url": (str, "memory"),  # "memory" (this process) or "redis://host:port" (shared)
+    "response_cache_bytes": (str, "256MiB"),  # the memory store's bound
     "store_url": (str, None),  # API keys: "postgresql://..." shared by every gateway; default: the db file
     "responses_ttl": (str, None),  # stored responses deleted this long after they were made (30d, 12h); None: kept
     "responses_lease_seconds": (float, 60.0),  # a background response outliving its server this long is failed
@@ -241,6 +244,9 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--db", help="SQLite file for API keys and the usage ledger (default: the keys CLI's)")
     serve.add_argument("--ledger-url", help="sqlite:///path or postgresql://... for the usage ledger")
     serve.add_argument("--limits-url", help="'memory' (default) or redis://host:port to share limits and budgets")
+    serve.add_argument("--response-cache-url", help="where the response cache ([models.cache]) keeps responses: "
+                       "'memory' (default) or redis://host:port, shared by every gateway on it")
+    serve.add_argument("--response-cache-bytes", help="the in-memory response cache's bound (default 256MiB)")
     serve.add_argument("--store-url", help="postgresql://... to keep API keys (limits, budgets, policies) in one "
                        "database every gateway shares (default: the --db SQLite file)")
     serve.add_argument("--batch-limit-share", type=float,
@@ -362,6 +368,7 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
     serve_embeddings = options["embeddings"] and (registry is None or registry.local_model("embeddings") is not None)
     embedder = build_embedder() if serve_embeddings else None
     embedding_model_names = (DEFAULT_EMBEDDING_MODEL,) if embedder else ()
+    response_cache = build_response_cache(options, registry)
     observer_for = partial(build_observer, gatekeeper=gatekeeper, options=options) if options["observability"] else None
     # Stored responses (/v1/responses) live with the ledger; with no gateway, in memory.
     response_store = open_response_store(database_url(options) if options["gateway"] else "memory")
@@ -398,7 +405,7 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
                 frontend.tokenizer.special_tokens_in_messages = True
         services = Services.build(server_config, catalog, router, engine=engine, embedder=embedder,
                                   gatekeeper=gatekeeper, observer_for=observer_for, response_store=response_store,
-                                  batch_store=batch_store)
+                                  batch_store=batch_store, response_cache=response_cache)
         app = create_app(services)
         # A batch's lines run through the app itself (batch_lines.py) on the room interactive calls leave.
         batch_runner = BatchRunner(batch_store, LineExecutor(app, principal_of(gatekeeper)),
@@ -446,6 +453,7 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
             await gatekeeper.close()  # flush the ledger
         await response_store.close()
         await batch_store.close()
+        await response_cache.close()
         if services.observer is not None:
             await asyncio.to_thread(services.observer.close)  # flush spans (bounded: 5 s)
         return server.started
@@ -599,6 +607,16 @@ def build_gatekeeper(options: dict, registry=None):
         budgets=make_budgets(options["limits_url"], ledger.spend_usd, batch_spend_seed(ledger)),
         limits_on_error=options["limits_on_error"],
     )
+
+
+def build_response_cache(options: dict, registry=None):
+    from tokenway.gateway.response_cache import open_store
+    from tokenway.server.response_cache import ResponseCache
+
+    store = open_store(options["response_cache_url"],
+                       parse_bytes(options["response_cache_bytes"], "response_cache_bytes"))
+    return ResponseCache(store, {e.name: e.cache for e in registry.models if e.cache is not None}
+                         if registry is not None else {})
 
 
 def run_usage(args: argparse.Namespace) -> int:
