@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from tokenway.gateway.gatekeeper import Gatekeeper
     from tokenway.observability.observer import Observer
     from tokenway.server.stats import ServerStats
+    from tokenway.server.workers import WorkerSlot
 
 # flag dest -> (type, default); the config file uses the same names (dashes or underscores).
 SERVE_OPTIONS = {
@@ -285,6 +286,8 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
     slot = WorkerSlot.from_env()
     if options["workers"] != 1 and slot is None:
         return supervise(options, sys.argv[1:] if argv is None else argv)
+    if slot is not None:
+        slot.follow_supervisor()
     import socket
     import uuid
 
@@ -302,6 +305,7 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
     from tokenway.server.batch_lines import LineExecutor, batch_capacity, principal_of
     from tokenway.server.services import ModelCatalog, ServerConfig, Services, local_router
     from tokenway.server.uvicorn_server import Server, run_event_loop
+    from tokenway.server.workers import read_peers_metrics, worker_sockets
 
     logging.basicConfig(level=options["log_level"].upper(), format="%(message)s", stream=sys.stderr)
     engine_config = EngineConfig(
@@ -364,7 +368,7 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
     if registry is None or registry.local_model("chat") is not None:  # else a gateway only: no model here
         engine = (ProcessEngine(engine_config, options["engine_niceness"]) if options["engine_process"]
                   else AsyncEngine(engine_config))
-    gatekeeper = build_gatekeeper(options, registry) if options["gateway"] else None
+    gatekeeper = build_gatekeeper(options, registry, slot) if options["gateway"] else None
     serve_embeddings = options["embeddings"] and (registry is None or registry.local_model("embeddings") is not None)
     embedder = build_embedder() if serve_embeddings else None
     embedding_model_names = (DEFAULT_EMBEDDING_MODEL,) if embedder else ()
@@ -442,7 +446,18 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
         # the collector's sight, so a collection walks only what requests make (fewer, shorter pauses).
         gc.collect()
         gc.freeze()
-        await server.serve()
+        if slot is None:
+            await server.serve()
+        else:  # one of --workers N: the supervisor's listening socket, and a socket of its own for /metrics
+            server.announcement = f"tokenway: worker {slot.index} (pid {os.getpid()}) ready"
+            server.on_started = slot.mark_ready
+            if services.observer is not None:
+                services.observer.metrics.worker_label = str(slot.index)
+                services.observer.metrics.peers = partial(read_peers_metrics, slot, scheme == "https")
+            try:
+                await server.serve(sockets=worker_sockets(slot))
+            finally:
+                slot.metrics_path.unlink(missing_ok=True)
         # The lines running finish within the grace (their rows and outcomes written), else are left
         # to their lease: the next runner on this database runs them again.
         await batch_runner.stop(server_config.graceful_shutdown_seconds)
@@ -566,10 +581,11 @@ def database_url(options: dict) -> str:
     return options["ledger_url"] or f"sqlite:///{database_path(options).resolve()}"
 
 
-def build_gatekeeper(options: dict, registry=None):
+def build_gatekeeper(options: dict, registry=None, slot: WorkerSlot | None = None):
     from tokenway.billing.ledger import Ledger
     from tokenway.billing.pricing import PriceTable
     from tokenway.gateway.budgets import make_budgets
+    from tokenway.gateway.counters import CounterClient, RemoteBudgets, RemoteLimiter
     from tokenway.gateway.extras import missing_package
     from tokenway.gateway.gatekeeper import Defaults, Gatekeeper
     from tokenway.gateway.keystore import KeyStore, KeyStoreUnavailable
@@ -595,18 +611,45 @@ def build_gatekeeper(options: dict, registry=None):
     # The journal makes a row crash-safe before its response ends, without a DB commit
     # on that path (billing/journal.py); one per gateway and database, replayed on its next start.
     ledger = Ledger(database_url(options), journal_dir=db.parent,
-                    journal_name=str(options["port"]))
+                    journal_name=slot.journal_name(options["port"]) if slot is not None else str(options["port"]))
+    # One of --workers N without a Redis: the supervisor owns every key's counters (gateway/counters.py).
+    counters = CounterClient(slot.counters_path) if slot is not None and slot.counters else None
     return Gatekeeper(
         keys=keys,
-        limiter=make_limiter(options["limits_url"]),
+        limiter=RemoteLimiter(counters) if counters is not None else make_limiter(options["limits_url"]),
         ledger=ledger,
         prices=registry.price_table(options["prices"], options["tier_price_multipliers"]) if registry is not None
         else PriceTable.from_config(options["prices"] or {}, options["tier_price_multipliers"]),
         defaults=defaults,
         host=options["host"],
-        budgets=make_budgets(options["limits_url"], ledger.spend_usd, batch_spend_seed(ledger)),
+        budgets=RemoteBudgets(counters) if counters is not None
+        else make_budgets(options["limits_url"], ledger.spend_usd, batch_spend_seed(ledger)),
         limits_on_error=options["limits_on_error"],
     )
+
+
+def supervise(options: dict, argv: list[str]) -> int:
+    """--workers N: the supervisor (server/workers.py). Without a Redis it owns every key's limits and
+    budgets, seeded from the ledger as one gateway's are; the workers ask it (gateway/counters.py)."""
+    from tokenway.gateway.limits import limits_backend
+    from tokenway.server.workers import Supervisor
+
+    logging.basicConfig(level=options["log_level"].upper(), format="%(message)s", stream=sys.stderr)
+    counters = None
+    if options["gateway"] and limits_backend(options["limits_url"]) == "memory":
+        from tokenway.billing.ledger import Ledger
+        from tokenway.gateway.budgets import InProcessBudgets
+        from tokenway.gateway.counters import CounterServer
+        from tokenway.gateway.limits import InProcessLimiter
+        from tokenway.gateway.shares import batch_spend_seed
+
+        database_path(options).parent.mkdir(parents=True, exist_ok=True)
+        ledger = Ledger(database_url(options))  # read for the budgets' seeds only: the workers write it
+        counters = CounterServer(InProcessLimiter(), InProcessBudgets(ledger.spend_usd,
+                                                                      share_seed=batch_spend_seed(ledger)),
+                                 also_close=ledger.close)
+    return Supervisor(argv, options["workers"], options["host"], options["port"], counters=counters,
+                      graceful_shutdown_seconds=options["graceful_shutdown_seconds"]).run()
 
 
 def build_response_cache(options: dict, registry=None):

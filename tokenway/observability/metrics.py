@@ -19,7 +19,7 @@ router touches a metric. Each server has its own CollectorRegistry.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import (
@@ -34,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tokenway.engine.stats import ClassStats, EngineStats
+from tokenway.observability.metrics_merge import merge_expositions
 from tokenway.observability.traces import Trace
 from tokenway.stages import STAGES
 
@@ -70,6 +71,9 @@ class Metrics:
                  ledger_stats: Callable[[], dict] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # --workers N (server/workers.py): the other workers' own expositions, by worker label.
+        self.peers: Callable[[], Awaitable[list[tuple[str, bytes]]]] | None = None
+        self.worker_label = ""
 
         def histogram(name: str, doc: str, buckets: tuple, labels: tuple = ("model",)) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=r)
@@ -171,6 +175,13 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    async def host_exposition(self, own_only: bool = False) -> bytes:
+        """With --workers N, every worker's metrics merged (metrics_merge.py); else this process's."""
+        own = self.exposition()
+        if own_only or self.peers is None:
+            return own
+        return merge_expositions([(self.worker_label, own), *await self.peers()])
 
 
 class EngineCollector(Collector):

@@ -65,8 +65,11 @@ def observability_router(observer: Observer, gatekeeper: Gatekeeper | None, admi
         return {"object": "list", "data": [trace_body(t) for t in traces]}
 
     @router.get("/metrics")
-    async def metrics() -> Response:
-        return Response(observer.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request) -> Response:
+        # With --workers N, any worker answers for the host; ?scope=process is one worker's own.
+        own_only = request.query_params.get("scope") == "process"
+        return Response(await observer.metrics.host_exposition(own_only), media_type=CONTENT_TYPE_LATEST,
+                        headers={"x-tokenway-worker": observer.metrics.worker_label} if own_only else None)
 
     @router.get("/v1/traces/{request_id}")
     async def own_trace(request: Request, request_id: str) -> dict:

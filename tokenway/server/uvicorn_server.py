@@ -26,7 +26,7 @@ import ssl
 import sys
 import threading
 from asyncio import TimerHandle
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -298,6 +298,7 @@ class Server(uvicorn.Server):
         self.connection_table = ConnectionTable(max_connections, max_per_client, policy.max_opening_connections)
         super().__init__(config)
         self.announcement = announcement
+        self.on_started: Callable[[], None] | None = None  # once bound, after the ready line
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit and sig == signal.SIGINT:
@@ -333,6 +334,8 @@ class Server(uvicorn.Server):
             config.ssl = tls
         if self.started and self.announcement:
             print(self.announcement, file=sys.stderr, flush=True)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
 
 def run_event_loop(main: Coroutine[Any, Any, T]) -> T:

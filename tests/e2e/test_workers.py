@@ -1,0 +1,156 @@
+"""`tokenway serve --workers 4` as a gateway in front of an upstream on loopback: limits exact
+across the workers without a Redis, one /metrics for the host, and a SIGHUP reload that drops
+no call."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from .conftest import REPO, Server
+
+MODEL = "stub-model"
+NUM_WORKERS = 4
+
+
+class _Upstream(BaseHTTPRequestHandler):
+    """An OpenAI-compatible upstream that answers every chat at once, streamed or not."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+        if body.get("stream"):
+            chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}}]},
+                      {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+                      {"choices": [], "usage": usage}]
+            payload = b"".join(b"data: " + json.dumps({"id": "c", "object": "chat.completion.chunk", "created": 0,
+                                                        "model": body["model"], **c}).encode() + b"\n\n"
+                               for c in chunks) + b"data: [DONE]\n\n"
+            content_type = "text/event-stream"
+        else:
+            payload = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
+                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"},
+                                               "finish_reason": "stop"}], "usage": usage}).encode()
+            content_type = "application/json"
+        self.send_response(200)
+        self.send_header("content-type", content_type)
+        self.send_header("content-length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def do_GET(self) -> None:  # noqa: N802 - the health probe's GET /v1/models
+        payload = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    folder = tmp_path_factory.mktemp("workers")
+    config = folder / "gateway.toml"
+    config.write_text(f'[[models]]\nname = "{MODEL}"\ncontext_window = 8192\n  [[models.replicas]]\n'
+                      f'  kind = "openai"\n  url = "http://127.0.0.1:{upstream.server_port}/v1"\n'
+                      f'  model = "{MODEL}"\n')
+    db = folder / "keys.db"
+
+    def create_key(*limits: str) -> str:
+        return subprocess.run([sys.executable, "-m", "tokenway.cli", "keys", "--db", str(db), "create", "--name",
+                               "t", *limits], check=True, capture_output=True, text=True, cwd=REPO).stdout.strip()
+
+    keys = {"limited": create_key("--rpm", "50"), "open": create_key()}
+    server = Server("--config", str(config), "--workers", str(NUM_WORKERS), "--no-embeddings", db=db)
+    yield server, keys
+    assert server.stop() == 0, server.read_log()[-3000:]
+    upstream.shutdown()
+
+
+def chat(client: httpx.AsyncClient, key: str):
+    return client.post("/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+
+
+def samples(text: str, name: str) -> list[tuple[str, float]]:
+    return [(m.group(1), float(m.group(2))) for m in re.finditer(rf"^{name}(\{{.*?\}})? (\S+)$", text, re.M)]
+
+
+def test_rpm_is_exact_across_workers_and_metrics_are_the_hosts(gateway):
+    server, keys = gateway
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60,
+                                     limits=httpx.Limits(max_connections=200)) as client:
+            return await asyncio.gather(*(chat(client, keys["limited"]) for _ in range(200)))
+
+    responses = asyncio.run(burst())
+    statuses = [r.status_code for r in responses]
+    assert statuses.count(200) == 50 and statuses.count(429) == 150, statuses
+    assert all(int(r.headers["retry-after"]) >= 1 for r in responses if r.status_code == 429)
+
+    # Any worker answers for all of them: every call counted, and each worker's gauges there.
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    served = sum(value for labels, value in samples(text, "tokenway_requests_total") if 'status="200"' in labels)
+    assert served == 50
+    limited = sum(value for _, value in samples(text, "tokenway_rate_limited_total"))
+    assert limited == 150
+    workers = {re.search(r'worker="(\d+)"', labels).group(1)  # type: ignore[union-attr]
+               for labels, _ in samples(text, "process_start_time_seconds")}
+    assert workers == {str(i) for i in range(NUM_WORKERS)}
+
+
+def test_sighup_reloads_without_dropping_a_call(gateway):
+    server, keys = gateway
+    stop = threading.Event()
+    statuses: list[int | str] = []
+
+    async def load() -> None:
+        # A connection per call: a kept-alive one closed while idle by a draining worker is a
+        # client's retry to make (as with any server that stops); the listener's handover is ours.
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60,
+                                     limits=httpx.Limits(max_keepalive_connections=0)) as client:
+            async def one() -> None:
+                while not stop.is_set():
+                    try:
+                        statuses.append((await chat(client, keys["open"])).status_code)
+                    except httpx.HTTPError as exc:
+                        statuses.append(repr(exc))
+
+            await asyncio.gather(*(one() for _ in range(16)))
+
+    loader = threading.Thread(target=lambda: asyncio.run(load()))
+    loader.start()
+    try:
+        while len(statuses) < 50:
+            time.sleep(0.05)
+        server.process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 120
+        while server.read_log().count("tokenway: stopped") < NUM_WORKERS:
+            assert time.monotonic() < deadline, server.read_log()[-3000:]
+            time.sleep(0.1)
+        num_before = len(statuses)
+        while len(statuses) < num_before + 50:  # and the new generation serves
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        loader.join()
+    assert "reloaded" in server.read_log()
+    assert set(statuses) == {200}, [s for s in statuses if s != 200][:5]
