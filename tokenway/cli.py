@@ -302,6 +302,7 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
     from tokenway.frontend.tool_parsers import FORMATS
     from tokenway.routing.batch_room import LOCAL_QUEUE_DEPTH
     from tokenway.server.app import create_app
+    from tokenway.server.batch_forward import build_forwarder
     from tokenway.server.batch_lines import LineExecutor, batch_capacity, principal_of
     from tokenway.server.services import ModelCatalog, ServerConfig, Services, local_router
     from tokenway.server.uvicorn_server import Server, run_event_loop
@@ -412,12 +413,15 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
                                   batch_store=batch_store, response_cache=response_cache)
         app = create_app(services)
         # A batch's lines run through the app itself (batch_lines.py) on the room interactive calls leave.
+        # A batch of a model whose upstream has its own Batch API goes there whole (batch_forward.py).
+        forwarder = build_forwarder(registry, router, batch_store, gatekeeper)
         batch_runner = BatchRunner(batch_store, LineExecutor(app, principal_of(gatekeeper)),
                                    f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
                                    batch_capacity(services.capacity, router, engine_config.max_num_seqs),
                                    options["batch_lease_seconds"],
                                    # as many lines as the engine runs and queues: capacity is the bound
-                                   max_running=max(DEFAULT_MAX_RUNNING, LOCAL_QUEUE_DEPTH * engine_config.max_num_seqs))
+                                   max_running=max(DEFAULT_MAX_RUNNING, LOCAL_QUEUE_DEPTH * engine_config.max_num_seqs),
+                                   forward=forwarder)
         if services.observer is not None:
             services.observer.watch_batches(batch_runner.stats.to_dict)
         server = Server(uvicorn.Config(
@@ -461,6 +465,8 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
         # The lines running finish within the grace (their rows and outcomes written), else are left
         # to their lease: the next runner on this database runs them again.
         await batch_runner.stop(server_config.graceful_shutdown_seconds)
+        if forwarder is not None:
+            await forwarder.aclose()
         await services.background.aclose()  # each background response stored as ended, billed, traced
         await router.aclose()
         await services.body_parser.close()

@@ -20,6 +20,7 @@ from tokenway.batches.store import (
     BatchLine,
     BatchNotEndedError,
     BatchStoreUnavailable,
+    ChooseUpstream,
     FilePurpose,
     JSONObject,
     LineOutcome,
@@ -56,6 +57,7 @@ class SqlBatchStore:
                                         unavailable=BatchStoreUnavailable, retry_first_s=RETRY_FIRST_S,
                                         retry_max_s=RETRY_MAX_S, log=logger)
         self._created_callbacks: list[Callable[[], None]] = []
+        self._choose_upstream: ChooseUpstream | None = None
 
     # ---- files ----
 
@@ -103,6 +105,8 @@ class SqlBatchStore:
         if model is None and lines and isinstance(lines[0][1].get("model"), str):
             model = lines[0][1]["model"]
         stored = dataclasses.replace(batch, model=model, counts=BatchCounts(len(lines), pending=len(lines)))
+        if stored.status == "in_progress" and stored.upstream is None and self._choose_upstream is not None:
+            stored = dataclasses.replace(stored, upstream=self._choose_upstream(stored, lines))
         await self._run(lambda backend: backend.create_batch(stored, lines))
         if stored.status == "in_progress":
             for callback in self._created_callbacks:
@@ -111,6 +115,9 @@ class SqlBatchStore:
 
     def on_created(self, callback: Callable[[], None]) -> None:
         self._created_callbacks.append(callback)
+
+    def forward_with(self, choose: ChooseUpstream) -> None:
+        self._choose_upstream = choose
 
     async def get_batch(self, batch_id: str, key_id: str) -> Batch | None:
         return await self._run(lambda backend: backend.get_batch(batch_id, key_id))

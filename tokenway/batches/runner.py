@@ -92,14 +92,17 @@ class BatchRunner:
     def __init__(self, store: BatchStore, execute: Execute, worker_id: str, capacity: Callable[[], int],
                  lease_s: float = DEFAULT_LEASE_S, *, max_running: int = DEFAULT_MAX_RUNNING,
                  max_claim: int = DEFAULT_MAX_CLAIM, poll_s: float = DEFAULT_POLL_S,
-                 upkeep_s: float = DEFAULT_UPKEEP_S, stats: RunnerStats | None = None) -> None:
+                 upkeep_s: float = DEFAULT_UPKEEP_S, stats: RunnerStats | None = None,
+                 forward: Callable[[], Awaitable[None]] | None = None) -> None:
         """worker_id: unique to this runner's life (a restarted process is another worker: the
         claims of the one before lapse, they are not resumed). capacity: how many lines this runner
         may have running now, its own included (the room interactive work leaves on the engine or
         the replicas, as the caller measures it); it starts the difference. A total, not what is
         free: a line just started is not in the engine's counts yet, and what is free there would
         count its slot again. stats:
-        where it counts (made before the runner, for readers made before it)."""
+        where it counts (made before the runner, for readers made before it). forward: a step of
+        the batches upstreams run whole (server/batch_forward.py), taken at every upkeep before
+        finalizing: it must not wait on the upstream (it starts that work and returns)."""
         if lease_s <= 0 or max_running < 1 or max_claim < 1 or poll_s <= 0 or upkeep_s <= 0:
             raise ValueError("lease_s, poll_s and upkeep_s must be > 0; max_running and max_claim >= 1")
         self._store = store
@@ -118,6 +121,7 @@ class BatchRunner:
         self._claim_after = 0.0  # time.monotonic(): through an outage, no claims before it
         self._task: asyncio.Task[None] | None = None
         self.stats = stats if stats is not None else RunnerStats()
+        self._forward = forward
 
     @property
     def num_running(self) -> int:
@@ -188,6 +192,8 @@ class BatchRunner:
         await self._store.expire(now)
         await self._store.finalize_ready(now)
         await self._store.purge_files(now)
+        if self._forward is not None:
+            await self._forward()
         self.stats.overview = await self._store.overview(OVERVIEW_BATCHES)
         self.stats.overview_at = time.time()
 

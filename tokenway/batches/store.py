@@ -263,6 +263,10 @@ class Page(Generic[T]):
         return self.data[-1].id if self.data else None
 
 
+# (the batch as it will be stored, its (custom_id, body) lines) -> the upstream to run it whole, or None.
+ChooseUpstream = Callable[[Batch, Sequence[tuple[str, JSONObject]]], str | None]
+
+
 class BatchStoreUnavailable(ServiceUnavailableError):
     """The database batches are kept in cannot be reached; retry_after: when the store tries it
     next (until then it refuses at once rather than make each call wait out a timeout)."""
@@ -313,6 +317,11 @@ class BatchStore(Protocol):
     def on_created(self, callback: Callable[[], None]) -> None:
         """Call `callback` (on the event loop) after each batch this store creates, once it is
         stored: a runner in this process wakes for it rather than at its next look."""
+        ...
+
+    def forward_with(self, choose: ChooseUpstream) -> None:
+        """Each in_progress batch created from now on is offered to `choose` before it is
+        stored: the upstream it names (Batch.upstream) runs the batch whole; None, its lines run here."""
         ...
 
     async def list_batches(self, key_id: str, *, api: BatchApi, after: str | None = None,
