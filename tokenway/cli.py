@@ -638,8 +638,17 @@ def supervise(options: dict, argv: list[str]) -> int:
     """--workers N: the supervisor (server/workers.py). Without a Redis it owns every key's limits and
     budgets, seeded from the ledger as one gateway's are; the workers ask it (gateway/counters.py)."""
     from tokenway.gateway.limits import limits_backend
+    from tokenway.routing.registry import Registry
     from tokenway.server.workers import Supervisor
 
+    if options["workers"] < 1:
+        raise ValueError(f"workers: must be >= 1, got {options['workers']}")
+    if not options["registry"].get("models") or Registry.from_config(
+            options["registry"], default_model=options["model"],
+            served_model_names=options["served_model_name"]).local_model("chat") is not None:
+        # N workers would load N engines: the engine stays one per model, behind `tokenway worker`.
+        raise ValueError("workers: --workers N serves configs whose chat models are all remote; run the local "
+                         "model as `tokenway worker` on loopback and route to it (a kind = \"worker\" replica)")
     logging.basicConfig(level=options["log_level"].upper(), format="%(message)s", stream=sys.stderr)
     counters = None
     if options["gateway"] and limits_backend(options["limits_url"]) == "memory":

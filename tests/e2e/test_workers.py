@@ -154,3 +154,13 @@ def test_sighup_reloads_without_dropping_a_call(gateway):
         loader.join()
     assert "reloaded" in server.read_log()
     assert set(statuses) == {200}, [s for s in statuses if s != 200][:5]
+
+
+def test_workers_refuse_a_local_engine_and_a_bad_count(capsys):
+    from tokenway.cli import main
+
+    # N workers would load N engines: refused in one line, before anything starts.
+    assert main(["serve", "--workers", "2", "--port", "1"]) == 2
+    assert "kind = \"worker\" replica" in capsys.readouterr().err
+    assert main(["serve", "--workers", "0", "--port", "1"]) == 2
+    assert "workers: must be >= 1" in capsys.readouterr().err
