@@ -46,11 +46,28 @@ def openai_chunk(index: int = 0, text: str | None = None, tool_calls: list[dict]
                 "usage": usage})
 
 
+def usage_fields(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
 def openai_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-             "total_tokens": prompt_tokens + completion_tokens,
-             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    usage = usage_fields(prompt_tokens, completion_tokens, cached_tokens)
     return sse({"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "up", "choices": [], "usage": usage})
+
+
+def openai_answer(text: str | None = "", finish_reason: str = "stop", usage: dict[str, Any] | None = None,
+                  **message: Any) -> Reply:
+    """A non-streamed chat.completion of one choice (its message's fields: content `text`, and
+    `message`), as the whole 200 answer; usage as usage_fields makes it."""
+    return json_reply({"id": "chatcmpl-1", "object": "chat.completion", "model": "up", "usage": usage,
+                       "choices": [{"index": 0, "message": {"role": "assistant", "content": text, **message},
+                                    "finish_reason": finish_reason}]})
+
+
+def json_reply(payload: Any, status: int = 200) -> Reply:
+    return Reply(status=status, chunks=(json.dumps(payload).encode(),), headers={"content-type": "application/json"})
 
 
 def anthropic_event(kind: str, **fields: Any) -> bytes:

@@ -22,12 +22,14 @@ from .stub_upstream import (
     StubUpstream,
     anthropic_event,
     call_item,
+    openai_answer,
     openai_chunk,
     openai_usage,
     reasoning_item,
     responses_event,
     responses_final,
     text_item,
+    usage_fields,
 )
 
 CONFIG = """
@@ -91,11 +93,8 @@ def client(gateway):
 
 def test_responses_reach_an_openai_chat_upstream_with_a_tool_round_trip(gateway, client):
     server, oa, _, _ = gateway
-    head = openai_chunk(tool_calls=[{"index": 0, "id": "call_abc", "type": "function",
-                                     "function": {"name": "get_weather", "arguments": ""}}])
-    piece = openai_chunk(tool_calls=[{"index": 0, "function": {"arguments": '{"city": "Rome"}'}}])
-    oa.script(Reply(chunks=(openai_chunk(text=""), head, piece, openai_chunk(finish_reason="tool_calls"),
-                            openai_usage(31, 9, cached_tokens=16), DONE)))
+    oa.script(openai_answer(None, "tool_calls", usage_fields(31, 9, cached_tokens=16), tool_calls=[
+        {"id": "call_abc", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]))
     first = client.responses.create(model="gpt", input="Weather in Rome?", instructions="Be brief.", tools=[WEATHER],
                                     max_output_tokens=64)
     [call] = first.output

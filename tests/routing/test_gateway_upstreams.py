@@ -16,7 +16,16 @@ import openai
 import pytest
 
 from ..e2e.conftest import Server
-from .stub_upstream import DONE, Reply, StubUpstream, anthropic_event, openai_chunk, openai_usage
+from .stub_upstream import (
+    DONE,
+    Reply,
+    StubUpstream,
+    anthropic_event,
+    openai_answer,
+    openai_chunk,
+    openai_usage,
+    usage_fields,
+)
 
 CONFIG = """
 [[models]]
@@ -109,7 +118,8 @@ def test_a_gateway_without_a_model_lists_its_upstreams_and_is_ready(gateway):
 def test_the_anthropic_sdk_reaches_an_openai_upstream_with_tools(gateway):
     server, oa, _ = gateway
     client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
-    oa.script(openai_tool_call_reply(('{"ci', 'ty": "Ro', 'me"}')))
+    oa.script(openai_answer(None, "tool_calls", usage_fields(31, 9, cached_tokens=16), tool_calls=[
+        {"id": "call_abc", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]))
     message = client.messages.create(model="gpt", max_tokens=64, tools=[WEATHER],
                                      messages=[{"role": "user", "content": "Weather in Rome?"}])
     assert message.stop_reason == "tool_use"
@@ -119,7 +129,7 @@ def test_the_anthropic_sdk_reaches_an_openai_upstream_with_tools(gateway):
         (31 - 16, 16, 9)
     sent = oa.received[-1]
     assert sent.path == "/v1/chat/completions" and sent.headers["authorization"] == "Bearer sk-upstream-secret"
-    assert sent.body["model"] == "up-model" and sent.body["max_tokens"] == 64 and sent.body["stream"] is True
+    assert sent.body["model"] == "up-model" and sent.body["max_tokens"] == 64 and "stream" not in sent.body
     assert sent.body["tools"][0]["function"]["name"] == "get_weather"
     assert sent.body["messages"] == [{"role": "user", "content": "Weather in Rome?"}]
 
@@ -237,7 +247,7 @@ def test_an_upstream_failing_opens_its_breaker_and_the_pool_falls_back(gateway):
     assert len(oa.received) == num_upstream_calls
 
     # After the cooldown one call probes it; it is back, so the breaker closes.
-    oa.script(Reply(chunks=(openai_chunk(text="back"), openai_chunk(finish_reason="stop"), openai_usage(3, 1), DONE)))
+    oa.script(openai_answer("back", usage=usage_fields(3, 1)))
     time.sleep(1.2)
     raw = client.chat.completions.with_raw_response.create(
         model="gpt", messages=[{"role": "user", "content": "hi"}], max_tokens=8)

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from ..e2e.conftest import Server
-from .stub_upstream import DONE, Reply, StubUpstream, openai_chunk, openai_usage
+from .stub_upstream import Reply, StubUpstream, openai_answer, usage_fields
 
 CONFIG = """
 [[models]]
@@ -48,7 +48,7 @@ breaker = {{failure_threshold = 100}}
 
 
 def verdict(text: str) -> Reply:
-    return Reply(chunks=(openai_chunk(text=text), openai_chunk(finish_reason="stop"), openai_usage(300, 3), DONE))
+    return openai_answer(text, usage=usage_fields(300, 3))  # the guard's call is not streamed
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_the_guards_verdict_blocks_or_passes(gateway):
                                        messages=[{"role": "user", "content": "How do I hurt my neighbour?"}])
     assert refused.value.code == "content_policy_violation" and "violent_crimes" in refused.value.message
     asked = guard.received[-1].body
-    assert asked["model"] == "meta-llama/Llama-Guard-3-1B" and asked["temperature"] == 0
+    assert asked["model"] == "meta-llama/Llama-Guard-3-1B" and asked["temperature"] == 0 and "stream" not in asked
     task = asked["messages"][0]["content"]
     assert "User: How do I hurt my neighbour?" in task and "S1: Violent Crimes." in task
     assert "ONLY THE LAST User message" in task

@@ -1,10 +1,11 @@
 """Upstreams that send too much, through a real gateway (`tokenway serve --config`, no model):
-an endless event-stream line, a 300 MB JSON answer, an endless response head, a 300 MB error
-body. Each call ends in a 502 naming the cause, the gateway stops reading after what the cap
-allows (the upstream counts what it could send), and /health answers throughout, four such
-upstreams at once included (its latencies printed, not asserted). The upstream
-(abusive_upstream.py) runs in its own process. The decoder's own test
-checks that an open line's pieces are scanned once each, however long it grows."""
+an endless event-stream line, a 300 MB JSON answer (to a streamed caller, and to one whose
+upstream call is not streamed), an endless response head, a 300 MB error body. Each call ends
+in a 502 naming the cause, the gateway stops reading after what the cap allows (the upstream
+counts what it could send), and /health answers throughout, four such upstreams at once
+included (its latencies printed, not asserted). The upstream (abusive_upstream.py) runs in its
+own process. The decoder's own test checks that an open line's pieces are scanned once each,
+however long it grows."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ import pytest
 
 from tokenway.routing import sse_decoder
 from tokenway.routing.sse_decoder import EventTooLargeError, SSEDecoder, SSEEvent
+from tokenway.routing.upstream import ConnectionLimits
 
 from ..e2e.conftest import Server
 from ..e2e.half_open import HealthProber
 from .abusive_upstream import AbusiveUpstream
 
 MAX_EVENT_CHARS = sse_decoder.MAX_EVENT_CHARS
+MAX_ANSWER_BYTES = ConnectionLimits().max_answer_bytes
 
 CONFIG_MODEL = """
 [[models]]
@@ -54,9 +57,12 @@ def gateway(tmp_path_factory):
             assert server.stop() == 0, server.read_log()[-3000:]
 
 
-def chat(server: Server, model: str) -> httpx.Response:
+def chat(server: Server, model: str, stream: bool = False) -> httpx.Response:
+    """A refusal before the first token is a JSON answer with its status, streamed caller or not;
+    only a streamed caller's upstream is sent stream=true."""
     return httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
-                      json={"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+                      json={"model": model, "max_tokens": 4, "stream": stream,
+                            "messages": [{"role": "user", "content": "hi"}]})
 
 
 def test_four_endless_lines_end_in_502s_while_health_answers(gateway):
@@ -66,7 +72,7 @@ def test_four_endless_lines_end_in_502s_while_health_answers(gateway):
     def calls(model: str) -> list[httpx.Response]:
         responses = []
         while time.monotonic() < deadline:
-            responses.append(chat(server, model))
+            responses.append(chat(server, model, stream=True))
         return responses
 
     with HealthProber(server.port, interval=0.05) as prober, ThreadPoolExecutor(len(ENDLESS)) as pool:
@@ -78,21 +84,25 @@ def test_four_endless_lines_end_in_502s_while_health_answers(gateway):
     assert len(prober.statuses) >= 10 and set(prober.statuses) == {200}, prober.statuses
 
 
-@pytest.mark.parametrize(("model", "cause"), [
-    ("huge-json", f"a line longer than {MAX_EVENT_CHARS} characters"),
-    ("endless-head", "the response head is larger than 65536 bytes"),
-    ("huge-error", "failed (HTTP 500)"),
+@pytest.mark.parametrize(("model", "stream", "cause"), [
+    ("huge-json", True, f"a line longer than {MAX_EVENT_CHARS} characters"),
+    ("huge-json", False, f"more than {MAX_ANSWER_BYTES} bytes (max_answer_bytes)"),
+    (ENDLESS[0], False, f"more than {MAX_ANSWER_BYTES} bytes (max_answer_bytes)"),
+    ("endless-head", False, "the response head is larger than 65536 bytes"),
+    ("huge-error", False, "failed (HTTP 500)"),
 ])
-def test_a_huge_answer_is_a_502_naming_it_after_a_bounded_read(gateway, model, cause):
+def test_a_huge_answer_is_a_502_naming_it_after_a_bounded_read(gateway, model, stream, cause):
     server, upstream = gateway
     num_sent_before = upstream.num_bytes_sent()
     with HealthProber(server.port, interval=0.05) as prober:
-        response = chat(server, model)
+        response = chat(server, model, stream)
     assert response.status_code == 502, response.text
     error = response.json()["error"]
     assert cause in error["message"] and error["type"] == "upstream_error", error
-    # Of the 300 MB it would send: a cap's worth, and what the sockets' buffers hold.
-    assert upstream.num_bytes_sent() - num_sent_before < 16 * 2**20
+    # Of the 300 MB it would send: a cap's worth (a whole answer's, read unstreamed), and what
+    # the sockets' buffers hold.
+    cap = MAX_ANSWER_BYTES if "max_answer_bytes" in cause else 0
+    assert upstream.num_bytes_sent() - num_sent_before < cap + 16 * 2**20
     assert set(prober.statuses) <= {200}, prober.statuses
 
 

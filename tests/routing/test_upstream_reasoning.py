@@ -28,6 +28,8 @@ def stub():
 
 
 def make_job(**fields) -> GenerationJob:
+    """A streamed caller's job (test_upstream_unstreamed.py: the other road)."""
+    fields.setdefault("stream", True)
     fields.setdefault("messages", USER)
     fields.setdefault("params", SamplingParams(max_tokens=4000))
     return GenerationJob("req-1", "served", "chat", **fields)

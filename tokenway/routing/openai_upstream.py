@@ -2,16 +2,19 @@
 or a provider.
 
     GenerationJob ── chat_body / completion_body ──► POST {base_url}/chat/completions | /completions
-        (always stream=True with stream_options.include_usage, so the first token is forwarded
-        the moment it exists) ── each chunk's choices ──► ChoiceDelta ... ── [DONE] ──► one Usage
+        streamed (upstream.sends_stream; stream_options.include_usage, so the first token is
+        forwarded the moment it exists) ── each chunk's choices ──► ChoiceDelta ... ── [DONE]
+        else, no `stream` ── one chat.completion / text_completion ── its choices ──► one
+        ChoiceDelta a choice (a message read as one delta)
+    ──► one Usage
 
 A reasoning model's thinking comes as each delta's reasoning_content (or reasoning) and goes out
 as ChoiceDelta.reasoning; the job's ThinkingRequest goes as reasoning_effort (and, with
 sampling_extensions, as chat_template_kwargs.enable_thinking, the switch vLLM, SGLang and
 llama.cpp hand a template that thinks). Usage is the upstream's last `usage` object, its
 reasoning_tokens included; an upstream that sends none is counted by upstream.counted_usage.
-The stream is complete when every one of the n choices has a finish_reason; [DONE] ends
-reading (a clean end of body without it is accepted).
+The answer is complete when every one of the n choices has a finish_reason; [DONE] ends
+reading a stream (a clean end of body without it is accepted).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from tokenway.routing.upstream import (
     counted_usage,
     parse_json_object,
     reasoning_effort,
+    sends_stream,
 )
 from tokenway.routing.upstream_errors import stream_error
 
@@ -83,7 +87,13 @@ def chat_body(job: GenerationJob, model: str, extensions: bool = False) -> dict[
     if job.response_format is not None:
         body["response_format"] = job.response_format
     body.update(sampling_fields(job.params, job.n, chat=True, extensions=extensions))
-    return body | upstream_tier(job) | {"stream": True, "stream_options": {"include_usage": True}}
+    return body | upstream_tier(job) | stream_fields(job)
+
+
+def stream_fields(job: GenerationJob) -> dict[str, Any]:
+    """A streamed call asks for the usage chunk; a non-streamed one sends no `stream` (false at
+    every OpenAI-compatible server)."""
+    return {"stream": True, "stream_options": {"include_usage": True}} if sends_stream(job) else {}
 
 
 def upstream_tier(job: GenerationJob) -> dict[str, str]:
@@ -102,7 +112,7 @@ def completion_body(job: GenerationJob, model: str, extensions: bool = False) ->
     # The caller's text where there is one: the upstream's tokenizer may not be tokenway's.
     prompt = job.prompt if job.prompt is not None else list(job.prompt_token_ids or ())
     body = {"model": model, "prompt": prompt} | sampling_fields(job.params, job.n, chat=False, extensions=extensions)
-    return body | upstream_tier(job) | {"stream": True, "stream_options": {"include_usage": True}}
+    return body | upstream_tier(job) | stream_fields(job)
 
 
 def _completion_logprobs(logprobs: dict[str, Any]) -> tuple[dict[str, Any], ...]:
@@ -117,8 +127,10 @@ def _completion_logprobs(logprobs: dict[str, Any]) -> tuple[dict[str, Any], ...]
 
 
 class _ChunkReader:
-    """Turns one call's chunks into ChoiceDeltas and keeps what the end needs: which choices
-    finished, their text (to count tokens if the upstream does not) and the upstream's usage."""
+    """Turns one call's chunks, or its whole answer (a chunk whose choices carry `message`
+    where a chunk's carry `delta`), into ChoiceDeltas and keeps what the end needs: which
+    choices finished, their text (to count tokens if the upstream does not) and the upstream's
+    usage."""
 
     def __init__(self, name: str, n: int, chat: bool) -> None:
         self.name, self.n, self.chat = name, n, chat
@@ -145,7 +157,7 @@ class _ChunkReader:
         index = int(choice.get("index", 0))
         if not 0 <= index < self.n:
             raise IndexError(index)
-        delta = (choice.get("delta") or {}) if self.chat else choice
+        delta = (choice.get("delta") or choice.get("message") or {}) if self.chat else choice
         text = delta.get("content" if self.chat else "text") or ""
         # vLLM (before 0.11), SGLang, DeepSeek and llama.cpp name it reasoning_content; vLLM since, reasoning.
         reasoning = (delta.get("reasoning_content") or delta.get("reasoning") or "") if self.chat else ""
@@ -204,13 +216,17 @@ class OpenAIUpstream(HTTPReplica):
         chat = job.kind == "chat"
         body = (chat_body if chat else completion_body)(job, self.model, self._sampling_extensions)
         reader, path = _ChunkReader(self.name, job.n, chat), "chat/completions" if chat else "completions"
-        events = self.http.stream_events(path, body, job.deadline, is_last=lambda event: event.data == "[DONE]")
-        async with aclosing(events):
-            async for event in events:
-                if event.data != "[DONE]":
-                    for delta in reader.read(parse_json_object(self.name, event.data)):
-                        yield delta
+        if sends_stream(job):
+            events = self.http.stream_events(path, body, job.deadline, is_last=lambda event: event.data == "[DONE]")
+            async with aclosing(events):
+                async for event in events:
+                    if event.data != "[DONE]":
+                        for delta in reader.read(parse_json_object(self.name, event.data)):
+                            yield delta
+        else:
+            for delta in reader.read(await self.http.post_json(path, body, job.deadline)):
+                yield delta
         if len(reader.finished_indexes) < job.n:
-            raise BadGatewayError(f"Upstream {self.name} ended the stream before every choice finished.")
+            raise BadGatewayError(f"Upstream {self.name} ended the answer before every choice finished.")
         yield reader.usage or counted_usage(job, ["".join(parts) for parts in reader.texts], self._count_tokens)
 

@@ -1,9 +1,16 @@
 """What every HTTP upstream replica shares: its pooled HTTP client (http_client.py), the event-stream reader
 with its timers, the mapping of upstream failures onto tokenway's error tree, health probes.
 
-    OpenAIUpstream / AnthropicUpstream ── body ─► UpstreamHTTP.stream_events(path, body, deadline)
-        ─► SSEEvent ... (read as they arrive, timed, failures mapped) ─► the protocol's own
-        translation ─► ChoiceDelta ... Usage
+    OpenAIUpstream / AnthropicUpstream / ResponsesUpstream ── body ─►
+        streamed (sends_stream): UpstreamHTTP.stream_events(path, body, deadline) ─► SSEEvent ...
+            (read as they arrive, timed, failures mapped)
+        else: UpstreamHTTP.post_json(path, body, deadline) ─► one JSON object (the whole answer)
+    ─► the protocol's own translation ─► ChoiceDelta ... Usage (the same events either way)
+
+A caller that did not ask for a stream gets its upstream asked for none: one JSON body is a
+fraction of the bytes, parses and syscalls of dozens of events (the first token's early arrival
+is worth nothing to that caller). Logprobs keep the stream: top-20 logprobs make an answer
+~1 KB a token, megabytes parsed whole on the loop every call shares.
 
 What the caller sees when the upstream fails:
 
@@ -16,13 +23,14 @@ What the caller sees when the upstream fails:
     503, 529 (Anthropic's overloaded)            ServiceUnavailableError   retry-after passed on
     500, 502, 504, any other 5xx                 BadGatewayError 502
     refused, reset, closed mid-stream, not SSE,  BadGatewayError 502
-      bad JSON, a stream that ends unfinished,
+      bad JSON, a stream or an answer that ends unfinished,
       a line or event over max_event_chars, a
       response head over 64 KiB, a JSON body
       over its cap
     an error event inside a 200 stream           by its code/type as above (`stream_error`), else 502
     connect timeout, silence longer than the     GatewayTimeoutError 504
-      gap, the job's deadline passed
+      gap, a non-streamed answer not whole within
+      whole_answer, the job's deadline passed
 
 Every wait (connect, response headers, each read) ends by the earliest of its own timeout and
 the job's deadline, so a hanging upstream costs at most that long. A stream is closed, and
@@ -31,11 +39,13 @@ its connection dropped, whenever its reader stops early (aclose, cancellation, a
 What an upstream sends is bounded before it is parsed, since the parsing runs on the event
 loop every call shares: a response head (64 KiB, http_client.py), one line or event of a
 stream (ConnectionLimits.max_event_chars, 1 MiB: json.loads takes 0.3 ms for one long string,
-13 ms for half a million small numbers),
-a JSON body read whole (max_bytes, 64 MiB: only a tokenway worker's tokenizer files need so
-much). Parsing in a thread would not free the loop: json.loads holds the GIL for the whole
-call (20 MB of JSON: the loop stalled 160 ms of the 160 ms parse, measured); what keeps the
-loop free is that each chunk is looked at once (sse_decoder.py) and nothing large is parsed.
+13 ms for half a million small numbers), a non-streamed answer (ConnectionLimits.max_answer_bytes,
+8 MiB: ~2M tokens of text; one json.loads of that much holds the loop 35 ms, 130 ms if it is
+all escaped quotes, measured; an answer is rarely over 1 MiB), a JSON body read by GET
+(max_bytes, 64 MiB: only a tokenway worker's tokenizer files need so much). Parsing in a thread
+would not free the loop: json.loads holds the GIL for the whole call (20 MB of JSON: the loop
+stalled 160 ms of the 160 ms parse, measured); what keeps the loop free is that each chunk is
+looked at once (sse_decoder.py) and nothing larger than these caps is parsed.
 """
 
 from __future__ import annotations
@@ -82,11 +92,14 @@ class UpstreamTimeouts:
     connect: float = 10.0
     first_event: float = 120.0  # request sent -> its first event: the upstream's queue and prefill
     between_events: float = 60.0  # the longest silence once events flow (an Anthropic ping counts)
+    # request sent -> a non-streamed answer's last byte: queue, prefill and every token, with no
+    # event between to tell a slow upstream from a hung one (OpenAI's SDK waits as long)
+    whole_answer: float = 600.0
     total: float | None = None  # the whole call, for jobs without a deadline
     probe: float = 3.0
 
     def __post_init__(self) -> None:
-        for name in ("connect", "first_event", "between_events", "total", "probe"):
+        for name in ("connect", "first_event", "between_events", "whole_answer", "total", "probe"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name}: must be > 0 seconds, got {value!r}")
@@ -104,9 +117,11 @@ class ConnectionLimits:
     # One line or event of a stream; over it the call ends with a 502 saying so. A token's
     # chunk is ~200 characters; one with top-20 logprobs a few thousand.
     max_event_chars: int = MAX_EVENT_CHARS
+    # A non-streamed answer, read and parsed whole; over it the call ends with a 502 saying so.
+    max_answer_bytes: int = 8 * 2**20
 
     def __post_init__(self) -> None:
-        for name in ("max_connections", "max_keepalive_connections", "max_event_chars"):
+        for name in ("max_connections", "max_keepalive_connections", "max_event_chars", "max_answer_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
 
@@ -119,6 +134,12 @@ def parse_json_object(name: str, data: str) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise BadGatewayError(f"Upstream {name} sent an event that is not a JSON object: {truncate(data, 60)!r}")
     return payload
+
+
+def sends_stream(job: GenerationJob) -> bool:
+    """Whether the upstream is asked to stream: when the caller streams, or asked for logprobs
+    (the module's docstring says why)."""
+    return job.stream or job.params.logprobs is not None
 
 
 # ---- usage an upstream did not report ---------------------------------------------------------------
@@ -177,9 +198,9 @@ def api_key_from_env(api_key_env: str | None) -> str | None:
 
 
 class UpstreamHTTP:
-    """One upstream's connection pool (keep-alive, bounded) and its two calls: a streamed POST
-    read event by event, and a health probe. The client is made on first use and belongs to
-    that event loop; aclose() closes every connection."""
+    """One upstream's connection pool (keep-alive, bounded) and its calls: a streamed POST read
+    event by event, a POST answered by one JSON object, a GET of JSON, and a health probe. The
+    client is made on first use and belongs to that event loop; aclose() closes every connection."""
 
     def __init__(self, name: str, base_url: str, headers: Mapping[str, str], timeouts: UpstreamTimeouts,
                  limits: ConnectionLimits, health_path: str = "models") -> None:
@@ -248,7 +269,7 @@ class UpstreamHTTP:
         event_by = bound(timeouts.first_event)
         response = await self._request(
             "POST", path, {"content-type": "application/json", "accept": "text/event-stream"},
-            json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode(), event_by, deadline)
+            _json_bytes(body), event_by, deadline)
         chunks: Any = None
         try:
             if response.status >= 300:
@@ -275,6 +296,36 @@ class UpstreamHTTP:
             if chunks is not None:
                 await chunks.aclose()
             await response.aclose()
+
+    async def post_json(self, path: str, body: dict[str, Any], deadline: float | None) -> dict[str, Any]:
+        """POSTs body and returns its answer, one JSON object read whole (at most
+        limits.max_answer_bytes) by timeouts.whole_answer or the deadline, whichever is first.
+        Cancelling it closes the response and its connection: the upstream sees it."""
+        timeouts, started = self.timeouts, time.monotonic()
+        if deadline is None and timeouts.total is not None:
+            deadline = started + timeouts.total
+        until = min(started + timeouts.whole_answer, math.inf if deadline is None else deadline)
+        response = await self._request(
+            "POST", path, {"content-type": "application/json", "accept": "application/json"}, _json_bytes(body),
+            until, deadline)
+        max_bytes = self._limits.max_answer_bytes
+        try:
+            if response.status >= 300:
+                raise await self._error(response, deadline)
+            data = await self._within(lambda: response.read(max_bytes + 1), until, deadline)
+        finally:
+            await response.aclose()
+        if len(data) > max_bytes:
+            raise BadGatewayError(f"Upstream {self.name} answered with more than {max_bytes} bytes "
+                                  f"(max_answer_bytes); the call was ended.")
+        try:
+            payload = json.loads(data)
+        except (ValueError, RecursionError):  # UnicodeDecodeError included
+            payload = None
+        if not isinstance(payload, dict):
+            raise BadGatewayError(f"Upstream {self.name} answered with something other than a JSON object: "
+                                  f"{truncate(data[:200].decode('utf-8', 'replace'), 60)!r}")
+        return payload
 
     async def _drain(self, chunks: AsyncIterator[bytes], until: float) -> None:
         """Reads to the body's end, so the connection can be reused; the answer is already complete,
@@ -326,6 +377,10 @@ class UpstreamHTTP:
         if response.status >= 300:
             raise error_for_status(self.name, response.status, body, response.headers)
         return True
+
+
+def _json_bytes(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 _END = object()
