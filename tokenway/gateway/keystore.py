@@ -280,15 +280,18 @@ class KeyStore:
 
     # ---- internals -------------------------------------------------------------------------------
 
-    def _refresh(self, force: bool) -> None:
+    def _refresh(self, force: bool, wait: bool | None = None) -> None:
         """Reloads the cache if the version moved (or `force`). A caller that finds another
-        thread refreshing goes on with the current cache rather than wait."""
-        if not self._refreshing.acquire(blocking=force):
+        thread refreshing goes on with the current cache rather than wait, unless `wait` (by
+        default: when forced): the change feed waits, as the reload under way may have begun
+        before the change it was told of."""
+        wait = force if wait is None else wait
+        if not self._refreshing.acquire(blocking=wait):
             return
         try:
             self._checked_at = time.monotonic()
             try:
-                snapshot = self._backend.snapshot(None if force else self._version, wait=force)
+                snapshot = self._backend.snapshot(None if force else self._version, wait=wait)
             except Exception as exc:
                 if self._version is None:  # the first load: a store that cannot be read is no store
                     raise
@@ -322,7 +325,7 @@ class KeyStore:
                 changed = False
                 self._closed.wait(_FEED_RETRY_S)
             if changed or time.monotonic() - self._checked_at >= self.refresh_seconds:
-                self._refresh(force=False)
+                self._refresh(force=False, wait=True)
             if time.monotonic() - touched_at >= _TOUCH_EVERY_S:
                 touched_at = time.monotonic()
                 try:
