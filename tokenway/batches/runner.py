@@ -115,7 +115,7 @@ class BatchRunner:
         self._poll_s = poll_s
         self._upkeep_s = upkeep_s
         self._running: dict[asyncio.Task[None], BatchLine] = {}
-        self._wake = asyncio.Event()  # a line ended, or stop() was called
+        self._wake = asyncio.Event()  # a line ended, a batch was created here, or stop() was called
         self._draining = False
         self._num_ended_since_upkeep = 0
         self._claim_after = 0.0  # time.monotonic(): through an outage, no claims before it
@@ -133,6 +133,8 @@ class BatchRunner:
         if self._task is not None:
             raise RuntimeError("the batch runner is started already")
         self._task = asyncio.create_task(self._loop(), name=f"batch-runner-{self.worker_id}")
+        # A batch created here runs at once, not at the next look (other gateways find it then).
+        self._store.on_created(self._wake.set)
         return self._task
 
     async def stop(self, grace_s: float = 30.0) -> None:
