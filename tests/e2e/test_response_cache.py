@@ -52,10 +52,10 @@ def client(server: Server, key: str) -> openai.OpenAI:
 
 
 def ask(server: Server, key: str, content: str, headers: dict | None = None, **fields):
-    """One greedy chat call: (the x-tokenway-cache header or None, the parsed completion)."""
+    """One chat call, greedy unless fields say: (the x-tokenway-cache header or None, the parsed completion)."""
     raw = client(server, key).chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0,
-        extra_headers=headers, **fields)
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=8, extra_headers=headers,
+        **{"temperature": 0, **fields})
     return raw.headers.get("x-tokenway-cache"), raw.parse()
 
 
