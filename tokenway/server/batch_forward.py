@@ -89,13 +89,10 @@ class BatchForwarder:
         self._task: asyncio.Task[None] | None = None
 
     def choose(self, batch: Batch, lines: Sequence[tuple[str, JSONObject]]) -> str | None:
-        models = {body.get("model") for _, body in lines}
-        if len(models) != 1:
-            return None
-        target = self._name_to_target.get(str(models.pop()))
-        if target is None or target.client.shape != batch.api:
-            return None
-        return target.key
+        # One model, by its name or an alias: one target for every line.
+        keys = {target.key if (target := self._name_to_target.get(str(body.get("model")))) is not None
+                and target.client.shape == batch.api else None for _, body in lines}
+        return keys.pop() if len(keys) == 1 else None
 
     async def __call__(self) -> None:
         if self._key_to_target and (self._task is None or self._task.done()):
