@@ -288,6 +288,12 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
         return supervise(options, sys.argv[1:] if argv is None else argv)
     if slot is not None:
         slot.follow_supervisor()
+    if slot is not None and slot.engine_url is not None:  # the local model is the supervisor's engine
+        from tokenway.server.host_engine import route_to_host_engine
+
+        names = tuple(options["served_model_name"] or (default_model_name(options["model"]),))
+        options = {**options, "registry": route_to_host_engine(options["registry"], names, slot.engine_url),
+                   "served_model_name": None}
     import socket
     import uuid
 
@@ -643,12 +649,15 @@ def supervise(options: dict, argv: list[str]) -> int:
 
     if options["workers"] < 1:
         raise ValueError(f"workers: must be >= 1, got {options['workers']}")
-    if not options["registry"].get("models") or Registry.from_config(
-            options["registry"], default_model=options["model"],
-            served_model_names=options["served_model_name"]).local_model("chat") is not None:
-        # N workers would load N engines: the engine stays one per model, behind `tokenway worker`.
-        raise ValueError("workers: --workers N serves configs whose chat models are all remote; run the local "
-                         "model as `tokenway worker` on loopback and route to it (a kind = \"worker\" replica)")
+    local = Registry.from_config(options["registry"], default_model=options["model"],
+                                 served_model_names=options["served_model_name"]).local_model("chat")
+    engine = None
+    if local is not None:  # one engine for the host, behind the worker protocol (server/host_engine.py)
+        from tokenway.server.host_engine import HostEngine, free_loopback_port, worker_argv
+
+        replica, port = local.local_replica, free_loopback_port()
+        assert replica is not None, "local_model() is the model with a local replica"
+        engine = HostEngine(worker_argv(options, replica.model or options["model"], local.name, port), port)
     logging.basicConfig(level=options["log_level"].upper(), format="%(message)s", stream=sys.stderr)
     counters = None
     if options["gateway"] and limits_backend(options["limits_url"]) == "memory":
@@ -663,7 +672,7 @@ def supervise(options: dict, argv: list[str]) -> int:
         counters = CounterServer(InProcessLimiter(), InProcessBudgets(ledger.spend_usd,
                                                                       share_seed=batch_spend_seed(ledger)),
                                  also_close=ledger.close)
-    return Supervisor(argv, options["workers"], options["host"], options["port"], counters=counters,
+    return Supervisor(argv, options["workers"], options["host"], options["port"], counters=counters, engine=engine,
                       graceful_shutdown_seconds=options["graceful_shutdown_seconds"]).run()
 
 

@@ -156,11 +156,24 @@ def test_sighup_reloads_without_dropping_a_call(gateway):
     assert set(statuses) == {200}, [s for s in statuses if s != 200][:5]
 
 
-def test_workers_refuse_a_local_engine_and_a_bad_count(capsys):
+def test_workers_refuse_a_bad_count(capsys):
     from tokenway.cli import main
 
-    # N workers would load N engines: refused in one line, before anything starts.
-    assert main(["serve", "--workers", "2", "--port", "1"]) == 2
-    assert "kind = \"worker\" replica" in capsys.readouterr().err
     assert main(["serve", "--workers", "0", "--port", "1"]) == 2
     assert "workers: must be >= 1" in capsys.readouterr().err
+
+
+def test_a_local_model_is_one_engine_behind_every_worker(default_model_dir):
+    """The default model with --workers 2: one `tokenway worker` holds the engine, both HTTP
+    workers route to it, and greedy output is what the model says."""
+    server = Server("--workers", "2", "--no-embeddings")
+    try:
+        body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Say hi"}],
+                "max_tokens": 8, "temperature": 0}
+        texts = {httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+                 .json()["choices"][0]["message"]["content"] for _ in range(6)}
+        assert len(texts) == 1 and texts != {""}
+        log = server.read_log()
+        assert log.count("tokenway: worker serving") == 1 and log.count("ready") >= 2, log[-3000:]
+    finally:
+        assert server.stop() == 0, server.read_log()[-3000:]

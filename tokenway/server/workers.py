@@ -8,7 +8,8 @@
      │             (inherited; the kernel hands each new connection to one worker that accepts) and
      │             on <run dir>/worker-<serial>.sock of its own, through which the others read its
      │             /metrics
-     └── (a local engine: `tokenway worker` on loopback, which every HTTP worker routes to)
+     └── engine: with a local model, `tokenway worker` on loopback (host_engine.py): the host's one
+                   engine, which every worker routes to as a worker replica
 
 One listening socket, bound before any worker starts and never closed while the supervisor
 runs: a worker that stops closes only its own copy, so no connection waiting to be accepted is
@@ -33,9 +34,14 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenway.gateway.counters import CounterServer
+    from tokenway.server.host_engine import HostEngine
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,7 @@ class WorkerSlot:
     ready_fd: int  # written once, when the worker serves
     run_dir: str  # the supervisor's private folder (mode 0700): its unix sockets
     counters: bool  # the supervisor owns the limits and budgets (no Redis): ask it
+    engine_url: str | None = None  # the host's engine (host_engine.py), for the local model's replica
 
     @property
     def counters_path(self) -> Path:
@@ -145,17 +152,16 @@ class _Worker:
 class Supervisor:
     """argv: the `tokenway serve ...` arguments each worker is started with. counters: the
     owner of the limits and budgets (None: the workers share a Redis, or there is no gateway).
-    on_start: awaited once, before the first worker (the local engine's start)."""
+    engine: the host's engine for a local model, started before the first worker and stopped
+    after the last."""
 
     def __init__(self, argv: list[str], num_workers: int, host: str, port: int, *,
-                 counters=None, graceful_shutdown_seconds: float = 30.0,
-                 on_start: Callable[[str], Awaitable[dict[str, str]]] | None = None,
-                 on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+                 counters: CounterServer | None = None, engine: HostEngine | None = None,
+                 graceful_shutdown_seconds: float = 30.0) -> None:
         if num_workers < 1:
             raise ValueError(f"workers: must be >= 1, got {num_workers}")
         self.argv, self.num_workers, self.host, self.port = argv, num_workers, host, port
-        self.counters, self.graceful_s = counters, graceful_shutdown_seconds
-        self.on_start, self.on_stop = on_start, on_stop
+        self.counters, self.engine, self.graceful_s = counters, engine, graceful_shutdown_seconds
         self._serial = 0
         self._current: list[_Worker] = []
         self._draining: set[_Worker] = set()
@@ -186,8 +192,11 @@ class Supervisor:
         if self.counters is not None:
             await self.counters.start(Path(run_dir) / "counters.sock")
         try:
-            if self.on_start is not None:
-                self._env = await self.on_start(run_dir)
+            if self.engine is not None:
+                if not await self.engine.start():
+                    print("tokenway: the engine did not start; stopping", file=sys.stderr, flush=True)
+                    return 1
+                self._env = self.engine.env
             self._current = [self._spawn(index) for index in range(self.num_workers)]
             if not await self._all_ready(self._current):
                 print("tokenway: a worker did not start; stopping", file=sys.stderr, flush=True)
@@ -205,13 +214,13 @@ class Supervisor:
         finally:
             if self.counters is not None:
                 await self.counters.close()
-            if self.on_stop is not None:
-                await self.on_stop()
+            if self.engine is not None:
+                await self.engine.stop(self.graceful_s + 30)
 
     def _spawn(self, index: int) -> _Worker:
         read_fd, write_fd = os.pipe()
         slot = WorkerSlot(index, self._serial, self.listener.fileno(), write_fd, self.run_dir,
-                          self.counters is not None)
+                          self.counters is not None, self.engine.url if self.engine is not None else None)
         self._serial += 1
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[bool] = loop.create_future()
