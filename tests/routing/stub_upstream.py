@@ -70,6 +70,12 @@ def json_reply(payload: Any, status: int = 200) -> Reply:
     return Reply(status=status, chunks=(json.dumps(payload).encode(),), headers={"content-type": "application/json"})
 
 
+def anthropic_answer(*content: dict[str, Any], stop_reason: str = "end_turn", **usage: int) -> Reply:
+    """A non-streamed Messages answer of these content blocks; usage as Anthropic counts it."""
+    return json_reply({"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-up",
+                       "content": list(content), "stop_reason": stop_reason, "stop_sequence": None, "usage": usage})
+
+
 def anthropic_event(kind: str, **fields: Any) -> bytes:
     return sse({"type": kind, **fields}, event=kind)
 

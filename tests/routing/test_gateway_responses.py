@@ -20,6 +20,7 @@ from .stub_upstream import (
     DONE,
     Reply,
     StubUpstream,
+    anthropic_answer,
     anthropic_event,
     call_item,
     openai_answer,
@@ -162,12 +163,8 @@ def test_responses_reach_an_anthropic_upstream_its_thinking_a_reasoning_item(gat
         (28, 12, final.usage.output_tokens_details.reasoning_tokens)
 
     # A function tool, not streamed.
-    an.script(anthropic_reply(
-        anthropic_event("content_block_start", index=0, content_block={"type": "tool_use", "id": "toolu_1",
-                                                                       "name": "get_weather", "input": {}}),
-        anthropic_event("content_block_delta", index=0, delta={"type": "input_json_delta",
-                                                               "partial_json": '{"city": "Oslo"}'}),
-        anthropic_event("content_block_stop", index=0), stop_reason="tool_use"))
+    an.script(anthropic_answer({"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}},
+                               stop_reason="tool_use", input_tokens=20, output_tokens=12))
     called = client.responses.create(model="claude", input="Weather in Oslo?", tools=[WEATHER])
     [call] = called.output
     assert (call.type, call.call_id, json.loads(call.arguments)) == ("function_call", "toolu_1", {"city": "Oslo"})

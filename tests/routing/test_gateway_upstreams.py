@@ -20,6 +20,7 @@ from .stub_upstream import (
     DONE,
     Reply,
     StubUpstream,
+    anthropic_answer,
     anthropic_event,
     openai_answer,
     openai_chunk,
@@ -172,7 +173,7 @@ def test_a_tool_call_streams_to_an_anthropic_client_as_it_forms(gateway):
 def test_the_openai_sdk_reaches_an_anthropic_upstream_with_tools_and_the_ledger_bills_its_usage(gateway):
     server, _, an = gateway
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-    an.script(Reply(chunks=(
+    tool_stream = Reply(chunks=(
         anthropic_event("message_start", message={"id": "msg_1", "type": "message", "role": "assistant",
                                                   "content": [], "model": "claude-up",
                                                   "usage": {"input_tokens": 20, "output_tokens": 1}}),
@@ -188,7 +189,10 @@ def test_the_openai_sdk_reaches_an_anthropic_upstream_with_tools_and_the_ledger_
         anthropic_event("content_block_stop", index=1),
         anthropic_event("message_delta", delta={"stop_reason": "tool_use"}, usage={"output_tokens": 17}),
         anthropic_event("message_stop"),
-    )))
+    ))
+    an.script(anthropic_answer({"type": "text", "text": "Let me check."},
+                               {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+                               stop_reason="tool_use", input_tokens=20, output_tokens=17))
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["input_schema"]}}]
     raw = client.chat.completions.with_raw_response.create(
         model="claude", messages=[{"role": "system", "content": "Be brief."},
@@ -207,7 +211,10 @@ def test_the_openai_sdk_reaches_an_anthropic_upstream_with_tools_and_the_ledger_
     route = trace_of(server, raw.headers["x-request-id"])["route"]
     assert (route["pool"], route["replica"], route["reason"]) == ("claude", "an", "only")
 
+    assert "stream" not in sent
+
     # Streamed: the SDK puts the call back together from its pieces.
+    an.script(tool_stream)
     stream = client.chat.completions.create(model="claude", messages=[{"role": "user", "content": "Paris?"}],
                                             tools=tools, max_tokens=50, stream=True)
     pieces = [c.choices[0].delta for c in stream if c.choices]
@@ -221,15 +228,7 @@ def test_an_upstream_failing_opens_its_breaker_and_the_pool_falls_back(gateway):
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
     oa.script(Reply(status=500, headers={"content-type": "application/json"},
                     chunks=(b'{"error": {"message": "boom"}}',)))
-    an.script(Reply(chunks=(
-        anthropic_event("message_start", message={"id": "m", "type": "message", "role": "assistant", "content": [],
-                                                  "model": "claude-up",
-                                                  "usage": {"input_tokens": 5, "output_tokens": 0}}),
-        anthropic_event("content_block_start", index=0, content_block={"type": "text", "text": ""}),
-        anthropic_event("content_block_delta", index=0, delta={"type": "text_delta", "text": "from the fallback"}),
-        anthropic_event("content_block_stop", index=0),
-        anthropic_event("message_delta", delta={"stop_reason": "end_turn"}, usage={"output_tokens": 3}),
-        anthropic_event("message_stop"))))
+    an.script(anthropic_answer({"type": "text", "text": "from the fallback"}, input_tokens=5, output_tokens=3))
     routes = []
     for _ in range(3):  # each call fails on the upstream (a 500) before its first byte, and falls back
         raw = client.chat.completions.with_raw_response.create(

@@ -40,8 +40,10 @@ def stub():
 
 
 def make_job(deadline: float | None = None, **fields) -> GenerationJob:
+    """A streamed caller's job: the upstream is sent stream=true (test_upstream_unstreamed.py: the other road)."""
     fields.setdefault("messages", USER)
     fields.setdefault("params", SamplingParams(max_tokens=32))
+    fields.setdefault("stream", True)
     return GenerationJob("req-1", "served", fields.pop("kind", "chat"), deadline=deadline, **fields)
 
 

@@ -15,10 +15,12 @@ from tokenway.protocol.errors import (
     BadGatewayError,
     GatewayTimeoutError,
     InvalidRequestError,
+    ServiceUnavailableError,
     TokenwayError,
 )
 from tokenway.protocol.job import ChoiceDelta, GenerationJob, Usage
 from tokenway.protocol.sampling import SamplingParams
+from tokenway.routing.anthropic_upstream import AnthropicUpstream
 from tokenway.routing.openai_upstream import OpenAIUpstream
 from tokenway.routing.upstream import ConnectionLimits, UpstreamTimeouts
 
@@ -26,6 +28,7 @@ from .stub_upstream import (
     DONE,
     Reply,
     StubUpstream,
+    anthropic_event,
     collect,
     json_reply,
     openai_chunk,
@@ -33,6 +36,7 @@ from .stub_upstream import (
     reassemble_tool_calls,
     sse,
 )
+from .test_upstream_anthropic import message_end, message_start, text_block, tool_block
 
 USER = ({"role": "user", "content": "hi"},)
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -271,3 +275,72 @@ def test_a_passed_deadline_fails_without_calling():
     with pytest.raises(GatewayTimeoutError):
         collect(OpenAIUpstream("gone", "http://127.0.0.1:9/v1", "m"), make_job(deadline=time.monotonic() - 1))
 
+
+
+# ---- Anthropic Messages -----------------------------------------------------------------------------
+
+
+def anthropic_for(stub: StubUpstream, **options: Any) -> AnthropicUpstream:
+    return AnthropicUpstream("claude", stub.base_url, "claude-x", **options)
+
+
+def anthropic_message(*content: dict[str, Any], stop_reason: str | None = "end_turn",
+                      stop_sequence: str | None = None, **usage: int) -> dict[str, Any]:
+    return {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x", "content": list(content),
+            "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+            "usage": {"input_tokens": 10, "output_tokens": 5} | usage}
+
+
+def test_a_message_is_sent_without_stream_and_folds_to_what_the_stream_gives(stub):
+    """Thinking, text in two blocks, two tool calls, the cache's tokens: the same result either way."""
+    stream = Reply(chunks=(
+        message_start(4, cache_read_input_tokens=30),
+        anthropic_event("content_block_start", index=0, content_block={"type": "thinking", "thinking": ""}),
+        anthropic_event("content_block_delta", index=0, delta={"type": "thinking_delta", "thinking": "Two."}),
+        anthropic_event("content_block_delta", index=0, delta={"type": "signature_delta", "signature": "sig"}),
+        anthropic_event("content_block_stop", index=0),
+        *text_block(1, "Check", "ing."), *tool_block(2, "toolu_1", "get_weather", '{"city":', ' "Paris"}'),
+        *text_block(3, " And"), *tool_block(4, "toolu_2", "get_weather", '{"city": "Rome"}'),
+        *message_end("tool_use", output_tokens=40)))
+    whole = json_reply(anthropic_message(
+        {"type": "thinking", "thinking": "Two.", "signature": "sig"}, {"type": "text", "text": "Checking."},
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+        {"type": "text", "text": " And"},
+        {"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {"city": "Rome"}},
+        {"type": "redacted_thinking", "data": "opaque"},
+        stop_reason="tool_use", input_tokens=4, output_tokens=40, cache_read_input_tokens=30))
+    streamed, unstreamed = both_roads(stub, lambda: anthropic_for(stub), stream, whole, tools=(WEATHER_TOOL,))
+    assert fold(unstreamed) == fold(streamed)
+    assert fold(unstreamed)["usage"] == Usage(34, 40, cached_tokens=30)
+    assert fold(unstreamed)["choices"][0] | {"tool_calls": None} == {
+        "text": "Checking. And", "reasoning": "Two.", "finish_reason": "tool_calls", "stop_reason": None,
+        "tool_calls": None}
+    assert stub.received[0].body["stream"] is True and "stream" not in stub.received[1].body
+    assert stub.received[1].headers["accept"] == "application/json"
+
+
+def test_n_messages_are_n_calls_and_a_stop_sequence_is_the_stop_reason(stub):
+    stub.script(json_reply(anthropic_message({"type": "text", "text": "A"}, stop_reason="stop_sequence",
+                                             stop_sequence="END")))
+    events = collect(anthropic_for(stub), make_job(n=2))
+    assert sorted(events[:2], key=lambda delta: delta.index) == [
+        ChoiceDelta(0, text="A", finish_reason="stop", stop_reason="END"),
+        ChoiceDelta(1, text="A", finish_reason="stop", stop_reason="END")]
+    assert events[2:] == [Usage(20, 10)] and len(stub.received) == 2
+
+
+@pytest.mark.parametrize("reply, kind", [
+    (Reply(status=529, chunks=(b'{"type": "error", "error": {"type": "overloaded_error"}}',), headers=JSON_HEADERS),
+     ServiceUnavailableError),
+    (json_reply({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}),
+     ServiceUnavailableError),
+    (json_reply({"type": "error", "error": {"type": "invalid_request_error", "message": "too long"}}),
+     InvalidRequestError),
+    (json_reply(anthropic_message({"type": "text", "text": "cut"}, stop_reason=None)), BadGatewayError),
+    (json_reply({**anthropic_message(), "content": "not blocks"}), BadGatewayError),
+    (json_reply({"type": "message"}), BadGatewayError),
+])
+def test_a_failed_or_broken_message_maps_as_its_stream_would(stub, reply, kind):
+    stub.script(reply)
+    with pytest.raises(kind):
+        collect(anthropic_for(stub), make_job(deadline=soon(5)))

@@ -2,11 +2,13 @@
 to_chat_messages, so an OpenAI client reaches Claude (and an Anthropic client, whose body was
 converted to OpenAI messages on the way in, gets its own shapes back unchanged).
 
-    GenerationJob (OpenAI chat messages) ── messages_body ──► POST {base_url}/messages, stream=true
-    message_start (usage) · content_block_start text | thinking | tool_use (id, name) ·
-    content_block_delta text_delta | thinking_delta | input_json_delta · message_delta
-    (stop_reason, usage) · message_stop
-        ──► ChoiceDelta ... (thinking as its `reasoning`) ──► one Usage
+    GenerationJob (OpenAI chat messages) ── messages_body ──► POST {base_url}/messages
+    streamed (upstream.sends_stream): message_start (usage) · content_block_start text |
+    thinking | tool_use (id, name) · content_block_delta text_delta | thinking_delta |
+    input_json_delta · message_delta (stop_reason, usage) · message_stop
+        ──► ChoiceDelta ... (thinking as its `reasoning`)
+    else, no `stream`: one message (content blocks, stop_reason, usage) ──► one ChoiceDelta
+    ──► one Usage
 
 The job's ThinkingRequest goes as `thinking` (thinking_config: what Anthropic would refuse is
 left to the model's default instead). A reasoning_content the conversation carries is not sent:
@@ -39,6 +41,7 @@ from tokenway.routing.upstream import (
     counted_usage,
     one_call_a_choice,
     parse_json_object,
+    sends_stream,
 )
 from tokenway.routing.upstream_errors import stream_error
 
@@ -153,7 +156,7 @@ def messages_body(job: GenerationJob, model: str, default_max_tokens: int) -> di
         body["tool_choice"] = to_anthropic_tool_choice(job.tool_choice, job.parallel_tool_calls)
     if job.service_class == "priority":  # "auto" takes Anthropic's Priority Tier where the account has it
         body["service_tier"] = "auto"
-    return body | {"stream": True}
+    return body | ({"stream": True} if sends_stream(job) else {})
 
 
 def thinking_config(job: GenerationJob, max_tokens: int) -> dict[str, Any] | None:
@@ -188,8 +191,9 @@ def _in_tool_loop(messages: Sequence[dict[str, Any]]) -> bool:
 
 
 class _MessageReader:
-    """One upstream message stream as choice `index`'s deltas. Anthropic counts content blocks
-    (text and tool_use together); OpenAI numbers tool calls alone: block_to_call maps them."""
+    """One upstream message, streamed or whole, as choice `index`'s deltas. Anthropic counts
+    content blocks (text and tool_use together); OpenAI numbers tool calls alone: block_to_call
+    maps them."""
 
     def __init__(self, name: str, index: int) -> None:
         self.name, self.index = name, index
@@ -205,6 +209,20 @@ class _MessageReader:
             return self._read(payload.get("type") or event.event, payload)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise BadGatewayError(f"Upstream {self.name} sent a malformed event ({type(exc).__name__}).") from None
+
+    def read_message(self, payload: dict[str, Any]) -> ChoiceDelta:
+        """A non-streamed answer: its blocks in one delta, as the events of its stream add up."""
+        if payload.get("type") == "error":
+            raise stream_error(self.name, payload.get("error"))
+        try:
+            deltas = [self._read(kind, event) for kind, event in _as_events(payload)]
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise BadGatewayError(f"Upstream {self.name} sent a malformed message ({type(exc).__name__}).") from None
+        pieces = [delta for delta in deltas if delta is not None]
+        return ChoiceDelta(self.index, text="".join(d.text for d in pieces),
+                           reasoning="".join(d.reasoning for d in pieces),
+                           tool_calls=tuple(call for d in pieces for call in d.tool_calls),
+                           finish_reason=self.finish_reason, stop_reason=payload.get("stop_sequence"))
 
     def _read(self, kind: str, payload: dict[str, Any]) -> ChoiceDelta | None:
         if kind == "error":
@@ -257,6 +275,17 @@ class _MessageReader:
                      fields.get("output_tokens", 0), cached_tokens=cached)
 
 
+def _as_events(message: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """A whole message as the events its stream would have sent, each block whole in its
+    content_block_start, so one reader reads both."""
+    events: list[tuple[str, dict[str, Any]]] = [("message_start", {"message": {"usage": message.get("usage")}})]
+    events += [("content_block_start", {"index": i, "content_block": block})
+               for i, block in enumerate(message["content"])]
+    events.append(("message_delta", {"delta": {"stop_reason": message["stop_reason"],
+                                               "stop_sequence": message.get("stop_sequence")}}))
+    return events + [("message_stop", {})]
+
+
 class AnthropicUpstream(HTTPReplica):
     """An Anthropic Messages upstream as a replica: `model` is the upstream's name for it, the
     key (from the variable `api_key_env` names) goes as x-api-key, and max_tokens, which
@@ -296,10 +325,13 @@ class AnthropicUpstream(HTTPReplica):
 
     async def _call(self, body: dict[str, Any], deadline: float | None, reader: _MessageReader
                     ) -> AsyncGenerator[ChoiceDelta, None]:
-        events = self.http.stream_events("messages", body, deadline, is_last=lambda event: reader.stopped)
-        async with aclosing(events):
-            async for event in events:
-                if (delta := reader.read(event)) is not None:
-                    yield delta
+        if body.get("stream"):
+            events = self.http.stream_events("messages", body, deadline, is_last=lambda event: reader.stopped)
+            async with aclosing(events):
+                async for event in events:
+                    if (delta := reader.read(event)) is not None:
+                        yield delta
+        else:
+            yield reader.read_message(await self.http.post_json("messages", body, deadline))
         if not reader.stopped or reader.finish_reason is None:
-            raise BadGatewayError(f"Upstream {self.name} ended the stream before the message finished.")
+            raise BadGatewayError(f"Upstream {self.name} ended the answer before the message finished.")
