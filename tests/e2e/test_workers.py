@@ -63,25 +63,36 @@ class _Upstream(BaseHTTPRequestHandler):
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory):
-    upstream = ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
-    threading.Thread(target=upstream.serve_forever, daemon=True).start()
-    folder = tmp_path_factory.mktemp("workers")
+def upstream():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_port
+    server.shutdown()
+
+
+def start_gateway(folder, upstream_port: int, num_workers: int, *extra: str, **key_limits: list[str]):
+    """A gateway-only `tokenway serve --workers N` and its keys (name -> limit flags)."""
     config = folder / "gateway.toml"
     config.write_text(f'[[models]]\nname = "{MODEL}"\ncontext_window = 8192\n  [[models.replicas]]\n'
-                      f'  kind = "openai"\n  url = "http://127.0.0.1:{upstream.server_port}/v1"\n'
+                      f'  kind = "openai"\n  url = "http://127.0.0.1:{upstream_port}/v1"\n'
                       f'  model = "{MODEL}"\n')
     db = folder / "keys.db"
 
-    def create_key(*limits: str) -> str:
+    def create_key(limits: list[str]) -> str:
         return subprocess.run([sys.executable, "-m", "tokenway.cli", "keys", "--db", str(db), "create", "--name",
                                "t", *limits], check=True, capture_output=True, text=True, cwd=REPO).stdout.strip()
 
-    keys = {"limited": create_key("--rpm", "50"), "open": create_key()}
-    server = Server("--config", str(config), "--workers", str(NUM_WORKERS), "--no-embeddings", db=db)
+    keys = {name: create_key(limits) for name, limits in key_limits.items()}
+    server = Server("--config", str(config), "--workers", str(num_workers), "--no-embeddings", *extra, db=db)
+    return server, keys
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory, upstream):
+    server, keys = start_gateway(tmp_path_factory.mktemp("workers"), upstream, NUM_WORKERS,
+                                 limited=["--rpm", "50"], open=[])
     yield server, keys
     assert server.stop() == 0, server.read_log()[-3000:]
-    upstream.shutdown()
 
 
 def chat(client: httpx.AsyncClient, key: str):
@@ -115,6 +126,25 @@ def test_rpm_is_exact_across_workers_and_metrics_are_the_hosts(gateway):
     workers = {re.search(r'worker="(\d+)"', labels).group(1)  # type: ignore[union-attr]
                for labels, _ in samples(text, "process_start_time_seconds")}
     assert workers == {str(i) for i in range(NUM_WORKERS)}
+
+
+def test_workers_share_a_redis_when_given_one(tmp_path, upstream, redis_url):
+    server, keys = start_gateway(tmp_path, upstream, 2, "--limits-url", redis_url, limited=["--rpm", "30"])
+    try:
+        async def burst() -> list[int]:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+                return [r.status_code for r in await asyncio.gather(*(chat(client, keys["limited"])
+                                                                     for _ in range(90)))]
+
+        import redis
+
+        store = redis.Redis.from_url(redis_url)
+        windows_before = set(store.scan_iter("*:win"))
+        statuses = asyncio.run(burst())
+        assert statuses.count(200) == 30 and statuses.count(429) == 60, statuses
+        assert set(store.scan_iter("*:win")) - windows_before  # counted there, not by the supervisor
+    finally:
+        assert server.stop() == 0, server.read_log()[-3000:]
 
 
 def test_sighup_reloads_without_dropping_a_call(gateway):
