@@ -56,6 +56,7 @@ class CounterServer:
         self.limiter, self.budgets, self.also_close = limiter, budgets, also_close
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._writers: set[asyncio.StreamWriter] = set()  # the workers' connections
 
     async def start(self, path: str | Path) -> None:
         self._server = await asyncio.start_unix_server(self._serve, path, limit=_LIMIT)
@@ -63,6 +64,8 @@ class CounterServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+        for writer in list(self._writers):
+            writer.close()  # a worker hears at once that its owner is gone
         for task in list(self._tasks):
             task.cancel()
         await self.limiter.close()
@@ -71,6 +74,7 @@ class CounterServer:
             await self.also_close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
         try:
             while line := await reader.readline():
                 task = asyncio.create_task(self._answer(json.loads(line), writer))
@@ -79,6 +83,7 @@ class CounterServer:
         except (ConnectionError, asyncio.IncompleteReadError, ValueError) as exc:
             logger.warning("counters: a worker's connection ended: %r", exc)
         finally:
+            self._writers.discard(writer)
             writer.close()
 
     async def _answer(self, request: dict, writer: asyncio.StreamWriter) -> None:
