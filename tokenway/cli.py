@@ -451,7 +451,8 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
             if gatekeeper.auth_required and gatekeeper.keys.count_active() == 0:
                 print(f"tokenway: WARNING: {server_config.host} is reachable from other machines and no API key "
                       f"exists, so every /v1 call is refused with 401 until you create one:\n"
-                      f"    tokenway keys create --name NAME --db {gatekeeper.keys.path}", file=sys.stderr, flush=True)
+                      f"    tokenway keys create --name NAME {store_flag(gatekeeper.keys)}",
+                      file=sys.stderr, flush=True)
         # What start-up made (the app, tokenizers, registries) lives as long as the server: out of
         # the collector's sight, so a collection walks only what requests make (fewer, shorter pauses).
         gc.collect()
@@ -579,6 +580,11 @@ def build_observer(stats: Callable[[], ServerStats], gatekeeper: Gatekeeper | No
     ledger_stats = gatekeeper.ledger.stats if gatekeeper is not None else None
     return Observer(stats, trace_capacity=options["trace_capacity"], exporter=exporter,
                     ledger_stats=ledger_stats)
+
+
+def store_flag(keys) -> str:
+    """The `tokenway keys` flag that reaches the server's key store (never its password)."""
+    return f"--db {keys.path}" if keys.path is not None else "--store-url postgresql://... (the server's)"
 
 
 def database_path(options: dict) -> Path:

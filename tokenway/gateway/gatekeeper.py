@@ -17,6 +17,7 @@ handled by the limits_on_error policy (outage.py), on every call into it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -384,6 +385,7 @@ class Gatekeeper:
         await self.ledger.close()
         await self.limiter.close()
         await self.budgets.close()
+        await asyncio.to_thread(self.keys.close)  # when each key was last used, written once more
 
 
 def budget_refusal(price: ModelPrice, decision: BudgetDecision, budget: int, worst: int, num_prompt_tokens: int,
