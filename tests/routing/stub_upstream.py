@@ -96,6 +96,23 @@ def responses_final(status: str = "completed", input_tokens: int = 10, output_to
     return responses_event(f"response.{status}", response=response)
 
 
+def responses_object(*output: dict[str, Any], status: str = "completed", incomplete_reason: str | None = None,
+                     **usage: int) -> dict[str, Any]:
+    """A non-streamed response (as json_reply's payload): these output items, the usage."""
+    counts = {"input_tokens": 10, "output_tokens": 5} | usage
+    return {"id": "resp_up", "object": "response", "status": status, "error": None, "output": list(output),
+            "incomplete_details": {"reason": incomplete_reason} if incomplete_reason else None,
+            "usage": {"input_tokens": counts["input_tokens"], "output_tokens": counts["output_tokens"],
+                      "input_tokens_details": {"cached_tokens": counts.get("cached_tokens", 0)},
+                      "output_tokens_details": {"reasoning_tokens": counts.get("reasoning_tokens", 0)}}}
+
+
+def output_message(*texts: str) -> dict[str, Any]:
+    """A response's message item, its text in these parts."""
+    return {"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []} for text in texts]}
+
+
 def text_item(output_index: int, *pieces: str) -> tuple[bytes, ...]:
     """A Responses stream's message item, its text in these pieces."""
     item = {"id": f"msg_{output_index}", "type": "message", "role": "assistant", "status": "in_progress",

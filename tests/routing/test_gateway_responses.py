@@ -22,13 +22,14 @@ from .stub_upstream import (
     StubUpstream,
     anthropic_answer,
     anthropic_event,
-    call_item,
+    json_reply,
     openai_answer,
     openai_chunk,
     openai_usage,
-    reasoning_item,
+    output_message,
     responses_event,
     responses_final,
+    responses_object,
     text_item,
     usage_fields,
 )
@@ -173,8 +174,9 @@ def test_responses_reach_an_anthropic_upstream_its_thinking_a_reasoning_item(gat
 
 def test_a_responses_upstream_serves_chat_completions_with_its_thinking_and_usage(gateway, client):
     server, _, _, rs = gateway
-    rs.script(Reply(chunks=(*reasoning_item(0, "reasoning_text", "Hmm."), *text_item(1, "Hel", "lo"),
-                            responses_final(input_tokens=12, output_tokens=9, cached_tokens=4, reasoning_tokens=3))))
+    rs.script(json_reply(responses_object(
+        {"id": "rs_0", "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Hmm."}]},
+        output_message("Hel", "lo"), input_tokens=12, output_tokens=9, cached_tokens=4, reasoning_tokens=3)))
     raw = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=30, json={
         "model": "next", "messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": "medium",
         "max_tokens": 100})
@@ -185,6 +187,7 @@ def test_a_responses_upstream_serves_chat_completions_with_its_thinking_and_usag
     sent = rs.received[-1]
     assert sent.path == "/v1/responses" and sent.headers["authorization"] == "Bearer sk-next"
     assert sent.body["reasoning"] == {"effort": "medium"} and sent.body["store"] is False
+    assert "stream" not in sent.body
     row = server.ledger_row(raw.headers["x-request-id"])
     assert (row["prompt_tokens"], row["cached_tokens"], row["completion_tokens"], row["reasoning_tokens"]) == \
         (12, 4, 9, 3)
@@ -192,8 +195,10 @@ def test_a_responses_upstream_serves_chat_completions_with_its_thinking_and_usag
 
 def test_a_responses_upstream_serves_the_anthropic_sdk_with_tools(gateway):
     server, _, _, rs = gateway
-    rs.script(Reply(chunks=(*text_item(0, "Checking."), *call_item(1, "call_9", '{"city": ', '"Lima"}'),
-                            responses_final(input_tokens=30, output_tokens=11))))
+    rs.script(json_reply(responses_object(
+        output_message("Checking."), {"id": "fc_1", "type": "function_call", "call_id": "call_9", "name": "get_weather",
+                                      "arguments": '{"city": "Lima"}', "status": "completed"},
+        input_tokens=30, output_tokens=11)))
     client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
     message = client.messages.create(model="next", max_tokens=64, messages=[{"role": "user", "content": "Lima?"}],
                                      tools=[{"name": "get_weather", "input_schema": WEATHER["parameters"]}])

@@ -15,6 +15,7 @@ from tokenway.protocol.errors import (
     BadGatewayError,
     GatewayTimeoutError,
     InvalidRequestError,
+    RateLimitError,
     ServiceUnavailableError,
     TokenwayError,
 )
@@ -22,6 +23,7 @@ from tokenway.protocol.job import ChoiceDelta, GenerationJob, Usage
 from tokenway.protocol.sampling import SamplingParams
 from tokenway.routing.anthropic_upstream import AnthropicUpstream
 from tokenway.routing.openai_upstream import OpenAIUpstream
+from tokenway.routing.responses_upstream import ResponsesUpstream
 from tokenway.routing.upstream import ConnectionLimits, UpstreamTimeouts
 
 from .stub_upstream import (
@@ -29,12 +31,18 @@ from .stub_upstream import (
     Reply,
     StubUpstream,
     anthropic_event,
+    call_item,
     collect,
     json_reply,
     openai_chunk,
     openai_usage,
+    output_message,
+    reasoning_item,
     reassemble_tool_calls,
+    responses_final,
+    responses_object,
     sse,
+    text_item,
 )
 from .test_upstream_anthropic import message_end, message_start, text_block, tool_block
 
@@ -344,3 +352,64 @@ def test_a_failed_or_broken_message_maps_as_its_stream_would(stub, reply, kind):
     stub.script(reply)
     with pytest.raises(kind):
         collect(anthropic_for(stub), make_job(deadline=soon(5)))
+
+
+# ---- OpenAI Responses ------------------------------------------------------------------------------
+
+
+def responses_for(stub: StubUpstream) -> ResponsesUpstream:
+    return ResponsesUpstream("gpt-next", stub.base_url, "gpt-up")
+
+
+def test_a_response_is_sent_without_stream_and_folds_to_what_the_stream_gives(stub):
+    """Reasoning (its text and its summary), text, two tool calls, the usage: the same result either way."""
+    stream = Reply(chunks=(
+        *reasoning_item(0, "reasoning_text", "Rome and ", "Paris."), *reasoning_item(1, "reasoning_summary_text", "!"),
+        *text_item(2, "Let me ", "check."), *call_item(3, "call_a", '{"ci', 'ty": "Rome"}'),
+        *call_item(4, "call_b", '{"city": "Paris"}'),
+        responses_final(input_tokens=40, output_tokens=30, cached_tokens=32, reasoning_tokens=12)))
+    whole = json_reply(responses_object(
+        {"id": "rs_0", "type": "reasoning", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Rome and Paris."}]},
+        {"id": "rs_1", "type": "reasoning", "summary": [{"type": "summary_text", "text": "!"}]},
+        output_message("Let me ", "check."),
+        {"id": "fc_3", "type": "function_call", "call_id": "call_a", "name": "get_weather",
+         "arguments": '{"city": "Rome"}', "status": "completed"},
+        {"id": "fc_4", "type": "function_call", "call_id": "call_b", "name": "get_weather",
+         "arguments": '{"city": "Paris"}', "status": "completed"},
+        input_tokens=40, output_tokens=30, cached_tokens=32, reasoning_tokens=12))
+    streamed, unstreamed = both_roads(stub, lambda: responses_for(stub), stream, whole, tools=(WEATHER_TOOL,))
+    assert fold(unstreamed) == fold(streamed)
+    assert fold(unstreamed)["choices"][0]["reasoning"] == "Rome and Paris.!"
+    assert fold(unstreamed)["choices"][0]["finish_reason"] == "tool_calls"
+    assert fold(unstreamed)["usage"] == Usage(40, 30, cached_tokens=32, reasoning_tokens=12)
+    assert stub.received[0].body["stream"] is True and "stream" not in stub.received[1].body
+    assert stub.received[1].body["store"] is False
+
+
+def test_an_incomplete_response_and_a_refusal_end_as_the_stream_would(stub):
+    stub.script(json_reply(responses_object({"id": "msg_1", "type": "message", "role": "assistant", "content": [
+        {"type": "refusal", "refusal": "I can't."}]}, status="incomplete", incomplete_reason="content_filter")))
+    events = collect(responses_for(stub), make_job(n=2))
+    assert sorted(events[:2], key=lambda delta: delta.index) == [
+        ChoiceDelta(0, text="I can't.", finish_reason="content_filter"),
+        ChoiceDelta(1, text="I can't.", finish_reason="content_filter")]
+    assert events[2:] == [Usage(20, 10)] and len(stub.received) == 2
+
+
+@pytest.mark.parametrize("reply, kind", [
+    (json_reply(responses_object() | {"status": "failed", "error": {"code": "rate_limit_exceeded", "message": "slow"}}),
+     RateLimitError),
+    (json_reply(responses_object() | {"status": "failed", "error": {"code": "server_error", "message": "oops"}}),
+     BadGatewayError),
+    (json_reply({"error": {"type": "invalid_request_error", "message": "bad input", "code": None}}),
+     InvalidRequestError),
+    (Reply(status=429, chunks=(b'{"error": {"message": "slow"}}',), headers=JSON_HEADERS), RateLimitError),
+    (json_reply({**responses_object(), "output": [{"type": "message", "content": [{"type": "output_text"}]}]}),
+     BadGatewayError),
+    (json_reply({"object": "response", "status": "completed"}), BadGatewayError),
+])
+def test_a_failed_or_broken_response_maps_as_its_stream_would(stub, reply, kind):
+    stub.script(reply)
+    with pytest.raises(kind):
+        collect(responses_for(stub), make_job(deadline=soon(5)))

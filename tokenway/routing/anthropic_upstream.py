@@ -39,6 +39,7 @@ from tokenway.routing.upstream import (
     UpstreamTimeouts,
     api_key_from_env,
     counted_usage,
+    joined_delta,
     one_call_a_choice,
     parse_json_object,
     sends_stream,
@@ -215,14 +216,9 @@ class _MessageReader:
         if payload.get("type") == "error":
             raise stream_error(self.name, payload.get("error"))
         try:
-            deltas = [self._read(kind, event) for kind, event in _as_events(payload)]
+            return joined_delta(self.index, [self._read(kind, event) for kind, event in _as_events(payload)])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise BadGatewayError(f"Upstream {self.name} sent a malformed message ({type(exc).__name__}).") from None
-        pieces = [delta for delta in deltas if delta is not None]
-        return ChoiceDelta(self.index, text="".join(d.text for d in pieces),
-                           reasoning="".join(d.reasoning for d in pieces),
-                           tool_calls=tuple(call for d in pieces for call in d.tool_calls),
-                           finish_reason=self.finish_reason, stop_reason=payload.get("stop_sequence"))
 
     def _read(self, kind: str, payload: dict[str, Any]) -> ChoiceDelta | None:
         if kind == "error":

@@ -2,11 +2,14 @@
 any chat job, whichever API its caller spoke (chat completions, Anthropic Messages, Responses):
 
     GenerationJob (OpenAI chat messages) ── responses_body ──► POST {base_url}/responses,
-        stream=true, store=false (tokenway keeps its own conversations; the upstream keeps none)
-    response.output_item.added function_call (call_id, name) · response.output_text.delta ·
-    response.function_call_arguments.delta · response.reasoning_text.delta |
-    response.reasoning_summary_text.delta · response.completed | response.incomplete (usage)
-        ──► ChoiceDelta ... (thinking as its `reasoning`) ──► one Usage
+        store=false (tokenway keeps its own conversations; the upstream keeps none)
+    streamed (upstream.sends_stream): response.output_item.added function_call (call_id, name) ·
+    response.output_text.delta · response.function_call_arguments.delta ·
+    response.reasoning_text.delta | response.reasoning_summary_text.delta ·
+    response.completed | response.incomplete (usage)
+        ──► ChoiceDelta ... (thinking as its `reasoning`)
+    else, no `stream`: one response (output items, status, usage) ──► one ChoiceDelta
+    ──► one Usage
 
 Message to item: system, developer and user messages stay messages (text parts input_text,
 image_url parts input_image); an assistant's text is an assistant message and each of its
@@ -40,9 +43,11 @@ from tokenway.routing.upstream import (
     UpstreamTimeouts,
     api_key_from_env,
     counted_usage,
+    joined_delta,
     one_call_a_choice,
     parse_json_object,
     reasoning_effort,
+    sends_stream,
 )
 from tokenway.routing.upstream_errors import stream_error
 
@@ -159,7 +164,7 @@ def responses_body(job: GenerationJob, model: str) -> dict[str, Any]:
     effort = reasoning_effort(job.thinking)
     if effort is not None:
         body["reasoning"] = {"effort": effort}
-    return body | upstream_tier(job) | {"stream": True}
+    return body | upstream_tier(job) | ({"stream": True} if sends_stream(job) else {})
 
 
 def _logprobs(entries: Any) -> tuple[dict[str, Any], ...] | None:
@@ -182,7 +187,7 @@ def _stream_error(name: str, error: Any) -> TokenwayError:
 
 
 class _ResponseReader:
-    """One upstream response's events as choice `index`'s deltas. The Responses API counts
+    """One upstream response, streamed or whole, as choice `index`'s deltas. The Responses API counts
     output items (messages, calls, reasoning together); chat numbers tool calls alone:
     output_to_call maps them."""
 
@@ -199,6 +204,15 @@ class _ResponseReader:
             return self._read(payload.get("type") or event.event, payload)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise BadGatewayError(f"Upstream {self.name} sent a malformed event ({type(exc).__name__}).") from None
+
+    def read_response(self, response: dict[str, Any]) -> ChoiceDelta:
+        """A non-streamed answer: its output items in one delta, as the events of its stream add up."""
+        if response.get("status") == "failed" or response.get("error"):
+            raise _stream_error(self.name, response.get("error"))
+        try:
+            return joined_delta(self.index, [self._read(kind, event) for kind, event in _as_events(response)])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise BadGatewayError(f"Upstream {self.name} sent a malformed response ({type(exc).__name__}).") from None
 
     def _read(self, kind: str, payload: dict[str, Any]) -> ChoiceDelta | None:
         if kind == "error":
@@ -250,6 +264,25 @@ class _ResponseReader:
         return ChoiceDelta(self.index, finish_reason=finish_reason)
 
 
+def _as_events(response: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """A whole response as the events its stream would have sent, each piece whole in one
+    delta (a call's arguments in its output_item.added), so one reader reads both."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    for output_index, item in enumerate(response["output"]):
+        if item["type"] == "function_call":
+            events.append(("response.output_item.added", {"output_index": output_index, "item": item}))
+        elif item["type"] == "message":
+            events += [("response.output_text.delta", {"delta": part["text"], "logprobs": part.get("logprobs")})
+                       if part["type"] == "output_text" else ("response.refusal.delta", {"delta": part["refusal"]})
+                       for part in item["content"] if part["type"] in ("output_text", "refusal")]
+        elif item["type"] == "reasoning":
+            parts = (*(item.get("content") or ()), *(item.get("summary") or ()))
+            events += [("response.reasoning_text.delta", {"delta": part["text"]})
+                       for part in parts if part["type"] in ("reasoning_text", "summary_text")]
+    final = "response.incomplete" if response.get("status") == "incomplete" else "response.completed"
+    return [*events, (final, {"response": response})]
+
+
 class ResponsesUpstream(HTTPReplica):
     """An OpenAI Responses API upstream as a replica: `model` is the upstream's name for it, the
     key (from the variable `api_key_env` names) goes as a Bearer token, `count_tokens` counts
@@ -287,10 +320,13 @@ class ResponsesUpstream(HTTPReplica):
 
     async def _call(self, body: dict[str, Any], deadline: float | None, reader: _ResponseReader
                     ) -> AsyncGenerator[ChoiceDelta, None]:
-        events = self.http.stream_events("responses", body, deadline, is_last=lambda event: reader.ended)
-        async with aclosing(events):
-            async for event in events:
-                if (delta := reader.read(event)) is not None:
-                    yield delta
+        if body.get("stream"):
+            events = self.http.stream_events("responses", body, deadline, is_last=lambda event: reader.ended)
+            async with aclosing(events):
+                async for event in events:
+                    if (delta := reader.read(event)) is not None:
+                        yield delta
+        else:
+            yield reader.read_response(await self.http.post_json("responses", body, deadline))
         if not reader.ended:
             raise BadGatewayError(f"Upstream {self.name} ended the stream before the response finished.")

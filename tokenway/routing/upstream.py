@@ -57,7 +57,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Self
@@ -140,6 +140,19 @@ def sends_stream(job: GenerationJob) -> bool:
     """Whether the upstream is asked to stream: when the caller streams, or asked for logprobs
     (the module's docstring says why)."""
     return job.stream or job.params.logprobs is not None
+
+
+def joined_delta(index: int, deltas: Iterable[ChoiceDelta | None]) -> ChoiceDelta:
+    """Choice `index`'s deltas as one: a non-streamed answer read as the events its stream
+    would have sent gives one delta for the choice, as the stream's would add up."""
+    pieces = [delta for delta in deltas if delta is not None]
+    logprobs = tuple(entry for delta in pieces for entry in delta.logprobs or ())
+    return ChoiceDelta(index, text="".join(delta.text for delta in pieces),
+                       reasoning="".join(delta.reasoning for delta in pieces),
+                       tool_calls=tuple(call for delta in pieces for call in delta.tool_calls),
+                       finish_reason=next((d.finish_reason for d in reversed(pieces) if d.finish_reason), None),
+                       stop_reason=next((d.stop_reason for d in reversed(pieces) if d.stop_reason is not None), None),
+                       logprobs=logprobs or None)
 
 
 # ---- usage an upstream did not report ---------------------------------------------------------------
