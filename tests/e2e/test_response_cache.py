@@ -161,3 +161,14 @@ def test_messages_and_completions_hit_too(cached, keys):
         assert raw.headers.get("x-tokenway-cache") == expected
         completions.append(raw.parse())
     assert completions[0].choices == completions[1].choices
+
+
+def test_responses_hit_too(cached, keys):
+    content = fresh()
+    outputs = []
+    for expected in ("miss", "hit"):
+        raw = client(cached, keys[0]).responses.with_raw_response.create(
+            model=MODEL, input=content, max_output_tokens=8, temperature=0, store=False)
+        assert raw.headers.get("x-tokenway-cache") == expected
+        outputs.append(raw.parse())
+    assert outputs[0].output_text == outputs[1].output_text and outputs[0].usage == outputs[1].usage

@@ -38,6 +38,7 @@ from tokenway.protocol.responses_bodies import Response as ResponseBody
 from tokenway.server.generation import Generation, admitted
 from tokenway.server.http import EventStreamResponse, offload, parse_body
 from tokenway.server.openai_render import TokenText
+from tokenway.server.response_cache import CacheDirective, cache_directive
 from tokenway.server.responses_background import detached_call, record, run_detached
 from tokenway.server.responses_output import OutputItems
 from tokenway.server.responses_prepare import (
@@ -68,14 +69,14 @@ def router(services: Services) -> APIRouter:
             return await create_background(request, body, call)
         history = await history_of(services, body, call)
         prepared = await offload(request, inline_bytes, prepare_response, services, body, call, history)
-        generation = await admitted_response(services, call, prepared)
+        generation = await admitted_response(services, call, prepared, cache_directive(request))
         base = response_base(body, prepared)
         items = output_items(body, generation)
         on_end = storing(services, call, body, prepared)
         if body.stream:
             await generation.start_stream(request)  # a refusal is a status, not a 200 stream of one error
             return EventStreamResponse(ResponseStream(base, generation, items, on_end).framed(),
-                                       on_close=generation.aclose)
+                                       generation.cache_headers, on_close=generation.aclose)
         return await generation.json_response(request, response_json(base, generation, items, on_end))
 
     async def create_background(request: Request, body: ResponsesRequest, http_call: Call) -> Response:
@@ -168,10 +169,12 @@ def router(services: Services) -> APIRouter:
     return api
 
 
-async def admitted_response(services: Services, call: Call, prepared: PreparedResponse) -> Generation:
-    """The chat path's admitted(), its safety refusal naming the Responses field."""
+async def admitted_response(services: Services, call: Call, prepared: PreparedResponse,
+                            cache: CacheDirective | None = None) -> Generation:
+    """The chat path's admitted(), its safety refusal naming the Responses field; `cache`: the
+    caller's directive to the response cache (None, as for a background response: not covered)."""
     try:
-        return await admitted(services, call, prepared.call)
+        return await admitted(services, call, prepared.call, cache)
     except ContentPolicyViolationError as exc:
         raise naming_fields(exc) from None
 
