@@ -10,7 +10,7 @@ import pytest
 from tokenway.engine.client import AsyncEngine
 from tokenway.protocol.sampling import SamplingParams
 
-from .conftest import collect, prompt_ids
+from .conftest import assert_sent_whole, collect, prompt_ids
 
 PRINTING_PRESS = "The history of the printing press"
 GREEDY_20 = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -38,6 +38,37 @@ def test_streams_deltas_that_add_up_to_the_offline_text(engine, offline):
     assert len(deltas) > 5  # it streamed, not one lump
     reference = offline[PRINTING_PRESS]
     assert last.outputs[0].token_ids == reference.token_ids and last.outputs[0].text == reference.text
+
+
+def test_final_only_sends_the_reply_whole_in_one_output(engine, offline):
+    deltas, last = asyncio.run(collect(engine, prompt_ids(engine, PRINTING_PRESS), GREEDY_20, final_only=True))
+    assert_sent_whole(deltas, last, offline[PRINTING_PRESS])
+    assert last.outputs[0].finish_reason == "length"
+
+
+def test_final_only_aborted_sends_what_it_had_whole(engine):
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+        outputs = []
+
+        async def abort_soon():
+            while engine.stats().num_running == 0:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # a few steps: tokens computed that nothing has been sent yet
+            await engine.abort("to-abort-whole")
+
+        aborter = asyncio.create_task(abort_soon())
+        async for output in engine.generate(prompt_ids(engine, "Once upon a time"), params,
+                                            request_id="to-abort-whole", final_only=True):
+            outputs.append(output)
+        await aborter
+        return outputs
+
+    outputs = asyncio.run(main())
+    completion = outputs[-1].outputs[0]
+    assert len(outputs) == 1 and completion.finish_reason == "abort"
+    assert completion.delta_token_ids == completion.token_ids and completion.token_ids
+    assert completion.delta_text == completion.text
 
 
 def test_event_loop_stays_responsive_while_the_engine_works(engine):

@@ -17,7 +17,7 @@ from tokenway.engine.process import ProcessEngine
 from tokenway.engine.stats import ClassStats
 from tokenway.protocol.sampling import SamplingParams
 
-from .conftest import collect, prompt_ids
+from .conftest import assert_sent_whole, collect, prompt_ids
 
 TEXTS = ("The history of the printing press", "def fibonacci(n):")
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -67,6 +67,22 @@ def test_a_stop_string_ends_the_request_in_the_engine_too(engine, offline):
     assert last.outputs[0].finish_reason == "stop" and last.outputs[0].stop_reason == stop
     assert last.outputs[0].text == offline[0].text[: offline[0].text.index(stop)]
     assert wait_until(lambda: engine.stats().num_running == 0)  # told to finish, not left decoding to 64
+
+
+def test_final_only_crosses_the_pipe_once_with_the_whole_reply(engine, offline):
+    async def main():
+        return await asyncio.gather(*(collect(engine, prompt_ids(engine, text), GREEDY, final_only=True)
+                                      for text in TEXTS))
+
+    for (deltas, last), reference in zip(asyncio.run(main()), offline):
+        assert_sent_whole(deltas, last, reference)
+        assert last.metrics.first_scheduled_time <= last.metrics.first_token_time <= last.metrics.last_token_time
+    stop = offline[0].text.split()[3]  # a stop string still ends it in the engine, at the same text
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, stop=[stop], logprobs=2)
+    deltas, last = asyncio.run(collect(engine, prompt_ids(engine, TEXTS[0]), params, final_only=True))
+    completion = last.outputs[0]
+    assert deltas == [offline[0].text[: offline[0].text.index(stop)]] and completion.stop_reason == stop
+    assert len(completion.logprobs) == len(completion.token_ids) == len(completion.delta_token_ids)
 
 
 def test_logprobs_and_cached_tokens_cross_as_the_in_process_engine_gives_them(engine, llm):

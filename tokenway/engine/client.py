@@ -10,11 +10,17 @@ call_soon_threadsafe into a per-request asyncio.Queue.
     async for output in engine.generate(prompt_token_ids, params, request_id):
         ...           # RequestOutput with delta_text / delta_token_ids
     await engine.abort(request_id)   # or just stop iterating: the request is aborted
+
+A caller that takes the result whole (a non-streamed call, a batch line) asks for final_only:
+its one output, the last, carries everything as its delta, and nothing crosses to it before
+(vLLM's FINAL_ONLY): at 128 running requests a step's outputs were 128 wake-ups of the HTTP
+side's event loop, each for a token nobody reads yet.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -60,6 +66,7 @@ class _Add(Generic[StateT]):
     outputs: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     service_class: ServiceClass = "default"
+    final_only: bool = False
 
 
 @dataclass(slots=True)
@@ -72,6 +79,9 @@ class _Folds(Protocol):
 
     @property
     def state(self) -> RequestState: ...
+
+    @property
+    def final_only(self) -> bool: ...
 
 
 FoldsT = TypeVar("FoldsT", bound=_Folds)
@@ -94,9 +104,19 @@ def fold_outputs(live: dict[str, FoldsT], engine_outputs: list[EngineOutput]
             del live[engine_output.request_id]
             if not engine_output.finished:  # a stop string matched
                 stopped.append((engine_output.request_id, completion.stop_reason))
-        if completion.delta_text or completion.delta_token_ids or result.finished:
+        if entry.final_only:
+            if result.finished:
+                deliveries.append((entry, whole(result)))
+        elif completion.delta_text or completion.delta_token_ids or result.finished:
             deliveries.append((entry, result))
     return deliveries, stopped
+
+
+def whole(output: RequestOutput) -> RequestOutput:
+    """A final_only request's one output: everything it released, as its delta."""
+    completion = output.outputs[0]
+    return dataclasses.replace(output, outputs=[dataclasses.replace(
+        completion, delta_text=completion.text, delta_token_ids=completion.token_ids)])
 
 
 def deliver(items: Sequence[tuple[_Add[Any], object]]) -> None:
@@ -165,19 +185,21 @@ class EngineClient:
         request_id: str | None = None,
         prompt: str | None = None,
         service_class: ServiceClass = "default",
+        final_only: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield a RequestOutput per step that releases something; the last has finished=True.
         Raises ValueError (before anything runs) for a bad prompt or service class,
         EngineDeadError when the engine is down or dies meanwhile. Leaving the loop early, or
         cancelling the task, aborts the request in the engine within one step. service_class:
-        how urgently the engine schedules it (engine/scheduler.py)."""
+        how urgently the engine schedules it (engine/scheduler.py). final_only: yield only the
+        last output, its delta the whole text and token ids."""
         if service_class not in SERVICE_CLASSES:
             raise ValueError(f"service_class: expected one of {', '.join(SERVICE_CLASSES)}, got {service_class!r}")
         self.validate_prompt(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
         outputs: asyncio.Queue = asyncio.Queue()
         state = self._request_state(request_id, prompt, list(prompt_token_ids), params)
-        self._submit(_Add(state, outputs, asyncio.get_running_loop(), service_class))
+        self._submit(_Add(state, outputs, asyncio.get_running_loop(), service_class, final_only))
         finished = False
         try:
             while True:
@@ -294,4 +316,5 @@ class AsyncEngine(EngineClient):
             elif (live := self._live.pop(command.request_id, None)) is not None:
                 # The caller may still be listening (an explicit abort): tell it.
                 for engine_output in core.abort_requests([command.request_id]):
-                    deliver([(live, live.state.process(engine_output))])
+                    output = live.state.process(engine_output)
+                    deliver([(live, whole(output) if live.final_only else output)])

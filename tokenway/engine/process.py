@@ -83,7 +83,8 @@ class ProcessEngine(EngineClient):
                     return
                 self._live[command.state.request_id] = command
                 state = command.state
-                child.send(("add", state.request_id, state.prompt_token_ids, state.params, command.service_class))
+                child.send(("add", state.request_id, state.prompt_token_ids, state.params, command.service_class,
+                            command.final_only))
             elif child is not None and command.request_id in self._live:
                 child.send(("abort", command.request_id))  # its final output arrives as the engine aborts it
 
@@ -264,11 +265,11 @@ def _engine_main(config: EngineConfig, niceness: int, commands: Connection, resu
                 command = commands.recv()
                 kind = command[0]
                 if kind == "add":
-                    _, request_id, prompt_token_ids, params, service_class = command
+                    _, request_id, prompt_token_ids, params, service_class, final_only = command
                     try:
                         core.add_request(request_id, prompt_token_ids, params, service_class)
                         live[request_id] = _Folding(RequestState(request_id, None, prompt_token_ids, params,
-                                                                 core.tokenizer))
+                                                                 core.tokenizer), final_only)
                     except ValueError as exc:  # a FieldError pickles whole: its param survives
                         refused.append((request_id, exc))
                 elif kind == "abort":
@@ -297,6 +298,7 @@ def _engine_main(config: EngineConfig, niceness: int, commands: Connection, resu
 @dataclass(slots=True)
 class _Folding:
     state: RequestState
+    final_only: bool = False  # send only the last output, everything as its delta
 
 
 def _step_delta(output: RequestOutput) -> tuple:

@@ -59,8 +59,9 @@ class LocalReplica:
         prompt_token_ids = list(job.prompt_token_ids)
         num_completion_tokens = [0] * job.n
         num_cached_tokens, cache_reason = 0, None
+        # A caller that takes the reply whole is sent it whole: nothing crosses a step at a time.
         choices = run_choices(self.engine, job.request_id, prompt_token_ids, choice_params(job.params, job.n),
-                              job.service_class)
+                              job.service_class, final_only=not job.stream)
         try:
             async with aclosing(choices):
                 async for index, output in choices:
@@ -115,12 +116,13 @@ def choice_delta(index: int, output: RequestOutput) -> ChoiceDelta:
 
 async def run_choices(engine: EngineClient, request_id: str, prompt_token_ids: list[int],
                       params_list: list[SamplingParams], service_class: ServiceClass = "default",
-                      ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-    """(choice index, output) of the call's engine requests, as they come. Closing this (or an
+                      final_only: bool = False) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """(choice index, output) of the call's engine requests, as they come (final_only: each
+    request's last only, its delta the whole: EngineClient.generate). Closing this (or an
     error) closes every request's generator, which aborts it in the engine."""
     if len(params_list) == 1:
         async with aclosing(engine.generate(prompt_token_ids, params_list[0], request_id,
-                                            service_class=service_class)) as outputs:
+                                            service_class=service_class, final_only=final_only)) as outputs:
             async for output in outputs:
                 yield 0, output
         return
@@ -129,7 +131,7 @@ async def run_choices(engine: EngineClient, request_id: str, prompt_token_ids: l
     async def pump(index: int, params: SamplingParams) -> None:
         try:
             async with aclosing(engine.generate(prompt_token_ids, params, f"{request_id}-{index}",
-                                                service_class=service_class)) as outputs:
+                                                service_class=service_class, final_only=final_only)) as outputs:
                 async for output in outputs:
                     merged.put_nowait((index, output))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
