@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import subprocess
@@ -205,5 +206,14 @@ def test_a_local_model_is_one_engine_behind_every_worker(default_model_dir):
         assert len(texts) == 1 and texts != {""}
         log = server.read_log()
         assert log.count("tokenway: worker serving") == 1 and log.count("ready") >= 2, log[-3000:]
+        # The engine's worker killed: started again, and the HTTP workers route to it once it answers.
+        engine_pid = int(subprocess.run(["pgrep", "-P", str(server.process.pid), "-f", "tokenway.cli worker"],
+                                        capture_output=True, text=True, check=True).stdout.split()[0])
+        os.kill(engine_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 180
+        while httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60).status_code != 200:
+            assert time.monotonic() < deadline, server.read_log()[-3000:]
+            time.sleep(0.5)
+        assert "starting it again" in server.read_log()
     finally:
         assert server.stop() == 0, server.read_log()[-3000:]

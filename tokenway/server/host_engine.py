@@ -74,6 +74,8 @@ class HostEngine:
         self.url = f"http://127.0.0.1:{port}"
         self.secret = secrets.token_hex(32)
         self.process: asyncio.subprocess.Process | None = None
+        self._watching: asyncio.Task | None = None
+        self._stopping = False
 
     @property
     def env(self) -> dict[str, str]:
@@ -81,6 +83,25 @@ class HostEngine:
         return {SECRET_ENV: self.secret}
 
     async def start(self) -> bool:
+        if not await self._start():
+            return False
+        self._watching = asyncio.ensure_future(self._watch())
+        return True
+
+    async def _watch(self) -> None:
+        """A `tokenway worker` that exits on its own is started again: meanwhile the HTTP workers'
+        health checks mark its replica down (503 with Retry-After), and up once it answers."""
+        while self.process is not None:
+            code = await self.process.wait()
+            if self._stopping:
+                return
+            print(f"tokenway: the engine's worker exited with {code}; starting it again", file=sys.stderr, flush=True)
+            await asyncio.sleep(1.0)
+            if self._stopping:
+                return
+            await self._start()
+
+    async def _start(self) -> bool:
         import httpx
 
         from tokenway.routing.wire import PREFIX
@@ -101,6 +122,9 @@ class HostEngine:
 
     async def stop(self, timeout_s: float) -> None:
         """After the HTTP workers: their calls drained first, then the engine's."""
+        self._stopping = True
+        if self._watching is not None:
+            self._watching.cancel()
         process = self.process
         if process is None or process.returncode is not None:
             return
