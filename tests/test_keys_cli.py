@@ -56,6 +56,14 @@ def test_cli_round_trip(db, capsys):
     assert "revoked" in out and secret not in out and new_secret not in out
 
 
+def test_a_key_made_in_or_out_of_the_response_cache(db, capsys):
+    for flags, setting in ((["--response-cache"], True), (["--no-response-cache"], False), ([], None)):
+        assert keys("create", "--db", db, "--name", "c", *flags) == 0
+        secret = capsys.readouterr().out.strip()
+        with KeyStore(db) as store:
+            assert store.authenticate(secret).response_cache is setting
+
+
 def test_cli_errors_are_one_line_with_exit_codes(db, capsys):
     assert keys("revoke", "--db", db, "k_00000000") == 1
     assert keys("rotate", "--db", db, "k_00000000") == 1

@@ -86,6 +86,9 @@ def add_keys_parser(subparsers) -> None:
     create.add_argument("--safety-categories", help="comma-separated (default: all)")
     create.add_argument("--tiers", help="comma-separated service tiers its calls may run at, of "
                                         f"{', '.join(SERVICE_CLASSES)} (default: the server's grant)")
+    create.add_argument("--response-cache", action=argparse.BooleanOptionalAction, default=None,
+                        help="its calls may (--no-: may not) be answered from the response cache, whatever "
+                             "the model's [models.cache] says (default: as the model says)")
     listing = sub.add_parser("list", help="all keys with their limits (never a secret)")
     listing.add_argument("--json", action="store_true", help="one JSON array instead of a table")
     for command, text in (("revoke", "stop a key working"), ("rotate", "give a key a new secret")):
@@ -122,7 +125,7 @@ def _create(store: KeyStore, args: argparse.Namespace) -> int:
     secret, info = store.create(
         args.name, models=models, rpm=args.rpm, tpm=args.tpm, tpd=args.tpd, max_concurrent=args.max_concurrent,
         max_tokens=args.max_tokens, budget_usd=args.budget_usd, expires_at=parse_expires(args.expires, time.time()),
-        safety=_safety(args), service_tiers=_tiers(args.tiers))
+        safety=_safety(args), service_tiers=_tiers(args.tiers), response_cache=args.response_cache)
     expiry = f", expires {_when(info.expires_at)}" if info.expires_at is not None else ""
     _print_secret(f"created API key {info.key_id} ({info.name!r}{expiry})", secret)
     return 0

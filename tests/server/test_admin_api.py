@@ -71,6 +71,16 @@ def test_key_lifecycle_over_http(client, store):
     assert_error(client.post(f"/admin/keys/{key_id}/rotate", headers=ADMIN), 400, "invalid_request_error")
 
 
+def test_a_key_may_be_made_in_or_out_of_the_response_cache(client, store):
+    for setting in (True, False, None):
+        body = {"name": "cached"} | ({} if setting is None else {"response_cache": setting})
+        created = client.post("/admin/keys", headers=ADMIN, json=body)
+        assert created.status_code == 201 and created.json()["response_cache"] is setting
+        assert store.authenticate(created.json()["key"]).response_cache is setting
+    assert_error(client.post("/admin/keys", headers=ADMIN, json={"name": "x", "response_cache": "yes"}), 400,
+                 "invalid_request_error", "response_cache")
+
+
 @pytest.mark.parametrize("headers", [
     {},
     {"Authorization": "Bearer wrong"},

@@ -2,7 +2,8 @@
 the ledger holds.
 
     POST /admin/keys                   {"name", "models"?, "rpm"?, ...} -> 201 {"key": <secret, shown once>, ...info}
-                                       ("service_tiers"?: the tiers its calls may run at)
+                                       ("service_tiers"?: the tiers its calls may run at;
+                                        "response_cache"?: true/false overrides the models' cache setting)
     GET  /admin/keys                   -> {"object": "list", "data": [info, ...]}     (never a secret)
     POST /admin/keys/{key_id}/revoke   -> info (revoking twice is not an error)
     POST /admin/keys/{key_id}/rotate   -> {"key": <new secret>, ...info}
@@ -83,6 +84,8 @@ class CreateKeyRequest(pydantic.BaseModel):
     safety: SafetyBody | None = None
     # The tiers the key's calls may run at (gateway/tiers.py); None: the server's default grant.
     service_tiers: Annotated[list[ServiceClass], pydantic.Field(min_length=1)] | None = None
+    # Whether its calls may be answered from the response cache; None: as each model's config says.
+    response_cache: bool | None = None
 
 
 def check_admin_key(request: Request, admin_key: str | None) -> None:
