@@ -56,7 +56,7 @@ class GenerationJob:
     context_window: int | None = None
     # absolute time.monotonic() by which the call must be done (None: no deadline)
     deadline: float | None = None
-    stream: bool = False  # the caller takes SSE (every replica streams to the gateway either way)
+    stream: bool = False  # the caller takes SSE (an upstream is then asked for a stream too: upstream.sends_stream)
     # what the caller asked of a reasoning model's thinking: an upstream sends it in its API's
     # terms; the local engine has it as params.reasoning_budget already (None: the model's default)
     thinking: ThinkingRequest | None = None
