@@ -1,7 +1,8 @@
 """The forwarder's rule and its steps, on a real store and a scripted upstream Batch API: which
 batches go to an upstream whole; submitted once, polled, read back into each line once; a
 cancel before submission sends nothing; an upstream's refusal fails the lines with its reason;
-a second forwarder on the same database (a restart) carries on from the stored upstream id."""
+a second forwarder on the same database (a restart) carries on from the stored upstream id, and
+finds there the batch a submission cut off before its id was kept made."""
 
 import pytest
 
@@ -22,6 +23,7 @@ class ScriptedUpstream:
     def __init__(self, shape: str = "openai") -> None:
         self.shape = shape
         self.submitted: list[list[tuple[str, dict]]] = []
+        self.metadata: list[dict] = []
         self.cancelled: list[str] = []
         self.status = "in_progress"
         self.refuse = False
@@ -30,7 +32,11 @@ class ScriptedUpstream:
         if self.refuse:
             raise InvalidRequestError("the model is not in this account")
         self.submitted.append(list(lines))
+        self.metadata.append(dict(metadata))
         return f"batch_up{len(self.submitted)}"
+
+    async def find(self, key, value):
+        return next((f"batch_up{i + 1}" for i, metadata in enumerate(self.metadata) if metadata[key] == value), None)
 
     async def poll(self, batch_id):
         return UpstreamBatch(batch_id, self.status, self.status in ("completed", "cancelled"))
@@ -129,3 +135,13 @@ async def test_an_upstreams_refusal_fails_the_lines_with_its_reason(store):
     results = [outcome async for _, outcome in await store.results(batch.id, "key-a")]
     assert [outcome.error["code"] for outcome in results] == ["upstream_refused"] * 3
     assert "not in this account" in results[0].error["message"]
+
+
+async def test_a_submission_cut_off_before_its_id_was_kept_is_found_not_sent_again(store):
+    upstream = ScriptedUpstream()
+    fwd = forwarder(store, upstream)
+    batch = await create(store)
+    await upstream.submit([("q0", {})], "/v1/chat/completions", {"tokenway_batch_id": batch.id})  # then killed
+    await step(fwd)
+    assert len(upstream.submitted) == 1
+    assert (await store.get_batch(batch.id, "key-a")).upstream_batch_id == "batch_up1"

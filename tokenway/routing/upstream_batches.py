@@ -4,6 +4,7 @@ the store's LineOutcomes. Over the replica's own UpstreamHTTP (its connections, 
 
     OpenAI     submit: POST files (multipart, purpose=batch) ─► POST batches {input_file_id,
                endpoint, completion_window 24h, metadata} ─► its id
+               find:   GET batches?limit=100: the one whose metadata names ours, if any
                poll:   GET batches/{id}: validating | in_progress | finalizing | cancelling ─► running;
                        completed | expired | cancelled | failed ─► ended
                results: GET files/{output_file_id}/content and files/{error_file_id}/content
@@ -74,6 +75,19 @@ class UpstreamBatchAPI:
             "input_file_id": _field(file, "id", self.http.name), "endpoint": endpoint, "completion_window": "24h",
             **({"metadata": dict(metadata)} if metadata else {})})
         return _field(created, "id", self.http.name)
+
+    async def find(self, metadata_key: str, value: str) -> str | None:
+        """The id of the upstream's batch, among its latest 100, whose metadata says key = value:
+        one a submission cut off before its id was kept made. Anthropic's batches carry no
+        metadata: None."""
+        if self.shape == "anthropic":
+            return None
+        listed = (await self._json("GET", "batches?limit=100")).get("data")
+        for batch in listed if isinstance(listed, list) else ():
+            if isinstance(batch, dict) and _dict(batch.get("metadata")).get(metadata_key) == value \
+                    and isinstance(batch.get("id"), str):
+                return batch["id"]
+        return None
 
     async def poll(self, batch_id: str) -> UpstreamBatch:
         if self.shape == "anthropic":

@@ -18,7 +18,8 @@ true), instead of running their lines one by one through the router.
 Durable: the upstream's id is on the batch's row; a restarted gateway, or any other on the
 database, takes the batch up at its next step once the lease (FORWARD_LEASE_S, longer than a
 submission may take) passes. A submission cut off between the upstream's answer and recording
-its id is the one window in which a batch could be sent twice.
+its id is found there again by the metadata naming ours (OpenAI's shape); an Anthropic upstream
+keeps none, so that is the one window in which a batch could be sent there twice.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 FORWARD_LEASE_S = 900.0  # a step's hold on its batch: above a submission's longest (its requests' timeouts)
 DEFAULT_POLL_S = 5.0
 MAX_BATCHES_A_STEP = 8
+METADATA_KEY = "tokenway_batch_id"  # on an OpenAI-shaped upstream's batch: ours
 CANCELLED = LineOutcome("cancelled", None, None, CANCELLED_ERROR)
 EXPIRED = LineOutcome("expired", None, None, EXPIRED_ERROR)
 
@@ -143,9 +145,13 @@ class BatchForwarder:
         if batch.status == "cancelling":  # cancelled before it was sent: nothing runs
             await self._store.finish_forwarded(batch.id, [], CANCELLED)
             return
-        lines = [(custom_id, {**body, "model": target.upstream_model})
-                 for _, custom_id, body in await self._store.lines_of(batch.id)]
-        upstream_id = await target.client.submit(lines, batch.endpoint, {"tokenway_batch_id": batch.id})
+        # A submission cut off before its id was kept (a gateway killed) left a batch there that
+        # names ours: carried on, not sent twice (OpenAI's shape; Anthropic's keeps no metadata).
+        upstream_id = await target.client.find(METADATA_KEY, batch.id)
+        if upstream_id is None:
+            lines = [(custom_id, {**body, "model": target.upstream_model})
+                     for _, custom_id, body in await self._store.lines_of(batch.id)]
+            upstream_id = await target.client.submit(lines, batch.endpoint, {METADATA_KEY: batch.id})
         logger.info("batch %s: submitted to %s as %s", batch.id, target.key, upstream_id)
         if not await self._store.set_upstream(batch.id, upstream_id, time.time() + self._poll_s):
             await target.client.cancel(upstream_id)  # cancelled or expired here meanwhile
