@@ -192,10 +192,10 @@ class BatchRunner:
         self._num_ended_since_upkeep = 0
         now = time.time()
         await self._store.expire(now)
-        await self._store.finalize_ready(now)
-        await self._store.purge_files(now)
         if self._forward is not None:
             await self._forward()
+        await self._store.finalize_ready(now)
+        await self._store.purge_files(now)
         self.stats.overview = await self._store.overview(OVERVIEW_BATCHES)
         self.stats.overview_at = time.time()
 

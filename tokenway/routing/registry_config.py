@@ -253,6 +253,11 @@ class ModelEntry:
         return next((r for r in self.replicas if r.kind == "local"), None)
 
     @property
+    def batch_replica(self) -> ReplicaSpec | None:
+        """The replica a batch of this model's is handed whole: the first, in order, with batch_api."""
+        return next((r for r in self.replicas if r.batch_api), None)
+
+    @property
     def name_to_max_in_flight(self) -> dict[str, int]:
         """Balancer's argument of the same name: the replicas that override balancer.max_in_flight."""
         return {r.name: r.max_in_flight for r in self.replicas if r.max_in_flight is not None}
@@ -264,8 +269,3 @@ class ModelEntry:
         t = self.timeouts
         return UpstreamTimeouts(connect=t.connect, first_event=t.first_token, between_events=t.between_tokens,
                                 total=t.deadline, probe=self.health.timeout)
-    @property
-    def batch_replica(self) -> ReplicaSpec | None:
-        """The replica a batch of this model's is handed whole: the first, in order, with batch_api."""
-        return next((r for r in self.replicas if r.batch_api), None)
-

@@ -87,13 +87,13 @@ class Table:
             raise ValueError(f"{self.at(key)}: must be one of {', '.join(choices)}, got {value!r}")
         return value
 
-    def texts(self, key: str) -> tuple[str, ...]:
     def flag(self, key: str) -> bool | None:
         value = self._get(key, False)
         if value is not None and not isinstance(value, bool):
             raise ValueError(f"{self.at(key)}: must be true or false, got {value!r}")
         return value
 
+    def texts(self, key: str) -> tuple[str, ...]:
         value = self._get(key, False)
         if value is None:
             return ()
@@ -156,8 +156,8 @@ def parse_replica(table: Table, model_name: str, model_kind: ModelKind, default_
         else:
             fields["model"] = table.text("model") or model_name
             fields["api_key_env"] = table.text("api_key_env")
-    table.finish(f" for {a(kind)} replica")
             fields["batch_api"] = bool(table.flag("batch_api"))
+    table.finish(f" for {a(kind)} replica")
     with at(table.path):
         return ReplicaSpec(kind, **fields)
 
