@@ -39,6 +39,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tokenway.server.uvicorn_server import run_event_loop
+
 if TYPE_CHECKING:
     from tokenway.gateway.counters import CounterServer
     from tokenway.server.host_engine import HostEngine
@@ -177,7 +179,8 @@ class Supervisor:
             return 1
         run_dir = tempfile.mkdtemp(prefix="tokenway-workers-")  # 0700: only this user reaches its sockets
         try:
-            return asyncio.run(self._main(listener, run_dir))
+            # uvloop where installed: each admission a worker asks the counters is a round trip here
+            return run_event_loop(self._main(listener, run_dir))
         finally:
             listener.close()
             shutil.rmtree(run_dir, ignore_errors=True)
