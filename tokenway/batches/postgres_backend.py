@@ -50,9 +50,17 @@ class PostgresBatchBackend(BatchBackend):
                 self._conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_ID,))
                 for statement in _SCHEMA:
                     self._conn.execute(statement)
+                # Only what is missing: ALTER TABLE locks the table whole even when the column is
+                # there, and a gateway opening a connection beside another one's transactions
+                # deadlocked on it.
+                columns = {row[0] for row in self._conn.execute(
+                    "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema()"
+                    " AND table_name = 'batches'")}
                 for name, kind in schema.added_columns("DOUBLE PRECISION"):
-                    self._conn.execute(f"ALTER TABLE batches ADD COLUMN IF NOT EXISTS {name} {kind}")
-                self._conn.execute(schema.FORWARDED_INDEX)
+                    if name not in columns:
+                        self._conn.execute(f"ALTER TABLE batches ADD COLUMN {name} {kind}")
+                if self._conn.execute("SELECT to_regclass('batches_forwarded')").fetchone() == (None,):
+                    self._conn.execute(schema.FORWARDED_INDEX)
         except BaseException:
             self._conn.close()
             raise
