@@ -203,25 +203,58 @@ async def test_stop_lets_lines_finish_within_the_grace_then_leaves_the_rest_to_t
     assert len(await store.claim("w2", 10, 60, time.time() + 61)) == 2  # once their lease has lapsed
 
 
-async def test_a_cancelled_batch_ends_cancelled_with_what_ran(store):
+async def test_a_cancelled_batch_keeps_what_ran_and_stops_its_running_lines(store):
     batch = await make_batch(store, 6, now=time.time())
-    gate = asyncio.Event()
+    stopped = []
 
     async def execute(line: BatchLine) -> LineOutcome:
-        await gate.wait()
-        return succeeded(line.index)
+        if line.index < 2:
+            return succeeded(line.index)
+        try:
+            await asyncio.Event().wait()  # in the engine, running or waiting, until stopped
+        except asyncio.CancelledError:
+            stopped.append(line.index)
+            raise
+        raise AssertionError("unreachable")
 
     the_runner = runner(store, execute, "w1", capacity=lambda: 2)
     the_runner.start()
     try:
-        await eventually(lambda: asyncio.sleep(0, the_runner.num_running == 2), "two lines run")
+        await eventually(lambda: asyncio.sleep(0, len(stopped) == 0 and the_runner.num_running == 2
+                                                and (the_runner.stats.num_lines_by_outcome["succeeded"] == 2)),
+                         "two lines done, two running")
         assert (await store.cancel_batch(batch.id, "key-a")).status == "cancelling"
-        gate.set()
         await eventually(lambda: ended(store, batch.id), "the batch ends")
     finally:
         await the_runner.stop(grace_s=5)
     done = await store.get_batch(batch.id, "key-a")
     assert done.status == "cancelled" and done.counts == BatchCounts(6, succeeded=2, cancelled=4)
+    assert sorted(stopped) == [2, 3]  # stopped at once, not left to run on
+
+
+async def test_a_batch_cancelled_through_another_gateway_stops_the_lines_running_here(shared_url):
+    stores = [open_batch_store(shared_url), open_batch_store(shared_url)]
+    try:
+        batch = await make_batch(stores[0], 4, now=time.time())
+
+        async def execute(line: BatchLine) -> LineOutcome:
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        the_runner = runner(stores[0], execute, "w1")
+        the_runner.start()
+        try:
+            await eventually(lambda: asyncio.sleep(0, the_runner.num_running == 4), "every line runs")
+            assert (await stores[1].cancel_batch(batch.id, "key-a")).status == "cancelling"
+            await eventually(lambda: ended(stores[1], batch.id), "the batch ends")  # at the runner's next upkeep
+            assert the_runner.num_running == 0
+        finally:
+            await the_runner.stop(grace_s=5)
+        done = await stores[1].get_batch(batch.id, "key-a")
+        assert done.status == "cancelled" and done.counts == BatchCounts(4, cancelled=4)
+    finally:
+        for each in stores:
+            await each.close()
 
 
 async def test_a_line_refused_for_now_is_run_again_after_its_wait_not_failed(store, monkeypatch):

@@ -113,7 +113,7 @@ def test_a_cancelled_batch_runs_no_more_lines(client):
     errors = lines_of(client, batch.error_file_id)
     cancelled = [line for line in errors.values() if line["error"] and line["error"]["code"] == "batch_cancelled"]
     done = len(lines_of(client, batch.output_file_id))
-    # Whatever ran before the cancel finished and was kept; every other line is reported cancelled.
+    # What ended before the cancel is kept; every other line, those running then too, is reported cancelled.
     assert cancelled and done + len(errors) == len(lines)
 
 

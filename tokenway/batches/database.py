@@ -57,6 +57,7 @@ class SqlBatchStore:
                                         unavailable=BatchStoreUnavailable, retry_first_s=RETRY_FIRST_S,
                                         retry_max_s=RETRY_MAX_S, log=logger)
         self._created_callbacks: list[Callable[[], None]] = []
+        self._cancelled_callbacks: list[Callable[[str], None]] = []
         self._choose_upstream: ChooseUpstream | None = None
 
     # ---- files ----
@@ -116,6 +117,9 @@ class SqlBatchStore:
     def on_created(self, callback: Callable[[], None]) -> None:
         self._created_callbacks.append(callback)
 
+    def on_cancelled(self, callback: Callable[[str], None]) -> None:
+        self._cancelled_callbacks.append(callback)
+
     def forward_with(self, choose: ChooseUpstream) -> None:
         self._choose_upstream = choose
 
@@ -137,12 +141,17 @@ class SqlBatchStore:
     async def cancel_batch(self, batch_id: str, key_id: str) -> Batch | None:
         now = time.time()
 
-        def cancel(backend: BatchBackend) -> Batch | None:
-            if backend.cancel_batch(batch_id, key_id, now):
+        def cancel(backend: BatchBackend) -> tuple[bool, Batch | None]:
+            moved = backend.cancel_batch(batch_id, key_id, now)
+            if moved:
                 backend.finalize(batch_id, now)  # at once when no line was running
-            return backend.get_batch(batch_id, key_id)
+            return moved, backend.get_batch(batch_id, key_id)
 
-        return await self._run(cancel)
+        moved, batch = await self._run(cancel)
+        if moved and batch is not None and batch.status == "cancelling":
+            for callback in self._cancelled_callbacks:
+                callback(batch_id)
+        return batch
 
     async def results(self, batch_id: str, key_id: str) -> AsyncIterator[tuple[BatchLine, LineOutcome]] | None:
         if not await self._run(lambda backend: backend.owns(batch_id, key_id)):

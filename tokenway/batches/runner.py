@@ -23,6 +23,7 @@ RunnerStats: what the runner counts as it works, and the queue as its last upkee
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -115,6 +116,7 @@ class BatchRunner:
         self._poll_s = poll_s
         self._upkeep_s = upkeep_s
         self._running: dict[asyncio.Task[None], BatchLine] = {}
+        self._stopped: set[asyncio.Task[None]] = set()  # lines of a cancelled batch, being stopped
         self._wake = asyncio.Event()  # a line ended, a batch was created here, or stop() was called
         self._draining = False
         self._num_ended_since_upkeep = 0
@@ -133,8 +135,10 @@ class BatchRunner:
         if self._task is not None:
             raise RuntimeError("the batch runner is started already")
         self._task = asyncio.create_task(self._loop(), name=f"batch-runner-{self.worker_id}")
-        # A batch created here runs at once, not at the next look (other gateways find it then).
+        # A batch created here runs at once, not at the next look (other gateways find it then);
+        # one cancelled here stops its lines here at once (others' at their next upkeep).
         self._store.on_created(self._wake.set)
+        self._store.on_cancelled(self._stop_lines_of)
         return self._task
 
     async def stop(self, grace_s: float = 30.0) -> None:
@@ -198,6 +202,18 @@ class BatchRunner:
         await self._store.purge_files(now)
         self.stats.overview = await self._store.overview(OVERVIEW_BATCHES)
         self.stats.overview_at = time.time()
+        for batch in self.stats.overview.running:  # cancelled through another gateway
+            if batch.status == "cancelling":
+                self._stop_lines_of(batch.id)
+
+    def _stop_lines_of(self, batch_id: str) -> None:
+        """Stop this runner's lines of a batch now cancelling, running or waiting in an engine:
+        a line stopped writes its ledger row for what it computed (none, if it had not started)
+        and ends cancelled, as the lines no runner held did."""
+        for task, line in self._running.items():
+            if line.batch_id == batch_id and task not in self._stopped:
+                self._stopped.add(task)
+                task.cancel()
 
     async def _renew(self) -> None:
         lines = list(self._running.values())
@@ -239,6 +255,15 @@ class BatchRunner:
             outcome = await self._execute(line)
             if not isinstance(outcome, LineOutcome) or outcome.outcome not in ("succeeded", "failed"):
                 raise TypeError(f"execute returned {truncate(repr(outcome))}, not a succeeded or failed LineOutcome")
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task not in self._stopped or task is None:
+                raise  # the runner is being killed: the line is left to its lease
+            task.uncancel()
+            # The claim lapses now; its batch being cancelling, the next finalize ends it cancelled.
+            with contextlib.suppress(BatchStoreUnavailable):  # else it lapses with its lease
+                await self._store.defer(self.worker_id, line, time.time())
+            return
         except Exception as exc:
             logger.warning("batch runner %s: line %s raised %r", self.worker_id, line.line_id, exc)
             outcome = failed_outcome(line, exc)
@@ -268,6 +293,7 @@ class BatchRunner:
 
     def _line_ended(self, task: asyncio.Task[None]) -> None:
         self._running.pop(task, None)
+        self._stopped.discard(task)
         self.stats.num_running = len(self._running)
         self._num_ended_since_upkeep += 1
         self._wake.set()

@@ -319,6 +319,11 @@ class BatchStore(Protocol):
         stored: a runner in this process wakes for it rather than at its next look."""
         ...
 
+    def on_cancelled(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(batch_id)` (on the event loop) when this store moves a batch to
+        cancelling: a runner in this process stops its lines of it at once."""
+        ...
+
     def forward_with(self, choose: ChooseUpstream) -> None:
         """Each in_progress batch created from now on is offered to `choose` before it is
         stored: the upstream it names (Batch.upstream) runs the batch whole; None, its lines run here."""
