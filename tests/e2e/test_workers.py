@@ -85,6 +85,10 @@ def start_gateway(folder, upstream_port: int, num_workers: int, *extra: str, **k
 
     keys = {name: create_key(limits) for name, limits in key_limits.items()}
     server = Server("--config", str(config), "--workers", str(num_workers), "--no-embeddings", *extra, db=db)
+    deadline = time.monotonic() + 120
+    while "workers serving" not in server.read_log():  # /ready answers once the first of them does
+        assert time.monotonic() < deadline, server.read_log()[-3000:]
+        time.sleep(0.1)
     return server, keys
 
 
@@ -217,3 +221,26 @@ def test_a_local_model_is_one_engine_behind_every_worker(default_model_dir):
         assert "starting it again" in server.read_log()
     finally:
         assert server.stop() == 0, server.read_log()[-3000:]
+
+
+def test_a_worker_that_dies_is_replaced(gateway):
+    server, keys = gateway
+
+    def worker_pids() -> set[int]:
+        found = subprocess.run(["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True)
+        return {int(pid) for pid in found.stdout.split()}
+
+    before, num_ready = worker_pids(), server.read_log().count(" ready")
+    assert len(before) == NUM_WORKERS
+    victim = min(before)
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while not (len(worker_pids()) == NUM_WORKERS and victim not in worker_pids()
+               and server.read_log().count(" ready") > num_ready):
+        assert time.monotonic() < deadline, server.read_log()[-3000:]
+        time.sleep(0.2)
+    assert "exited with -9; starting another" in server.read_log()
+    headers = {"authorization": f"Bearer {keys['open']}"}
+    responses = [httpx.post(f"{server.base_url}/v1/chat/completions", headers=headers, timeout=30,
+                            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}) for _ in range(8)]
+    assert {r.status_code for r in responses} == {200}
