@@ -81,7 +81,10 @@ MULTIPART_SLACK_BYTES = 64 * 1024
 
 
 def create_app(services: Services) -> FastAPI:
-    app = FastAPI(title="tokenway", version="0.1.0", description="OpenAI- and Anthropic-compatible LLM API")
+    # tokenway traces and counts every call itself (observability/); FastAPI's own telemetry would
+    # ask OpenTelemetry for its providers on every request, and span each one twice where one is set.
+    app = FastAPI(title="tokenway", version="0.1.0", description="OpenAI- and Anthropic-compatible LLM API",
+                  telemetry={"tracing": False, "metrics": False, "logs": False})
     app.state.services = services
     for module in ROUTERS:
         app.include_router(module.router(services))
