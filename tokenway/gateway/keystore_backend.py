@@ -138,6 +138,15 @@ def check_info(info: KeyInfo) -> None:
     check_service_tiers(info.service_tiers)
 
 
+def check_rotatable(key_id: str, row: Sequence[Any] | None) -> None:
+    """Before a rotation, the key's (revoked_at,) row as read under the write's lock: UnknownKeyError
+    when there is none, ValueError when it is revoked."""
+    if row is None:
+        raise UnknownKeyError(f"no API key {key_id!r}")
+    if row[0] is not None:
+        raise ValueError(f"API key {key_id} is revoked; create a new one instead")
+
+
 def encode_row(key: StoredKey, json_value: Callable[[Any], Any]) -> tuple:
     """The row's values in COLUMNS order; json_value wraps the JSON columns' values as the
     database takes them (a JSON string, or psycopg's Jsonb)."""

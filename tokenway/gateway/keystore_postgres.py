@@ -25,7 +25,7 @@ from tokenway.gateway.keystore_backend import (
     KeyStoreUnavailable,
     Snapshot,
     StoredKey,
-    UnknownKeyError,
+    check_rotatable,
     decode_row,
     encode_row,
 )
@@ -138,12 +138,8 @@ class PostgresKeys:
     def rotate(self, key_id: str, secret_sha256: bytes, hint: str) -> None:
         def write(conn: psycopg.Connection) -> None:
             with conn.transaction():
-                row = conn.execute("SELECT revoked_at FROM api_keys WHERE key_id = %s FOR UPDATE",
-                                   (key_id,)).fetchone()
-                if row is None:
-                    raise UnknownKeyError(f"no API key {key_id!r}")
-                if row[0] is not None:
-                    raise ValueError(f"API key {key_id} is revoked; create a new one instead")
+                check_rotatable(key_id, conn.execute("SELECT revoked_at FROM api_keys WHERE key_id = %s FOR UPDATE",
+                                                              (key_id,)).fetchone())
                 conn.execute("UPDATE api_keys SET secret_sha256 = %s, hint = %s WHERE key_id = %s",
                              (secret_sha256, hint, key_id))
                 conn.execute(_BUMP, (CHANNEL,))

@@ -21,7 +21,7 @@ from tokenway.gateway.keystore_backend import (
     COLUMNS,
     Snapshot,
     StoredKey,
-    UnknownKeyError,
+    check_rotatable,
     decode_row,
     encode_row,
     json_text,
@@ -111,10 +111,7 @@ class SqliteKeys:
     def rotate(self, key_id: str, secret_sha256: bytes, hint: str) -> None:
         with self._write() as conn:
             row = conn.execute("SELECT revoked_at FROM api_keys WHERE key_id = ?", (key_id,)).fetchone()
-            if row is None:
-                raise UnknownKeyError(f"no API key {key_id!r}")
-            if row[0] is not None:
-                raise ValueError(f"API key {key_id} is revoked; create a new one instead")
+            check_rotatable(key_id, row)
             conn.execute("UPDATE api_keys SET secret_sha256 = ?, hint = ? WHERE key_id = ?",
                          (secret_sha256, hint, key_id))
 
