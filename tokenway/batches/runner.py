@@ -208,8 +208,9 @@ class BatchRunner:
 
     def _stop_lines_of(self, batch_id: str) -> None:
         """Stop this runner's lines of a batch now cancelling, running or waiting in an engine:
-        a line stopped writes its ledger row for what it computed (none, if it had not started)
-        and ends cancelled, as the lines no runner held did."""
+        a line stopped writes its ledger row as any call cut off does (its prompt; no output, a
+        batch line's reply crossing whole at its end) and ends cancelled, as the lines no runner
+        held did."""
         for task, line in self._running.items():
             if line.batch_id == batch_id and task not in self._stopped:
                 self._stopped.add(task)

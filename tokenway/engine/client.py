@@ -11,7 +11,8 @@ call_soon_threadsafe into a per-request asyncio.Queue.
         ...           # RequestOutput with delta_text / delta_token_ids
     await engine.abort(request_id)   # or just stop iterating: the request is aborted
 
-A caller that takes the result whole (a non-streamed call, a batch line) asks for final_only:
+A caller that takes the result whole and bills nothing of a reply cut short (a batch line:
+routing/replicas.py) asks for final_only:
 its one output, the last, carries everything as its delta, and nothing crosses to it before
 (vLLM's FINAL_ONLY): at 128 running requests a step's outputs were 128 wake-ups of the HTTP
 side's event loop, each for a token nobody reads yet.

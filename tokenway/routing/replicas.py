@@ -59,9 +59,13 @@ class LocalReplica:
         prompt_token_ids = list(job.prompt_token_ids)
         num_completion_tokens = [0] * job.n
         num_cached_tokens, cache_reason = 0, None
-        # A caller that takes the reply whole is sent it whole: nothing crosses a step at a time.
+        # A batch line takes its reply whole and is billed no output unless it ends (a line
+        # cancelled is charged none, as OpenAI's Batch API charges), so its reply crosses whole,
+        # once. An interactive call's tokens cross as they come even unstreamed: one cancelled or
+        # timed out is billed the tokens computed, which only the deltas it saw count.
+        final_only = not job.stream and job.service_class == "batch"
         choices = run_choices(self.engine, job.request_id, prompt_token_ids, choice_params(job.params, job.n),
-                              job.service_class, final_only=not job.stream)
+                              job.service_class, final_only=final_only)
         try:
             async with aclosing(choices):
                 async for index, output in choices:
