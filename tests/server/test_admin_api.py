@@ -112,8 +112,10 @@ def test_an_empty_admin_key_is_a_configuration_error(store):
 
 def test_unknown_key_ids_are_404(client):
     for action in ("revoke", "rotate"):
-        error = assert_error(client.post(f"/admin/keys/k_00000000/{action}", headers=ADMIN), 404, "not_found_error")
-        assert error["code"] == "key_not_found"
+        for key_id in ("k_00000000", "%0B%C3%91L", "not-a-key-id"):  # ids of no key's shape too
+            error = assert_error(client.post(f"/admin/keys/{key_id}/{action}", headers=ADMIN), 404,
+                                 "not_found_error")
+            assert error["code"] == "key_not_found"
 
 
 @pytest.mark.parametrize("body, param, fragment", [

@@ -217,6 +217,8 @@ class KeyStore:
         """A new secret for the same key_id and limits; the old one stops working at once here,
         and in other processes as soon as they learn of it. UnknownKeyError / ValueError if revoked."""
         secret = new_secret(key_id)
+        if key_id_of(secret) != key_id:  # no key has an id of another shape (the admin API's path takes any)
+            raise UnknownKeyError(f"no API key {key_id!r}")
         self._backend.rotate(key_id, hash_secret(secret), secret_hint(secret))
         self._refresh(force=True)
         logger.info("api key %s rotated", key_id)
