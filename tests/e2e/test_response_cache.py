@@ -5,6 +5,7 @@ as a hit; entries never cross keys; Cache-Control bypasses; a stream replays the
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import anthropic
@@ -44,7 +45,13 @@ def cached(default_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def keys(cached) -> list[str]:
-    return [create_key(cached.db, "--name", name) for name in ("alice", "bob")]
+    made = [create_key(cached.db, "--name", name) for name in ("alice", "bob")]
+    # The server reads the key file within 2 s; until then auth is off and every call is anonymous.
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{cached.base_url}/v1/models", timeout=10).status_code != 401:
+        assert time.monotonic() < deadline, "the server never turned auth on"
+        time.sleep(0.1)
+    return made
 
 
 def client(server: Server, key: str) -> openai.OpenAI:
