@@ -1,11 +1,15 @@
 """batch_capacity (server/batch_lines.py): the batch runner's capacity is the router's room for
-batch work, within the requests this server admits less the interactive ones in flight."""
+batch work, within the batch lines this server admits; batch lines and interactive calls count
+apart, so lines deep in an engine's queue never turn an interactive call away."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 
+import pytest
+
 from tokenway.engine.stats import EngineStats
+from tokenway.protocol.errors import ServiceUnavailableError
 from tokenway.protocol.job import GenerationJob, ReplicaEvent
 from tokenway.routing.balancer import Balancer, BalancerConfig
 from tokenway.routing.router import Pool, Router
@@ -37,12 +41,18 @@ def router() -> Router:
     return Router({"m": Pool("m", {"local": replica}, Balancer(["local"], BalancerConfig(max_in_flight=64)))})
 
 
-def test_the_room_is_the_routers_within_what_the_server_still_admits():
+def test_the_room_is_the_routers_within_the_batch_lines_the_server_admits():
     capacity = Capacity(max_pending_requests=10)
     the_router = router()
-    # An engine too old to count its classes: half its 64 slots, within the 10 the server admits.
+    # An engine too old to count its classes: half its 64 slots, within the 10 lines the server admits.
     assert batch_capacity(capacity, the_router, 8)() == 10
-    capacity.num_in_flight = 7  # interactive calls: the server admits 3 more
-    assert batch_capacity(capacity, the_router, 8)() == 3
-    the_router.pools["m"].name_to_num_batch["local"] = 5  # ... of which 5 are batch lines: 2 interactive
-    assert batch_capacity(capacity, the_router, 8)() == 8
+    capacity.take(7)  # interactive calls take no batch line's room, nor lines theirs
+    assert batch_capacity(capacity, the_router, 8)() == 10
+    capacity.take(10, batch=True)
+    capacity.take(3)
+    with pytest.raises(ServiceUnavailableError):
+        capacity.take(1, batch=True)
+    with pytest.raises(ServiceUnavailableError):
+        capacity.take(1)
+    capacity.release(10, batch=True)
+    assert (capacity.num_in_flight, capacity.num_batch) == (10, 0)

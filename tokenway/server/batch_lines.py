@@ -145,13 +145,12 @@ def _refused(endpoint: str, exc: TokenwayError) -> LineOutcome:
 def batch_capacity(capacity: Capacity, router: Router, local_max_num_seqs: int | None) -> Callable[[], int]:
     """How many batch lines may run at once now (BatchRunner's capacity: a total, its lines running
     included): the room the router's replicas leave beside interactive calls (routing/batch_room.py:
-    the local engine's sequences, workers' loads, half an upstream's slots), within the requests
-    this server admits less the interactive ones in flight. An engine schedules a line as class
-    "batch", so an interactive request arriving later is admitted there ahead of it."""
+    the local engine's sequences, workers' loads, half an upstream's slots), within the batch lines
+    this server admits (Capacity counts them apart: they never take an interactive call's place).
+    An engine schedules a line as class "batch", so an interactive request arriving later is
+    admitted there ahead of it."""
 
     def room() -> int:
-        num_batch = sum(sum(pool.name_to_num_batch.values()) for pool in router.unique_pools())
-        num_interactive = max(0, capacity.num_in_flight - num_batch)
-        return min(batch_room(router, local_max_num_seqs), capacity.max_pending_requests - num_interactive)
+        return min(batch_room(router, local_max_num_seqs), capacity.max_pending_requests)
 
     return room

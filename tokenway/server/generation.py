@@ -135,6 +135,7 @@ class Generation:
         self._first: list[ReplicaEvent] = []
         self._closed = False
         self._num_slots = 0  # the engine slots start() took (none for a call the cache answers)
+        self._batch_line = call.start.batch_line is not None  # its slots count apart (Capacity)
         # The response cache: a hit's events replace the replica's; a miss that may be kept
         # records its replica's events as they came (before any parsing: a hit is parsed again).
         self.cache = cache
@@ -153,7 +154,7 @@ class Generation:
             self.call.set_replica(ReplicaChoice(self.model, "response_cache", "response_cache"))
             self._events = _replayed(self.cache.events)
         else:
-            self.services.capacity.take(self.num_choices)
+            self.services.capacity.take(self.num_choices, batch=self._batch_line)
             self._num_slots = self.num_choices
             self._events = replica_events(self.services.router, self.job, self.call.set_replica)
         try:
@@ -173,7 +174,7 @@ class Generation:
         try:
             await events.aclose()
         finally:
-            self.services.capacity.release(self._num_slots)
+            self.services.capacity.release(self._num_slots, batch=self._batch_line)
 
     async def outputs(self) -> AsyncIterator[ChoiceDelta]:
         """The replica's deltas, in order, with the call's counts and stage times kept up to date."""

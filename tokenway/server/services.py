@@ -102,22 +102,28 @@ class ModelCatalog:
 
 class Capacity:
     """Engine requests (choices) of the calls in flight, against --max-pending-requests: past
-    it a call is a 503 with Retry-After before its first byte. Only the event loop touches it."""
+    it a call is a 503 with Retry-After before its first byte. Batch lines count apart, against
+    the same bound: the batch runner sizes them by the room the replicas leave (batch_lines.py),
+    and lines queued deep in an engine must never turn an interactive call away. Only the event
+    loop touches it."""
 
     def __init__(self, max_pending_requests: int) -> None:
         self.max_pending_requests = max_pending_requests
-        self.num_in_flight = 0
+        self.num_in_flight = 0  # batch lines' included
+        self.num_batch = 0
 
-    def take(self, count: int = 1) -> None:
-        if self.num_in_flight + count > self.max_pending_requests:
+    def take(self, count: int = 1, batch: bool = False) -> None:
+        num_taken = self.num_batch if batch else self.num_in_flight - self.num_batch
+        if num_taken + count > self.max_pending_requests:
             raise ServiceUnavailableError(
-                f"The server is at capacity ({self.num_in_flight} requests in flight); retry shortly.",
-                retry_after=1,
-            )
+                f"The server is at capacity ({num_taken} {'batch lines' if batch else 'requests'} in flight); "
+                "retry shortly.", retry_after=1)
         self.num_in_flight += count
+        self.num_batch += count if batch else 0
 
-    def release(self, count: int = 1) -> None:
+    def release(self, count: int = 1, batch: bool = False) -> None:
         self.num_in_flight -= count
+        self.num_batch -= count if batch else 0
 
 
 @dataclass(frozen=True, slots=True)
