@@ -122,11 +122,19 @@ def _token_counter(frontend: ModelFrontend) -> CountTokens:
     return count
 
 
+def local_max_in_flight(max_pending_requests: int) -> int:
+    """The local engine's balancer cap: the server's own (server/services.py Capacity), which
+    admits that many interactive calls and, apart, that many batch lines. Batch lines queued
+    deep in the engine must leave every interactive call its slot, not hold it in the pool's
+    queue until they end."""
+    return 2 * max_pending_requests
+
+
 def _pool(entry: ModelEntry, replicas: list[Replica], max_pending_requests: int) -> Pool:
     max_in_flight = dict(entry.name_to_max_in_flight)
     for replica in replicas:  # the local engine's own cap is the server's
         if isinstance(replica, LocalReplica):
-            max_in_flight.setdefault(replica.name, max_pending_requests)
+            max_in_flight.setdefault(replica.name, local_max_in_flight(max_pending_requests))
     return Pool.of(entry.name, replicas, entry.balancer, entry.breaker, entry.health, max_in_flight)
 
 

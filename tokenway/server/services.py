@@ -29,6 +29,7 @@ from tokenway.gateway.auth import Principal
 from tokenway.gateway.gatekeeper import Gatekeeper
 from tokenway.observability.observer import Observer
 from tokenway.protocol.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
+from tokenway.routing.build import local_max_in_flight
 from tokenway.routing.replicas import LocalReplica
 from tokenway.routing.router import Pool, Router
 from tokenway.safety.screen import SafetyPolicy
@@ -185,7 +186,7 @@ def local_router(engine: EngineClient, chat_model_names: tuple[str, ...], max_pe
     """Every served name as one pool: the local engine. Its probes (every 0.5 s) find a
     restarted engine back and close a breaker its failures opened."""
     replica = LocalReplica(engine)
-    local = Pool.of("local", [replica], name_to_max_in_flight={replica.name: max_pending_requests})
+    local = Pool.of("local", [replica], name_to_max_in_flight={replica.name: local_max_in_flight(max_pending_requests)})
     return Router(dict.fromkeys(chat_model_names, local))
 
 
