@@ -117,6 +117,7 @@ class BatchRunner:
         self._upkeep_s = upkeep_s
         self._running: dict[asyncio.Task[None], BatchLine] = {}
         self._stopped: set[asyncio.Task[None]] = set()  # lines of a cancelled batch, being stopped
+        self._releasing: set[asyncio.Task[None]] = set()  # releasing the claims of lines stopped unstarted
         self._wake = asyncio.Event()  # a line ended, a batch was created here, or stop() was called
         self._draining = False
         self._num_ended_since_upkeep = 0
@@ -177,10 +178,10 @@ class BatchRunner:
                     self._wake.clear()
         finally:
             # Killed (cancelled), or a drain that ended: the lines left are abandoned to their lease.
-            for task in self._running:
+            for task in (*self._running, *self._releasing):
                 task.cancel()
-            if self._running:
-                await asyncio.gather(*self._running, return_exceptions=True)
+            if self._running or self._releasing:
+                await asyncio.gather(*self._running, *self._releasing, return_exceptions=True)
 
     async def _guarded(self, step: Callable[[], Awaitable[None]], every_s: float) -> float:
         """Run a periodic step; seconds until it is due again (later through an outage)."""
@@ -211,10 +212,28 @@ class BatchRunner:
         a line stopped writes its ledger row as any call cut off does (its prompt; no output, a
         batch line's reply crossing whole at its end) and ends cancelled, as the lines no runner
         held did."""
-        for task, line in self._running.items():
-            if line.batch_id == batch_id and task not in self._stopped:
-                self._stopped.add(task)
-                task.cancel()
+        stopping = [(task, line) for task, line in self._running.items()
+                    if line.batch_id == batch_id and task not in self._stopped]
+        for task, _ in stopping:
+            self._stopped.add(task)
+            task.cancel()
+        if stopping:
+            release = asyncio.get_running_loop().create_task(self._release_unstarted(stopping))
+            self._releasing.add(release)
+            release.add_done_callback(self._releasing.discard)
+
+    async def _release_unstarted(self, stopping: list[tuple[asyncio.Task[None], BatchLine]]) -> None:
+        """A line stopped before its task's first step never ran _run_line's own release: its
+        claim would hold its batch in cancelling for the lease."""
+        await asyncio.gather(*(task for task, _ in stopping), return_exceptions=True)
+        for task, line in stopping:
+            if task.cancelled():
+                await self._release(line)
+
+    async def _release(self, line: BatchLine) -> None:
+        """The claim lapses now; its batch being cancelling, the next finalize ends it cancelled."""
+        with contextlib.suppress(BatchStoreUnavailable):  # else it lapses with its lease
+            await self._store.defer(self.worker_id, line, time.time())
 
     async def _renew(self) -> None:
         lines = list(self._running.values())
@@ -261,9 +280,7 @@ class BatchRunner:
             if task not in self._stopped or task is None:
                 raise  # the runner is being killed: the line is left to its lease
             task.uncancel()
-            # The claim lapses now; its batch being cancelling, the next finalize ends it cancelled.
-            with contextlib.suppress(BatchStoreUnavailable):  # else it lapses with its lease
-                await self._store.defer(self.worker_id, line, time.time())
+            await self._release(line)
             return
         except Exception as exc:
             logger.warning("batch runner %s: line %s raised %r", self.worker_id, line.line_id, exc)
