@@ -360,16 +360,24 @@ class UpstreamHTTP:
         logger.warning("upstream %s answered HTTP %d -> %s", self.name, response.status, type(error).__name__)
         return error
 
-    async def get_json(self, path: str, timeout: float, max_bytes: int = MAX_JSON_BYTES) -> Any:
-        """GET path within timeout: its JSON body, else the mapped error (the table above)."""
-        until = time.monotonic() + timeout
-        response = await self._request("GET", path, {"accept": "application/json"}, None, until, None)
+    async def fetch(self, method: str, path: str, headers: Mapping[str, str], body: bytes | None, until: float,
+                    read_at_most: int) -> tuple[int, Mapping[str, str], bytes]:
+        """One request answered whole by `until` (absolute monotonic), whatever its status: the
+        status, headers and at most read_at_most bytes of body (ask one more than a cap to tell
+        an answer over it). The response is closed after."""
+        response = await self._request(method, path, headers, body, until, None)
         try:
-            body = await self._within(lambda: response.read(max_bytes + 1), until, None)
+            data = await self._within(lambda: response.read(read_at_most), until, None)
         finally:
             await response.aclose()
-        if response.status >= 300:
-            raise error_for_status(self.name, response.status, body[:MAX_ERROR_BODY_BYTES], response.headers)
+        return response.status, response.headers, data
+
+    async def get_json(self, path: str, timeout: float, max_bytes: int = MAX_JSON_BYTES) -> Any:
+        """GET path within timeout: its JSON body, else the mapped error (the table above)."""
+        status, headers, body = await self.fetch("GET", path, {"accept": "application/json"}, None,
+                                                 time.monotonic() + timeout, max_bytes + 1)
+        if status >= 300:
+            raise error_for_status(self.name, status, body[:MAX_ERROR_BODY_BYTES], headers)
         if len(body) > max_bytes:
             raise BadGatewayError(f"Upstream {self.name} answered GET {path} with more than {max_bytes} bytes.")
         try:
@@ -381,14 +389,10 @@ class UpstreamHTTP:
         """GET {base_url}/models (or the configured health path; a full URL is taken as is)
         within timeouts.probe: True if the upstream is up (health.Probe's contract), else
         raises the mapped error."""
-        until = time.monotonic() + self.timeouts.probe
-        response = await self._request("GET", self._health_path, {}, None, until, None)
-        try:
-            body = await self._within(lambda: response.read(MAX_ERROR_BODY_BYTES), until, None)
-        finally:
-            await response.aclose()
-        if response.status >= 300:
-            raise error_for_status(self.name, response.status, body, response.headers)
+        status, headers, body = await self.fetch("GET", self._health_path, {}, None,
+                                                 time.monotonic() + self.timeouts.probe, MAX_ERROR_BODY_BYTES)
+        if status >= 300:
+            raise error_for_status(self.name, status, body, headers)
         return True
 
 

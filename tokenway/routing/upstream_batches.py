@@ -124,19 +124,15 @@ class UpstreamBatchAPI:
 
     async def _request(self, method: str, path: str, body: bytes | None = None,
                        content_type: str | None = None) -> tuple[int, bytes]:
-        until = time.monotonic() + self.timeout_s
         headers = {"accept": "application/json", **({"content-type": content_type} if content_type else {})}
-        response = await self.http._request(method, path, headers, body, until, None)
-        try:
-            data = await self.http._within(lambda: response.read(MAX_BODY_BYTES + 1), until, None)
-        finally:
-            await response.aclose()
+        status, answer_headers, data = await self.http.fetch(method, path, headers, body,
+                                                             time.monotonic() + self.timeout_s, MAX_BODY_BYTES + 1)
         if len(data) > MAX_BODY_BYTES:
             raise BadGatewayError(f"Upstream {self.http.name} answered {method} {path} with more than "
                                   f"{MAX_BODY_BYTES} bytes.")
-        if response.status >= 300 and not path.endswith("/cancel"):
-            raise error_for_status(self.http.name, response.status, data[:MAX_ERROR_BODY_BYTES], response.headers)
-        return response.status, data
+        if status >= 300 and not path.endswith("/cancel"):
+            raise error_for_status(self.http.name, status, data[:MAX_ERROR_BODY_BYTES], answer_headers)
+        return status, data
 
     async def _json(self, method: str, path: str, body: Any = None, content_type: str = "application/json"
                     ) -> dict[str, Any]:
