@@ -117,7 +117,7 @@ class BatchRunner:
         self._upkeep_s = upkeep_s
         self._running: dict[asyncio.Task[None], BatchLine] = {}
         self._stopped: set[asyncio.Task[None]] = set()  # lines of a cancelled batch, being stopped
-        self._releasing: set[asyncio.Task[None]] = set()  # releasing the claims of lines stopped unstarted
+        self._releasing: set[asyncio.Task[None]] = set()  # releasing the claims of stopped lines
         self._wake = asyncio.Event()  # a line ended, a batch was created here, or stop() was called
         self._draining = False
         self._num_ended_since_upkeep = 0
@@ -218,22 +218,18 @@ class BatchRunner:
             self._stopped.add(task)
             task.cancel()
         if stopping:
-            release = asyncio.get_running_loop().create_task(self._release_unstarted(stopping))
+            release = asyncio.get_running_loop().create_task(self._release_stopped(stopping))
             self._releasing.add(release)
             release.add_done_callback(self._releasing.discard)
 
-    async def _release_unstarted(self, stopping: list[tuple[asyncio.Task[None], BatchLine]]) -> None:
-        """A line stopped before its task's first step never ran _run_line's own release: its
-        claim would hold its batch in cancelling for the lease."""
+    async def _release_stopped(self, stopping: list[tuple[asyncio.Task[None], BatchLine]]) -> None:
+        """Once the stopped lines' tasks have ended, their claims lapse now (a line that ended
+        first is done, and its release a no-op): their batch being cancelling, the next finalize
+        ends them cancelled, rather than hold the batch in cancelling for the lease."""
         await asyncio.gather(*(task for task, _ in stopping), return_exceptions=True)
-        for task, line in stopping:
-            if task.cancelled():
-                await self._release(line)
-
-    async def _release(self, line: BatchLine) -> None:
-        """The claim lapses now; its batch being cancelling, the next finalize ends it cancelled."""
-        with contextlib.suppress(BatchStoreUnavailable):  # else it lapses with its lease
-            await self._store.defer(self.worker_id, line, time.time())
+        for _, line in stopping:
+            with contextlib.suppress(BatchStoreUnavailable):  # else it lapses with its lease
+                await self._store.defer(self.worker_id, line, time.time())
 
     async def _renew(self) -> None:
         lines = list(self._running.values())
@@ -275,13 +271,6 @@ class BatchRunner:
             outcome = await self._execute(line)
             if not isinstance(outcome, LineOutcome) or outcome.outcome not in ("succeeded", "failed"):
                 raise TypeError(f"execute returned {truncate(repr(outcome))}, not a succeeded or failed LineOutcome")
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task not in self._stopped or task is None:
-                raise  # the runner is being killed: the line is left to its lease
-            task.uncancel()
-            await self._release(line)
-            return
         except Exception as exc:
             logger.warning("batch runner %s: line %s raised %r", self.worker_id, line.line_id, exc)
             outcome = failed_outcome(line, exc)

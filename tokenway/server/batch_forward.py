@@ -33,13 +33,14 @@ from dataclasses import dataclass
 
 from tokenway.batches.lines import CANCELLED_ERROR, EXPIRED_ERROR
 from tokenway.batches.store import Batch, BatchStore, JSONObject, LineOutcome, line_id_of
-from tokenway.gateway.auth import ANONYMOUS, Principal
+from tokenway.gateway.auth import Principal
 from tokenway.gateway.call import Call, CallOutcome, CallStart, RouteChoice
 from tokenway.gateway.gatekeeper import Gatekeeper
 from tokenway.protocol.errors import InvalidRequestError, TokenwayError
 from tokenway.routing.registry import Registry
 from tokenway.routing.router import Router
 from tokenway.routing.upstream_batches import BatchApiShape, UpstreamBatch, UpstreamBatchAPI, usage_of
+from tokenway.server.batch_lines import principal_of
 
 logger = logging.getLogger(__name__)
 
@@ -186,8 +187,8 @@ class BatchForwarder:
         gatekeeper = self._gatekeeper
         if gatekeeper is None:
             return
-        principal = gatekeeper.keys.principal(batch.key_id) if batch.key_id != ANONYMOUS.key_id else ANONYMOUS
-        principal = principal or Principal(batch.key_id, "")  # revoked since: its rows are still its own
+        # Revoked since: its rows are still its own.
+        principal = principal_of(gatekeeper)(batch.key_id) or Principal(batch.key_id, "")
         calls = []
         for index, outcome in results:
             if outcome.status_code is None or outcome.request_id is None:
