@@ -139,7 +139,7 @@ class Generation:
         # The response cache: a hit's events replace the replica's; a miss that may be kept
         # records its replica's events as they came (before any parsing: a hit is parsed again).
         self.cache = cache
-        self._recorded: list[ReplicaEvent] | None = [] if cache is not None and cache.events is None and cache.store \
+        self._recorded: list[ReplicaEvent] | None = [] if cache is not None and not self.cache_hit and cache.store \
             else None
 
     async def start(self) -> None:
@@ -150,7 +150,7 @@ class Generation:
         Idempotent; aclose() undoes it."""
         if self._events is not None or self._closed:
             return
-        if self.cache is not None and self.cache.events is not None:
+        if self.cache is not None and self.cache.events is not None:  # a hit
             self.call.set_replica(ReplicaChoice(self.model, "response_cache", "response_cache"))
             self._events = _replayed(self.cache.events)
         else:
@@ -182,7 +182,7 @@ class Generation:
         if self._events is None:  # closed already: nothing more comes
             return
         # A replay's tokens are no engine's: they stay out of the token rate and inter-token times.
-        observer = self.services.observer if self.cache is None or self.cache.events is None else None
+        observer = None if self.cache_hit else self.services.observer
         last_token_times: list[float | None] = [None] * self.num_choices
         first, self._first = self._first, []
         recorded = self._recorded
@@ -358,6 +358,11 @@ class Generation:
         return response
 
     @property
+    def cache_hit(self) -> bool:
+        """The response cache answers this call: its events are a stored reply's, replayed."""
+        return self.cache is not None and self.cache.events is not None
+
+    @property
     def cache_headers(self) -> dict[str, str]:
         """x-tokenway-cache on a call the response cache covers; {} on any other."""
         return self.cache.headers if self.cache is not None else {}
@@ -417,8 +422,8 @@ class Generation:
         outcome = CallOutcome(  # Call.end bills nothing of a call its replica never started
             status, prompt_tokens=num_prompt_tokens,
             # A hit's whole prompt was served from a cache (its body still says what the miss's did).
-            cached_tokens=num_prompt_tokens if cache is not None and cache.events is not None
-            else self.num_cached_tokens, completion_tokens=self.num_completion_tokens,
+            cached_tokens=num_prompt_tokens if self.cache_hit else self.num_cached_tokens,
+            completion_tokens=self.num_completion_tokens,
             reasoning_tokens=self.num_reasoning_tokens, max_choice_tokens=max(self.completion_tokens),
             finish_reason=reasons[0] if reasons else None, error=error, cache_reason=self.cache_reason,
             json_complete=self.json_complete() if status == 200 else None,
