@@ -167,3 +167,60 @@ def test_no_stack_where_a_layer_cannot_run_in_it():
 
     model.layers[1].mlp.down = LinearKernel(torch.nn.Parameter(torch.zeros(HIDDEN, INTERMEDIATE), requires_grad=False))
     assert not model.use_decode_stack(runner_caches, BLOCK_SIZE) and model.decode_stack is None
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-stack", "python-loop"])
+def test_an_interjection_runs_between_layers_and_leaves_the_step_as_it_was(native):
+    """A step stopped between two layers while its interjection's descriptor is readable, whose
+    run() then runs a whole step of other requests, goes on to the same logits as a step left
+    alone: the layers it runs and the KV it writes are the same."""
+    import os
+
+    from tokenway.models.interjection import Interjection
+
+    model = tiny_quantized(torch.float32, "dtype")
+    runner = ModelRunner(model, num_blocks=64, block_size=BLOCK_SIZE, device=torch.device("cpu"))
+    if runner.decode_kernel is None:
+        pytest.skip("the native attention kernel does not build here")
+    torch.manual_seed(2)
+    requests = [Request(f"r{i}", torch.randint(0, 96, (n,)).tolist(), SamplingParams(temperature=0))
+                for i, n in enumerate((6, 9))]
+    tables = [[0, 1, 2, 3], [10, 11, 12, 13]]
+    step(runner, requests, [6, 9], tables, native=True)
+    advance(requests, [6, 9])
+    other = Request("other", torch.randint(0, 96, (7,)).tolist(), SamplingParams(temperature=0))
+
+    read_fd, write_fd = os.pipe()
+    layers_run: list[int] = []
+    other_logits: list[torch.Tensor] = []
+
+    def run() -> None:
+        if not select_readable(read_fd):
+            return
+        os.read(read_fd, 1)
+        layers_run.append(len(layers_run))
+        # The interjected step: another request's prompt, in blocks of its own.
+        other_logits.append(step(runner, [other], [7], [[30, 31]], native=native))
+        if len(layers_run) < 2:
+            os.write(write_fd, b"x")  # wake it again at the next boundary
+
+    try:
+        for request in requests:
+            request.append_output_token_ids(3)
+        want = step(runner, requests, [1, 1], tables, native=native)  # alone first; the same KV is rewritten
+        os.write(write_fd, b"x")
+        model.decode_stack = model.decode_stack if native else None
+        got = runner.execute(SchedulerOutput(list(requests), [1, 1], [list(t) for t in tables]),
+                             Interjection(read_fd, run))
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+    assert layers_run == [0, 1]  # woken twice, at two boundaries of one 3-layer step
+    assert torch.equal(got, want)
+    assert torch.equal(other_logits[0], other_logits[1])
+
+
+def select_readable(fd: int) -> bool:
+    import select
+
+    return bool(select.select([fd], [], [], 0)[0])

@@ -16,16 +16,26 @@
 //              parts, then per part (n, qtype: its GGML type id): each matmul may be of its own
 //              block type, and a fused one of several (a Q4_K_M file's Q6_K v beside Q4_K q and
 //              k), each part writing its columns of one output as models/decoder.ConcatKernel does
-//   decode(stack, x, positions, slot_mapping, block_tables, context_lens, prefix_leaders?, prefix_lens?)
+//   decode(stack, x, positions, slot_mapping, block_tables, context_lens, prefix_leaders?, prefix_lens?,
+//          h?, first_layer, wake_fd) -> (h, next_layer)
 //     x (T, hidden) float32 embeddings of T decode tokens -> (T, hidden) float32 hidden states
-//     before the final norm (x + residual of the last layer), as LlamaForCausalLM.forward.
+//     before the final norm (x + residual of the last layer), as LlamaForCausalLM.forward, when
+//     next_layer is the number of layers. With wake_fd >= 0 the loop stops early, between two
+//     layers, once that file descriptor is readable (a request arrived for the engine, which may
+//     run a step of its own before this one goes on): next_layer is then the first layer not
+//     run, x holds the residual stream and h the last layer's output; pass both back, with
+//     first_layer = next_layer, to go on. The layers run and their order are the same either
+//     way, so the output is too.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <poll.h>
+
 #include <cstdint>
+#include <tuple>
 #include <optional>
 #include <string>
 #include <vector>
@@ -140,10 +150,22 @@ struct Ops {
   }
 };
 
-at::Tensor decode(const c10::intrusive_ptr<Stack>& s, const at::Tensor& x, const at::Tensor& positions,
-                  const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& context_lens,
-                  const std::optional<at::Tensor>& prefix_leaders, const std::optional<at::Tensor>& prefix_lens) {
+// Whether fd has something to read (or was closed): poll(2) without waiting, ~1 us.
+bool readable(int64_t fd) {
+  struct pollfd p = {static_cast<int>(fd), POLLIN, 0};
+  return ::poll(&p, 1, 0) > 0;
+}
+
+std::tuple<at::Tensor, int64_t> decode(const c10::intrusive_ptr<Stack>& s, const at::Tensor& x,
+                                       const at::Tensor& positions, const at::Tensor& slot_mapping,
+                                       const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                       const std::optional<at::Tensor>& prefix_leaders,
+                                       const std::optional<at::Tensor>& prefix_lens,
+                                       const std::optional<at::Tensor>& h_in, int64_t first_layer, int64_t wake_fd) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x (T, hidden) float32");
+  const int64_t num_layers = static_cast<int64_t>(s->layers.size());
+  TORCH_CHECK(first_layer >= 0 && first_layer < num_layers, "first_layer out of range");
+  TORCH_CHECK(first_layer == 0 || h_in.has_value(), "going on from a layer takes the h it stopped with");
   const Ops& ops = Ops::get();
   const int64_t tokens = x.size(0), q_size = s->heads * s->head_dim;
   const c10::string_view products(s->products);
@@ -163,8 +185,9 @@ at::Tensor decode(const c10::intrusive_ptr<Stack>& s, const at::Tensor& x, const
   };
   // The residual add of each layer is fused into the next layer's input norm (llama.py forward_fused).
   at::Tensor residual = x;
-  at::Tensor h;
-  for (size_t l = 0; l < s->layers.size(); ++l) {
+  at::Tensor h = first_layer == 0 ? at::Tensor() : *h_in;
+  for (int64_t l = first_layer; l < num_layers; ++l) {
+    if (l > first_layer && wake_fd >= 0 && readable(wake_fd)) return {h, l};
     const Layer& layer = s->layers[l];
     if (l == 0)
       h = ops.rms_norm.call(residual, layer.input_norm, s->eps);
@@ -187,7 +210,7 @@ at::Tensor decode(const c10::intrusive_ptr<Stack>& s, const at::Tensor& x, const
   tokenway_native::parallel_for(0, h.numel(), int64_t(1) << 15, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) out[i] += add[i];
   });
-  return h;
+  return {h, num_layers};
 }
 
 }  // namespace
@@ -197,6 +220,6 @@ TORCH_LIBRARY(tokenway_layers, m) {
       torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, double, std::string>());
   m.def("decode(__torch__.torch.classes.tokenway_layers.Stack stack, Tensor(a!) x, Tensor positions, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, Tensor? prefix_leaders=None, "
-        "Tensor? prefix_lens=None) -> Tensor",
+        "Tensor? prefix_lens=None, Tensor? h=None, int first_layer=0, int wake_fd=-1) -> (Tensor, int)",
         &decode);
 }

@@ -16,6 +16,8 @@ import logging
 import os
 import sys
 import time
+from functools import partial
+from typing import Protocol
 
 import torch
 
@@ -34,6 +36,7 @@ from tokenway.kv_cache.interface import plan_groups
 from tokenway.kv_cache.manager import KVCacheManager
 from tokenway.models.config import ModelConfig
 from tokenway.models.decoder import DecoderForCausalLM
+from tokenway.models.interjection import Interjection
 from tokenway.models.linear import select_kernels
 from tokenway.models.loader import resolve_model
 from tokenway.models.weights import KernelCache, iter_weights, quantized_weights
@@ -45,6 +48,24 @@ logger = logging.getLogger(__name__)
 
 # A cycle longer than twice its step and this is a loop that waited for work: not the step's cost.
 CYCLE_SLACK_S = 0.005
+
+
+class Arrivals(Protocol):
+    """Where requests reach a running engine (engine/process.py's command pipe)."""
+
+    @property
+    def wake_fd(self) -> int:
+        """A descriptor that turns readable when something arrived."""
+        ...
+
+    def take(self) -> bool:
+        """Take in what arrived without waiting: new requests join the scheduler's queue, anything
+        else (an abort, a stop) waits for the step's end. Whether a request was added."""
+        ...
+
+    def publish(self, outputs: list[EngineOutput]) -> None:
+        """Send the outputs of a step interjected in another at once."""
+        ...
 
 
 def cpu_has_bf16() -> bool:
@@ -153,6 +174,8 @@ class EngineCore:
                                                          self.eos_token_ids)
         self.prompts = PromptChecker(self.model_config.vocab_size, self.max_model_len, self.structured_output)
         self.num_steps = 0  # steps that ran a batch, since start
+        self.num_interjected_steps = 0  # of those, steps run between two layers of another (step())
+        self._interjected_s = 0.0  # the time the step running spent on steps interjected in it
         if config.show_progress:
             print(
                 f"tokenway: loaded {config.model} ({self.model_config.architecture}, {self.dtype}, {self.device}) "
@@ -218,7 +241,10 @@ class EngineCore:
 
     # -- the loop -----------------------------------------------------------------
 
-    def step(self) -> list[EngineOutput]:
+    def step(self, arrivals: Arrivals | None = None) -> list[EngineOutput]:
+        """One step. arrivals: where requests arrive while it runs; a step that carries batch work
+        then lets a request of a better class run a step of its own between two of its layers
+        (_interject), so that request's first token never waits for the batch's step to end."""
         started = time.perf_counter()
         if self.step_cost is not None and self._last_step is not None:
             self._observe_cycle(started)
@@ -226,9 +252,25 @@ class EngineCore:
         if not scheduler_output.requests:
             self._last_step = None
             return []
+        interjection = None
+        self._interjected_s = 0.0
+        if arrivals is not None and batch_tokens(scheduler_output):
+            interjection = Interjection(arrivals.wake_fd, partial(self._interject, scheduler_output, arrivals))
+        outputs = self._run(scheduler_output, interjection)
+        if self.step_cost is not None:
+            # What a step costs is the whole cycle to the next (its outputs folded, detokenized and
+            # sent too, work that grows with its requests); measured when the next step starts.
+            # The steps interjected in it are not its cost: as if it started that much later.
+            interjected = self._interjected_s
+            self._last_step = (started + interjected, time.perf_counter() - started - interjected,
+                               scheduler_output.total_num_scheduled_tokens, batch_tokens(scheduler_output))
+        return outputs
+
+    def _run(self, scheduler_output: SchedulerOutput, interjection: Interjection | None = None) -> list[EngineOutput]:
+        """Execute, sample and fold one scheduled step."""
         sampling_requests = scheduler_output.sampling_requests
         spec_token_ids = scheduler_output.sampling_spec_token_ids if scheduler_output.num_spec_tokens else None
-        logits = self.runner.execute(scheduler_output)
+        logits = self.runner.execute(scheduler_output, interjection)
         metadata = SamplingMetadata.from_requests(sampling_requests, self.model_config.vocab_size, spec_token_ids)
         grammar_bitmask = self.structured_output.grammar_bitmask([request.grammar for request in sampling_requests])
         sampled = self.sampler(logits, metadata, grammar_bitmask)
@@ -236,12 +278,19 @@ class EngineCore:
             scheduler_output, sampled.sampled_token_ids, sampled.logprobs, sampled.num_accepted_tokens
         )
         self.num_steps += 1
-        if self.step_cost is not None:
-            # What a step costs is the whole cycle to the next (its outputs folded, detokenized and
-            # sent too, work that grows with its requests); measured when the next step starts.
-            self._last_step = (started, time.perf_counter() - started, scheduler_output.total_num_scheduled_tokens,
-                               batch_tokens(scheduler_output))
         return outputs
+
+    def _interject(self, in_flight: SchedulerOutput, arrivals: Arrivals) -> None:
+        """Between two layers of in_flight: take in what arrived and, if a request better than
+        the batch class can start, run its step now and publish its outputs."""
+        if not arrivals.take():
+            return
+        started = time.perf_counter()
+        interjected = self.scheduler.schedule_interjection(in_flight)
+        if interjected.requests:
+            arrivals.publish(self._run(interjected))
+            self.num_interjected_steps += 1
+        self._interjected_s += time.perf_counter() - started
 
     def _observe_cycle(self, now: float) -> None:
         """The last step's cost: the time from its start to this one's, unless the loop waited

@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenway.config import EngineConfig
 from tokenway.engine.client import EngineClient, EngineDeadError, _Abort, _Add, deliver, fold_outputs
@@ -39,7 +39,11 @@ from tokenway.engine.stats import EngineStats
 from tokenway.frontend.model import ModelFrontend
 from tokenway.frontend.output import CompletionOutput, RequestMetrics, RequestOutput, RequestState
 from tokenway.models.loader import resolve_model
+from tokenway.protocol.outputs import EngineOutput
 from tokenway.protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenway.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -252,47 +256,95 @@ def _engine_main(config: EngineConfig, niceness: int, commands: Connection, resu
                       isinstance(exc, ValueError)))
         return
     results.send(("ready", core.snapshot()))
-    # request_id -> its RequestState: outputs are folded (detokenized, stop strings) here, in the
-    # step's own thread, as the in-process engine does; one message a step carries the results.
-    live: dict[str, _Folding] = {}
+    intake = _Intake(core, commands, results)
     while True:
-        aborted, refused = [], []
-        # Wait for a command only when there is nothing to step; then take all that are queued.
-        # (The parent's exit closes the pipe: EOF ends this process.)
+        aborted = []
+        # Wait for a command only when there is nothing to step; then take all that are queued,
+        # after those a step took in and kept for its end. (The parent's exit closes the pipe: EOF
+        # ends this process.)
         try:
+            deferred, intake.deferred = intake.deferred, []
+            for command in deferred:
+                if (outputs := intake.handle(command)) is None:
+                    return
+                aborted += outputs
             pending = not core.has_unfinished_requests() or commands.poll()
             while pending:
-                command = commands.recv()
-                kind = command[0]
-                if kind == "add":
-                    _, request_id, prompt_token_ids, params, service_class, final_only = command
-                    try:
-                        core.add_request(request_id, prompt_token_ids, params, service_class)
-                        live[request_id] = _Folding(RequestState(request_id, None, prompt_token_ids, params,
-                                                                 core.tokenizer), final_only)
-                    except ValueError as exc:  # a FieldError pickles whole: its param survives
-                        refused.append((request_id, exc))
-                elif kind == "abort":
-                    aborted += core.abort_requests([command[1]])
-                else:  # "stop"
+                if (outputs := intake.handle(commands.recv())) is None:
                     return
+                aborted += outputs
                 pending = commands.poll()
         except (EOFError, OSError):
             return
         engine_outputs = []
         if core.has_unfinished_requests():
             try:
-                engine_outputs = core.step()
+                engine_outputs = core.step(intake)
             except Exception as exc:  # a bug or a device failure: fail these requests, keep serving
-                logging.getLogger(__name__).exception("engine step failed; aborting %d requests", len(live))
-                core.abort_requests(list(live))
-                live.clear()
+                logging.getLogger(__name__).exception("engine step failed; aborting %d requests", len(intake.live))
+                core.abort_requests(list(intake.live))
+                intake.live.clear()
                 results.send(("step_failed", f"the engine failed while generating: {type(exc).__name__}"))
                 continue
-        deliveries, stopped = fold_outputs(live, aborted + engine_outputs)
+        intake.publish(aborted + engine_outputs)
+
+
+class _Intake:
+    """The engine process's end of the command pipe, and the requests it folds outputs for: the
+    EngineCore's Arrivals, so a step can take in a request that arrives while it runs."""
+
+    def __init__(self, core: EngineCore, commands: Connection, results: Connection) -> None:
+        self.core, self.commands, self.results = core, commands, results
+        self.wake_fd = commands.fileno()
+        # request_id -> its RequestState: outputs are folded (detokenized, stop strings) here, in
+        # the step's own thread, as the in-process engine does; one message a step carries them.
+        self.live: dict[str, _Folding] = {}
+        self.refused: list[tuple[str, ValueError]] = []  # raced past the HTTP side's checks
+        self.deferred: list[tuple] = []  # commands a step took in that wait for its end
+
+    def handle(self, command: tuple) -> list[EngineOutput] | None:
+        """One command between steps: the outputs it made (an abort's); None for "stop"."""
+        kind = command[0]
+        if kind == "add":
+            self._add(command)
+            return []
+        if kind == "abort":
+            return self.core.abort_requests([command[1]])
+        return None
+
+    def _add(self, command: tuple) -> bool:
+        _, request_id, prompt_token_ids, params, service_class, final_only = command
+        try:
+            self.core.add_request(request_id, prompt_token_ids, params, service_class)
+        except ValueError as exc:  # a FieldError pickles whole: its param survives
+            self.refused.append((request_id, exc))
+            return False
+        self.live[request_id] = _Folding(RequestState(request_id, None, prompt_token_ids, params,
+                                                      self.core.tokenizer), final_only)
+        return True
+
+    def take(self) -> bool:
+        """Mid-step (EngineCore.step): new requests join the queue now; an abort or a stop waits
+        for the step's end, since the step still writes the blocks an abort would free."""
+        added = False
+        try:
+            while self.commands.poll():
+                command = self.commands.recv()
+                if command[0] == "add":
+                    added |= self._add(command)
+                else:
+                    self.deferred.append(command)
+        except (EOFError, OSError):  # the parent is gone: the loop sees it after the step
+            pass
+        return added
+
+    def publish(self, outputs: list[EngineOutput]) -> None:
+        """Fold a step's outputs and send what each request got, with the engine's counts."""
+        deliveries, stopped = fold_outputs(self.live, outputs)
         for request_id, stop_reason in stopped:  # in the same step: nothing more is computed
-            core.finish_request(request_id, stop_reason)
-        results.send(("step", [_step_delta(output) for _, output in deliveries], refused, core.snapshot()))
+            self.core.finish_request(request_id, stop_reason)
+        refused, self.refused = self.refused, []
+        self.results.send(("step", [_step_delta(output) for _, output in deliveries], refused, self.core.snapshot()))
 
 
 @dataclass(slots=True)

@@ -19,6 +19,7 @@ from tokenway.engine.scheduler import SchedulerOutput
 from tokenway.models.attention import AttentionMetadata, BlockRun, PrefillChunk, SharedPrefix, native_decode_kernel
 from tokenway.models.config import ModelConfig
 from tokenway.models.decoder import DecoderForCausalLM
+from tokenway.models.interjection import Interjection
 
 # Decode rows sharing fewer cached blocks than this read them on their own: the split costs
 # more than the copies it saves.
@@ -72,11 +73,12 @@ class ModelRunner:
         return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+    def execute(self, out: SchedulerOutput, interjection: Interjection | None = None) -> torch.Tensor:
         """Run one step; returns (num_sampling_rows, vocab) float32 logits, in the order of
         out.requests restricted to those whose last scheduled token is their last known token
         or draft (a prompt chunk that does not reach the end samples nothing): one row per
-        such request, and one more per draft it verifies (its k + 1 positions, in order)."""
+        such request, and one more per draft it verifies (its k + 1 positions, in order).
+        interjection: work let run between two of the step's layers (models/interjection.py)."""
         decode_rows: list[int] = []
         prefill_rows: list[int] = []
         for row, num_new in enumerate(out.num_scheduled_tokens):
@@ -134,6 +136,7 @@ class ModelRunner:
             torch.tensor(positions, device=self.device),
             self.kv_caches,
             meta,
+            interjection,
         )
         sample_index = [
             index

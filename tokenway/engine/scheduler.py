@@ -40,6 +40,7 @@ With nothing better running lately the batch takes the whole step.
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 from typing import cast
@@ -53,6 +54,10 @@ from tokenway.protocol.job import SERVICE_CLASSES, class_rank
 from tokenway.protocol.outputs import EngineOutput, TokenLogprob
 
 BATCH_RANK = class_rank("batch")
+
+
+def _class_rank(request: Request) -> int:
+    return request.class_rank
 
 
 @dataclass(slots=True)
@@ -75,6 +80,15 @@ class SchedulerOutput:
     def __post_init__(self) -> None:
         if not self.spec_token_ids:  # built with its requests (not by the Scheduler): no drafts
             self.spec_token_ids = [()] * len(self.requests)
+
+    def blocks_written(self, block_size: int) -> set[int]:
+        """The KV blocks this step writes (in every group): those holding its scheduled tokens."""
+        written: set[int] = set()
+        for tables in (self.block_tables, self.sliding_block_tables):
+            for table, request, num_new in zip(tables, self.requests, self.num_scheduled_tokens):
+                start = request.num_computed_tokens
+                written.update(table[start // block_size: (start + num_new - 1) // block_size + 1])
+        return written
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -210,13 +224,7 @@ class Scheduler:
                         break
                 else:
                     waiting.popleft()
-                    request.num_computed_tokens = num_computed
-                    if request.num_cached_tokens is None:
-                        request.num_cached_tokens = num_computed
-                        request.cache_reason = kv.get_cache_miss_reason(request.request_id)
-                        request.first_scheduled_time = time.monotonic()
-                        self.num_prompt_tokens_by_rank[rank] += request.num_prompt_tokens
-                    request.status = RequestStatus.RUNNING
+                    self._admit(request, num_computed)
                     running.insert(index, request)  # the end of its class: running stays ordered
                     index += 1
                     self._add_to_output(out, request, num_new)
@@ -231,6 +239,49 @@ class Scheduler:
                 batch_allowance.spend(used)
                 budget = budget_left - used
         return out
+
+    def schedule_interjection(self, in_flight: SchedulerOutput) -> SchedulerOutput:
+        """Waiting requests of the classes better than batch, admitted while in_flight (a step
+        that carries batch work) is stopped between two layers (EngineCore.step): what runs
+        in a step of their own before in_flight goes on. None of in_flight's requests is touched,
+        so only free blocks are taken (no preemption), and a request whose cache hit reaches a
+        block in_flight is still writing is left for the next step (the hit is registered when
+        the blocks are allocated, before the step computes them). What is not admitted here is
+        admitted by the next schedule() as it would have been; the classes' order holds."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        kv, running = self.kv_manager, self.running
+        writing: set[int] | None = None
+        for rank, waiting in enumerate(self.waiting.by_rank[:BATCH_RANK]):
+            while waiting and budget > 0:
+                if len(running) >= self.max_num_seqs:
+                    return out
+                request = waiting[0]
+                computed_block_ids, num_computed = kv.get_computed_blocks(request)
+                if computed_block_ids:
+                    writing = in_flight.blocks_written(self.kv_manager.block_size) if writing is None else writing
+                    if not writing.isdisjoint(computed_block_ids):
+                        return out
+                num_new = min(request.num_tokens - num_computed, budget)
+                if kv.allocate_slots(request, num_new, computed_block_ids) is None:
+                    return out
+                waiting.popleft()
+                self._admit(request, num_computed)
+                # The end of its class: running stays ordered by (class, admission).
+                running.insert(bisect.bisect_right(running, rank, key=_class_rank), request)
+                self._add_to_output(out, request, num_new)
+                budget -= num_new
+        return out
+
+    def _admit(self, request: Request, num_computed: int) -> None:
+        """A waiting request starts (or resumes) running with its first num_computed tokens cached."""
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_computed
+            request.cache_reason = self.kv_manager.get_cache_miss_reason(request.request_id)
+            request.first_scheduled_time = time.monotonic()
+            self.num_prompt_tokens_by_rank[request.class_rank] += request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
 
     def _preempt_last(self, out: SchedulerOutput) -> Request:
         """Preempt running[-1]: the newest request of the worst class running."""

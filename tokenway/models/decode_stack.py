@@ -20,6 +20,7 @@ import torch
 
 from tokenway import native
 from tokenway.models.attention import AttentionMetadata
+from tokenway.models.interjection import Interjection
 
 if TYPE_CHECKING:
     from tokenway.models.decoder import DecoderForCausalLM
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 
 
 class DecodeStack:
-    __slots__ = ("_decode", "_stack", "kernels", "kv_caches", "matmuls")
+    __slots__ = ("_decode", "_stack", "kernels", "kv_caches", "matmuls", "num_layers")
 
     def __init__(self, model: DecoderForCausalLM, matmuls: list[list[QuantKernel]],
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, ops) -> None:
@@ -35,6 +36,7 @@ class DecodeStack:
         kernels of its parts (one, or a ConcatKernel's), all on blocks."""
         config = model.config
         self.kv_caches = kv_caches
+        self.num_layers = len(kv_caches)
         self.matmuls = matmuls
         self.kernels = [kernel for parts in matmuls for kernel in parts]
         tensors = [model.rope_cos, model.rope_sin]
@@ -88,8 +90,17 @@ class DecodeStack:
                 and num_tokens == meta.num_decode_tokens
                 and self.kernels[0].reads_blocks(num_tokens))  # one products: one answer
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 interjection: Interjection | None = None) -> torch.Tensor:
         """(T, hidden) float32 embeddings (used as the residual stream, so overwritten) -> (T, hidden)
-        hidden states before the final norm."""
-        return self._decode(self._stack, x, positions, meta.slot_mapping, meta.decode_block_tables,
-                            meta.decode_context_lens, meta.decode_prefix_leaders, meta.decode_prefix_lens)
+        hidden states before the final norm. With an interjection, the native loop returns at the
+        layer boundary after its wake_fd turns readable; its run() goes, then the loop goes on."""
+        args = (x, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                meta.decode_prefix_leaders, meta.decode_prefix_lens)
+        if interjection is None:
+            return self._decode(self._stack, *args)[0]
+        h, layer = self._decode(self._stack, *args, None, 0, interjection.wake_fd)
+        while layer < self.num_layers:
+            interjection.run()
+            h, layer = self._decode(self._stack, *args, h, layer, interjection.wake_fd)
+        return h

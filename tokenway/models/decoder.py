@@ -27,6 +27,7 @@ from tokenway import native
 from tokenway.models.attention import AttentionMetadata, decode_attention, prefill_attention
 from tokenway.models.config import ModelConfig
 from tokenway.models.decode_stack import DecodeStack
+from tokenway.models.interjection import Interjection
 from tokenway.models.linear import LinearKernel
 from tokenway.models.weights import QuantizedTensor
 
@@ -319,7 +320,9 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,  # (T,)
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        interjection: Interjection | None = None,
     ) -> torch.Tensor:
+        """interjection: work to let run between two layers (models/interjection.py)."""
         if self.embedding is not None:
             x = self.embedding.embedding(input_ids)  # (T, hidden) float32, decoded from its blocks
         else:
@@ -327,17 +330,22 @@ class DecoderForCausalLM(nn.Module):
         if self.embed_scale is not None:
             x = x * self.embed_scale.to(x.dtype)
         if self.decode_stack is not None and self.decode_stack.takes(x.shape[0], kv_caches, meta):
-            return self.decode_stack(x, positions, meta)
+            return self.decode_stack(x, positions, meta, interjection)
         ropes = {GLOBAL: RopeInputs(self.rope_cos, self.rope_sin, positions)}
         if self.config.local_rope is not None:
             ropes[LOCAL] = RopeInputs(self.local_rope_cos, self.local_rope_sin, positions)
+        between = None if interjection is None else interjection.run
         if self.fused is not None:
             residual = None
-            for layer, kv_cache in zip(self.decoder_layers, kv_caches):
+            for index, (layer, kv_cache) in enumerate(zip(self.decoder_layers, kv_caches)):
+                if index and between is not None:
+                    between()
                 x, residual = layer.forward_fused(x, residual, ropes[layer.self_attn.rope], kv_cache, meta, self.fused)
             assert residual is not None  # a model has layers
             return x + residual
-        for layer, kv_cache in zip(self.decoder_layers, kv_caches):
+        for index, (layer, kv_cache) in enumerate(zip(self.decoder_layers, kv_caches)):
+            if index and between is not None:
+                between()
             x = layer(x, ropes[layer.self_attn.rope], kv_cache, meta)
         return x
 
