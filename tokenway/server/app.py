@@ -14,6 +14,10 @@ middleware (gateway_middleware.py: the body-size limit, auth, the stage clock, t
     admin_api        /admin/keys, /v1/usage                       (with a gatekeeper)
     observability_api /metrics, /v1/traces, /dashboard, ...       (with an observer)
 
+A POST on a generation route (GENERATION_PATHS) goes from the middleware straight to the
+endpoint its router registered (direct_routes.py), below FastAPI's routing; the handlers below
+answer its errors as they answer every other route's.
+
 Every error a client can see comes from the tree in protocol/errors.py, rendered
 OpenAI-shaped (Anthropic-shaped under /v1/messages); anything unexpected becomes a 500
 with a plain message while the traceback goes to the log.
@@ -62,7 +66,8 @@ from tokenway.server import (
     ops_api,
     responses_api,
 )
-from tokenway.server.gateway_middleware import GatewayMiddleware, error_response
+from tokenway.server.direct_routes import DirectRoutes
+from tokenway.server.gateway_middleware import GENERATION_PATHS, GatewayMiddleware, error_response
 from tokenway.server.http import ClientDisconnected
 from tokenway.server.routes import call_of
 from tokenway.server.services import Services
@@ -80,20 +85,24 @@ ROUTERS = (openai_api, responses_api, anthropic_api, moderations_api, embeddings
 MULTIPART_SLACK_BYTES = 64 * 1024
 
 
-def create_app(services: Services) -> FastAPI:
+def create_app(services: Services, *, direct_routes: bool = True) -> FastAPI:
+    """direct_routes: a POST on a generation route goes from GatewayMiddleware straight to its
+    endpoint (server/direct_routes.py); False: through FastAPI's routing like every other request."""
     # tokenway traces and counts every call itself (observability/); FastAPI's own telemetry would
     # ask OpenTelemetry for its providers on every request, and span each one twice where one is set.
     app = FastAPI(title="tokenway", version="0.1.0", description="OpenAI- and Anthropic-compatible LLM API",
                   telemetry={"tracing": False, "metrics": False, "logs": False})
     app.state.services = services
-    for module in ROUTERS:
-        app.include_router(module.router(services))
+    routers = [module.router(services) for module in ROUTERS]
+    for router in routers:
+        app.include_router(router)
     add_error_handlers(app)
     schema_with_request_models(app)
     settings = services.settings
     app.add_middleware(GatewayMiddleware, max_body_bytes=settings.max_body_bytes, gatekeeper=services.gatekeeper,
                        observer=services.observer, admin_key=settings.admin_key,
-                       max_upload_bytes=settings.max_batch_file_bytes + MULTIPART_SLACK_BYTES)
+                       max_upload_bytes=settings.max_batch_file_bytes + MULTIPART_SLACK_BYTES,
+                       direct_routes=DirectRoutes.of(app, routers, GENERATION_PATHS) if direct_routes else None)
     return app
 
 

@@ -24,6 +24,7 @@ from tokenway.protocol.errors import (
     anthropic_error_body,
     openai_error_body,
 )
+from tokenway.server.direct_routes import DirectRoutes
 from tokenway.stages import StageClock
 
 logger = logging.getLogger(__name__)
@@ -70,12 +71,15 @@ class GatewayMiddleware:
     the last byte of the response leaves, or (the client gone) right after; a generation call
     refused by auth gets its row too, queued after the 401. Last, a generation call's trace
     goes to the observer. Nothing here raises once a response has started: an exception out of
-    an ASGI app after http.response.start makes the server drop the keep-alive connection."""
+    an ASGI app after http.response.start makes the server drop the keep-alive connection.
+    A POST on a generation route goes to its endpoint directly (`direct_routes`), any other
+    request on to `app`, FastAPI's routing."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int, gatekeeper: Gatekeeper | None,
                  observer: Observer | None, admin_key: str | None = None,
-                 max_upload_bytes: int | None = None) -> None:
+                 max_upload_bytes: int | None = None, direct_routes: DirectRoutes | None = None) -> None:
         self.app = app
+        self.direct_routes = direct_routes
         self.max_body_bytes = max_body_bytes
         self.max_upload_bytes = max_upload_bytes if max_upload_bytes is not None else max_body_bytes
         self.gatekeeper = gatekeeper
@@ -200,7 +204,12 @@ class GatewayMiddleware:
                 call.end_with_error(too_large.status, too_large.message)
                 await error_response(path, too_large)(scope, receive, send_with_policy)
                 return too_large.status, call
-            await self.app(scope, limited_receive, send_with_policy)
+            direct = self.direct_routes
+            endpoint = direct.endpoint(path) if generation_call and direct is not None else None
+            if direct is not None and endpoint is not None:
+                await direct(endpoint, scope, limited_receive, send_with_policy)
+            else:
+                await self.app(scope, limited_receive, send_with_policy)
         except Exception:
             # A bug, not the client's doing: log it whole, answer a plain 500 (with the request
             # id, in the ledger like any other outcome) if nothing was sent yet.
