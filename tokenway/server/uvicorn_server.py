@@ -76,6 +76,42 @@ class JSONErrorsHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
+class HeadWithBody:
+    """One response's view of its connection's transport, sending a head with a Content-Length
+    together with the body's first bytes: uvicorn writes the status line and headers apart from
+    the body, and two send(2) calls are two TCP segments and two wake-ups of the client (and a
+    chance for it to preempt the server between them) for one JSON response. A streamed head
+    (chunked) goes at once; a held head goes with the next write, or before the connection
+    closes (a response that failed after its head: as uvicorn would have sent it)."""
+
+    __slots__ = ("transport", "head")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.head: bytes | None = None  # held until the body's first write
+        # (None also once written: a response holds one head, its first write)
+
+    def write(self, data: bytes) -> None:
+        head = self.head
+        if head is not None:
+            self.head = None
+            self.transport.writelines((head, data))  # one writev(2)
+        elif data.startswith(b"HTTP/1.1 ") and not data.startswith(b"HTTP/1.1 100 ") \
+                and b"\r\ncontent-length: " in data:
+            self.head = data
+        else:
+            self.transport.write(data)
+
+    def close(self) -> None:
+        head, self.head = self.head, None
+        if head is not None:
+            self.transport.write(head)
+        self.transport.close()
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectionGuard:
     """What every connection of one server shares: the policy (resolved: both caps set), the
@@ -252,7 +288,11 @@ class GuardedHttpToolsProtocol(JSONErrorsHttpToolsProtocol):
         self._num_heads += 1
         self._reading_head, self._reading_body, self._num_head_bytes = False, True, 0
         self._guard.table.mark_active(self)
+        existing_cycle = self.cycle
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle is not existing_cycle and self.scope["method"] != "HEAD":  # HEAD: no body
+            cycle.transport = HeadWithBody(self.transport)  # pyright: ignore[reportAttributeAccessIssue]
 
     def _head_too_large(self) -> InvalidRequestError:
         return InvalidRequestError(f"The request head is larger than {self._guard.policy.max_head_bytes} bytes.",
