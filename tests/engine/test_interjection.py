@@ -187,3 +187,18 @@ def test_a_step_without_batch_work_is_never_interjected(llm):
             core.step(arrivals)
     finally:
         arrivals.close()
+
+
+def test_the_batch_leaves_seats_for_better_classes_to_join_mid_step():
+    scheduler = Scheduler(KVCacheManager(64, BLOCK), max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4,
+                          max_num_batch_seqs=3)
+    add(scheduler, *(make_request(f"b{i}", "batch") for i in range(5)))
+    in_flight = scheduler.schedule()
+    assert [r.request_id for r in in_flight.requests] == ["b0", "b1", "b2"]  # the 4th seat stays free
+    add(scheduler, make_request("d0", "default"))
+    assert scheduled(scheduler.schedule_interjection(in_flight)) == [("d0", 5)]
+    finish_step(scheduler, in_flight)
+    # Full now; the next arrival takes a batch request's seat in the next step, as before.
+    add(scheduler, make_request("d1", "default"))
+    out = scheduler.schedule()
+    assert ("d1", 5) in scheduled(out) and out.preempted_request_ids == ["b2"]

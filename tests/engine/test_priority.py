@@ -144,9 +144,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def small(default_model_dir):
-    """Four sequences at most: interactive calls must take seats from the batch."""
+    """Four sequences at most: interactive calls must take seats from the batch (no slowdown
+    bound, so the batch may hold every seat: tests/engine/test_interjection.py has the seat it leaves)."""
     return LLM(str(default_model_dir), dtype="float32", quantization="none", kv_cache_memory="32MiB",
-               max_model_len=512, max_num_seqs=4, max_num_batched_tokens=128, show_progress=False)
+               max_model_len=512, max_num_seqs=4, max_num_batched_tokens=128, batch_slowdown=None,
+               show_progress=False)
 
 
 def test_the_engine_admits_interactive_requests_within_one_step_and_outputs_stay_the_same(small):

@@ -163,9 +163,14 @@ class EngineCore:
         self.step_cost = None if allowance is None else allowance.cost
         # (perf_counter at its start, its seconds, its tokens, those of the batch class)
         self._last_step: tuple[float, float, int, int] | None = None
+        # Under a bound, the batch class leaves a seat in 16 (one at least) to the better classes:
+        # one arriving while a batch step runs can then start in the middle of it (step()).
+        max_num_batch_seqs = None
+        if allowance is not None and config.max_num_seqs > 1:
+            max_num_batch_seqs = config.max_num_seqs - max(1, config.max_num_seqs // 16)
         self.scheduler = Scheduler(
             self.kv_manager, self.max_model_len, config.max_num_batched_tokens, config.max_num_seqs, self.eos_token_ids,
-            proposer, allowance,
+            proposer, allowance, max_num_batch_seqs,
         )
         self.runner = ModelRunner(self.model, kv_groups[0].num_blocks, config.block_size, self.device,
                                   num_sliding_blocks=kv_groups[-1].num_blocks)

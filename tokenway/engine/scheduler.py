@@ -128,7 +128,10 @@ class Scheduler:
         eos_token_ids: frozenset[int] = frozenset(),
         proposer: NgramProposer | None = None,
         batch_allowance: BatchAllowance | None = None,
+        max_num_batch_seqs: int | None = None,
     ) -> None:
+        """max_num_batch_seqs: the seats the batch class may hold of max_num_seqs (None: all), so
+        that a better request arriving mid-step finds one free (schedule_interjection)."""
         self.kv_manager = kv_manager
         self.proposer = proposer
         self.batch_allowance = batch_allowance
@@ -136,6 +139,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.max_num_batch_seqs = max_num_seqs if max_num_batch_seqs is None else min(max_num_batch_seqs, max_num_seqs)
         self.eos_token_ids = eos_token_ids
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # ordered by (class_rank, admission)
@@ -214,6 +218,9 @@ class Scheduler:
             while waiting and budget > 0 and rank < admit_below:
                 if len(running) >= self.max_num_seqs and not self._preempt_worse(rank, out):
                     admit_below = rank
+                    break
+                if rank == BATCH_RANK and len(running) - bisect.bisect_left(
+                        running, BATCH_RANK, key=_class_rank) >= self.max_num_batch_seqs:
                     break
                 request = waiting[0]
                 computed_block_ids, num_computed = kv.get_computed_blocks(request)
