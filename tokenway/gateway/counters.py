@@ -15,6 +15,12 @@ first reserve of a key waits for the ledger's seed; the others do not wait behin
 owner that cannot be reached, or does not answer within timeout_s, is LimitsUnavailable, so
 the worker follows --limits-on-error as it would for a Redis that is down; SeedUnavailable
 crosses as itself.
+
+A settlement (reconcile, settle) only records what a call used: it decides nothing, so it
+goes without an id and the owner answers none (CounterClient.send). It is written on the
+same connection as the worker's admissions, so the owner runs it before any admission the
+worker asks after it, as when it was awaited; closing the client waits until what it wrote
+has left, so a worker that drains and exits loses none.
 """
 
 from __future__ import annotations
@@ -87,6 +93,12 @@ class CounterServer:
             writer.close()
 
     async def _answer(self, request: dict, writer: asyncio.StreamWriter) -> None:
+        if "id" not in request:  # a settlement: nobody waits for its answer
+            try:
+                await self._run(request["op"], request["args"])
+            except Exception:
+                logger.exception("counters: %s failed", request.get("op"))
+            return
         try:
             reply: dict[str, Any] = {"id": request["id"], "result": await self._run(request["op"], request["args"])}
         except SeedUnavailable as exc:
@@ -149,6 +161,18 @@ class CounterClient:
             raise LimitsUnavailable(f"the counters' owner failed: {answer['message']}")
         return answer["result"]
 
+    async def send(self, op: str, args: list) -> None:
+        """Write a request whose answer nobody needs (a settlement), in order with the others;
+        LimitsUnavailable if the owner cannot be reached (the caller keeps it for replay)."""
+        writer = self._writer
+        if writer is None or writer.is_closing():
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    writer = await self._connection()
+            except (OSError, TimeoutError) as exc:
+                raise LimitsUnavailable(f"the counters' owner at {self.path} cannot answer: {exc!r}") from None
+        writer.write(json.dumps({"op": op, "args": args}, separators=(",", ":")).encode() + b"\n")
+
     async def _connection(self) -> asyncio.StreamWriter:
         if self._writer is not None and not self._writer.is_closing():
             return self._writer
@@ -179,6 +203,8 @@ class CounterClient:
     async def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+            with contextlib.suppress(OSError):
+                await self._writer.wait_closed()  # what send() wrote has left for the owner
         if self._reading is not None:
             self._reading.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -199,7 +225,7 @@ class RemoteLimiter:
         return Decision(reservation=Reservation(**reservation) if reservation is not None else None, **fields)
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
-        await self.client.call("reconcile", [asdict(reservation), used_tokens])
+        await self.client.send("reconcile", [asdict(reservation), used_tokens])
 
     async def headers(self, key_id: str, spec: LimitSpec) -> dict[str, str]:
         return await self.client.call("headers", [key_id, asdict(spec)])
@@ -222,7 +248,7 @@ class RemoteBudgets:
                               **fields)
 
     async def settle(self, reservation: BudgetReservation, used_nanos: int) -> None:
-        await self.client.call("settle", [asdict(reservation), used_nanos])
+        await self.client.send("settle", [asdict(reservation), used_nanos])
 
     async def state(self, key_id: str, share: bool = False) -> BudgetState | None:
         fields = await self.client.call("state", [key_id, share])
