@@ -157,3 +157,34 @@ def test_the_service_class_crosses_the_pipe_to_the_engines_counts(engine):
     # The counts come with the engine's next step message: the last one may still be on its way.
     assert wait_until(lambda: flex().num_generated_tokens == before.num_generated_tokens + 16)
     assert flex().num_prompt_tokens == before.num_prompt_tokens + len(prompt)
+
+
+def test_interactive_requests_start_between_the_layers_of_a_batch_step_and_answer_the_same(engine, offline):
+    """Requests of a better class sent while batch requests keep the engine busy: some of them
+    (whichever arrive mid-step rather than between two steps) run in a step of their own
+    interjected in a batch step; each answers as it does alone, and so do the batch requests."""
+    batch_params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    batch_prompts = [prompt_ids(engine, f"{TEXTS[0]}, part {i}") for i in range(8)]
+    interactive = prompt_ids(engine, TEXTS[1])
+    before = engine.stats().num_interjected_steps
+
+    async def main():
+        async def one(prompt, params, service_class):
+            final = None
+            async for output in engine.generate(prompt, params, service_class=service_class):
+                final = output
+            return final
+
+        batch = [asyncio.create_task(one(prompt, batch_params, "batch")) for prompt in batch_prompts]
+        answers = []
+        while not answers or (engine.stats().num_interjected_steps == before and len(answers) < 12):
+            await asyncio.sleep(0.05)  # the batch steps go on meanwhile
+            answers.append(await one(interactive, GREEDY, "default"))
+        return answers, await asyncio.gather(*batch)
+
+    answers, batch = asyncio.run(main())
+    assert engine.stats().num_interjected_steps > before
+    assert all(answer.outputs[0].token_ids == offline[1].token_ids for answer in answers)
+    solo = asyncio.run(collect(engine, batch_prompts[0], batch_params))[1]
+    assert batch[0].outputs[0].token_ids == solo.outputs[0].token_ids
+    assert all(len(output.outputs[0].token_ids) == 96 for output in batch)

@@ -15,7 +15,7 @@ from tokenway.protocol.job import SERVICE_CLASSES
 COUNTS = dict(num_running=2, num_waiting=1, kv_blocks_total=100, kv_blocks_free=75, prefix_cache_hit_rate=0.25,
               prefix_cache_queried_tokens=400, prefix_cache_hit_tokens=100, num_preemptions=4, num_steps=9,
               spec_decode_num_drafts=3, spec_decode_num_draft_tokens=12, spec_decode_num_accepted_tokens=6,
-              spec_decode_acceptance_rate=0.5, spec_decode_mean_accepted_length=3.0)
+              spec_decode_acceptance_rate=0.5, spec_decode_mean_accepted_length=3.0, num_interjected_steps=2)
 STATS = EngineStats(**COUNTS)
 IN_A_PROCESS = dataclasses.replace(STATS, engine_pid=4242, engine_restarts=0)
 
@@ -65,7 +65,8 @@ WITH_CLASSES = dataclasses.replace(IN_A_PROCESS, classes=CLASSES)
 
 def test_the_counts_per_class_are_an_object_by_class_after_the_engines_and_cross_json_and_the_pipe():
     payload = WITH_CLASSES.to_dict()
-    assert list(payload) == [*COUNTS, "classes", "engine_pid", "engine_restarts"]
+    engine_counts = [name for name in COUNTS if name != "num_interjected_steps"]
+    assert list(payload) == [*engine_counts, "classes", "num_interjected_steps", "engine_pid", "engine_restarts"]
     assert payload["classes"]["batch"] == {"num_running": 3, "num_waiting": 6, "num_preemptions": 3,
                                            "num_prompt_tokens": 43, "num_generated_tokens": 50}
     assert list(payload["classes"]) == ["priority", "default", "flex", "batch"]

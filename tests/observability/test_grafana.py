@@ -38,6 +38,7 @@ SERIES_TO_LABELS = {
     "tokenway_prefix_cache_queried_tokens_total": set(),
     "tokenway_prefix_cache_hit_tokens_total": set(),
     "tokenway_preemptions_total": set(),
+    "tokenway_interjected_steps_total": set(),
     "tokenway_requests_running": set(),
     "tokenway_requests_waiting": set(),
     "tokenway_kv_cache_blocks_used": set(),

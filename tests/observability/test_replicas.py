@@ -49,6 +49,7 @@ GATEWAY_STATS = ServerStats(None, num_pending_http=1, replicas={
 ENGINE_FAMILIES = {"tokenway_requests_running", "tokenway_requests_waiting", "tokenway_kv_cache_blocks_used",
                    "tokenway_kv_cache_blocks_total", "tokenway_kv_cache_usage_ratio", "tokenway_prefix_cache_hit_ratio",
                    "tokenway_prefix_cache_queried_tokens", "tokenway_prefix_cache_hit_tokens", "tokenway_preemptions",
+                   "tokenway_interjected_steps",
                    "tokenway_spec_decode_num_drafts", "tokenway_spec_decode_num_draft_tokens",
                    "tokenway_spec_decode_num_accepted_tokens", "tokenway_spec_decode_acceptance_ratio"}
 

@@ -239,6 +239,7 @@ class EngineCore:
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_acceptance_rate=spec.acceptance_rate,
             spec_decode_mean_accepted_length=spec.mean_accepted_length, classes=classes,
+            num_interjected_steps=self.num_interjected_steps,
         )
 
     def has_unfinished_requests(self) -> bool:

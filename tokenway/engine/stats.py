@@ -74,6 +74,8 @@ class EngineStats:
     # One per class, in SERVICE_CLASSES order (best first); None where the engine reports none
     # (a worker older than service classes).
     classes: tuple[ClassStats, ...] | None = None
+    # Steps run between two layers of a step that carried batch work (engine/core.py step()).
+    num_interjected_steps: int = 0
     engine_pid: int | None = None  # None (both): the engine steps in a thread of this process
     engine_restarts: int | None = None
 

@@ -214,6 +214,9 @@ class EngineCollector(Collector):
                                   value=stats.prefix_cache_hit_tokens)
         yield CounterMetricFamily("tokenway_preemptions", "Requests preempted to free KV blocks.",
                                   value=stats.num_preemptions)
+        yield CounterMetricFamily("tokenway_interjected_steps",
+                                  "Steps of newly arrived requests run between two layers of a batch step.",
+                                  value=stats.num_interjected_steps)
         # vLLM's names; 0 for an engine that does not speculate.
         yield CounterMetricFamily("tokenway_spec_decode_num_drafts",
                                   "Verify steps of a request with drafted tokens (speculative decoding).",
