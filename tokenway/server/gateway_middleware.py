@@ -152,7 +152,10 @@ class GatewayMiddleware:
         scope.setdefault("state", {})["call"] = call
         limit = (self.max_body_bytes if path in LARGE_BODY_PATHS
                  else self.max_upload_bytes if path in UPLOAD_PATHS else SMALL_BODY_BYTES)
-        too_large = PayloadTooLargeError(f"Request body exceeds the limit of {limit} bytes for {path}")
+
+        def too_large() -> PayloadTooLargeError:  # made only for a body past the limit
+            return PayloadTooLargeError(f"Request body exceeds the limit of {limit} bytes for {path}")
+
         ledger_keeper = gatekeeper if generation_call else None  # writes the call's one row
         received = 0
         status = 0
@@ -163,7 +166,7 @@ class GatewayMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise too_large
+                    raise too_large()
             return message
 
         async def with_policy_headers(message: Message) -> Message:
@@ -201,9 +204,10 @@ class GatewayMiddleware:
         try:
             length = headers.get("content-length", "")
             if length.isdigit() and int(length) > limit:
-                call.end_with_error(too_large.status, too_large.message)
-                await error_response(path, too_large)(scope, receive, send_with_policy)
-                return too_large.status, call
+                error = too_large()
+                call.end_with_error(error.status, error.message)
+                await error_response(path, error)(scope, receive, send_with_policy)
+                return error.status, call
             direct = self.direct_routes
             endpoint = direct.endpoint(path) if generation_call and direct is not None else None
             if direct is not None and endpoint is not None:

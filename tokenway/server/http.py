@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
 import anyio
 import pydantic
@@ -70,22 +70,31 @@ async def _wait_for_disconnect(receive: Receive) -> None:
             return
 
 
-async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+async def unless_disconnected(request: Request, work: Awaitable[R]) -> R:
     """Await `work`; if the client disconnects first, cancel it (which aborts its engine
-    requests) and raise ClientDisconnected."""
-    task = asyncio.ensure_future(work)
+    requests) and raise ClientDisconnected. `work` runs in the caller's task, not one of its own:
+    a call's body is made without a task switch, and only the watcher waits beside it."""
+    task = asyncio.current_task()
+    assert task is not None, "awaited in a task"
     watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    disconnected = False
+
+    def on_disconnect(done: asyncio.Future) -> None:
+        nonlocal disconnected
+        if not done.cancelled():
+            disconnected = True
+            task.cancel()  # raised at work's await, wherever it has got to
+
+    watcher.add_done_callback(on_disconnect)
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise ClientDisconnected()
+        return await work
+    except asyncio.CancelledError:
+        if disconnected and task.uncancel() == 0:
+            raise ClientDisconnected() from None  # our cancel, and no one else's is pending
+        raise
     finally:
+        watcher.remove_done_callback(on_disconnect)
         watcher.cancel()
-        if not task.done():
-            task.cancel()
 
 
 class EventStreamResponse(StreamingResponse):
