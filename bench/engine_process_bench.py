@@ -26,7 +26,8 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-MODE_FLAGS = {"thread": "--engine-thread", "process": "", "process-nice5": "--engine-niceness 5"}
+MODE_FLAGS = {"thread": "--engine-thread", "process": "", "process-nice5": "--engine-niceness 5",
+              "process-nice10": "--engine-niceness 10"}
 
 
 def free_port() -> int:

@@ -47,7 +47,7 @@ def add_worker_parser(sub) -> None:
     worker.add_argument("--max-num-batched-tokens", type=int, default=512)
     worker.add_argument("--max-num-seqs", type=int, default=128)
     worker.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    worker.add_argument("--engine-niceness", type=int, default=0,
+    worker.add_argument("--engine-niceness", type=int, default=10,
                         help="added to the engine process's niceness, so the HTTP side wakes first")
     worker.add_argument("--max-pending-requests", type=int, default=256, help="in flight before 503 + Retry-After")
     worker.add_argument("--graceful-shutdown-seconds", type=float, default=30.0)
