@@ -17,11 +17,11 @@ def test_engine_failure_is_a_500_with_a_ledger_row(app_and_ledger, llm, monkeypa
     real_execute = runner.execute
     calls = {"n": 0}
 
-    def failing_once(out):
+    def failing_once(out, interjection=None):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("simulated device failure")
-        return real_execute(out)
+        return real_execute(out, interjection)
 
     monkeypatch.setattr(runner, "execute", failing_once)
     body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -68,11 +68,11 @@ def test_engine_failure_mid_stream_ends_with_an_error_event(app_and_ledger, llm,
     real_execute = runner.execute
     calls = {"n": 0}
 
-    def failing_after_the_first_token(out):
+    def failing_after_the_first_token(out, interjection=None):
         calls["n"] += 1
         if calls["n"] > 1:
             raise RuntimeError("simulated device failure")
-        return real_execute(out)
+        return real_execute(out, interjection)
 
     monkeypatch.setattr(runner, "execute", failing_after_the_first_token)
 
@@ -94,7 +94,7 @@ def test_engine_failure_mid_stream_ends_with_an_error_event(app_and_ledger, llm,
 def test_engine_failure_before_the_first_token_of_a_stream_is_a_500(app_and_ledger, llm, monkeypatch, path):
     app, ledger = app_and_ledger
 
-    def failing(out):
+    def failing(out, interjection=None):
         raise RuntimeError("simulated device failure")
 
     monkeypatch.setattr(llm.engine.runner, "execute", failing)

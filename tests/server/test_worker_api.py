@@ -40,7 +40,7 @@ def test_an_engine_failure_mid_call_is_an_error_event_and_a_dead_engine_a_503(lo
     engine, app = local_app
     body = {"request_id": "f", "prompt_token_ids": llm.tokenizer.encode("hi"), "params": {"max_tokens": 3}}
 
-    def failing(out):
+    def failing(out, interjection=None):
         raise RuntimeError("simulated device failure")
 
     with monkeypatch.context() as patch:
