@@ -56,6 +56,8 @@ class Ledger:
     batch-mates; the default 0 commits as soon as the writer is free, and the rows that arrive
     during a commit form the next batch: group commit that adds no latency when idle
     (bench/ledger_bench.py: at 300 records/s a 2 ms wait adds 2 ms to p50 and saves no commits).
+    A row already safe in the journal that nobody waits for is the exception: it waits up to
+    billing/writer.JOURNALED_WINDOW_S for others, so the writer wakes once a window, not a row.
     max_pending_rows: without a journal, how many rows may wait in memory through an outage.
     spend_usd totals count this process's commits on top of the seed: gateways sharing one
     PostgreSQL see each other's spend only when a key is first seeded.
