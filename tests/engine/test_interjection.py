@@ -12,7 +12,7 @@ import select
 
 import pytest
 
-from tests.engine.test_priority import add, make_request, scheduled
+from tests.engine.test_priority import BLOCK, add, make_request, make_scheduler, scheduled
 from tokenway import LLM
 from tokenway.engine.core import EngineCore
 from tokenway.engine.scheduler import Scheduler, SchedulerOutput
@@ -20,13 +20,6 @@ from tokenway.kv_cache.manager import KVCacheManager
 from tokenway.protocol.job import ServiceClass
 from tokenway.protocol.outputs import EngineOutput
 from tokenway.protocol.sampling import SamplingParams
-
-BLOCK = 4
-
-
-def make_scheduler(num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 8) -> Scheduler:
-    return Scheduler(KVCacheManager(num_blocks, BLOCK), max_model_len=256, max_num_batched_tokens=budget,
-                     max_num_seqs=max_num_seqs)
 
 
 def finish_step(scheduler: Scheduler, out: SchedulerOutput) -> None:

@@ -260,7 +260,8 @@ class EngineCore:
             return []
         interjection = None
         self._interjected_s = 0.0
-        if arrivals is not None and batch_tokens(scheduler_output):
+        num_batch_tokens = batch_tokens(scheduler_output)
+        if arrivals is not None and num_batch_tokens:
             interjection = Interjection(arrivals.wake_fd, partial(self._interject, scheduler_output, arrivals))
         outputs = self._run(scheduler_output, interjection)
         if self.step_cost is not None:
@@ -269,7 +270,7 @@ class EngineCore:
             # The steps interjected in it are not its cost: as if it started that much later.
             interjected = self._interjected_s
             self._last_step = (started + interjected, time.perf_counter() - started - interjected,
-                               scheduler_output.total_num_scheduled_tokens, batch_tokens(scheduler_output))
+                               scheduler_output.total_num_scheduled_tokens, num_batch_tokens)
         return outputs
 
     def _run(self, scheduler_output: SchedulerOutput, interjection: Interjection | None = None) -> list[EngineOutput]:

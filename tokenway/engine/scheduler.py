@@ -266,7 +266,8 @@ class Scheduler:
                 request = waiting[0]
                 computed_block_ids, num_computed = kv.get_computed_blocks(request)
                 if computed_block_ids:
-                    writing = in_flight.blocks_written(self.kv_manager.block_size) if writing is None else writing
+                    if writing is None:
+                        writing = in_flight.blocks_written(kv.block_size)
                     if not writing.isdisjoint(computed_block_ids):
                         return out
                 num_new = min(request.num_tokens - num_computed, budget)
