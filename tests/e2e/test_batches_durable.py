@@ -30,14 +30,14 @@ DEADLINE_S = 300  # how long a batch may take before the test gives up waiting (
 SERVE_ARGS = ("--no-embeddings", "--max-num-seqs", "4")
 
 
-def submit(server: Server, num_lines: int = NUM_LINES) -> tuple[openai.OpenAI, str, list[str]]:
-    """A chat batch of num_lines short lines on the server: (its client, the batch id, the
-    custom_ids in line order)."""
+def submit(server: Server, num_lines: int = NUM_LINES, **body: Any) -> tuple[openai.OpenAI, str, list[str]]:
+    """A chat batch of num_lines short lines on the server (each line's body updated with `body`):
+    (its client, the batch id, the custom_ids in line order)."""
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     custom_ids = [f"line-{i}" for i in range(num_lines)]
     content = "".join(json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": {
         "model": MODEL, "max_tokens": 8, "temperature": 0,
-        "messages": [{"role": "user", "content": f"Say a word about the number {i}."}]}}) + "\n"
+        "messages": [{"role": "user", "content": f"Say a word about the number {i}."}], **body}}) + "\n"
         for i, custom_id in enumerate(custom_ids)).encode()
     file = client.files.create(file=("requests.jsonl", content), purpose="batch")
     batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -155,7 +155,10 @@ def test_two_servers_on_one_postgres_share_a_batch_and_run_each_line_once(defaul
         first.stop()
         raise
     try:
-        client, batch_id, custom_ids = submit(first)
+        # Lines long enough that the batch outlasts the second server's next look for work (an
+        # idle runner looks once a second; the first server's wakes when its batch is created,
+        # and again as each line ends): 8-token lines were all done in under a second.
+        client, batch_id, custom_ids = submit(first, max_tokens=64, ignore_eos=True)
         batch = wait_until(lambda: finished(client, batch_id), f"batch {batch_id} to end")
         check_outputs(client, batch, custom_ids)
         expected = job_ids(batch_id, NUM_LINES)

@@ -11,6 +11,7 @@ import os
 import shutil
 import sqlite3
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,16 @@ def capped(default_model_dir):
 def num_rows(db: Path) -> int:
     with sqlite3.connect(db) as conn:
         return conn.execute("SELECT count(*) FROM usage_ledger WHERE status = 200").fetchone()[0]
+
+
+def rows_after(db: Path, before: int, timeout: float = 10) -> int:
+    """The rows once more than `before` are committed (or what there is at the deadline): a
+    call's row is journaled before its reply ends, and committed with its window's rows, a
+    moment after the client may have read the reply and exited."""
+    deadline = time.monotonic() + timeout
+    while (num := num_rows(db)) <= before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return num
 
 
 def test_an_agent_cli_on_the_responses_api_completes_a_turn(codex, capped, tmp_path):
@@ -103,4 +114,4 @@ enabled = false
                 if event.get("type") == "item.completed" and event.get("item", {}).get("type") == "agent_message"]
     assert messages and messages[-1].strip(), events[-5:]
     assert any(event.get("type") == "turn.completed" for event in events), events[-5:]
-    assert num_rows(capped.db) > before  # its calls reached the model, each billed
+    assert rows_after(capped.db, before) > before  # its calls reached the model, each billed
