@@ -160,9 +160,10 @@ class EngineCore:
         # Under a bound on what batch work may slow a step down, the steps' times teach the cost
         # model that turns the bound into tokens (engine/step_cost.py).
         allowance = None if config.batch_slowdown is None else BatchAllowance(config.batch_slowdown)
-        self.step_cost = None if allowance is None else allowance.cost
-        # (perf_counter at its start, its seconds, its tokens, those of the batch class)
-        self._last_step: tuple[float, float, int, int] | None = None
+        self._allowance = allowance
+        # The step before: (perf_counter at its start, its seconds, the seconds and the tokens
+        # of the steps interjected in it, its tokens, those of the batch class)
+        self._last_step: tuple[float, float, float, int, int, int] | None = None
         # Under a bound, the batch class leaves a seat in 16 (one at least) to the better classes:
         # one arriving while a batch step runs can then start in the middle of it (step()).
         max_num_batch_seqs = None
@@ -181,6 +182,7 @@ class EngineCore:
         self.num_steps = 0  # steps that ran a batch, since start
         self.num_interjected_steps = 0  # of those, steps run between two layers of another (step())
         self._interjected_s = 0.0  # the time the step running spent on steps interjected in it
+        self._interjected_tokens = 0  # and their tokens
         if config.show_progress:
             print(
                 f"tokenway: loaded {config.model} ({self.model_config.architecture}, {self.dtype}, {self.device}) "
@@ -252,25 +254,24 @@ class EngineCore:
         then lets a request of a better class run a step of its own between two of its layers
         (_interject), so that request's first token never waits for the batch's step to end."""
         started = time.perf_counter()
-        if self.step_cost is not None and self._last_step is not None:
+        if self._allowance is not None and self._last_step is not None:
             self._observe_cycle(started)
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.requests:
             self._last_step = None
             return []
         interjection = None
-        self._interjected_s = 0.0
+        self._interjected_s, self._interjected_tokens = 0.0, 0
         num_batch_tokens = batch_tokens(scheduler_output)
         if arrivals is not None and num_batch_tokens:
             interjection = Interjection(arrivals.wake_fd, partial(self._interject, scheduler_output, arrivals))
         outputs = self._run(scheduler_output, interjection)
-        if self.step_cost is not None:
+        if self._allowance is not None:
             # What a step costs is the whole cycle to the next (its outputs folded, detokenized and
             # sent too, work that grows with its requests); measured when the next step starts.
-            # The steps interjected in it are not its cost: as if it started that much later.
-            interjected = self._interjected_s
-            self._last_step = (started + interjected, time.perf_counter() - started - interjected,
-                               scheduler_output.total_num_scheduled_tokens, num_batch_tokens)
+            self._last_step = (started, time.perf_counter() - started, self._interjected_s,
+                               self._interjected_tokens, scheduler_output.total_num_scheduled_tokens,
+                               num_batch_tokens)
         return outputs
 
     def _run(self, scheduler_output: SchedulerOutput, interjection: Interjection | None = None) -> list[EngineOutput]:
@@ -297,16 +298,18 @@ class EngineCore:
         if interjected.requests:
             arrivals.publish(self._run(interjected))
             self.num_interjected_steps += 1
+            self._interjected_tokens += interjected.total_num_scheduled_tokens
         self._interjected_s += time.perf_counter() - started
 
     def _observe_cycle(self, now: float) -> None:
         """The last step's cost: the time from its start to this one's, unless the loop waited
-        for work between them (then only the step itself)."""
-        assert self.step_cost is not None and self._last_step is not None
-        started, step_s, num_tokens, num_batch_tokens = self._last_step
+        for work between them (then only the step itself), the steps interjected in it included."""
+        assert self._allowance is not None and self._last_step is not None
+        started, step_s, interjected_s, num_interjected_tokens, num_tokens, num_batch_tokens = self._last_step
         cycle_s = now - started
         seconds = cycle_s if cycle_s < 2 * step_s + CYCLE_SLACK_S else step_s
-        self.step_cost.observe(num_tokens, seconds, num_batch_tokens)
+        self._allowance.observe(num_tokens, num_batch_tokens, seconds, interjected_s, num_interjected_tokens,
+                                self.scheduler.holds_batch_requests())
         self._last_step = None
 
 

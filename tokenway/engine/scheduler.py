@@ -154,6 +154,10 @@ class Scheduler:
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def holds_batch_requests(self) -> bool:
+        """Whether a request of the batch class runs or waits (running is ordered by class)."""
+        return bool(self.running and self.running[-1].class_rank == BATCH_RANK or self.waiting.by_rank[BATCH_RANK])
+
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
@@ -240,11 +244,7 @@ class Scheduler:
                 admit_below = rank
                 break
             if allowed is not None:
-                batch_allowance = self.batch_allowance
-                assert batch_allowance is not None
-                used = min(budget_left, allowed) - budget
-                batch_allowance.spend(used)
-                budget = budget_left - used
+                budget = budget_left - (min(budget_left, allowed) - budget)
         return out
 
     def schedule_interjection(self, in_flight: SchedulerOutput) -> SchedulerOutput:

@@ -9,12 +9,23 @@ step's whole cycle against its interactive and its batch tokens apart, and a lin
 to stand in until both vary enough to tell apart (least squares, the older steps weighing less:
 it follows the machine as it is now, other load and the context lengths of the moment).
 
-BatchAllowance turns a bound on the slowdown ("a step with batch work may take 25% longer than
-the same step without it") into tokens: while interactive requests run, batch requests may add
-up to bound * cost(interactive tokens) of time, that is bound * cost / cost_per_batch_token
-tokens (bench/batch_bench.py: the line alone let TPOT rise 30% at a 25% bound; the plane, 15%).
-What a step leaves of its allowance is carried to the next (up to one step's worth), so a bound
-worth half a token a step still lets the batch advance a token every other step.
+BatchAllowance turns a bound on the slowdown ("interactive steps may take 25% longer than they
+would without the batch") into tokens, and holds the steps to it by measuring them: while
+interactive requests run, each step may spend bound * cost(its interactive tokens alone) of time
+on the batch, and a step granted batch work is settled once its cycle is measured (the next
+step's start, the steps interjected in it included, since its interactive requests waited
+through them too): what it took beyond cost(its interactive tokens and the interjected ones) is
+what the batch cost it. A step that cost more than its share takes the excess from the next
+steps' shares (up to MAX_DEBT_STEPS of them); one that cost less leaves the rest to the next (up
+to one step's share). So the model only sizes the next grant: a batch token dearer than the
+plane says, the extra weight reads of a step interjected for an arriving request, the HTTP
+side's work for the batch's lines, all show in the measured cycles and are paid back.
+
+cost(interactive tokens alone) is measured on the steps the engine ran holding no batch request
+(BatchAllowance.alone) while those are recent (ALONE_FOR_S): the batch's mere presence makes the
+same interactive step dearer, even one it takes no token of (bench/batch_bench.py: 5.4 -> 5.9 ms
+for 4 decodes), which the plane, fitted beside the batch, counts as the step's own cost. With
+the plane as the measure TPOT rose 37-45% at a 25% bound; with these steps, 24-31%.
 
 Two more rules keep an interactive request's first token as fast as without the batch:
 
@@ -42,6 +53,13 @@ MIN_VARIANCE = 0.25
 # an interactive step: the gap between a client's calls, with room to spare.
 RECENT_S = 2.0
 INTERACTIVE_WEIGHT = 0.1  # each step's weight in the average of the interactive tokens a step
+# How many steps' shares a step that overran may take from the next: an interjected step's extra
+# weight read is a few shares; a pause of the whole machine is not the batch's to repay.
+MAX_DEBT_STEPS = 4
+# How long what steps cost without the batch stays the measure of what they would cost now: past
+# it (a batch running for long beside interactive traffic) the plane stands in, which knows only
+# steps beside the batch, and so counts its presence as part of the steps' cost.
+ALONE_FOR_S = 120.0
 UNBOUNDED = 1 << 62
 
 
@@ -106,7 +124,8 @@ class StepCost:
 
 
 class BatchAllowance:
-    """How many batch tokens a step may add beside its interactive ones, under a slowdown bound."""
+    """How many batch tokens a step may add beside its interactive ones, under a slowdown bound:
+    tokens() sizes a step's grant; observe() measures each step, settling the one granted."""
 
     def __init__(self, slowdown: float, cost: StepCost | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -114,42 +133,72 @@ class BatchAllowance:
             raise ValueError(f"slowdown must be a finite number >= 0, got {slowdown}")
         self.slowdown = slowdown
         self.cost = cost if cost is not None else StepCost()
+        # Steps taken while the engine held no batch request: what interactive steps cost without
+        # the batch, as of _alone_at (its presence costs them even in steps it takes no token of).
+        self.alone = StepCost()
+        self._alone_at = float("-inf")
         self._clock = clock
-        self._credit = 0.0  # tokens allowed and not yet used, carried between steps
+        self._credit_s = 0.0  # of the batch's time beside interactive steps, left over (< 0: overspent)
+        # The step granted last and not settled yet: (its interactive tokens' cost, seconds an
+        # interactive token adds), as the model had them then.
+        self._granted: tuple[float, float] | None = None
         self._interactive_at = float("-inf")  # time.monotonic() an interactive request last ran
         self._interactive_tokens = 0.0  # their tokens a step, lately (an exponential average)
 
+    def costs(self) -> tuple[float, float, float] | None:
+        """(seconds a step costs, seconds an interactive token adds, seconds a batch token adds):
+        the plane, or the line on all tokens until the plane can be told; the first two from the
+        steps without the batch where they are recent (ALONE_FOR_S); None before any step."""
+        plane = self.cost.plane()
+        if plane is None:
+            line = self.cost.line()
+            plane = None if line is None else (line[0], line[1], line[1])
+        alone = self.alone.line() if self._clock() - self._alone_at < ALONE_FOR_S else None
+        if plane is None or alone is None:
+            return plane
+        return alone[0], alone[1], plane[2]
+
     def tokens(self, num_interactive_tokens: int, prefilling: bool = False) -> int:
         """Batch tokens this step may schedule beside num_interactive_tokens (scheduled before
-        them); prefilling: whether one of those is an interactive request's prefill. Report what
-        was used with spend()."""
+        them); prefilling: whether one of those is an interactive request's prefill."""
         now = self._clock()
+        self._granted = None
         if prefilling:
             self._interactive_at = now
             return 0
-        line = self.cost.line()
         if num_interactive_tokens > 0:
             self._interactive_at = now
             weight = INTERACTIVE_WEIGHT if self._interactive_tokens else 1.0
             self._interactive_tokens += (num_interactive_tokens - self._interactive_tokens) * weight
-            plane = self.cost.plane()
-            if plane is not None:  # what a batch token costs, measured beside interactive ones
-                fixed, per_interactive, per_batch = plane
-                allowed = self.slowdown * (fixed + per_interactive * num_interactive_tokens) / per_batch
-            elif line is None:  # no step measured yet: as if a step cost its tokens alone
-                allowed = self.slowdown * num_interactive_tokens
-            else:
-                intercept, slope = line
-                allowed = self.slowdown * (intercept + slope * num_interactive_tokens) / slope
-            self._credit = min(self._credit + allowed, allowed + 1.0)
-            return int(self._credit)
-        self._credit = 0.0
+            costs = self.costs()
+            if costs is None:  # no step measured yet: as if a step cost its tokens alone
+                return int(self.slowdown * num_interactive_tokens)
+            fixed, per_interactive, per_batch = costs
+            alone_s = fixed + per_interactive * num_interactive_tokens
+            self._granted = (alone_s, per_interactive)
+            return max(0, int((self._credit_s + self.slowdown * alone_s) / per_batch))
+        self._credit_s = 0.0
         if now - self._interactive_at >= RECENT_S:
             return UNBOUNDED  # nothing interactive lately: nothing to slow down
         # Alone, but an interactive request may arrive any moment: a step no longer than theirs.
+        line = self.cost.line()
         intercept, slope = line if line is not None else (0.0, 1.0)
         size = max(1.0, self._interactive_tokens)
         return max(1, int(((1 + self.slowdown) * (intercept + slope * size) - intercept) / slope))
 
-    def spend(self, num_batch_tokens: int) -> None:
-        self._credit = max(0.0, self._credit - num_batch_tokens)
+    def observe(self, num_tokens: int, num_batch_tokens: int, cycle_s: float, interjected_s: float = 0.0,
+                num_interjected_tokens: int = 0, batch_held: bool = True) -> None:
+        """A step's measured cycle, the steps interjected in it included (interjected_s of it;
+        num_interjected_tokens: theirs, which would have shared its step without the batch);
+        batch_held: whether the engine holds batch requests, running or waiting."""
+        self.cost.observe(num_tokens, cycle_s - interjected_s, num_batch_tokens)
+        if not batch_held:
+            self.alone.observe(num_tokens, cycle_s)
+            self._alone_at = self._clock()
+        if self._granted is None or not math.isfinite(cycle_s):
+            return
+        alone_s, per_interactive = self._granted
+        self._granted = None
+        share_s = self.slowdown * alone_s
+        spent_s = cycle_s - alone_s - per_interactive * num_interjected_tokens
+        self._credit_s = min(max(self._credit_s + share_s - spent_s, -MAX_DEBT_STEPS * share_s), share_s)
