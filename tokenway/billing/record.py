@@ -84,11 +84,22 @@ def storable_text(text: str) -> str:
 
 
 def storable(value: Any) -> Any:
-    """storable_text applied to every string (keys included) of a JSON-like value."""
+    """storable_text applied to every string (keys included) of a JSON-like value: the value
+    itself where its JSON has no \\u escape (every string ASCII, with no NUL), as nearly every
+    call's trace (one C-encoded pass instead of a call per field)."""
+    try:
+        if "\\u" not in json.dumps(value):
+            return value
+    except (TypeError, ValueError):
+        pass  # not JSON-encodable as it is: the walk keeps what it can
+    return _storable(value)
+
+
+def _storable(value: Any) -> Any:
     if isinstance(value, str):
         return storable_text(value)
     if isinstance(value, dict):
-        return {storable(k): storable(v) for k, v in value.items()}
+        return {_storable(k): _storable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [storable(v) for v in value]
+        return [_storable(v) for v in value]
     return value
