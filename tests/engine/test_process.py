@@ -111,6 +111,19 @@ def test_leaving_early_aborts_in_the_engine(engine):
     assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
 
 
+def test_leaving_a_batch_request_mid_step_leaves_the_counts_at_once(engine):
+    # The abort arrives while a batch step runs, so it waits for the step's end; the engine is
+    # then empty and waits for a command, and must have sent its counts before it does.
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+        async for output in engine.generate(prompt_ids(engine, TEXTS[1]), params, service_class="batch"):
+            if len(output.outputs[0].token_ids) >= 3:
+                break
+
+    asyncio.run(main())
+    assert wait_until(lambda: engine.stats().num_running == 0 and engine.stats().num_waiting == 0)
+
+
 def test_bad_prompts_are_refused_on_the_callers_side(engine):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.validate_prompt([engine.vocab_size], GREEDY)

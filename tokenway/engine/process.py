@@ -270,6 +270,12 @@ def _engine_main(config: EngineConfig, niceness: int, commands: Connection, resu
                 if (outputs := intake.handle(command)) is None:
                     return
                 aborted += outputs
+            if aborted and not core.has_unfinished_requests():
+                # Those aborts emptied the engine, which now waits for a command: their ends and
+                # the counts go out first (the HTTP side sizes the batch's room by these counts,
+                # and would send nothing more while they still showed the aborted requests).
+                intake.publish(aborted)
+                aborted = []
             pending = not core.has_unfinished_requests() or commands.poll()
             while pending:
                 if (outputs := intake.handle(commands.recv())) is None:
