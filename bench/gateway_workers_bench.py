@@ -8,7 +8,11 @@ API key with limits far above the load, the SQLite ledger and traces on: every c
 authenticated, admitted by the supervisor's counters, routed, billed and traced. Client
 processes (--clients, each --concurrency connections over raw keep-alive HTTP/1.1) send
 non-streamed chat completions as fast as answers come back, for --seconds after a warm-up.
-Prints requests/s, p50/p99 latency and the scaling against --workers 1.
+Prints requests/s, p50/p99 latency and the scaling against --workers 1, and the gateway's CPU
+time per call by process (the supervisor, which owns the counters, apart from the workers): on
+a host with cores to spare, N workers serve N / (CPU a call takes in all) calls a second, so the
+scaling a larger host would see is (CPU a call takes in one process) / (what it takes in all)
+times N, up to the supervisor's own ceiling of 1 / (its CPU a call).
 
 --pin runs each role on its own CPUs with taskset: the gateway (supervisor and workers) on the
 first N cores, the stub and the clients on the rest. That is how to see the 0.8·N scaling on a
@@ -60,7 +64,8 @@ def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 180) -> N
     raise RuntimeError(f"{url}: not ready")
 
 
-async def client_loop(port: int, key: str, concurrency: int, warmup_s: float, seconds: float) -> list[float]:
+async def client_loop(port: int, key: str, concurrency: int, warmup_s: float,
+                      seconds: float) -> tuple[list[float], int]:
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}).encode()
     request = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer {key}\r\n"
                f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
@@ -68,8 +73,10 @@ async def client_loop(port: int, key: str, concurrency: int, warmup_s: float, se
     start = loop.time()
     measure_from, until = start + warmup_s, start + warmup_s + seconds
     latencies: list[float] = []
+    num_calls = 0  # the warm-up's too
 
     async def connection() -> None:
+        nonlocal num_calls
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         while (now := loop.time()) < until:
             writer.write(request)
@@ -79,16 +86,36 @@ async def client_loop(port: int, key: str, concurrency: int, warmup_s: float, se
             await reader.readexactly(length)
             if not head.startswith(b"HTTP/1.1 200"):
                 raise RuntimeError(head.decode(errors="replace"))
+            num_calls += 1
             if now >= measure_from:
                 latencies.append(loop.time() - now)
         writer.close()
 
     await asyncio.gather(*(connection() for _ in range(concurrency)))
-    return latencies
+    return latencies, num_calls
 
 
-def run_client(args: tuple) -> list[float]:
+def run_client(args: tuple) -> tuple[list[float], int]:
     return asyncio.run(client_loop(*args))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of one process so far (its threads included)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
+def gateway_cpu(server_pid: int, num_workers: int) -> tuple[float, float]:
+    """(the supervisor's CPU seconds, the workers'); with one worker, the one process is the worker."""
+    if num_workers == 1:
+        return 0.0, cpu_seconds(server_pid)
+    return cpu_seconds(server_pid), sum(cpu_seconds(pid) for pid in children(server_pid))
 
 
 def taskset(cpus: str | None) -> list[str]:
@@ -114,15 +141,20 @@ def measure(num_workers: int, args: argparse.Namespace, stub_port: int, folder: 
         if args.pin and num_workers < num_cpus:
             os.sched_setaffinity(0, set(range(num_workers, num_cpus)))  # the clients, spawned from here
         with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
+            cpu_before = gateway_cpu(server.pid, num_workers)
             per_client = pool.map(run_client, [(port, key, args.concurrency, args.warmup, args.seconds)]
                                   * args.clients)
+            cpu_after = gateway_cpu(server.pid, num_workers)
     finally:
         os.sched_setaffinity(0, set(range(num_cpus)))
         server.send_signal(signal.SIGTERM)
         server.wait(60)
-    latencies = sorted(x for client in per_client for x in client)
+    latencies = sorted(x for client, _ in per_client for x in client)
+    num_calls = sum(n for _, n in per_client)
+    supervisor_s, workers_s = (after - before for after, before in zip(cpu_after, cpu_before))
     return {"workers": num_workers, "rps": len(latencies) / args.seconds,
-            "p50_ms": statistics.median(latencies) * 1000, "p99_ms": latencies[int(len(latencies) * 0.99)] * 1000}
+            "p50_ms": statistics.median(latencies) * 1000, "p99_ms": latencies[int(len(latencies) * 0.99)] * 1000,
+            "supervisor_us": supervisor_s / num_calls * 1e6, "workers_us": workers_s / num_calls * 1e6}
 
 
 def main() -> None:
@@ -145,9 +177,13 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="tw-workers-bench-") as folder:
             for num_workers in (int(n) for n in args.workers.split(",")):
                 rows.append(measure(num_workers, args, stub_port, Path(folder)))
-                print(f"workers {rows[-1]['workers']}: {rows[-1]['rps']:.0f} req/s, p50 {rows[-1]['p50_ms']:.2f} ms, "
-                      f"p99 {rows[-1]['p99_ms']:.2f} ms, scaling x{rows[-1]['rps'] / rows[0]['rps']:.2f}",
-                      flush=True)
+                row = rows[-1]
+                cpu_us = row["supervisor_us"] + row["workers_us"]
+                print(f"workers {row['workers']}: {row['rps']:.0f} req/s, p50 {row['p50_ms']:.2f} ms, "
+                      f"p99 {row['p99_ms']:.2f} ms, scaling x{row['rps'] / rows[0]['rps']:.2f}; CPU a call "
+                      f"{cpu_us:.0f} us (workers {row['workers_us']:.0f}, supervisor {row['supervisor_us']:.0f})"
+                      + (f": on free cores x{rows[0]['workers_us'] / cpu_us:.2f} a worker"
+                         if rows[0]["workers"] == 1 and row["workers"] > 1 else ""), flush=True)
     finally:
         stub.terminate()
         stub.wait()

@@ -15,7 +15,22 @@ async def fail_seed(key_id: str) -> float:
     raise ConnectionError("ledger down")
 
 
-def run_with_owner(test, seed=None):
+@pytest.fixture(params=["asyncio", "uvloop"])
+def loop_factory(request):
+    """The loop the tests run on: asyncio's, and uvloop's (the server's: its transports are not
+    asyncio.Transport's subclasses)."""
+    if request.param == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        return uvloop.new_event_loop
+    return asyncio.new_event_loop
+
+
+def run(main, loop_factory) -> None:
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(main)
+
+
+def run_with_owner(test, loop_factory, seed=None):
     """Runs test(path, server) against a CounterServer on a unix socket under a short path."""
 
     async def spend(key_id: str) -> float:
@@ -32,10 +47,10 @@ def run_with_owner(test, seed=None):
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="tw-") as folder:
-        asyncio.run(main(f"{folder}/c.sock"))
+        run(main(f"{folder}/c.sock"), loop_factory)
 
 
-def test_rpm_is_exact_across_clients():
+def test_rpm_is_exact_across_clients(loop_factory):
     async def test(path: str, server: CounterServer) -> None:
         limiters = [RemoteLimiter(CounterClient(path)) for _ in range(4)]
         spec = LimitSpec(rpm=25, max_concurrent=100)
@@ -54,10 +69,10 @@ def test_rpm_is_exact_across_clients():
         for limiter in limiters:
             await limiter.close()
 
-    run_with_owner(test)
+    run_with_owner(test, loop_factory)
 
 
-def test_budgets_reserve_settle_and_seed():
+def test_budgets_reserve_settle_and_seed(loop_factory):
     async def test(path: str, server: CounterServer) -> None:
         budgets = RemoteBudgets(CounterClient(path))
         budget = 10**9  # $1
@@ -72,29 +87,29 @@ def test_budgets_reserve_settle_and_seed():
         assert await budgets.state("never-seen") is None
         await budgets.close()
 
-    run_with_owner(test)
+    run_with_owner(test, loop_factory)
 
 
-def test_a_seed_the_ledger_cannot_give_crosses_as_itself():
+def test_a_seed_the_ledger_cannot_give_crosses_as_itself(loop_factory):
     async def test(path: str, server: CounterServer) -> None:
         budgets = RemoteBudgets(CounterClient(path))
         with pytest.raises(SeedUnavailable, match="ledger down"):
             await budgets.reserve("k", 10**9, 1)
         await budgets.close()
 
-    run_with_owner(test, seed=fail_seed)
+    run_with_owner(test, loop_factory, seed=fail_seed)
 
 
-def test_an_owner_that_is_gone_is_limits_unavailable(tmp_path):
+def test_an_owner_that_is_gone_is_limits_unavailable(tmp_path, loop_factory):
     async def main() -> None:
         limiter = RemoteLimiter(CounterClient(tmp_path / "nobody.sock", timeout_s=1))
         with pytest.raises(LimitsUnavailable):
             await limiter.admit("k", LimitSpec(rpm=1), 0)
 
-    asyncio.run(main())
+    run(main(), loop_factory)
 
 
-def test_an_owner_that_stops_mid_connection_is_limits_unavailable_then_back():
+def test_an_owner_that_stops_mid_connection_is_limits_unavailable_then_back(loop_factory):
     async def test(path: str, server: CounterServer) -> None:
         limiter = RemoteLimiter(CounterClient(path, timeout_s=1))
         assert (await limiter.admit("k", LimitSpec(rpm=5), 0)).allowed
@@ -110,4 +125,4 @@ def test_an_owner_that_stops_mid_connection_is_limits_unavailable_then_back():
             await again.close()
             await limiter.close()
 
-    run_with_owner(test)
+    run_with_owner(test, loop_factory)

@@ -6,12 +6,22 @@ from __future__ import annotations
 import asyncio
 import tempfile
 
+import pytest
+
 from tokenway.gateway.budgets import BudgetState, InProcessBudgets
 from tokenway.gateway.counters import CounterClient, CounterServer, RemoteBudgets, RemoteLimiter
 from tokenway.gateway.limits import InProcessLimiter, LimitSpec
 
 
-def run_with_owner(test) -> None:
+@pytest.fixture(params=["asyncio", "uvloop"])
+def loop_factory(request):
+    """asyncio's loop, and uvloop's (the server's)."""
+    if request.param == "uvloop":
+        return pytest.importorskip("uvloop").new_event_loop
+    return asyncio.new_event_loop
+
+
+def run_with_owner(test, loop_factory) -> None:
     """test(path, limiter, budgets): the owner's in-process stores, served on a unix socket."""
 
     async def spend(key_id: str) -> float:
@@ -27,10 +37,11 @@ def run_with_owner(test) -> None:
             await server.close()
 
     with tempfile.TemporaryDirectory(prefix="tw-") as folder:
-        asyncio.run(main(f"{folder}/c.sock"))
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(main(f"{folder}/c.sock"))
 
 
-def test_a_reconcile_is_run_before_the_next_admission_it_makes_room_for():
+def test_a_reconcile_is_run_before_the_next_admission_it_makes_room_for(loop_factory):
     async def test(path: str, owner: InProcessLimiter, budgets: InProcessBudgets) -> None:
         limiter = RemoteLimiter(CounterClient(path))
         spec = LimitSpec(tpm=1000)
@@ -44,10 +55,10 @@ def test_a_reconcile_is_run_before_the_next_admission_it_makes_room_for():
         assert not refused.allowed and refused.limit_kind == "tokens"
         await limiter.close()
 
-    run_with_owner(test)
+    run_with_owner(test, loop_factory)
 
 
-def test_closing_a_client_delivers_every_settlement_it_sent():
+def test_closing_a_client_delivers_every_settlement_it_sent(loop_factory):
     async def test(path: str, owner: InProcessLimiter, budgets: InProcessBudgets) -> None:
         client = CounterClient(path)
         remote = RemoteBudgets(client)
@@ -66,4 +77,4 @@ def test_closing_a_client_delivers_every_settlement_it_sent():
             await asyncio.sleep(0.01)
         assert await budgets.state("k") == BudgetState(spent_nanos=200 * 7, held_nanos=0)
 
-    run_with_owner(test)
+    run_with_owner(test, loop_factory)

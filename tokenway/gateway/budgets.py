@@ -218,14 +218,36 @@ class InProcessBudgets:
     async def reserve(self, key_id: str, budget_nanos: int, worst_nanos: int,
                       share_nanos: int | None = None) -> BudgetDecision:
         check_amounts(budget_nanos, worst_nanos)
-        state = await self._open(self._key_to_state, self._seeds, key_id)
+        await self._open(self._key_to_state, self._seeds, key_id)
+        if share_nanos is not None:
+            check_amounts(share_nanos, worst_nanos)
+            if self._share_seeds is None:
+                raise ValueError("a batch share needs a store made with a share_seed")
+            await self._open(self._key_to_share, self._share_seeds, key_id)
+        decision = self.reserve_now(key_id, budget_nanos, worst_nanos, share_nanos)
+        assert decision is not None, "both states were opened above, and nothing drops one"
+        return decision
+
+    # The *_now methods are the same calls without a coroutine, for an owner that answers them
+    # in line as they are read (gateway/counters.py).
+
+    def reserve_now(self, key_id: str, budget_nanos: int, worst_nanos: int,
+                    share_nanos: int | None = None) -> BudgetDecision | None:
+        """reserve() for a key whose state (and share's) is open; None where a seed must be read
+        first (then call reserve)."""
+        check_amounts(budget_nanos, worst_nanos)
+        state = self._key_to_state.get(key_id)
         share = None
         if share_nanos is not None:
             check_amounts(share_nanos, worst_nanos)
             if self._share_seeds is None:
                 raise ValueError("a batch share needs a store made with a share_seed")
-            share = await self._open(self._key_to_share, self._share_seeds, key_id)
-        # No await from here on: the decision and the holds are one step.
+            share = self._key_to_share.get(key_id)
+            if share is None:
+                return None
+        if state is None:
+            return None
+        # The decision and the holds are one step.
         now = time.monotonic_ns() // 1000
         self._prune(state, now)
         if not fits(budget_nanos, worst_nanos, state.spent_nanos, state.held_nanos):
@@ -255,6 +277,9 @@ class InProcessBudgets:
         return state
 
     async def settle(self, reservation: BudgetReservation, used_nanos: int) -> None:
+        self.settle_now(reservation, used_nanos)
+
+    def settle_now(self, reservation: BudgetReservation, used_nanos: int) -> None:
         if used_nanos < 0:
             raise ValueError(f"used_nanos must be >= 0, got {used_nanos}")
         now = time.monotonic_ns() // 1000
@@ -273,6 +298,9 @@ class InProcessBudgets:
         state.spent_nanos += used_nanos
 
     async def state(self, key_id: str, share: bool = False) -> BudgetState | None:
+        return self.state_now(key_id, share)
+
+    def state_now(self, key_id: str, share: bool = False) -> BudgetState | None:
         state = (self._key_to_share if share else self._key_to_state).get(key_id)
         if state is None:
             return None

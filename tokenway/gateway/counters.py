@@ -6,15 +6,18 @@ and InProcessBudgets of the host, and every HTTP worker's Gatekeeper holds a Rem
 a RemoteBudgets that forward each call to it. Exactness is the in-process stores' own: the
 owner runs them on one event loop, so each admit and reserve is still one atomic step.
 
-    worker: Gatekeeper ─► RemoteLimiter.admit ─► {"id", "op": "admit", "args"} \\n ─►┐
-                                                                             unix socket
-    supervisor: CounterServer ─► InProcessLimiter.admit ─► {"id", "result"} \\n ◄─┘
+    worker: Gatekeeper ─► RemoteLimiter.admit ─► [id, "admit", args] \\n ─►┐
+                                                                     unix socket
+    supervisor: CounterServer ─► InProcessLimiter.admit_now ─► [id, result] \\n ◄─┘
 
-One connection per worker, requests pipelined and answered out of order by id (a budget's
-first reserve of a key waits for the ledger's seed; the others do not wait behind it). An
-owner that cannot be reached, or does not answer within timeout_s, is LimitsUnavailable, so
-the worker follows --limits-on-error as it would for a Redis that is down; SeedUnavailable
-crosses as itself.
+One connection per worker, requests pipelined. The owner answers each in line as it reads it
+(the in-process stores' *_now calls never wait), and everything one read brought is answered
+in one write; only a budget's first reserve of a key waits (for the ledger's seed), in a task
+of its own, so answers come by id, not in order, and the others do not wait behind it. A
+client's writes in one event-loop turn leave in one write too. Messages are JSON arrays, a
+dataclass's fields in their declared order (no asdict: it deep-copies). An owner that cannot
+be reached, or does not answer within timeout_s, is LimitsUnavailable, so the worker follows
+--limits-on-error as it would for a Redis that is down; SeedUnavailable crosses as itself.
 
 A settlement (reconcile, settle) only records what a call used: it decides nothing, so it
 goes without an id and the owner answers none (CounterClient.send). It is written on the
@@ -23,55 +26,112 @@ worker asks after it, as when it was awaited; closing the client waits until wha
 has left, so a worker that drains and exits loses none.
 """
 
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tokenway.gateway.budgets import (
     BudgetDecision,
     BudgetReservation,
     BudgetState,
-    BudgetStore,
+    InProcessBudgets,
     SeedUnavailable,
 )
-from tokenway.gateway.limits import Decision, Limiter, LimitSpec, LimitsUnavailable, Reservation
+from tokenway.gateway.limits import Decision, InProcessLimiter, Limiter, LimitSpec, LimitsUnavailable, Reservation
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 5.0
 _LIMIT = 2**20  # a line's bound: a decision's headers are a few hundred bytes
+_LATER = object()  # an answer that must wait (a key's first budget reserve reads its seed)
 
 
-def _spec(fields: dict | None) -> LimitSpec | None:
-    return LimitSpec(**fields) if fields is not None else None
+# ---- The wire: each dataclass as the list of its fields, in declared order. ----
 
+def _row(value: Any) -> list:
+    return [getattr(value, name) for name in _field_names(type(value))]
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(field.name for field in fields(cls))
+
+
+@functools.lru_cache(maxsize=4096)
+def _spec_row(spec: LimitSpec) -> list:
+    return _row(spec)  # a key's spec is the same object call after call: encoded once
+
+
+def _decision_row(decision: Decision) -> list:
+    reservation = decision.reservation
+    return [decision.allowed, _row(reservation) if reservation is not None else None, decision.limit_kind,
+            decision.retry_after_s, decision.headers, decision.by_share]
+
+
+def _decision(row: list) -> Decision:
+    allowed, reservation, limit_kind, retry_after_s, headers, by_share = row
+    return Decision(allowed, Reservation(*reservation) if reservation is not None else None, limit_kind,
+                    retry_after_s, headers, by_share)
+
+
+def _budget_row(decision: BudgetDecision) -> list:
+    reservation = decision.reservation
+    return [_row(reservation) if reservation is not None else None, decision.spent_nanos, decision.held_nanos,
+            decision.by_share]
+
+
+def _budget_decision(row: list) -> BudgetDecision:
+    reservation, spent_nanos, held_nanos, by_share = row
+    return BudgetDecision(BudgetReservation(*reservation) if reservation is not None else None, spent_nanos,
+                          held_nanos, by_share)
+
+
+def _encode(message: list) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+
+def _lines(buffer: bytearray, data: bytes) -> list[bytes]:
+    """The whole lines in buffer + data; the rest stays in buffer."""
+    buffer += data
+    end = buffer.rfind(b"\n")
+    if end < 0:
+        return []
+    lines = bytes(buffer[:end]).split(b"\n")
+    del buffer[:end + 1]
+    return lines
+
+
+# ---- The owner. ----
 
 class CounterServer:
-    """Serves one Limiter and one BudgetStore (the in-process ones) on a unix socket."""
+    """Serves one InProcessLimiter and one InProcessBudgets on a unix socket."""
 
-    def __init__(self, limiter: Limiter, budgets: BudgetStore, *,
+    def __init__(self, limiter: InProcessLimiter, budgets: InProcessBudgets, *,
                  also_close: Callable[[], Awaitable[None]] | None = None) -> None:
         self.limiter, self.budgets, self.also_close = limiter, budgets, also_close
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._writers: set[asyncio.StreamWriter] = set()  # the workers' connections
+        self._connections: set[_OwnerSide] = set()  # the workers'
 
     async def start(self, path: str | Path) -> None:
-        self._server = await asyncio.start_unix_server(self._serve, path, limit=_LIMIT)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: _OwnerSide(self), str(path))
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for writer in list(self._writers):
-            writer.close()  # a worker hears at once that its owner is gone
+        for connection in list(self._connections):
+            connection.close()  # a worker hears at once that its owner is gone
         for task in list(self._tasks):
             task.cancel()
         await self.limiter.close()
@@ -79,136 +139,214 @@ class CounterServer:
         if self.also_close is not None:
             await self.also_close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
+    def answer(self, request_id: int | None, op: str, args: list, side: _OwnerSide) -> bytes | None:
+        """The reply to one request, now; None for a settlement (or one answered later, by a task)."""
         try:
-            while line := await reader.readline():
-                task = asyncio.create_task(self._answer(json.loads(line), writer))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-        except (ConnectionError, asyncio.IncompleteReadError, ValueError) as exc:
-            logger.warning("counters: a worker's connection ended: %r", exc)
-        finally:
-            self._writers.discard(writer)
-            writer.close()
-
-    async def _answer(self, request: dict, writer: asyncio.StreamWriter) -> None:
-        if "id" not in request:  # a settlement: nobody waits for its answer
-            try:
-                await self._run(request["op"], request["args"])
-            except Exception:
-                logger.exception("counters: %s failed", request.get("op"))
-            return
-        try:
-            reply: dict[str, Any] = {"id": request["id"], "result": await self._run(request["op"], request["args"])}
-        except SeedUnavailable as exc:
-            reply = {"id": request["id"], "error": "seed_unavailable", "message": str(exc)}
+            result = self._run_now(op, args)
         except Exception as exc:  # noqa: BLE001 - the worker hears of it as the store being unable to answer
-            logger.exception("counters: %s failed", request.get("op"))
-            reply = {"id": request["id"], "error": "unavailable", "message": f"{type(exc).__name__}: {exc}"}
-        if not writer.is_closing():
-            writer.write(json.dumps(reply, separators=(",", ":")).encode() + b"\n")
+            logger.exception("counters: %s failed", op)
+            return None if request_id is None else _encode([request_id, "unavailable", f"{type(exc).__name__}: {exc}"])
+        if result is _LATER:
+            task = asyncio.create_task(self._answer_later(request_id, op, args, side))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return None
+        return None if request_id is None else _encode([request_id, "ok", result])
 
-    async def _run(self, op: str, args: list) -> Any:
+    def _run_now(self, op: str, args: list) -> Any:
         if op == "admit":
             key_id, spec, reserve_tokens, share = args
-            decision = await self.limiter.admit(key_id, LimitSpec(**spec), reserve_tokens, _spec(share))
-            return asdict(decision)
+            share_spec = LimitSpec(*share) if share is not None else None
+            return _decision_row(self.limiter.admit_now(key_id, LimitSpec(*spec), reserve_tokens, share_spec))
         if op == "reconcile":
-            await self.limiter.reconcile(Reservation(**args[0]), args[1])
+            self.limiter.reconcile_now(Reservation(*args[0]), args[1])
             return None
         if op == "headers":
-            return await self.limiter.headers(args[0], LimitSpec(**args[1]))
+            return self.limiter.headers_now(args[0], LimitSpec(*args[1]))
         if op == "reserve":
-            return asdict(await self.budgets.reserve(*args))
+            decision = self.budgets.reserve_now(*args)
+            return _LATER if decision is None else _budget_row(decision)
         if op == "settle":
-            await self.budgets.settle(BudgetReservation(**args[0]), args[1])
+            self.budgets.settle_now(BudgetReservation(*args[0]), args[1])
             return None
         if op == "state":
-            state = await self.budgets.state(*args)
-            return asdict(state) if state is not None else None
+            state = self.budgets.state_now(*args)
+            return _row(state) if state is not None else None
         raise ValueError(f"unknown operation {op!r}")
 
+    async def _answer_later(self, request_id: int | None, op: str, args: list, side: _OwnerSide) -> None:
+        assert op == "reserve", "only a reserve waits"
+        try:
+            reply = [request_id, "ok", _budget_row(await self.budgets.reserve(*args))]
+        except SeedUnavailable as exc:
+            reply = [request_id, "seed_unavailable", str(exc)]
+        except Exception as exc:  # noqa: BLE001 - as in answer()
+            logger.exception("counters: %s failed", op)
+            reply = [request_id, "unavailable", f"{type(exc).__name__}: {exc}"]
+        if request_id is not None:
+            side.write(_encode(reply))
+
+
+class _OwnerSide(asyncio.Protocol):
+    """One worker's connection, at the owner: what one read brought is answered in one write."""
+
+    def __init__(self, server: CounterServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport's subclasses
+        self.server._connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        replies = []
+        for line in _lines(self.buffer, data):
+            try:
+                request_id, op, args = json.loads(line)
+            except (ValueError, TypeError) as exc:
+                logger.warning("counters: a worker's connection ended: %r", exc)
+                self.close()
+                return
+            if (reply := self.server.answer(request_id, op, args, self)) is not None:
+                replies.append(reply)
+        if len(self.buffer) > _LIMIT:
+            logger.warning("counters: a worker's line is over %d bytes", _LIMIT)
+            self.close()
+        elif replies:
+            self.write(b"".join(replies))
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server._connections.discard(self)
+
+
+# ---- A worker's side. ----
 
 class CounterClient:
     """A worker's one connection to the CounterServer, opened on first use and again after it drops."""
 
     def __init__(self, path: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.path, self.timeout_s = str(path), timeout_s
-        self._writer: asyncio.StreamWriter | None = None
-        self._reading: asyncio.Task | None = None
+        self._side: _WorkerSide | None = None
         self._connecting: asyncio.Lock | None = None
-        self._id_to_reply: dict[int, asyncio.Future[dict]] = {}
         self._ids = itertools.count()
 
     async def call(self, op: str, args: list) -> Any:
         request_id = next(self._ids)
-        reply: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
-        self._id_to_reply[request_id] = reply
+        reply: asyncio.Future[list] = asyncio.get_running_loop().create_future()
+        side = None
         try:
             async with asyncio.timeout(self.timeout_s):
-                writer = await self._connection()
-                writer.write(json.dumps({"id": request_id, "op": op, "args": args}, separators=(",", ":")).encode()
-                             + b"\n")
-                answer = await reply
+                side = await self._connection()
+                side.id_to_reply[request_id] = reply
+                side.write(_encode([request_id, op, args]))
+                _, status, result = await reply
         except (OSError, TimeoutError) as exc:
             raise LimitsUnavailable(f"the counters' owner at {self.path} cannot answer: {exc!r}") from None
         finally:
-            self._id_to_reply.pop(request_id, None)
-        if "error" in answer:
-            if answer["error"] == "seed_unavailable":
-                raise SeedUnavailable(answer["message"])
-            raise LimitsUnavailable(f"the counters' owner failed: {answer['message']}")
-        return answer["result"]
+            if side is not None:
+                side.id_to_reply.pop(request_id, None)
+        if status == "ok":
+            return result
+        if status == "seed_unavailable":
+            raise SeedUnavailable(result)
+        raise LimitsUnavailable(f"the counters' owner failed: {result}")
 
     async def send(self, op: str, args: list) -> None:
         """Write a request whose answer nobody needs (a settlement), in order with the others;
         LimitsUnavailable if the owner cannot be reached (the caller keeps it for replay)."""
-        writer = self._writer
-        if writer is None or writer.is_closing():
+        side = self._side
+        if side is None or side.is_closing():
             try:
                 async with asyncio.timeout(self.timeout_s):
-                    writer = await self._connection()
+                    side = await self._connection()
             except (OSError, TimeoutError) as exc:
                 raise LimitsUnavailable(f"the counters' owner at {self.path} cannot answer: {exc!r}") from None
-        writer.write(json.dumps({"op": op, "args": args}, separators=(",", ":")).encode() + b"\n")
+        side.write(_encode([None, op, args]))
 
-    async def _connection(self) -> asyncio.StreamWriter:
-        if self._writer is not None and not self._writer.is_closing():
-            return self._writer
+    async def _connection(self) -> _WorkerSide:
+        if self._side is not None and not self._side.is_closing():
+            return self._side
         self._connecting = self._connecting or asyncio.Lock()
         async with self._connecting:
-            if self._writer is None or self._writer.is_closing():
-                reader, self._writer = await asyncio.open_unix_connection(self.path, limit=_LIMIT)
-                self._reading = asyncio.create_task(self._read(reader))
-        assert self._writer is not None
-        return self._writer
-
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        error: Exception = ConnectionResetError("the counters' owner closed the connection")
-        try:
-            while line := await reader.readline():
-                answer = json.loads(line)
-                reply = self._id_to_reply.get(answer["id"])
-                if reply is not None and not reply.done():
-                    reply.set_result(answer)
-        except (OSError, ValueError) as exc:
-            error = exc if isinstance(exc, OSError) else ConnectionResetError(str(exc))
-        if self._writer is not None:
-            self._writer.close()
-        for reply in self._id_to_reply.values():  # asked on this connection, never answered
-            if not reply.done():
-                reply.set_exception(error)
+            if self._side is None or self._side.is_closing():
+                loop = asyncio.get_running_loop()
+                _, self._side = await loop.create_unix_connection(_WorkerSide, self.path)
+        assert self._side is not None
+        return self._side
 
     async def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        if self._side is not None:
+            await self._side.close()  # what send() wrote has left for the owner
+
+
+class _WorkerSide(asyncio.Protocol):
+    """The connection at a worker: what one event-loop turn writes leaves in one write; answers
+    are matched to their calls by id."""
+
+    def __init__(self) -> None:
+        self.id_to_reply: dict[int, asyncio.Future[list]] = {}  # the calls asked on this connection
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.pending: list[bytes] = []
+        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport's subclasses
+
+    def is_closing(self) -> bool:
+        return self.transport is None or self.transport.is_closing()
+
+    def write(self, data: bytes) -> None:
+        if not self.pending:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self.pending.append(data)
+
+    def flush(self) -> None:
+        if self.pending and not self.is_closing():
+            assert self.transport is not None
+            self.transport.write(b"".join(self.pending))
+        self.pending.clear()
+
+    def data_received(self, data: bytes) -> None:
+        for line in _lines(self.buffer, data):
+            try:
+                answer = json.loads(line)
+            except ValueError as exc:
+                self._fail(ConnectionResetError(f"the counters' owner sent {line[:80]!r}: {exc}"))
+                return
+            reply = self.id_to_reply.get(answer[0])
+            if reply is not None and not reply.done():
+                reply.set_result(answer)
+        if len(self.buffer) > _LIMIT:
+            self._fail(ConnectionResetError(f"the counters' owner sent a line over {_LIMIT} bytes"))
+
+    def _fail(self, error: Exception) -> None:
+        for reply in self.id_to_reply.values():  # never to be answered
+            if not reply.done():
+                reply.set_exception(error)
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc or ConnectionResetError("the counters' owner closed the connection"))
+        if not self.lost.done():
+            self.lost.set_result(None)
+
+    async def close(self) -> None:
+        self.flush()
+        if self.transport is not None:
+            self.transport.close()  # the transport writes what it holds before it closes
             with contextlib.suppress(OSError):
-                await self._writer.wait_closed()  # what send() wrote has left for the owner
-        if self._reading is not None:
-            self._reading.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reading
+                await self.lost
 
 
 class RemoteLimiter:
@@ -219,16 +357,15 @@ class RemoteLimiter:
 
     async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int,
                     share: LimitSpec | None = None) -> Decision:
-        fields = await self.client.call("admit", [key_id, asdict(spec), reserve_tokens,
-                                                  asdict(share) if share is not None else None])
-        reservation = fields.pop("reservation")
-        return Decision(reservation=Reservation(**reservation) if reservation is not None else None, **fields)
+        row = await self.client.call("admit", [key_id, _spec_row(spec), reserve_tokens,
+                                               _spec_row(share) if share is not None else None])
+        return _decision(row)
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
-        await self.client.send("reconcile", [asdict(reservation), used_tokens])
+        await self.client.send("reconcile", [_row(reservation), used_tokens])
 
     async def headers(self, key_id: str, spec: LimitSpec) -> dict[str, str]:
-        return await self.client.call("headers", [key_id, asdict(spec)])
+        return await self.client.call("headers", [key_id, _spec_row(spec)])
 
     async def close(self) -> None:
         await self.client.close()
@@ -242,17 +379,14 @@ class RemoteBudgets:
 
     async def reserve(self, key_id: str, budget_nanos: int, worst_nanos: int,
                       share_nanos: int | None = None) -> BudgetDecision:
-        fields = await self.client.call("reserve", [key_id, budget_nanos, worst_nanos, share_nanos])
-        reservation = fields.pop("reservation")
-        return BudgetDecision(reservation=BudgetReservation(**reservation) if reservation is not None else None,
-                              **fields)
+        return _budget_decision(await self.client.call("reserve", [key_id, budget_nanos, worst_nanos, share_nanos]))
 
     async def settle(self, reservation: BudgetReservation, used_nanos: int) -> None:
-        await self.client.send("settle", [asdict(reservation), used_nanos])
+        await self.client.send("settle", [_row(reservation), used_nanos])
 
     async def state(self, key_id: str, share: bool = False) -> BudgetState | None:
-        fields = await self.client.call("state", [key_id, share])
-        return BudgetState(**fields) if fields is not None else None
+        row = await self.client.call("state", [key_id, share])
+        return BudgetState(*row) if row is not None else None
 
     def joint_with(self, limiter: Limiter) -> None:
         return None  # two calls to one owner: each atomic there, as the in-process pair is

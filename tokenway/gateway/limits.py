@@ -240,6 +240,13 @@ class InProcessLimiter:
 
     async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int,
                     share: LimitSpec | None = None) -> Decision:
+        return self.admit_now(key_id, spec, reserve_tokens, share)
+
+    # The *_now methods are the same calls without a coroutine, for an owner that answers them
+    # in line as they are read (gateway/counters.py): none of them ever waits.
+
+    def admit_now(self, key_id: str, spec: LimitSpec, reserve_tokens: int,
+                  share: LimitSpec | None = None) -> Decision:
         refusal = too_large(spec, reserve_tokens, share)
         now = time.monotonic_ns() // 1000
         state = self._key_to_state.setdefault(key_id, _KeyState())
@@ -274,6 +281,9 @@ class InProcessLimiter:
         state.expiry_order.append((now + self.windows.reservation_ttl_us, reservation.reservation_id))
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
+        self.reconcile_now(reservation, used_tokens)
+
+    def reconcile_now(self, reservation: Reservation, used_tokens: int) -> None:
         if used_tokens < 0:
             raise ValueError(f"used_tokens must be >= 0, got {used_tokens}")
         now = time.monotonic_ns() // 1000
@@ -298,6 +308,9 @@ class InProcessLimiter:
         held.bucket.num_tokens += delta
 
     async def headers(self, key_id: str, spec: LimitSpec) -> dict[str, str]:
+        return self.headers_now(key_id, spec)
+
+    def headers_now(self, key_id: str, spec: LimitSpec) -> dict[str, str]:
         now = time.monotonic_ns() // 1000
         state = self._key_to_state.get(key_id) or _KeyState()
         self._prune(state, now)
