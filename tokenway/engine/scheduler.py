@@ -243,8 +243,9 @@ class Scheduler:
                     continue
                 admit_below = rank
                 break
-            if allowed is not None:
-                budget = budget_left - (min(budget_left, allowed) - budget)
+            if allowed is not None:  # the better classes' budget, less what the batch used
+                used = min(budget_left, allowed) - budget
+                budget = budget_left - used
         return out
 
     def schedule_interjection(self, in_flight: SchedulerOutput) -> SchedulerOutput:
