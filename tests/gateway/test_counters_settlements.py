@@ -36,9 +36,8 @@ def run_with_owner(test, loop_factory) -> None:
         finally:
             await server.close()
 
-    with tempfile.TemporaryDirectory(prefix="tw-") as folder:
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(main(f"{folder}/c.sock"))
+    with tempfile.TemporaryDirectory(prefix="tw-") as folder, asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(main(f"{folder}/c.sock"))
 
 
 def test_a_reconcile_is_run_before_the_next_admission_it_makes_room_for(loop_factory):
