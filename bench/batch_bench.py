@@ -144,16 +144,25 @@ def batch_tokens(base_url: str) -> int:
     return stats["classes"]["batch"]["num_generated_tokens"]
 
 
-def submit_batch(base_url: str, num_lines: int, max_tokens: int) -> str:
+def upload_lines(base_url: str, num_lines: int, max_tokens: int) -> str:
+    """The batch's input file, uploaded: its id."""
     lines = [json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
                          "body": chat_body(i, max_tokens)}) for i in range(num_lines)]
     upload = httpx.post(f"{base_url}/v1/files", data={"purpose": "batch"}, timeout=120,
                         files={"file": ("batch.jsonl", io.BytesIO("\n".join(lines).encode()), "application/jsonl")})
     upload.raise_for_status()
+    return upload.json()["id"]
+
+
+def create_batch(base_url: str, file_id: str) -> str:
     batch = httpx.post(f"{base_url}/v1/batches", timeout=60, json={
-        "input_file_id": upload.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+        "input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"})
     batch.raise_for_status()
     return batch.json()["id"]
+
+
+def submit_batch(base_url: str, num_lines: int, max_tokens: int) -> str:
+    return create_batch(base_url, upload_lines(base_url, num_lines, max_tokens))
 
 
 def batch_status(base_url: str, batch_id: str) -> dict:
@@ -205,8 +214,9 @@ def batch_alone(args: argparse.Namespace, data_dir: Path) -> tuple[float, float]
     tokens over the same time)."""
     process, base_url = start_server(data_dir)
     try:
-        start = time.perf_counter()
-        batch_id = submit_batch(base_url, args.offline_lines, args.max_tokens)
+        file_id = upload_lines(base_url, args.offline_lines, args.max_tokens)
+        start = time.perf_counter()  # create to completed: the upload is the client's, not the batch's
+        batch_id = create_batch(base_url, file_id)
         while (status := batch_status(base_url, batch_id))["status"] not in ("completed", "failed", "expired",
                                                                              "cancelled"):
             time.sleep(0.25)
@@ -247,6 +257,11 @@ def main() -> None:
                 result = results[-1]
                 print(f"round {round_index + 1}, --batch-slowdown {bound}: {json.dumps(result)}", flush=True)
 
+    if results:
+        print_table(bounds, results, args)
+
+
+def print_table(bounds: list[str], results: list[dict], args: argparse.Namespace) -> None:
     print(f"\n{NUM_STREAMS} interactive streams beside a {args.lines}-line batch, {args.window:.0f} s windows "
           f"(medians of {args.rounds} rounds)")
     print(f"{'bound':>8} {'TTFT p50':>10} {'p99':>8} {'(alone p99)':>12} {'TPOT p50':>10} {'(alone)':>8} "
