@@ -68,8 +68,8 @@ def _field_names(cls: type) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _spec_row(spec: LimitSpec) -> list:
-    return _row(spec)  # a key's spec is the same object call after call: encoded once
+def _spec_row(spec: LimitSpec) -> tuple:
+    return tuple(_row(spec))  # a key's spec is the same value call after call: made once (a tuple: shared)
 
 
 def _decision_row(decision: Decision) -> list:
