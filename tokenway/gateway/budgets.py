@@ -217,15 +217,14 @@ class InProcessBudgets:
 
     async def reserve(self, key_id: str, budget_nanos: int, worst_nanos: int,
                       share_nanos: int | None = None) -> BudgetDecision:
-        check_amounts(budget_nanos, worst_nanos)
-        await self._open(self._key_to_state, self._seeds, key_id)
-        if share_nanos is not None:
-            check_amounts(share_nanos, worst_nanos)
-            if self._share_seeds is None:
-                raise ValueError("a batch share needs a store made with a share_seed")
-            await self._open(self._key_to_share, self._share_seeds, key_id)
-        decision = self.reserve_now(key_id, budget_nanos, worst_nanos, share_nanos)
-        assert decision is not None, "both states were opened above, and nothing drops one"
+        decision = self.reserve_now(key_id, budget_nanos, worst_nanos, share_nanos)  # checks the amounts too
+        if decision is None:  # the key (or its share) not seeded yet: read the seeds, then decide
+            await self._open(self._key_to_state, self._seeds, key_id)
+            if share_nanos is not None:
+                assert self._share_seeds is not None, "reserve_now refuses a share without a share_seed"
+                await self._open(self._key_to_share, self._share_seeds, key_id)
+            decision = self.reserve_now(key_id, budget_nanos, worst_nanos, share_nanos)
+            assert decision is not None, "both states were opened above, and nothing drops one"
         return decision
 
     # The *_now methods are the same calls without a coroutine, for an owner that answers them
