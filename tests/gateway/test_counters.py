@@ -15,16 +15,6 @@ async def fail_seed(key_id: str) -> float:
     raise ConnectionError("ledger down")
 
 
-@pytest.fixture(params=["asyncio", "uvloop"])
-def loop_factory(request):
-    """The loop the tests run on: asyncio's, and uvloop's (the server's: its transports are not
-    asyncio.Transport's subclasses)."""
-    if request.param == "uvloop":
-        uvloop = pytest.importorskip("uvloop")
-        return uvloop.new_event_loop
-    return asyncio.new_event_loop
-
-
 def run(main, loop_factory) -> None:
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(main)

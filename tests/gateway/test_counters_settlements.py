@@ -6,19 +6,9 @@ from __future__ import annotations
 import asyncio
 import tempfile
 
-import pytest
-
 from tokenway.gateway.budgets import BudgetState, InProcessBudgets
 from tokenway.gateway.counters import CounterClient, CounterServer, RemoteBudgets, RemoteLimiter
 from tokenway.gateway.limits import InProcessLimiter, LimitSpec
-
-
-@pytest.fixture(params=["asyncio", "uvloop"])
-def loop_factory(request):
-    """asyncio's loop, and uvloop's (the server's)."""
-    if request.param == "uvloop":
-        return pytest.importorskip("uvloop").new_event_loop
-    return asyncio.new_event_loop
 
 
 def run_with_owner(test, loop_factory) -> None:
