@@ -25,7 +25,6 @@ With a RedisLimiter on the same Redis, a budgeted call's budget and limits are o
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Awaitable, Callable
 
 from tokenway.gateway.budgets import (
@@ -39,6 +38,7 @@ from tokenway.gateway.budgets import (
 )
 from tokenway.gateway.limits import Limiter
 from tokenway.gateway.limits_redis import LUA_PRELUDE, RedisLimiter, connect, redacted, run_script
+from tokenway.ids import random_hex
 
 # The rules of InProcessBudgets, as Lua functions over one key's three keys (KEY_NAMES'
 # order), so that another script (joint_redis.py) can run them beside its own. Lua numbers
@@ -240,8 +240,8 @@ class RedisBudgets:
             if share:
                 if self._share_seeds is None:
                     raise ValueError("a batch share needs a store made with a share_seed")
-                share_seed = (await self._share_seeds.read(key_id), uuid.uuid4().hex)
-            reply = await ask(((await self._seeds.read(key_id), uuid.uuid4().hex), share_seed))
+                share_seed = (await self._share_seeds.read(key_id), random_hex())
+            reply = await ask(((await self._seeds.read(key_id), random_hex()), share_seed))
         return reply
 
     @staticmethod
@@ -257,7 +257,7 @@ class RedisBudgets:
         check_amounts(budget_nanos, worst_nanos)
         if share_nanos is not None:
             check_amounts(share_nanos, worst_nanos)
-        reservation_id, keys = uuid.uuid4().hex, self.keys(key_id, share_nanos is not None)
+        reservation_id, keys = random_hex(), self.keys(key_id, share_nanos is not None)
         reply = await self.seeded(key_id, lambda seeds: self._run(key_id, [
             "reserve", *self.reservation_args(budget_nanos, worst_nanos, reservation_id, seeds[0]),
             *self.share_args(share_nanos, seeds[1])], keys), share_nanos is not None)

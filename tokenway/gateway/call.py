@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenway.gateway.auth import ANONYMOUS, Principal
+from tokenway.ids import random_hex
 from tokenway.safety.guard import GuardVerdict
 from tokenway.safety.screen import InputScreening
 from tokenway.stages import StageClock
@@ -54,12 +54,12 @@ class CallStart:
 
     @classmethod
     def now(cls, endpoint: str, principal: Principal = ANONYMOUS, traceparent: str | None = None) -> CallStart:
-        return cls(endpoint, principal, f"req_{uuid.uuid4().hex}", time.time(), traceparent)
+        return cls(endpoint, principal, f"req_{random_hex()}", time.time(), traceparent)
 
     def new_id(self, prefix: str) -> str:
         """An id for what this call makes (its job, its response): random, or for a batch line
         its line's, so that the same line always makes the same id."""
-        return f"{prefix}{self.batch_line or uuid.uuid4().hex}"
+        return f"{prefix}{self.batch_line or random_hex()}"
 
 
 @dataclass(frozen=True, slots=True)

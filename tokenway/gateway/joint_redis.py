@@ -17,12 +17,11 @@ key has limits, its seven limits keys: checked, held and settled with the key's 
 
 from __future__ import annotations
 
-import uuid
-
 from tokenway.gateway.budgets import BudgetDecision, BudgetReservation, JointDecision, check_amounts
 from tokenway.gateway.budgets_redis import LUA_BUDGETS, RedisBudgets
 from tokenway.gateway.limits import LimitSpec, Reservation, too_large
 from tokenway.gateway.limits_redis import LUA_LIMITS, LUA_PRELUDE, RedisLimiter, run_script
+from tokenway.ids import random_hex
 
 # KEYS: the budget's three, the limits' seven; for a call with a batch share, then the share's
 # three budget keys and, where the key has limits, its seven limits keys (10, 13 or 20 keys).
@@ -99,7 +98,7 @@ class RedisJoint:
         # a batch line both or neither.
         assert share is None or share_nanos is not None, "a limits share comes with a budget share"
         refusal = too_large(spec, reserve_tokens, share)
-        reservation_id = uuid.uuid4().hex  # the call's in both stores, each its own namespace
+        reservation_id = random_hex()  # the call's in both stores, each its own namespace
         keys = self._keys(key_id, share_nanos is not None, share is not None)
         head = ["admit", *self._limiter.window_args()]
         limits_args = [*self._limiter.admission_args(spec, reserve_tokens, reservation_id), int(refusal is not None)]

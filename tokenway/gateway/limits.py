@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from tokenway.ids import random_hex
 
 NUM_DAY_BUCKETS = 1440
 MAX_RETRY_AFTER_S = 120.0
@@ -261,7 +262,7 @@ class InProcessLimiter:
                 refusal = longest(refusal, self._refusal(share_state, share, reserve_tokens, now, by_share=True))
         if refusal is not None:
             return make_decision(spec, self._window_state(state, now), None, refusal)
-        reservation = Reservation(key_id, uuid.uuid4().hex, reserve_tokens, now / 1e6, share is not None)
+        reservation = Reservation(key_id, random_hex(), reserve_tokens, now / 1e6, share is not None)
         self._record(state, reservation, now)
         if share_state is not None:
             self._record(share_state, reservation, now)

@@ -29,8 +29,6 @@ retried once, on a new one, so a restarted Redis answers at once).
 
 from __future__ import annotations
 
-import uuid
-
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -51,6 +49,7 @@ from tokenway.gateway.limits import (
     rate_headers,
     too_large,
 )
+from tokenway.ids import random_hex
 
 # What every script here opens with: Redis's TIME, read once (so the stores of a joint script
 # agree on the time), and int(). Numbers go back to Redis through int(): Lua would print a
@@ -356,7 +355,7 @@ class RedisLimiter:
         if refusal is not None:  # nothing to record: only the headers' state is needed
             state = WindowState(*await self._run(key_id, ["peek", *self.window_args()]))
             return make_decision(spec, state, None, refusal)
-        reservation_id = uuid.uuid4().hex
+        reservation_id = random_hex()
         args = ["admit", *self.window_args(), *self.admission_args(spec, reserve_tokens, reservation_id),
                 *self.share_args(share)]
         reply = await self._run(key_id, args, share is not None)

@@ -17,7 +17,6 @@ Each step records what it decided on the Call (gateway/call.py) and ends its sta
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from tokenway.frontend.tool_parsers import ReplyFormat
 from tokenway.gateway.admission import cap_max_tokens
 from tokenway.gateway.call import Call, RouteChoice
 from tokenway.gateway.tiers import TierAsk, resolve
+from tokenway.ids import random_hex
 from tokenway.protocol.errors import ContentPolicyViolationError, InvalidRequestError, invalid_value
 from tokenway.protocol.job import GenerationJob, ReplicaEvent, ServiceClass, estimate_chat_tokens
 from tokenway.protocol.sampling import ReasoningBudget, SamplingParams, StructuredOutputSpec, ThinkingRequest
@@ -80,7 +80,7 @@ class ChatTemplating:
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex}"
+    return f"{prefix}{random_hex()}"
 
 
 def route(services: Services, call: Call, model: str | None) -> str:
