@@ -26,6 +26,19 @@ _STAGE_INDEX = {stage: i for i, stage in enumerate(STAGES)}
 _OPTIONAL_STAGES = frozenset({"safety", "guard"})
 
 
+def _stage_under_way(after: int) -> str:
+    """The stage under way once stage index `after - 1` was the last marked: the next one that
+    is not optional (the last stage, billing, at the end)."""
+    index = after
+    while index < len(STAGES) - 1 and STAGES[index] in _OPTIONAL_STAGES:
+        index += 1
+    return STAGES[min(index, len(STAGES) - 1)]
+
+
+# last marked stage's index + 1 (0: none marked) -> the stage the time after it counts to
+_UNDER_WAY = tuple(_stage_under_way(after) for after in range(len(STAGES) + 1))
+
+
 @dataclass(slots=True)
 class StageClock:
     received: float = field(default_factory=time.monotonic)
@@ -58,20 +71,24 @@ class StageClock:
         refused with a 429); billing, once started, takes the time from its start to done."""
         done = self.done if self.done is not None else time.monotonic()
         cut = self.billing_started if self.billing_started is not None else done
-        durations: dict[str, float] = dict.fromkeys(STAGES, 0.0)
+        ends = self.ends
+        durations: dict[str, float] = {}
         previous = self.received
         last_index = -1
-        for stage, at in sorted(self.ends.items(), key=lambda item: _STAGE_INDEX[item[0]]):
-            at = min(max(at, previous), cut)
+        for index, stage in enumerate(STAGES):  # in stage order, whatever order they were marked in
+            at = ends.get(stage)
+            if at is None:
+                durations[stage] = 0.0
+                continue
+            if at < previous:
+                at = previous
+            if at > cut:
+                at = cut
             durations[stage] = (at - previous) * 1000
-            previous, last_index = at, _STAGE_INDEX[stage]
-        under_way_index = last_index + 1
-        while under_way_index < len(STAGES) - 1 and STAGES[under_way_index] in _OPTIONAL_STAGES:
-            under_way_index += 1
-        under_way = STAGES[min(under_way_index, len(STAGES) - 1)]
-        durations[under_way] += (cut - previous) * 1000
-        if self.billing_started is not None:
-            durations["billing"] += max(0.0, done - cut) * 1000
+            previous, last_index = at, index
+        durations[_UNDER_WAY[last_index + 1]] += (cut - previous) * 1000
+        if self.billing_started is not None and done > cut:
+            durations["billing"] += (done - cut) * 1000
         return durations
 
     @property
