@@ -19,19 +19,16 @@ router touches a metric. Each server has its own CollectorRegistry.
 
 from __future__ import annotations
 
+import time
+from bisect import bisect_left
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, Protocol
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    PlatformCollector,
-    ProcessCollector,
-    generate_latest,
-)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 from tokenway.engine.stats import ClassStats, EngineStats
 from tokenway.observability.metrics_merge import merge_expositions
@@ -67,21 +64,94 @@ class ServedStats(Protocol):
 
 
 class Family:
-    """A labelled metric whose children are looked up once per label values: prometheus_client's
-    labels() checks and converts the values and takes the metric's lock on every call, and a call
-    observes some twenty children (bench/gateway_peers.sh: a tenth of the gateway's time)."""
+    """A labelled histogram or counter of the calls' figures, kept as plain numbers: one
+    child per label values, looked up in a dict, and an observation is a bisect and two
+    additions. prometheus_client's own metrics take a lock per addition and walk the buckets;
+    a call observes some twenty children, and that was a tenth of a gateway call's time
+    (bench/gateway_peers.sh). Observed from the event loop thread only (the Observer's); read
+    by `collect` at scrape time, which may see one call's figures half added."""
 
-    __slots__ = ("metric", "_children")
+    __slots__ = ("name", "doc", "labelnames", "buckets", "_children")
 
-    def __init__(self, metric: Counter | Histogram) -> None:
-        self.metric = metric
-        self._children: dict[tuple[str, ...], Any] = {}
+    def __init__(self, name: str, doc: str, labelnames: tuple[str, ...], buckets: tuple[float, ...] | None = None
+                 ) -> None:
+        if buckets is not None and list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"{name}: buckets must increase")
+        self.name, self.doc, self.labelnames, self.buckets = name, doc, labelnames, buckets
+        self._children: dict[tuple[str, ...], HistogramChild | CounterChild] = {}
 
     def labels(self, *values: str) -> Any:
         child = self._children.get(values)
         if child is None:
-            child = self._children[values] = self.metric.labels(*values)
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: {len(self.labelnames)} label values expected, got {len(values)}")
+            values = tuple(map(str, values))
+            child = self._children[values] = (CounterChild() if self.buckets is None
+                                              else HistogramChild(self.buckets))
         return child
+
+    def collect(self) -> Any:
+        """The family as prometheus_client exposes a Counter's or Histogram's, _created included."""
+        created = []
+        if self.buckets is None:
+            family: Any = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
+            for values, child in list(self._children.items()):
+                family.add_metric(values, child.value, created=child.created)
+            return family
+        family = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+        bounds = [*map(floatToGoString, self.buckets), "+Inf"]
+        for values, child in list(self._children.items()):
+            running, cumulative = 0, []
+            for bound, count in zip(bounds, child.counts):
+                running += count
+                cumulative.append((bound, float(running)))
+            family.add_metric(values, cumulative, child.sum)
+            created.append(Sample(self.name + "_created", dict(zip(self.labelnames, values)), child.created))
+        family.samples.extend(created)
+        return family
+
+
+class HistogramChild:
+    __slots__ = ("bounds", "counts", "sum", "created")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is +Inf's
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect_left(self.bounds, amount)] += 1  # the first bucket whose bound is >= amount
+        self.sum += amount
+
+
+class CounterChild:
+    __slots__ = ("value", "created")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError("counters can only be incremented by non-negative amounts")
+        self.value += amount
+
+
+class CallFamilies(Collector):
+    """The Families of Metrics, exposed from the server's registry."""
+
+    def __init__(self, families: list[Family]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator:
+        for family in self.families:
+            yield family.collect()
+
+    def describe(self) -> Iterator:
+        for family in self.families:
+            yield (CounterMetricFamily if family.buckets is None else HistogramMetricFamily)(family.name, family.doc,
+                                                                                            labels=family.labelnames)
 
 
 class Metrics:
@@ -93,11 +163,15 @@ class Metrics:
         self.peers: Callable[[], Awaitable[list[tuple[str, bytes]]]] | None = None
         self.worker_label = ""
 
+        families: list[Family] = []
+
         def histogram(name: str, doc: str, buckets: tuple, labels: tuple = ("model",)) -> Family:
-            return Family(Histogram(name, doc, labels, buckets=buckets, registry=r))
+            families.append(Family(name, doc, labels, buckets))
+            return families[-1]
 
         def counter(name: str, doc: str, labels: tuple = ("model",)) -> Family:
-            return Family(Counter(name, doc, labels, registry=r))
+            families.append(Family(name, doc, labels))
+            return families[-1]
 
         self.ttft = histogram("tokenway_time_to_first_token_seconds", "From request received to first token.",
                               LATENCY_BUCKETS)
@@ -141,6 +215,7 @@ class Metrics:
         self.routed_e2e = histogram("tokenway_routed_e2e_request_latency_seconds",
                                     "From request received to the last byte sent, by replica.", LATENCY_BUCKETS,
                                     ("pool", "replica"))
+        r.register(CallFamilies(families))
         if stats is not None:
             r.register(EngineCollector(lambda: stats().engine))
             r.register(ReplicaCollector(lambda: stats().replicas))
