@@ -108,6 +108,9 @@ def tier_multipliers(config: Mapping[str, float] | None) -> Mapping[str, float]:
     return multipliers
 
 
+FREE = ModelPrice()  # a model without a price (made once: every call of an unpriced model asks)
+
+
 class PriceTable:
     """Model name -> ModelPrice, and the multipliers that price a tier from the default price.
     A model without a price costs nothing (self-hosted default), at every tier."""
@@ -126,7 +129,7 @@ class PriceTable:
 
     def price(self, model: str, service_tier: str = "default") -> ModelPrice:
         """The model's price at a tier: its own for "default" (with its tiers' prices within)."""
-        price = self._model_to_price.get(model, ModelPrice())
+        price = self._model_to_price.get(model, FREE)
         if service_tier == "default":
             return price
         own = price.tiers.get(service_tier)

@@ -14,6 +14,8 @@ COLUMNS = ("request_id", "key_id", "model", "prompt_tokens", "cached_tokens", "c
            "finish_reason", "error", "status", "stages_ms", "started_at", "finished_at", "trace", "reasoning_tokens",
            "service_tier")
 JSON_COLUMNS = ("stages_ms", "trace")
+_STAGES_COLUMN, _TRACE_COLUMN = COLUMNS.index("stages_ms"), COLUMNS.index("trace")
+COMPACT = (",", ":")  # json.dumps separators
 
 
 @dataclass(slots=True)
@@ -39,6 +41,9 @@ class UsageRecord:
     trace: dict = field(default_factory=dict)
     reasoning_tokens: int = 0
     service_tier: str = "default"  # the tier the call ran at (gateway/tiers.py), which priced it
+    # The JSON columns (stages_ms, trace) as JSON text, compact and ASCII, made once with the
+    # row: its journal line and its SQLite row both use them. Not a column.
+    encoded_json: tuple[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Whatever text a client managed to put in (a lone surrogate in an echoed model name, a
@@ -49,7 +54,7 @@ class UsageRecord:
             self.finish_reason = storable_text(self.finish_reason)
         if self.error is not None:
             self.error = storable_text(self.error)
-        self.trace = storable(self.trace)
+        self.trace, trace_json = storable_json(self.trace)
         if not self.request_id:
             raise ValueError("request_id must not be empty")
         if min(self.prompt_tokens, self.cached_tokens, self.completion_tokens, self.reasoning_tokens) < 0:
@@ -61,9 +66,16 @@ class UsageRecord:
             raise ValueError(f"cost_usd must be finite and >= 0, got {self.cost_usd}")
         if not all(math.isfinite(ms) for ms in self.stages_ms.values()):
             raise ValueError("stages_ms values must be finite")
+        self.encoded_json = (json.dumps(self.stages_ms, separators=COMPACT), trace_json or compact_json(self.trace))
 
-    def to_row(self, encode_json: Callable[[dict], Any] = json.dumps) -> tuple:
-        """Values in COLUMNS order, the JSON columns encoded for the backend."""
+    def to_row(self, encode_json: Callable[[dict], Any] | None = None) -> tuple:
+        """Values in COLUMNS order, the JSON columns encoded for the backend (None: as the JSON
+        text they were encoded to once)."""
+        if encode_json is None:
+            stages_json, trace_json = self.encoded_json
+            return (*(getattr(self, name) for name in COLUMNS[:_STAGES_COLUMN]), stages_json,
+                    *(getattr(self, name) for name in COLUMNS[_STAGES_COLUMN + 1:_TRACE_COLUMN]), trace_json,
+                    *(getattr(self, name) for name in COLUMNS[_TRACE_COLUMN + 1:]))
         return tuple(encode_json(getattr(self, name)) if name in JSON_COLUMNS else getattr(self, name)
                      for name in COLUMNS)
 
@@ -87,12 +99,22 @@ def storable(value: Any) -> Any:
     """storable_text applied to every string (keys included) of a JSON-like value: the value
     itself where its JSON has no \\u escape (every string ASCII, with no NUL), as nearly every
     call's trace (one C-encoded pass instead of a call per field)."""
+    return storable_json(value)[0]
+
+
+def storable_json(value: Any) -> tuple[Any, str | None]:
+    """storable(value), and its compact JSON text where that was made on the way (None where not)."""
     try:
-        if "\\u" not in json.dumps(value):
-            return value
+        text = compact_json(value)
+        if "\\u" not in text:
+            return value, text
     except (TypeError, ValueError):
         pass  # not JSON-encodable as it is: the walk keeps what it can
-    return _storable(value)
+    return _storable(value), None
+
+
+def compact_json(value: Any) -> str:
+    return json.dumps(value, separators=COMPACT)
 
 
 def _storable(value: Any) -> Any:
