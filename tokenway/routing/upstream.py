@@ -79,6 +79,8 @@ logger = logging.getLogger(__name__)
 
 MAX_ERROR_BODY_BYTES = 64 * 1024
 MAX_JSON_BYTES = 64 * 2**20  # a worker's tokenizer files are the largest answer read whole
+MAX_KNOWN_TARGETS = 64  # paths whose pool and request target are kept, not parsed again each call
+_JSON_ANSWER = {"content-type": "application/json", "accept": "application/json"}
 DRAIN_SECONDS = 1.0  # after the last event, how long to wait for the body's end to keep the connection
 
 CountTokens = Callable[[GenerationJob, Sequence[str]], tuple[int, int]]
@@ -224,12 +226,16 @@ class UpstreamHTTP:
         self._limits = limits
         self._health_path = health_path if "://" in health_path else health_path.lstrip("/")
         self._pools: dict[str, ConnectionPool] = {}  # origin -> its connections
+        self._targets: dict[str, tuple[ConnectionPool, str]] = {}  # path -> _target(path) (emptied with _pools)
 
     def __repr__(self) -> str:
         return f"UpstreamHTTP(name={self.name!r}, base_url={self.base_url!r})"
 
     def _target(self, path: str) -> tuple[ConnectionPool, str]:
         """The pool and request target of a path under base_url (or of a full URL)."""
+        known = self._targets.get(path)
+        if known is not None:
+            return known
         parts = urlsplit(path if "://" in path else self.base_url + path)
         origin = f"{parts.scheme}://{parts.netloc}"
         pool = self._pools.get(origin)
@@ -238,17 +244,23 @@ class UpstreamHTTP:
             pool = self._pools[origin] = ConnectionPool(
                 origin, max_connections=limits.max_connections, max_keepalive=limits.max_keepalive_connections,
                 keepalive_expiry=limits.keepalive_expiry, connect_timeout=self.timeouts.connect)
-        return pool, (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        target = pool, (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        if len(self._targets) < MAX_KNOWN_TARGETS:
+            self._targets[path] = target
+        return target
+
+    def _headers_with(self, headers: Mapping[str, str]) -> dict[str, str]:
+        # identity: this client does not decompress, and a compressed stream would arrive in batches
+        return {**self._headers, "accept-encoding": "identity", "user-agent": "tokenway", **headers}
 
     async def _request(self, method: str, path: str, headers: Mapping[str, str], body: bytes | None,
                        until: float, deadline: float | None) -> Response:
         pool, target = self._target(path)
-        # identity: this client does not decompress, and a compressed stream would arrive in batches
-        headers = {**self._headers, "accept-encoding": "identity", "user-agent": "tokenway", **headers}
+        headers = self._headers_with(headers)
         return await self._within(lambda: pool.request(method, target, headers, body), until, deadline)
 
     async def aclose(self) -> None:
-        pools, self._pools = self._pools, {}
+        pools, self._pools, self._targets = self._pools, {}, {}
         for pool in pools.values():
             await pool.aclose()
 
@@ -318,16 +330,25 @@ class UpstreamHTTP:
         if deadline is None and timeouts.total is not None:
             deadline = started + timeouts.total
         until = min(started + timeouts.whole_answer, math.inf if deadline is None else deadline)
-        response = await self._request(
-            "POST", path, {"content-type": "application/json", "accept": "application/json"}, _json_bytes(body),
-            until, deadline)
+        pool, target = self._target(path)
+        headers, request_body = self._headers_with(_JSON_ANSWER), _json_bytes(body)
         max_bytes = self._limits.max_answer_bytes
-        try:
+
+        async def answer() -> tuple[Response, bytes | None]:  # the request and its answer, under one timeout
+            response = await pool.request("POST", target, headers, request_body)
             if response.status >= 300:
+                return response, None  # an error: its body is read below, under an error's own time
+            try:
+                return response, await response.read(max_bytes + 1)
+            finally:
+                await response.aclose()
+
+        response, data = await self._within(answer, until, deadline)
+        if data is None:
+            try:
                 raise await self._error(response, deadline)
-            data = await self._within(lambda: response.read(max_bytes + 1), until, deadline)
-        finally:
-            await response.aclose()
+            finally:
+                await response.aclose()
         if len(data) > max_bytes:
             raise BadGatewayError(f"Upstream {self.name} answered with more than {max_bytes} bytes "
                                   f"(max_answer_bytes); the call was ended.")
