@@ -311,3 +311,21 @@ def test_a_client_that_leaves_mid_stream_aborts_the_upstream_request(gateway):
     while server.stats()["replicas"]["solo"]["oa"]["num_in_flight"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.stats()["replicas"]["solo"]["oa"]["num_in_flight"] == 0
+
+
+def test_a_client_that_leaves_before_a_whole_answer_aborts_the_upstream_request(gateway):
+    # Not streamed: the gateway waits for one JSON answer, and hears of the client leaving from
+    # its own connection (no read of the client is pending then).
+    server, oa, _ = gateway
+    oa.script(Reply(headers={"content-type": "application/json"}, hang_before_headers=True))
+    num_disconnects = oa.num_disconnects
+    body = {"model": "solo", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=0.5)
+    left = time.monotonic()
+    assert oa.wait_for(lambda: oa.num_disconnects > num_disconnects, timeout=5)
+    assert time.monotonic() - left < 1.5  # the client leaving ended it, not timeout_s = 3
+    deadline = time.monotonic() + 5
+    while server.stats()["replicas"]["solo"]["oa"]["num_in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.stats()["replicas"]["solo"]["oa"]["num_in_flight"] == 0

@@ -17,12 +17,14 @@ before it becomes the oldest. Only when every connection is active is a new one 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import resource
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -256,3 +258,39 @@ class ConnectionTable:
                            "refused so far", self.num_connections, self.max_connections,
                            self.max_connections_per_client, self.max_opening_connections, self.num_evicted,
                            self.num_refused)
+
+
+# The scope key of a request's Disconnection, where the server that read it keeps one
+# (server/uvicorn_server.py's protocol); an ASGI server without one leaves it out.
+DISCONNECTION = "tokenway.disconnection"
+
+
+class Disconnection:
+    """A request's connection, as a handler watches it without a task of its own: `watch`
+    runs a callback once the connection is lost before the response is complete (soon, if it
+    already was). The protocol `fire`s it from connection_lost; an ASGI app otherwise learns
+    of it only by a receive() that returns http.disconnect, which takes a task waiting on it."""
+
+    __slots__ = ("_callbacks", "lost")
+
+    def __init__(self) -> None:
+        self._callbacks: list[Callable[[], None]] = []
+        self.lost = False
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        if self.lost:
+            asyncio.get_running_loop().call_soon(callback)
+        else:
+            self._callbacks.append(callback)
+
+    def unwatch(self, callback: Callable[[], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._callbacks.remove(callback)
+
+    def fire(self) -> None:
+        if self.lost:
+            return
+        self.lost = True
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()

@@ -17,6 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from tokenway.protocol.errors import UnsupportedMediaTypeError, truncate
 from tokenway.server.body_parser import BodyParser
+from tokenway.server.connections import DISCONNECTION, Disconnection
 
 T = TypeVar("T", bound=pydantic.BaseModel)
 R = TypeVar("R")
@@ -73,19 +74,29 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 async def unless_disconnected(request: Request, work: Awaitable[R]) -> R:
     """Await `work`; if the client disconnects first, cancel it (which aborts its engine
     requests) and raise ClientDisconnected. `work` runs in the caller's task, not one of its own:
-    a call's body is made without a task switch, and only the watcher waits beside it."""
+    a call's body is made without a task switch. The server's protocol says when the connection
+    is lost (a Disconnection in the scope); under another ASGI server a watcher task waits for
+    receive() to say so."""
     task = asyncio.current_task()
     assert task is not None, "awaited in a task"
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
     disconnected = False
 
-    def on_disconnect(done: asyncio.Future) -> None:
+    def on_disconnect() -> None:
         nonlocal disconnected
-        if not done.cancelled():
-            disconnected = True
-            task.cancel()  # raised at work's await, wherever it has got to
+        disconnected = True
+        task.cancel()  # raised at work's await, wherever it has got to
 
-    watcher.add_done_callback(on_disconnect)
+    def on_watcher_done(done: asyncio.Future) -> None:
+        if not done.cancelled():
+            on_disconnect()
+
+    disconnection: Disconnection | None = request.scope.get(DISCONNECTION)
+    watcher: asyncio.Future | None = None
+    if disconnection is not None:
+        disconnection.watch(on_disconnect)
+    else:
+        watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+        watcher.add_done_callback(on_watcher_done)
     try:
         return await work
     except asyncio.CancelledError:
@@ -93,8 +104,11 @@ async def unless_disconnected(request: Request, work: Awaitable[R]) -> R:
             raise ClientDisconnected() from None  # our cancel, and no one else's is pending
         raise
     finally:
-        watcher.remove_done_callback(on_disconnect)
-        watcher.cancel()
+        if disconnection is not None:
+            disconnection.unwatch(on_disconnect)
+        if watcher is not None:
+            watcher.remove_done_callback(on_watcher_done)
+            watcher.cancel()
 
 
 class EventStreamResponse(StreamingResponse):

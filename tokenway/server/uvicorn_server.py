@@ -34,7 +34,13 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from tokenway.protocol.errors import InvalidRequestError, ServiceUnavailableError, TokenwayError, openai_error_body
-from tokenway.server.connections import ConnectionPolicy, ConnectionTable, raise_fd_limit
+from tokenway.server.connections import (
+    DISCONNECTION,
+    ConnectionPolicy,
+    ConnectionTable,
+    Disconnection,
+    raise_fd_limit,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -220,7 +226,12 @@ class GuardedHttpToolsProtocol(JSONErrorsHttpToolsProtocol):
                 timer.cancel()
         self._head_timer = self._body_timer = None
         if not self._opening:
+            cycle = self.cycle
             super().connection_lost(exc)
+            if cycle is not None and cycle.disconnected:  # lost before its response was complete
+                disconnection = cycle.scope.get(DISCONNECTION)
+                if disconnection is not None:
+                    disconnection.fire()
 
     def evict(self) -> None:
         """The table closes this connection: to make room, or at the header timeout."""
@@ -291,8 +302,10 @@ class GuardedHttpToolsProtocol(JSONErrorsHttpToolsProtocol):
         existing_cycle = self.cycle
         super().on_headers_complete()
         cycle = self.cycle
-        if cycle is not None and cycle is not existing_cycle and self.scope["method"] != "HEAD":  # HEAD: no body
-            cycle.transport = HeadWithBody(self.transport)  # pyright: ignore[reportAttributeAccessIssue]
+        if cycle is not None and cycle is not existing_cycle:
+            cycle.scope[DISCONNECTION] = Disconnection()  # pyright: ignore[reportGeneralTypeIssues]
+            if self.scope["method"] != "HEAD":  # HEAD: no body
+                cycle.transport = HeadWithBody(self.transport)  # pyright: ignore[reportAttributeAccessIssue]
 
     def _head_too_large(self) -> InvalidRequestError:
         return InvalidRequestError(f"The request head is larger than {self._guard.policy.max_head_bytes} bytes.",
