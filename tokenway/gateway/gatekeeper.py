@@ -45,7 +45,15 @@ from tokenway.gateway.budgets import (
 )
 from tokenway.gateway.call import Call, CallOutcome
 from tokenway.gateway.keystore import KeyStore
-from tokenway.gateway.limits import CONCURRENCY_RETRY_S, Decision, Limiter, LimitSpec, LimitsUnavailable, Reservation
+from tokenway.gateway.limits import (
+    CONCURRENCY_RETRY_S,
+    Decision,
+    InProcessLimiter,
+    Limiter,
+    LimitSpec,
+    LimitsUnavailable,
+    Reservation,
+)
 from tokenway.gateway.outage import StoreGuard
 from tokenway.gateway.shares import BatchShare, batch_spend_seed
 from tokenway.gateway.tiers import DEFAULT_GRANT, TierAsk, call_tier, granted_tiers, resolve
@@ -128,6 +136,12 @@ class Gatekeeper:
         # round trip, not two, and a refused call holds nothing even for a moment.
         self.joint = self.budgets.joint_with(limiter)
         self.guard = StoreGuard(limits_on_error)
+        # Both stores in this process (exactly those classes: they settle without waiting and
+        # are never down): a call's settlement runs in line, not as a task of its own.
+        store = self.budgets
+        self._in_line: tuple[InProcessLimiter, InProcessBudgets] | None = (
+            (limiter, store) if type(limiter) is InProcessLimiter and type(store) is InProcessBudgets
+            else None)
 
     # -- who -------------------------------------------------------------------------
 
@@ -317,6 +331,13 @@ class Gatekeeper:
         if reservation is None and admission.budget is None:
             return
         used_tokens = outcome.prompt_tokens + outcome.completion_tokens
+        if self._in_line is not None:
+            limiter, budgets = self._in_line
+            if admission.budget is not None:
+                budgets.settle_now(admission.budget, nanos_up(cost))
+            if reservation is not None:
+                limiter.reconcile_now(reservation, used_tokens)
+            return
         self.guard.spawn(self._settle_stores(reservation, used_tokens, admission.budget, nanos_up(cost)))
 
     async def _settle_stores(self, reservation: Reservation | None, used_tokens: int,
