@@ -78,7 +78,7 @@ class Family:
         if buckets is not None and list(buckets) != sorted(set(buckets)):
             raise ValueError(f"{name}: buckets must increase")
         self.name, self.doc, self.labelnames, self.buckets = name, doc, labelnames, buckets
-        self._children: dict[tuple[str, ...], HistogramChild | CounterChild] = {}
+        self._children: dict[tuple[str, ...], Any] = {}  # a HistogramChild each, or a CounterChild each
 
     def labels(self, *values: str) -> Any:
         child = self._children.get(values)
