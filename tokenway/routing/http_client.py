@@ -105,7 +105,7 @@ class Response:
         self._closed = False
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        parser, reader = self._parser, self._connection.reader
+        parser = self._parser
         while True:
             if parser.body:
                 pieces, parser.body = parser.body, []
@@ -113,25 +113,37 @@ class Response:
                     yield piece
             if parser.complete:
                 return
-            try:
-                data = await reader.read(READ_BYTES)
-            except OSError as exc:
-                raise HTTPError(f"the connection failed mid-answer: {exc}") from None
-            if not data:
-                if self._until_close:
-                    parser.complete = True  # and keep_alive stays False: the connection is spent
-                    return
-                raise HTTPError("the upstream closed the connection mid-answer")
-            parser.feed(data)
+            await self._receive()
 
     async def read(self, limit: int) -> bytes:
-        """The body, up to `limit` bytes (the rest is not read)."""
+        """The body, up to `limit` bytes (the rest is not read). The loop of chunks(), without an
+        async generator: a JSON answer is read whole on every call."""
+        parser = self._parser
         body = bytearray()
-        async for chunk in self.chunks():
-            body += chunk
-            if len(body) >= limit:
-                break
-        return bytes(body[:limit])
+        while True:
+            if parser.body:
+                pieces, parser.body = parser.body, []
+                for piece in pieces:
+                    body += piece
+                    if len(body) >= limit:
+                        return bytes(body[:limit])
+            if parser.complete:
+                return bytes(body)
+            await self._receive()
+
+    async def _receive(self) -> None:
+        """The next bytes of the answer, fed to the parser (the end of a body that runs until
+        the connection closes completes it)."""
+        try:
+            data = await self._connection.reader.read(READ_BYTES)
+        except OSError as exc:
+            raise HTTPError(f"the connection failed mid-answer: {exc}") from None
+        if not data:
+            if self._until_close:
+                self._parser.complete = True  # and keep_alive stays False: the connection is spent
+                return
+            raise HTTPError("the upstream closed the connection mid-answer")
+        self._parser.feed(data)
 
     async def aclose(self) -> None:
         if self._closed:
