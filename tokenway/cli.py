@@ -127,7 +127,7 @@ SERVE_OPTIONS = {
 
 # The cyclic collector's thresholds while serving. A call allocates some thousand container
 # objects and frees nearly all of them by reference counting, so at Python's default (700) the
-# youngest generation was collected ~250 times a second under load, and after the start-up
+# youngest generation was collected ~190 times a second under load, and after the start-up
 # freeze every tenth collection of the middle one was a full one (the traces' ring and what else
 # lives past a call: ~17 ms each, twice a second). With 10,000 the collector took 175 ms of 13 s
 # at ~1,450 calls/s against 870 ms (bench/RESULTS.md), and a full collection comes every ~40 s.
