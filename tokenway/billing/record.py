@@ -14,8 +14,6 @@ COLUMNS = ("request_id", "key_id", "model", "prompt_tokens", "cached_tokens", "c
            "finish_reason", "error", "status", "stages_ms", "started_at", "finished_at", "trace", "reasoning_tokens",
            "service_tier")
 JSON_COLUMNS = ("stages_ms", "trace")
-_STAGES_COLUMN, _TRACE_COLUMN = COLUMNS.index("stages_ms"), COLUMNS.index("trace")
-COMPACT = (",", ":")  # json.dumps separators
 
 
 @dataclass(slots=True)
@@ -66,16 +64,14 @@ class UsageRecord:
             raise ValueError(f"cost_usd must be finite and >= 0, got {self.cost_usd}")
         if not all(math.isfinite(ms) for ms in self.stages_ms.values()):
             raise ValueError("stages_ms values must be finite")
-        self.encoded_json = (json.dumps(self.stages_ms, separators=COMPACT), trace_json or compact_json(self.trace))
+        self.encoded_json = (compact_json(self.stages_ms), trace_json or compact_json(self.trace))
 
     def to_row(self, encode_json: Callable[[dict], Any] | None = None) -> tuple:
         """Values in COLUMNS order, the JSON columns encoded for the backend (None: as the JSON
         text they were encoded to once)."""
         if encode_json is None:
-            stages_json, trace_json = self.encoded_json
-            return (*(getattr(self, name) for name in COLUMNS[:_STAGES_COLUMN]), stages_json,
-                    *(getattr(self, name) for name in COLUMNS[_STAGES_COLUMN + 1:_TRACE_COLUMN]), trace_json,
-                    *(getattr(self, name) for name in COLUMNS[_TRACE_COLUMN + 1:]))
+            encoded = dict(zip(JSON_COLUMNS, self.encoded_json))
+            return tuple(encoded[name] if name in JSON_COLUMNS else getattr(self, name) for name in COLUMNS)
         return tuple(encode_json(getattr(self, name)) if name in JSON_COLUMNS else getattr(self, name)
                      for name in COLUMNS)
 
@@ -95,15 +91,11 @@ def storable_text(text: str) -> str:
     return text.replace("\x00", "\\x00") if "\x00" in text else text
 
 
-def storable(value: Any) -> Any:
+def storable_json(value: Any) -> tuple[Any, str | None]:
     """storable_text applied to every string (keys included) of a JSON-like value: the value
     itself where its JSON has no \\u escape (every string ASCII, with no NUL), as nearly every
-    call's trace (one C-encoded pass instead of a call per field)."""
-    return storable_json(value)[0]
-
-
-def storable_json(value: Any) -> tuple[Any, str | None]:
-    """storable(value), and its compact JSON text where that was made on the way (None where not)."""
+    call's trace (one C-encoded pass instead of a call per field); and that compact JSON text,
+    where it was made on the way (None where not)."""
     try:
         text = compact_json(value)
         if "\\u" not in text:
@@ -114,7 +106,7 @@ def storable_json(value: Any) -> tuple[Any, str | None]:
 
 
 def compact_json(value: Any) -> str:
-    return json.dumps(value, separators=COMPACT)
+    return json.dumps(value, separators=(",", ":"))
 
 
 def _storable(value: Any) -> Any:
