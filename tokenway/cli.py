@@ -617,6 +617,7 @@ def build_gatekeeper(options: dict, registry=None, slot: WorkerSlot | None = Non
     from tokenway.gateway.extras import missing_package
     from tokenway.gateway.gatekeeper import Defaults, Gatekeeper
     from tokenway.gateway.keystore import KeyStore, KeyStoreUnavailable
+    from tokenway.gateway.leases import LeasedLimiter
     from tokenway.gateway.limits import make_limiter
     from tokenway.gateway.shares import BatchShare, batch_spend_seed
     from tokenway.gateway.tiers import DEFAULT_GRANT
@@ -644,7 +645,8 @@ def build_gatekeeper(options: dict, registry=None, slot: WorkerSlot | None = Non
     counters = CounterClient(slot.counters_path) if slot is not None and slot.counters else None
     return Gatekeeper(
         keys=keys,
-        limiter=RemoteLimiter(counters) if counters is not None else make_limiter(options["limits_url"]),
+        limiter=LeasedLimiter(RemoteLimiter(counters)) if counters is not None
+        else make_limiter(options["limits_url"]),
         ledger=ledger,
         prices=registry.price_table(options["prices"], options["tier_price_multipliers"]) if registry is not None
         else PriceTable.from_config(options["prices"] or {}, options["tier_price_multipliers"]),

@@ -47,7 +47,15 @@ from tokenway.gateway.budgets import (
     InProcessBudgets,
     SeedUnavailable,
 )
-from tokenway.gateway.limits import Decision, InProcessLimiter, Limiter, LimitSpec, LimitsUnavailable, Reservation
+from tokenway.gateway.limits import (
+    Decision,
+    InProcessLimiter,
+    Lease,
+    Limiter,
+    LimitSpec,
+    LimitsUnavailable,
+    Reservation,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +171,13 @@ class CounterServer:
             return None
         if op == "headers":
             return self.limiter.headers_now(args[0], LimitSpec(*args[1]))
+        if op == "lease":
+            key_id, spec, want_requests, want_tokens, min_tokens = args
+            lease = self.limiter.lease_now(key_id, LimitSpec(*spec), want_requests, want_tokens, min_tokens)
+            return _row(lease) if lease is not None else None
+        if op == "settle_lease":
+            self.limiter.settle_lease_now(*args)
+            return None
         if op == "reserve":
             decision = self.budgets.reserve_now(*args)
             return _LATER if decision is None else _budget_row(decision)
@@ -366,6 +381,15 @@ class RemoteLimiter:
 
     async def headers(self, key_id: str, spec: LimitSpec) -> dict[str, str]:
         return await self.client.call("headers", [key_id, _spec_row(spec)])
+
+    async def lease(self, key_id: str, spec: LimitSpec, want_requests: int, want_tokens: int,
+                    min_tokens: int) -> Lease | None:
+        """InProcessLimiter.lease_now at the owner."""
+        row = await self.client.call("lease", [key_id, _spec_row(spec), want_requests, want_tokens, min_tokens])
+        return Lease(*row) if row is not None else None
+
+    async def settle_lease(self, key_id: str, lease_id: str, num_requests: int, num_tokens: int) -> None:
+        await self.client.send("settle_lease", [key_id, lease_id, num_requests, num_tokens])
 
     async def close(self) -> None:
         await self.client.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenway.billing.ledger import Ledger, UsageRecord
@@ -142,6 +143,10 @@ class Gatekeeper:
         self._in_line: tuple[InProcessLimiter, InProcessBudgets] | None = (
             (limiter, store) if type(limiter) is InProcessLimiter and type(store) is InProcessBudgets
             else None)
+        # A limiter that reconciles some of its calls in line (leases.py: those admitted from a
+        # lease); it says which.
+        self._reconcile_in_line: Callable[[Reservation, int], bool] | None = getattr(
+            limiter, "reconcile_in_line", None)
 
     # -- who -------------------------------------------------------------------------
 
@@ -338,6 +343,11 @@ class Gatekeeper:
             if reservation is not None:
                 limiter.reconcile_now(reservation, used_tokens)
             return
+        if reservation is not None and self._reconcile_in_line is not None \
+                and self._reconcile_in_line(reservation, used_tokens):
+            reservation = None
+            if admission.budget is None:
+                return
         self.guard.spawn(self._settle_stores(reservation, used_tokens, admission.budget, nanos_up(cost)))
 
     async def _settle_stores(self, reservation: Reservation | None, used_tokens: int,

@@ -20,13 +20,22 @@ A key's batch share (gateway/shares.py) is a second such state beside the key's 
 admitted with `share` (a batch line) is checked against both and recorded in both, or in
 neither, in the same atomic step, and reconciled in both. So its class never holds more than
 the share's limits, and the key's other calls always find the rest of its own.
+
+A lease (InProcessLimiter.lease_now; gateway/leases.py) is a slice of a key's window held for
+one of --workers N, which admits calls from it on its own until the lease's time is up: it
+counts as `num_requests` requests and `num_tokens` tokens admitted at the last moment it may
+be used (granted + lease_s), so every call admitted from it is counted at least as long as if
+it had been admitted here, and the invariants above still hold. When its time is up the worker
+settles it to what its calls used (settle_lease_now), and the rest is free again.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -34,6 +43,10 @@ from tokenway.ids import random_hex
 
 NUM_DAY_BUCKETS = 1440
 MAX_RETRY_AFTER_S = 120.0
+# A lease lasts this long, and holds at most this part of any of its key's limits: what the
+# workers' leases keep from each other's calls while they last is bounded by both.
+LEASE_S = 1.0
+LEASE_PART = 16
 # A slot frees when some request ends, which can't be foreseen: this is a hint, not a promise.
 CONCURRENCY_RETRY_S = 1.0
 
@@ -79,6 +92,23 @@ class Decision:
     retry_after_s: float | None
     headers: dict[str, str]
     by_share: bool = False  # when refused: the key's batch share refused it, not the key's own limits
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A slice of one key's limits, granted to one worker (lease_now): it may admit calls from it
+    on its own, up to `num_requests` of them holding at most `num_tokens` tokens together, for
+    `valid_for_s` from before it asked."""
+
+    key_id: str
+    lease_id: str
+    num_requests: int
+    num_tokens: int
+    valid_for_s: float
+    window_us: int
+    # The key's window as the grant found it, the lease not counted: the worker's headers start from it.
+    num_window_requests: int
+    num_window_tokens: int
 
 
 class LimitsUnavailable(Exception):
@@ -220,6 +250,15 @@ class _Held:
 
 
 @dataclass(slots=True)
+class _Lease:
+    t_us: int  # the last moment a worker may admit from it: it counts as admitted then
+    num_tokens: int  # granted until settled, then what its calls used
+    num_requests: int
+    lease_id: str
+    bucket: _DayBucket
+
+
+@dataclass(slots=True)
 class _KeyState:
     window: deque[_Admission] = field(default_factory=deque)  # oldest first
     num_window_tokens: int = 0  # == sum of window's num_tokens
@@ -228,14 +267,33 @@ class _KeyState:
     rid_to_held: dict[str, _Held] = field(default_factory=dict)  # in flight
     # (expires_us, reservation_id) in admission order; entries already reconciled are skipped lazily.
     expiry_order: deque[tuple[int, str]] = field(default_factory=deque)
+    # Leases in the window, oldest first (all last lease_s: in the order granted); their tokens
+    # are in num_window_tokens and their day bucket's, their requests here.
+    leases: deque[_Lease] = field(default_factory=deque)
+    id_to_lease: dict[str, _Lease] = field(default_factory=dict)
+    num_lease_requests: int = 0
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.window) + self.num_lease_requests
+
+    def entries(self) -> Iterator[_Admission | _Lease]:
+        """The window's admissions and leases together, oldest first."""
+        if not self.leases:
+            return iter(self.window)
+        return heapq.merge(self.window, self.leases, key=lambda entry: entry.t_us)
 
 
 class InProcessLimiter:
     """The embedded backend: one _KeyState per key, and one per key's batch share. Atomic within
     one event loop because no method awaits between reading and writing the state (not thread-safe)."""
 
-    def __init__(self, *, window_s: float = 60.0, day_s: float = 86400.0, reservation_ttl_s: float = 600.0):
+    def __init__(self, *, window_s: float = 60.0, day_s: float = 86400.0, reservation_ttl_s: float = 600.0,
+                 lease_s: float = LEASE_S):
         self.windows = Windows.from_seconds(window_s, day_s, reservation_ttl_s)
+        if not lease_s > 0:
+            raise ValueError("lease_s must be positive")
+        self.lease_s = lease_s
         self._key_to_state: dict[str, _KeyState] = {}
         self._key_to_share: dict[str, _KeyState] = {}
 
@@ -273,13 +331,72 @@ class InProcessLimiter:
         admission = _Admission(now, reserve_tokens)
         state.window.append(admission)
         state.num_window_tokens += reserve_tokens
-        index = now // self.windows.bucket_us
-        if not state.day or state.day[-1].index != index:
-            state.day.append(_DayBucket(index, 0))
-        state.day[-1].num_tokens += reserve_tokens
-        state.num_day_tokens += reserve_tokens
-        state.rid_to_held[reservation.reservation_id] = _Held(admission, state.day[-1], reserve_tokens)
+        bucket = self._day_bucket(state, now, reserve_tokens)
+        state.rid_to_held[reservation.reservation_id] = _Held(admission, bucket, reserve_tokens)
         state.expiry_order.append((now + self.windows.reservation_ttl_us, reservation.reservation_id))
+
+    def _day_bucket(self, state: _KeyState, t_us: int, num_tokens: int) -> _DayBucket:
+        """Counts num_tokens in the day bucket of t_us, or in the newest if that is later (a
+        lease's: counted a little longer, never shorter)."""
+        index = t_us // self.windows.bucket_us
+        if not state.day or state.day[-1].index < index:
+            state.day.append(_DayBucket(index, 0))
+        bucket = state.day[-1]
+        bucket.num_tokens += num_tokens
+        state.num_day_tokens += num_tokens
+        return bucket
+
+    def lease_now(self, key_id: str, spec: LimitSpec, want_requests: int, want_tokens: int,
+                  min_tokens: int) -> Lease | None:
+        """Up to want_requests requests and want_tokens tokens of the key's limits, held for one
+        worker for lease_s; at most 1/LEASE_PART of each limit, and only what is free now. None
+        where less than one request and min_tokens tokens would be granted, and for a key with a
+        concurrency limit (a leased call holds no slot here): that worker asks call by call."""
+        if want_requests < 1 or want_tokens < min_tokens or min_tokens < 0:
+            raise ValueError(f"a lease of {want_requests} requests and {want_tokens} tokens (at least {min_tokens})")
+        if spec.max_concurrent is not None:
+            return None
+        now = time.monotonic_ns() // 1000
+        state = self._key_to_state.setdefault(key_id, _KeyState())
+        self._prune(state, now)
+        num_requests, num_tokens = want_requests, want_tokens
+        if spec.rpm is not None:
+            num_requests = min(num_requests, spec.rpm // LEASE_PART, spec.rpm - state.num_requests)
+        for limit, used in ((spec.tpm, state.num_window_tokens), (spec.tpd, state.num_day_tokens)):
+            if limit is not None:
+                num_tokens = min(num_tokens, limit // LEASE_PART, limit - used)
+        if num_requests < 1 or num_tokens < min_tokens:
+            return None
+        lease = Lease(key_id, random_hex(), num_requests, num_tokens, self.lease_s, self.windows.window_us,
+                      state.num_requests, state.num_window_tokens)
+        t_us = now + round(self.lease_s * 1e6)
+        entry = _Lease(t_us, num_tokens, num_requests, lease.lease_id, self._day_bucket(state, t_us, num_tokens))
+        state.leases.append(entry)
+        state.id_to_lease[lease.lease_id] = entry
+        state.num_lease_requests += num_requests
+        state.num_window_tokens += num_tokens
+        return lease
+
+    def settle_lease_now(self, key_id: str, lease_id: str, num_requests: int, num_tokens: int) -> None:
+        """A lease's figures become what its calls used: num_requests admitted from it, holding
+        num_tokens (reserved while in flight, used once done). Sent again as they change."""
+        if num_requests < 0 or num_tokens < 0:
+            raise ValueError(f"a lease settles to {num_requests} requests and {num_tokens} tokens")
+        state = self._key_to_state.get(key_id)
+        if state is None:
+            return
+        now = time.monotonic_ns() // 1000
+        self._prune(state, now)
+        entry = state.id_to_lease.get(lease_id)
+        if entry is None:  # out of the window already
+            return
+        state.num_lease_requests += num_requests - entry.num_requests
+        delta = num_tokens - entry.num_tokens
+        state.num_window_tokens += delta
+        if entry.bucket.index > now // self.windows.bucket_us - NUM_DAY_BUCKETS:
+            state.num_day_tokens += delta
+        entry.bucket.num_tokens += delta
+        entry.num_requests, entry.num_tokens = num_requests, num_tokens
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
         self.reconcile_now(reservation, used_tokens)
@@ -325,6 +442,11 @@ class InProcessLimiter:
         window_start = now - self.windows.window_us  # in the window: t_us > window_start
         while state.window and state.window[0].t_us <= window_start:
             state.num_window_tokens -= state.window.popleft().num_tokens
+        while state.leases and state.leases[0].t_us <= window_start:
+            lease = state.leases.popleft()
+            del state.id_to_lease[lease.lease_id]
+            state.num_window_tokens -= lease.num_tokens
+            state.num_lease_requests -= lease.num_requests
         first_live_bucket = now // self.windows.bucket_us - NUM_DAY_BUCKETS + 1
         while state.day and state.day[0].index < first_live_bucket:
             state.num_day_tokens -= state.day.popleft().num_tokens
@@ -347,12 +469,20 @@ class InProcessLimiter:
                 worst = (wait_us, kind)
 
         windows = self.windows
-        if spec.rpm is not None and len(state.window) >= spec.rpm:
-            # Admissible once the (len - rpm + 1) oldest have left.
-            fail("requests", state.window[len(state.window) - spec.rpm].t_us + windows.window_us - now)
+        if spec.rpm is not None and state.num_requests >= spec.rpm:
+            # Admissible once the (num_requests - rpm + 1) oldest have left.
+            if not state.leases:
+                fail("requests", state.window[len(state.window) - spec.rpm].t_us + windows.window_us - now)
+            else:
+                num_to_leave, num_left = state.num_requests - spec.rpm + 1, 0
+                for entry in state.entries():
+                    num_left += entry.num_requests if isinstance(entry, _Lease) else 1
+                    if num_left >= num_to_leave:
+                        fail("requests", entry.t_us + windows.window_us - now)
+                        break
         if spec.tpm is not None and state.num_window_tokens + reserve_tokens > spec.tpm:
             num_to_free, num_freed = state.num_window_tokens + reserve_tokens - spec.tpm, 0
-            for admission in state.window:
+            for admission in state.entries():
                 num_freed += admission.num_tokens
                 if num_freed >= num_to_free:
                     fail("tokens", admission.t_us + windows.window_us - now)
@@ -369,12 +499,15 @@ class InProcessLimiter:
         return None if worst is None else Refusal(worst[1], worst[0], by_share)
 
     def _window_state(self, state: _KeyState, now: int) -> WindowState:
-        requests_reset_us = state.window[-1].t_us + self.windows.window_us - now if state.window else 0
+        window_us = self.windows.window_us
+        newest = max(state.window[-1].t_us if state.window else 0, state.leases[-1].t_us if state.leases else 0)
+        requests_reset_us = newest + window_us - now if newest else 0
         tokens_reset_us = 0
         if state.num_window_tokens > 0:
-            newest_with_tokens = next(a for a in reversed(state.window) if a.num_tokens > 0)
-            tokens_reset_us = newest_with_tokens.t_us + self.windows.window_us - now
-        return WindowState(len(state.window), requests_reset_us, state.num_window_tokens, tokens_reset_us)
+            newest = max(next((a.t_us for a in reversed(state.window) if a.num_tokens > 0), 0),
+                         next((a.t_us for a in reversed(state.leases) if a.num_tokens > 0), 0))
+            tokens_reset_us = newest + window_us - now
+        return WindowState(state.num_requests, requests_reset_us, state.num_window_tokens, tokens_reset_us)
 
 
 def limits_backend(url: str | None) -> str:
