@@ -617,7 +617,7 @@ def build_gatekeeper(options: dict, registry=None, slot: WorkerSlot | None = Non
     from tokenway.gateway.extras import missing_package
     from tokenway.gateway.gatekeeper import Defaults, Gatekeeper
     from tokenway.gateway.keystore import KeyStore, KeyStoreUnavailable
-    from tokenway.gateway.leases import LeasedLimiter
+    from tokenway.gateway.leases import LeasedBudgets, LeasedLimiter
     from tokenway.gateway.limits import make_limiter
     from tokenway.gateway.shares import BatchShare, batch_spend_seed
     from tokenway.gateway.tiers import DEFAULT_GRANT
@@ -652,7 +652,7 @@ def build_gatekeeper(options: dict, registry=None, slot: WorkerSlot | None = Non
         else PriceTable.from_config(options["prices"] or {}, options["tier_price_multipliers"]),
         defaults=defaults,
         host=options["host"],
-        budgets=RemoteBudgets(counters) if counters is not None
+        budgets=LeasedBudgets(RemoteBudgets(counters)) if counters is not None
         else make_budgets(options["limits_url"], ledger.spend_usd, batch_spend_seed(ledger)),
         limits_on_error=options["limits_on_error"],
     )

@@ -71,12 +71,13 @@ def upstream():
     server.shutdown()
 
 
-def start_gateway(folder, upstream_port: int, num_workers: int, *extra: str, **key_limits: list[str]):
+def start_gateway(folder, upstream_port: int, num_workers: int, *extra: str, config_extra: str = "",
+                  **key_limits: list[str]):
     """A gateway-only `tokenway serve --workers N` and its keys (name -> limit flags)."""
     config = folder / "gateway.toml"
     config.write_text(f'[[models]]\nname = "{MODEL}"\ncontext_window = 8192\n  [[models.replicas]]\n'
                       f'  kind = "openai"\n  url = "http://127.0.0.1:{upstream_port}/v1"\n'
-                      f'  model = "{MODEL}"\n')
+                      f'  model = "{MODEL}"\n' + config_extra)
     db = folder / "keys.db"
 
     def create_key(limits: list[str]) -> str:
@@ -148,6 +149,30 @@ def test_workers_share_a_redis_when_given_one(tmp_path, upstream, redis_url):
         statuses = asyncio.run(burst())
         assert statuses.count(200) == 30 and statuses.count(429) == 60, statuses
         assert set(store.scan_iter("*:win")) - windows_before  # counted there, not by the supervisor
+    finally:
+        assert server.stop() == 0, server.read_log()[-3000:]
+
+
+def test_a_budget_spent_through_the_workers_is_exact(tmp_path, upstream):
+    # $1,000 per million tokens: each call (5 prompt + 2 completion tokens, the upstream says)
+    # costs $0.007; a budget of $1 holds 142 of them, and a part of it (1/16) several at once:
+    # the workers reserve from leases of it.
+    server, keys = start_gateway(tmp_path, upstream, 2, config_extra=f'[prices."{MODEL}"]\ninput = 1000.0\n'
+                                 'output = 1000.0\n', budgeted=["--budget-usd", "1"])
+    try:
+        async def bursts() -> list[int]:
+            statuses = []
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=60,
+                                         limits=httpx.Limits(max_connections=100)) as client:
+                for _ in range(4):
+                    statuses += [r.status_code for r in await asyncio.gather(*(chat(client, keys["budgeted"])
+                                                                               for _ in range(50)))]
+            return statuses
+
+        statuses = asyncio.run(bursts())
+        assert set(statuses) == {200, 429}, statuses
+        # Never over the budget, and no more than the last few calls' worth short of it.
+        assert 125 <= statuses.count(200) <= 142, statuses.count(200)
     finally:
         assert server.stop() == 0, server.read_log()[-3000:]
 

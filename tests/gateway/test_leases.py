@@ -11,9 +11,9 @@ import time
 import pytest
 
 from tokenway.gateway import leases
-from tokenway.gateway.budgets import InProcessBudgets
-from tokenway.gateway.counters import CounterClient, CounterServer, RemoteLimiter
-from tokenway.gateway.leases import LeasedLimiter
+from tokenway.gateway.budgets import BudgetState, InProcessBudgets
+from tokenway.gateway.counters import CounterClient, CounterServer, RemoteBudgets, RemoteLimiter
+from tokenway.gateway.leases import LeasedBudgets, LeasedLimiter
 from tokenway.gateway.limits import LEASE_PART, InProcessLimiter, LimitSpec, LimitsUnavailable
 
 
@@ -219,7 +219,7 @@ def test_no_call_is_admitted_from_a_lease_after_its_time(loop_factory):
         assert first is not None
         await asyncio.sleep(0.1)
         assert (await limiter.admit("k", spec, 0)).allowed
-        assert limiter._keys["k"].current is not first and first.num_requests == 1
+        assert limiter._keys["k"].current is not first and first.num_calls == 1
         await limiter.close()
 
     run_with_owner(test, loop_factory, InProcessLimiter(lease_s=0.05))
@@ -274,3 +274,54 @@ def test_an_owner_that_is_gone_is_limits_unavailable(tmp_path, loop_factory):
 
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(main())
+
+
+# ---- Budgets. ----
+
+def budget_workers(path: str, n: int) -> list[LeasedBudgets]:
+    return [LeasedBudgets(RemoteBudgets(CounterClient(path))) for _ in range(n)]
+
+
+def test_a_budget_lease_is_a_hold_settled_in_steps():
+    async def main() -> None:
+        owner = InProcessBudgets(no_spend)
+        budget = 16 * 10**6
+        assert owner.lease_now("k", budget, 10**6, 1) is None  # not seeded yet
+        await owner.reserve("k", budget, 0)  # seeds it
+        lease = owner.lease_now("k", budget, 10**9, 1)
+        assert lease is not None and lease.nanos == budget // LEASE_PART
+        assert owner.state_now("k") == BudgetState(0, 10**6)
+        owner.settle_lease_now("k", lease.reservation_id, 300, 200)  # 300 spent, 200 still held by calls
+        assert owner.state_now("k") == BudgetState(300, 200)
+        owner.settle_lease_now("k", lease.reservation_id, 150, 0)
+        assert owner.state_now("k") == BudgetState(450, 0)
+        owner.settle_lease_now("k", lease.reservation_id, 10, 0)  # a step after the last: still owed
+        assert owner.state_now("k") == BudgetState(460, 0)
+        # Only what is free now, and never below the call's own worst case.
+        assert owner.lease_now("k", budget, budget, budget) is None  # more than its part
+        await owner.reserve("k", budget, budget - 460 - 10)
+        small = owner.lease_now("k", budget, 10**6, 5)
+        assert small is not None and small.nanos == 10
+
+    asyncio.run(main())
+
+
+def test_a_budget_is_exact_across_leasing_workers(loop_factory):
+    async def test(path: str, owner: InProcessLimiter) -> None:
+        stores = budget_workers(path, 3)
+        budget, worst = 16 * 10**6, 10**5  # 160 calls' worst cases
+        first = await stores[0].reserve("k", budget, worst)  # seeds the key, at the owner
+        assert first.reservation is not None
+        await stores[0].settle(first.reservation, worst)
+        decisions = await asyncio.gather(*(stores[i % 3].reserve("k", budget, worst) for i in range(300)))
+        admitted = [(i % 3, d) for i, d in enumerate(decisions) if d.allowed]
+        assert len(admitted) == 159
+        for worker, d in admitted:
+            assert d.reservation is not None
+            await stores[worker].settle(d.reservation, worst // 2)  # each cost half its worst case
+        for store in stores:
+            await store.close()
+        state = await RemoteBudgets(CounterClient(path)).state("k")
+        assert state == BudgetState(worst + 159 * worst // 2, 0)
+
+    run_with_owner(test, loop_factory)

@@ -29,6 +29,11 @@ settle nothing here; the seed counts them only if their rows are in the ledger b
 A key's batch share (gateway/shares.py) is a second spent and held beside the key's, seeded
 from what the ledger says its batch lines cost (share_seed): a call reserved with share_nanos
 must fit both, is held in both (or neither) in the same atomic step, and settles in both.
+
+A lease (InProcessBudgets.lease_now; gateway/leases.py) is a reservation held for one of
+--workers N, which reserves its calls' worst cases from it on its own: the worker settles it
+in steps (settle_lease_now), each adding what its calls have cost since to spent and leaving
+held what its calls in flight still reserve, so spent + held never counts less than here.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tokenway.gateway.limits import Decision, Limiter, LimitSpec, Reservation, limits_backend
+from tokenway.gateway.limits import LEASE_PART, LEASE_S, Decision, Limiter, LimitSpec, Reservation, limits_backend
 
 NANOS_PER_USD = 10**9
 # Lua's numbers are doubles: integers are exact up to 2**53 nanos (about $9 million); a budget
@@ -97,6 +102,19 @@ class BudgetDecision:
     @property
     def allowed(self) -> bool:
         return self.reservation is not None
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetLease:
+    """A part of one key's budget, held for one worker (lease_now): it may reserve its calls'
+    worst cases from it on its own, up to `nanos` together, for `valid_for_s` from before it asked."""
+
+    key_id: str
+    reservation_id: str
+    nanos: int
+    valid_for_s: float
+    spent_nanos: int  # the key's, as the grant found them, the lease not counted
+    held_nanos: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +283,47 @@ class InProcessBudgets:
                 held.held_nanos += worst_nanos
                 held.expiry_order.append((now + self._ttl_us, reservation.reservation_id))
         return decision
+
+    def lease_now(self, key_id: str, budget_nanos: int, want_nanos: int, min_nanos: int) -> BudgetLease | None:
+        """Up to want_nanos of the key's budget, held for one worker for LEASE_S: at most
+        1/LEASE_PART of the budget, and only what is free now. None where less than min_nanos
+        would be granted, and for a key not seeded yet (its first call is reserved for itself)."""
+        check_amounts(budget_nanos, want_nanos)
+        if not 0 <= min_nanos <= want_nanos:
+            raise ValueError(f"a lease of {want_nanos} nanos, at least {min_nanos}")
+        state = self._key_to_state.get(key_id)
+        if state is None:
+            return None
+        now = time.monotonic_ns() // 1000
+        self._prune(state, now)
+        spent, held = state.spent_nanos, state.held_nanos
+        nanos = min(want_nanos, budget_nanos // LEASE_PART, budget_nanos - spent - held)
+        if nanos < min_nanos or not fits(budget_nanos, nanos, spent, held):
+            return None
+        lease = BudgetLease(key_id, str(next(self._reservation_ids)), nanos, LEASE_S, spent, held)
+        state.rid_to_nanos[lease.reservation_id] = nanos
+        state.held_nanos += nanos
+        state.expiry_order.append((now + self._ttl_us, lease.reservation_id))
+        return lease
+
+    def settle_lease_now(self, key_id: str, reservation_id: str, cost_nanos: int, held_nanos: int) -> None:
+        """One step of a lease's settlement: cost_nanos its calls have cost since the last step
+        are spent, and its hold becomes held_nanos (its calls in flight; 0 once they are done)."""
+        if cost_nanos < 0 or held_nanos < 0:
+            raise ValueError(f"a lease settles {cost_nanos} nanos spent, {held_nanos} held")
+        state = self._key_to_state.get(key_id)
+        if state is None:
+            return
+        self._prune(state, time.monotonic_ns() // 1000)
+        state.spent_nanos += cost_nanos  # owed whether or not the hold has expired
+        hold = state.rid_to_nanos.get(reservation_id)
+        if hold is None:
+            return
+        state.held_nanos += held_nanos - hold
+        if held_nanos:
+            state.rid_to_nanos[reservation_id] = held_nanos
+        else:
+            del state.rid_to_nanos[reservation_id]
 
     @staticmethod
     async def _open(key_to_state: dict[str, _KeyBudget], seeds: SeedReader, key_id: str) -> _KeyBudget:

@@ -42,6 +42,7 @@ from typing import Any, cast
 
 from tokenway.gateway.budgets import (
     BudgetDecision,
+    BudgetLease,
     BudgetReservation,
     BudgetState,
     InProcessBudgets,
@@ -187,6 +188,12 @@ class CounterServer:
         if op == "state":
             state = self.budgets.state_now(*args)
             return _row(state) if state is not None else None
+        if op == "budget_lease":
+            budget_lease = self.budgets.lease_now(*args)
+            return _row(budget_lease) if budget_lease is not None else None
+        if op == "settle_budget_lease":
+            self.budgets.settle_lease_now(*args)
+            return None
         raise ValueError(f"unknown operation {op!r}")
 
     async def _answer_later(self, request_id: int | None, op: str, args: list, side: _OwnerSide) -> None:
@@ -411,6 +418,14 @@ class RemoteBudgets:
     async def state(self, key_id: str, share: bool = False) -> BudgetState | None:
         row = await self.client.call("state", [key_id, share])
         return BudgetState(*row) if row is not None else None
+
+    async def lease(self, key_id: str, budget_nanos: int, want_nanos: int, min_nanos: int) -> BudgetLease | None:
+        """InProcessBudgets.lease_now at the owner."""
+        row = await self.client.call("budget_lease", [key_id, budget_nanos, want_nanos, min_nanos])
+        return BudgetLease(*row) if row is not None else None
+
+    async def settle_lease(self, key_id: str, reservation_id: str, cost_nanos: int, held_nanos: int) -> None:
+        await self.client.send("settle_budget_lease", [key_id, reservation_id, cost_nanos, held_nanos])
 
     def joint_with(self, limiter: Limiter) -> None:
         return None  # two calls to one owner: each atomic there, as the in-process pair is

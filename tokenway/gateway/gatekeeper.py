@@ -143,10 +143,12 @@ class Gatekeeper:
         self._in_line: tuple[InProcessLimiter, InProcessBudgets] | None = (
             (limiter, store) if type(limiter) is InProcessLimiter and type(store) is InProcessBudgets
             else None)
-        # A limiter that reconciles some of its calls in line (leases.py: those admitted from a
-        # lease); it says which.
+        # Stores that settle some of their calls in line (leases.py: those admitted from a
+        # lease); they say which.
         self._reconcile_in_line: Callable[[Reservation, int], bool] | None = getattr(
             limiter, "reconcile_in_line", None)
+        self._settle_in_line: Callable[[BudgetReservation, int], bool] | None = getattr(
+            store, "settle_in_line", None)
 
     # -- who -------------------------------------------------------------------------
 
@@ -346,9 +348,11 @@ class Gatekeeper:
         if reservation is not None and self._reconcile_in_line is not None \
                 and self._reconcile_in_line(reservation, used_tokens):
             reservation = None
-            if admission.budget is None:
-                return
-        self.guard.spawn(self._settle_stores(reservation, used_tokens, admission.budget, nanos_up(cost)))
+        budget = admission.budget
+        if budget is not None and self._settle_in_line is not None and self._settle_in_line(budget, nanos_up(cost)):
+            budget = None
+        if reservation is not None or budget is not None:
+            self.guard.spawn(self._settle_stores(reservation, used_tokens, budget, nanos_up(cost)))
 
     async def _settle_stores(self, reservation: Reservation | None, used_tokens: int,
                              budget: BudgetReservation | None, used_nanos: int) -> None:

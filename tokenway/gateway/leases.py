@@ -1,29 +1,31 @@
-"""One of --workers N admits most calls itself, from leases on its keys' limits.
+"""One of --workers N admits most calls itself, from leases on its keys' limits and budgets.
 
-    worker: Gatekeeper ─► LeasedLimiter.admit ─► the key's lease has room: admitted here, now
-                                              ├► else a new lease, one ask for every call
-                                              │  waiting on it ─► RemoteLimiter.lease ─► owner
-                                              └► none granted: RemoteLimiter.admit, as before
+    worker: Gatekeeper ─► LeasedLimiter.admit / LeasedBudgets.reserve
+                           ├► the key's lease has room: admitted (reserved) here, now
+                           ├► else a new lease, one ask for every call waiting on it
+                           │   ─► RemoteLimiter.lease / RemoteBudgets.lease ─► owner
+                           └► none granted: RemoteLimiter.admit / RemoteBudgets.reserve, as before
             the lease's time is up, or it is used up ─► settle_lease: what its calls hold
 
 Without leases every call crosses to the owner (gateway/counters.py) and back before it may
 run: two wake-ups of two processes, ~0.3 ms on an idle 2-core host, and one process that every
-call of the host goes through. With them a worker asks about once a second per key.
+call of the host goes through. With them a worker asks about once a second per key and store.
 
-Exact as the owner alone is: a lease counts at the owner as all of its requests and tokens,
-admitted at the last moment a worker may use it (limits.py), and this side never admits more
-from it than it holds, nor after its time (measured from before it asked). A call's reserved
-tokens come back to its lease when it ends, as they come back to the key's window at the owner.
-What it costs: what a worker has not used of its lease is kept from the others' calls until
-the lease ends (at most 1/LEASE_PART of each limit, for at most LEASE_S, per worker and key),
-so a key close to its limit may be refused a little early; and the x-ratelimit-* headers of a
-call admitted from a lease count the key's window as the grant found it, plus this worker's
-calls since.
+Exact as the owner alone is. A limits lease counts at the owner as all of its requests and
+tokens, admitted at the last moment a worker may use it (limits.py); a budget lease is a
+reservation there of all its nanos (budgets.py). This side never admits more from a lease than
+it holds, nor after its time (measured from before it asked). A call's reserved tokens come back
+to its lease when it ends, as they come back to the key's window at the owner; its cost is
+spent from its budget lease. What it costs: what a worker has not used of a lease is kept from
+the others' calls until the lease ends (at most 1/LEASE_PART of each limit and of the budget,
+for at most LEASE_S, per worker and key), so a key close to a limit may be refused a little
+early; and the x-ratelimit-* headers of a call admitted from a lease count the key's window as
+the grant found it, plus this worker's calls since.
 
 Asked call by call, as before: a call in a batch share, a key with a concurrency limit (its
-slots are held at the owner), a key the owner grants no lease (a limit under LEASE_PART, or too
-little of it left), for LEASE_S. A key with no limits at all is admitted here, with nothing to
-ask or settle.
+slots are held at the owner), a call larger than the key's leases, and for LEASE_S a key the
+owner grants no lease (a limit under LEASE_PART, too little left, a budget not yet seeded from
+the ledger). A key with no limits at all is admitted here, with nothing to ask or settle.
 """
 
 from __future__ import annotations
@@ -33,13 +35,23 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
-from tokenway.gateway.counters import RemoteLimiter
+from tokenway.gateway.budgets import (
+    BudgetDecision,
+    BudgetLease,
+    BudgetReservation,
+    BudgetState,
+    check_amounts,
+)
+from tokenway.gateway.counters import RemoteBudgets, RemoteLimiter
 from tokenway.gateway.limits import (
     LEASE_S,
     Decision,
     Lease,
+    Limiter,
     LimitSpec,
     LimitsUnavailable,
     Reservation,
@@ -50,125 +62,131 @@ from tokenway.ids import random_hex
 
 logger = logging.getLogger(__name__)
 
-FIRST_REQUESTS = 8  # a key's first lease; then twice what the last one's calls used
-MOST_REQUESTS = 1 << 16
+FIRST_CALLS = 8  # a key's first lease holds this many calls; then twice what the last one's calls used
+MOST_CALLS = 1 << 16
 ASKS_PER_CALL = 32  # a call the leases of a burst did not hold in as many: asked for itself
 SETTLE_EVERY_S = 0.05  # an ended lease's settlements, gathered
+BUDGET_EPOCH = "lease"  # a BudgetReservation reserved from a lease
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, kw_only=True)
 class _Held:
-    """A lease at the worker, and what its calls hold of it."""
+    """A lease at the worker: what its calls hold of it."""
 
-    lease: Lease
-    spec: LimitSpec
     deadline: float  # time.monotonic(): no call is admitted from it after
-    num_requests: int = 0  # admitted from it
-    num_tokens: int = 0  # reserved by its calls in flight, used by those done
-    num_open: int = 0  # its calls in flight
+    num_calls: int = 0  # admitted from it
     ended: bool = False
     timer: asyncio.TimerHandle | None = None
 
+
+@dataclass(slots=True, eq=False, kw_only=True)
+class _HeldLimits(_Held):
+    lease: Lease
+    spec: LimitSpec
+    num_tokens: int = 0  # reserved by its calls in flight, used by those done
+
     def admits(self, spec: LimitSpec, reserve_tokens: int, now: float) -> bool:
         return (not self.ended and now < self.deadline and spec == self.spec
-                and self.num_requests < self.lease.num_requests
+                and self.num_calls < self.lease.num_requests
                 and self.num_tokens + reserve_tokens <= self.lease.num_tokens)
 
 
+@dataclass(slots=True, eq=False, kw_only=True)
+class _HeldBudget(_Held):
+    lease: BudgetLease
+    budget_nanos: int
+    held_nanos: int = 0  # the worst cases of its calls in flight
+    spent_nanos: int = 0  # what its calls that are done cost
+    unreported_nanos: int = 0  # of that, what the owner has not heard yet
+
+    def admits(self, budget_nanos: int, worst_nanos: int, now: float) -> bool:
+        return (not self.ended and now < self.deadline and budget_nanos == self.budget_nanos
+                and self.spent_nanos + self.held_nanos + worst_nanos <= self.lease.nanos)
+
+
+H = TypeVar("H", bound=_Held)
+
+
 @dataclass(slots=True)
-class _Key:
-    current: _Held | None = None
+class _Key(Generic[H]):
+    current: H | None = None
     asking: asyncio.Future[None] | None = None
     per_call_until: float = 0.0  # no lease granted: asked call by call until then
-    want_requests: int = FIRST_REQUESTS
-    mean_reserve: float = 0.0  # tokens a call reserves, on average
+    want_calls: int = FIRST_CALLS
+    mean_ask: float = 0.0  # what a call reserves (tokens, nanos), on average
     num_waiting: int = 0  # calls waiting on `asking`
 
 
 _ASK_OWNER = object()  # a reservation the owner holds (not from a lease)
 
 
-class LeasedLimiter:
-    """limits.Limiter for one of --workers N: calls admitted from leases where it can, the rest
-    asked of the owner through `remote`."""
+class _Leases(Generic[H]):
+    """What both stores' leases share: one lease at a time per key, asked once for a burst,
+    ended when used up or out of time, settled in gathered steps."""
 
-    def __init__(self, remote: RemoteLimiter) -> None:
-        self.remote = remote
-        self._keys: dict[str, _Key] = {}
-        self._rid_to_held: dict[str, _Held | None] = {}  # None: a key with no limits
-        self._unsettled: dict[int, _Held] = {}  # ended leases whose figures the owner has not heard yet
+    def __init__(self) -> None:
+        self._keys: dict[str, _Key[H]] = {}
+        self._rid_to_held: dict[str, H | None] = {}  # None: a call with nothing to settle
+        self._unsettled: dict[int, H] = {}  # ended leases whose figures the owner has not heard yet
         self._settling: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
 
-    async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int,
-                    share: LimitSpec | None = None) -> Decision:
-        if share is not None or spec.max_concurrent is not None:
-            return await self.remote.admit(key_id, spec, reserve_tokens, share)
-        if reserve_tokens < 0:
-            raise ValueError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
-        if spec.is_unlimited:
-            reservation = Reservation(key_id, random_hex(), reserve_tokens, time.monotonic())
-            self._rid_to_held[reservation.reservation_id] = None
-            return Decision(True, reservation, None, None, {})
+    async def _from_lease(self, key_id: str, amount: int, admits: Callable[[H, float], bool],
+                          ask: Callable[[_Key[H], int], Awaitable[H | None]]) -> H | None:
+        """The key's lease once it admits this call (admits(held, now)), asking the owner for a
+        new one where it must; None: the call is asked of the owner for itself. amount: what the
+        call reserves (tokens, nanos)."""
         key = self._keys.get(key_id)
         if key is None:
-            key = self._keys[key_id] = _Key(mean_reserve=reserve_tokens)
-        key.mean_reserve += (reserve_tokens - key.mean_reserve) / 8
+            key = self._keys[key_id] = _Key(mean_ask=amount)
+        key.mean_ask += (amount - key.mean_ask) / 8
         for _ in range(ASKS_PER_CALL + 1):
             now = time.monotonic()
             held = key.current
             if held is not None:
-                if held.admits(spec, reserve_tokens, now):
-                    return self._admit_from(held, key_id, reserve_tokens, now)
+                if admits(held, now):
+                    held.num_calls += 1
+                    return held
                 self._end(key, held)  # used up, out of time, or the key's limits changed
-            if now < key.per_call_until or (held is not None and held.lease.num_tokens < reserve_tokens):
+            if now < key.per_call_until or (held is not None and self._too_large(held, amount)):
                 break  # no lease, or a call larger than the leases the key is granted
             # A burst waits on one ask; the calls its lease did not hold ask again, for more.
             if key.asking is None:
-                key.asking = asyncio.ensure_future(self._ask(key_id, key, spec, reserve_tokens))
+                key.asking = asyncio.ensure_future(self._ask(key, amount, ask))
             key.num_waiting += 1
             try:
                 await asyncio.shield(key.asking)  # a caller that leaves does not stop the others' ask
             finally:
                 key.num_waiting -= 1
-        return await self.remote.admit(key_id, spec, reserve_tokens)
+        return None
 
-    def _admit_from(self, held: _Held, key_id: str, reserve_tokens: int, now: float) -> Decision:
-        held.num_requests += 1
-        held.num_tokens += reserve_tokens
-        held.num_open += 1
-        reservation = Reservation(key_id, random_hex(), reserve_tokens, now)
-        self._rid_to_held[reservation.reservation_id] = held
-        lease = held.lease
-        num_tokens = lease.num_window_tokens + held.num_tokens
-        state = WindowState(lease.num_window_requests + held.num_requests, lease.window_us, num_tokens,
-                            lease.window_us if num_tokens > 0 else 0)
-        return Decision(True, reservation, None, None, rate_headers(held.spec, state))
-
-    async def _ask(self, key_id: str, key: _Key, spec: LimitSpec, reserve_tokens: int) -> None:
+    async def _ask(self, key: _Key[H], amount: int, ask: Callable[[_Key[H], int], Awaitable[H | None]]) -> None:
         asked_at = time.monotonic()
-        want_requests = min(MOST_REQUESTS, max(key.want_requests, key.num_waiting))
-        want_tokens = max(reserve_tokens, math.ceil(want_requests * max(key.mean_reserve, reserve_tokens)))
         try:
-            lease = await self.remote.lease(key_id, spec, want_requests, want_tokens, reserve_tokens)
+            held = await ask(key, amount)
         except LimitsUnavailable:
             return  # the call asks the owner itself, and the guard hears of it from there
         finally:
             key.asking = None
-        if lease is None:
+        if held is None:
             key.per_call_until = asked_at + LEASE_S
             return
         if key.current is not None:
             self._end(key, key.current)
-        held = key.current = _Held(lease, spec, asked_at + lease.valid_for_s)
+        key.current = held
         held.timer = asyncio.get_running_loop().call_later(max(0.0, held.deadline - time.monotonic()),
                                                            self._expire, key, held)
 
-    def _expire(self, key: _Key, held: _Held) -> None:
+    def _want(self, key: _Key[H], amount: int) -> tuple[int, int]:
+        """How many calls to ask a lease for, and what they reserve together (tokens, nanos)."""
+        calls = min(MOST_CALLS, max(key.want_calls, key.num_waiting))
+        return calls, max(amount, math.ceil(calls * max(key.mean_ask, amount)))
+
+    def _expire(self, key: _Key[H], held: H) -> None:
         held.timer = None
         self._end(key, held)
 
-    def _end(self, key: _Key, held: _Held) -> None:
+    def _end(self, key: _Key[H], held: H) -> None:
         """No more calls from this lease; the owner hears what its calls hold."""
         if held.ended:
             return
@@ -178,11 +196,11 @@ class LeasedLimiter:
         if held.timer is not None:
             held.timer.cancel()
             held.timer = None
-        key.want_requests = min(MOST_REQUESTS, max(FIRST_REQUESTS, 2 * held.num_requests))
-        self._unsettled[id(held)] = held
-        self._schedule_settling()
+        key.want_calls = min(MOST_CALLS, max(FIRST_CALLS, 2 * held.num_calls))
+        self._unsettle(held)
 
-    def _schedule_settling(self) -> None:
+    def _unsettle(self, held: H) -> None:
+        self._unsettled[id(held)] = held
         if self._settling is None:
             self._settling = asyncio.get_running_loop().call_later(SETTLE_EVERY_S, self._settle_soon)
 
@@ -195,13 +213,76 @@ class LeasedLimiter:
     async def _settle(self) -> None:
         unsettled, self._unsettled = self._unsettled, {}
         for held in unsettled.values():
-            lease = held.lease
             try:
-                await self.remote.settle_lease(lease.key_id, lease.lease_id, held.num_requests,
-                                               max(0, held.num_tokens))
+                await self._report(held)
             except LimitsUnavailable as exc:
                 # The lease ends at the owner on its own, counted in full: nothing over-admitted.
                 logger.debug("a lease's settlement was not sent: %s", exc)
+
+    def _too_large(self, held: H, amount: int) -> bool:
+        raise NotImplementedError
+
+    async def _report(self, held: H) -> None:
+        raise NotImplementedError
+
+    async def _close_leases(self) -> None:
+        for key in self._keys.values():
+            if key.current is not None:
+                self._end(key, key.current)
+        if self._settling is not None:
+            self._settling.cancel()
+            self._settling = None
+        for task in list(self._tasks):
+            with contextlib.suppress(Exception):
+                await task
+        await self._settle()
+
+
+class LeasedLimiter(_Leases[_HeldLimits]):
+    """limits.Limiter for one of --workers N: calls admitted from leases where it can, the rest
+    asked of the owner through `remote`."""
+
+    def __init__(self, remote: RemoteLimiter) -> None:
+        super().__init__()
+        self.remote = remote
+
+    async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int,
+                    share: LimitSpec | None = None) -> Decision:
+        if share is not None or spec.max_concurrent is not None:
+            return await self.remote.admit(key_id, spec, reserve_tokens, share)
+        if reserve_tokens < 0:
+            raise ValueError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
+        if spec.is_unlimited:
+            reservation = Reservation(key_id, random_hex(), reserve_tokens, time.monotonic())
+            self._rid_to_held[reservation.reservation_id] = None
+            return Decision(True, reservation, None, None, {})
+
+        async def ask(key: _Key[_HeldLimits], amount: int) -> _HeldLimits | None:
+            asked_at = time.monotonic()
+            calls, tokens = self._want(key, amount)
+            lease = await self.remote.lease(key_id, spec, calls, tokens, amount)
+            return _HeldLimits(lease=lease, spec=spec, deadline=asked_at + lease.valid_for_s) \
+                if lease is not None else None
+
+        held = await self._from_lease(key_id, reserve_tokens,
+                                      lambda held, now: held.admits(spec, reserve_tokens, now), ask)
+        if held is None:
+            return await self.remote.admit(key_id, spec, reserve_tokens)
+        held.num_tokens += reserve_tokens
+        reservation = Reservation(key_id, random_hex(), reserve_tokens, time.monotonic())
+        self._rid_to_held[reservation.reservation_id] = held
+        lease = held.lease
+        num_tokens = lease.num_window_tokens + held.num_tokens
+        state = WindowState(lease.num_window_requests + held.num_calls, lease.window_us, num_tokens,
+                            lease.window_us if num_tokens > 0 else 0)
+        return Decision(True, reservation, None, None, rate_headers(spec, state))
+
+    def _too_large(self, held: _HeldLimits, amount: int) -> bool:
+        return held.lease.num_tokens < amount
+
+    async def _report(self, held: _HeldLimits) -> None:
+        lease = held.lease
+        await self.remote.settle_lease(lease.key_id, lease.lease_id, held.num_calls, max(0, held.num_tokens))
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
         if not self.reconcile_in_line(reservation, used_tokens):
@@ -215,27 +296,85 @@ class LeasedLimiter:
         held = self._rid_to_held.pop(reservation.reservation_id, _ASK_OWNER)
         if held is _ASK_OWNER:
             return False
-        if held is not None:
-            assert isinstance(held, _Held)
+        if isinstance(held, _HeldLimits):
             held.num_tokens += used_tokens - reservation.reserved_tokens
-            held.num_open -= 1
             if held.ended:
-                self._unsettled[id(held)] = held
-                self._schedule_settling()
+                self._unsettle(held)
         return True
 
     async def headers(self, key_id: str, spec: LimitSpec) -> dict[str, str]:
         return await self.remote.headers(key_id, spec)
 
     async def close(self) -> None:
-        for key in self._keys.values():
-            if key.current is not None:
-                self._end(key, key.current)
-        if self._settling is not None:
-            self._settling.cancel()
-            self._settling = None
-        for task in list(self._tasks):
-            with contextlib.suppress(Exception):
-                await task
-        await self._settle()
+        await self._close_leases()
+        await self.remote.close()
+
+
+class LeasedBudgets(_Leases[_HeldBudget]):
+    """budgets.BudgetStore for one of --workers N: calls' worst cases reserved from budget
+    leases where it can, the rest asked of the owner through `remote`."""
+
+    def __init__(self, remote: RemoteBudgets) -> None:
+        super().__init__()
+        self.remote = remote
+
+    async def reserve(self, key_id: str, budget_nanos: int, worst_nanos: int,
+                      share_nanos: int | None = None) -> BudgetDecision:
+        if share_nanos is not None:
+            return await self.remote.reserve(key_id, budget_nanos, worst_nanos, share_nanos)
+        check_amounts(budget_nanos, worst_nanos)
+
+        async def ask(key: _Key[_HeldBudget], amount: int) -> _HeldBudget | None:
+            asked_at = time.monotonic()
+            nanos = self._want(key, amount)[1]
+            lease = await self.remote.lease(key_id, budget_nanos, nanos, amount)
+            return _HeldBudget(lease=lease, budget_nanos=budget_nanos, deadline=asked_at + lease.valid_for_s) \
+                if lease is not None else None
+
+        held = await self._from_lease(key_id, worst_nanos,
+                                      lambda held, now: held.admits(budget_nanos, worst_nanos, now), ask)
+        if held is None:
+            return await self.remote.reserve(key_id, budget_nanos, worst_nanos)
+        decision = BudgetDecision(BudgetReservation(key_id, random_hex(), worst_nanos, BUDGET_EPOCH),
+                                  held.lease.spent_nanos + held.spent_nanos, held.lease.held_nanos + held.held_nanos)
+        held.held_nanos += worst_nanos
+        assert decision.reservation is not None
+        self._rid_to_held[decision.reservation.reservation_id] = held
+        return decision
+
+    def _too_large(self, held: _HeldBudget, amount: int) -> bool:
+        return held.lease.nanos < amount
+
+    async def _report(self, held: _HeldBudget) -> None:
+        lease, cost, held.unreported_nanos = held.lease, held.unreported_nanos, 0
+        await self.remote.settle_lease(lease.key_id, lease.reservation_id, cost, held.held_nanos)
+
+    async def settle(self, reservation: BudgetReservation, used_nanos: int) -> None:
+        if not self.settle_in_line(reservation, used_nanos):
+            await self.remote.settle(reservation, used_nanos)
+
+    def settle_in_line(self, reservation: BudgetReservation, used_nanos: int) -> bool:
+        """Settles a call reserved from a lease now; False for one the owner reserved, which
+        settle() sends it."""
+        if used_nanos < 0:
+            raise ValueError(f"used_nanos must be >= 0, got {used_nanos}")
+        held = self._rid_to_held.pop(reservation.reservation_id, _ASK_OWNER)
+        if held is _ASK_OWNER:
+            return False
+        if isinstance(held, _HeldBudget):
+            held.held_nanos -= reservation.reserved_nanos
+            held.spent_nanos += used_nanos
+            held.unreported_nanos += used_nanos
+            if held.ended:
+                self._unsettle(held)
+        return True
+
+    async def state(self, key_id: str, share: bool = False) -> BudgetState | None:
+        return await self.remote.state(key_id, share)
+
+    def joint_with(self, limiter: Limiter) -> None:
+        return None  # two stores of one owner: each atomic there
+
+    async def close(self) -> None:
+        await self._close_leases()
         await self.remote.close()
