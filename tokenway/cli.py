@@ -303,6 +303,19 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
         names = tuple(options["served_model_name"] or (default_model_name(options["model"]),))
         options = {**options, "registry": route_to_host_engine(options["registry"], names, slot.engine_url),
                    "served_model_name": None}
+    registry = None
+    if options["registry"].get("models"):  # pools of replicas from the config file (routing/build.py)
+        from tokenway.routing.registry import Registry
+
+        registry = Registry.from_config(options["registry"], default_model=options["model"],
+                                        served_model_names=options["served_model_name"])
+    # The engine process starts now, before this one imports torch and the app: the two import
+    # side by side, and it loads the model once told which (ProcessEngine).
+    engine_child = None
+    if options["engine_process"] and (registry is None or registry.local_model("chat") is not None):
+        from tokenway.engine.child import EngineChild
+
+        engine_child = EngineChild.start(options["engine_niceness"])
     import socket
     import uuid
 
@@ -337,12 +350,8 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
         prompt_lookup_max=options["prompt_lookup_max"], prompt_lookup_min=options["prompt_lookup_min"],
     )
     names = tuple(options["served_model_name"] or (default_model_name(options["model"]),))
-    registry, aliases = None, {}
-    if options["registry"].get("models"):  # pools of replicas from the config file (routing/build.py)
-        from tokenway.routing.registry import Registry
-
-        registry = Registry.from_config(options["registry"], default_model=options["model"],
-                                        served_model_names=options["served_model_name"])
+    aliases = {}
+    if registry is not None:
         local = registry.local_model("chat")
         local_replica = local.local_replica if local is not None else None
         if local_replica is not None:
@@ -382,8 +391,9 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
     chat_template = read_chat_template(options["chat_template"])
     engine = None
     if registry is None or registry.local_model("chat") is not None:  # else a gateway only: no model here
-        engine = (ProcessEngine(engine_config, options["engine_niceness"]) if options["engine_process"]
-                  else AsyncEngine(engine_config))
+        # The engine process loads while the rest is built: waited for below, before serving.
+        engine = (ProcessEngine(engine_config, options["engine_niceness"], engine_child, wait=False)
+                  if options["engine_process"] else AsyncEngine(engine_config))
     gatekeeper = build_gatekeeper(options, registry, slot) if options["gateway"] else None
     serve_embeddings = options["embeddings"] and (registry is None or registry.local_model("embeddings") is not None)
     embedder = build_embedder() if serve_embeddings else None
@@ -395,6 +405,8 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
     # So are the Batch APIs' files, batches and lines: every gateway on one database shares the queue.
     batch_store = open_batch_store(database_url(options) if options["gateway"] else "memory")
     scheme = "https" if options["ssl_certfile"] else "http"
+    if isinstance(engine, ProcessEngine):
+        engine.wait_started()
 
     async def main() -> bool:
         """Build the routes, then the services and the app once, and serve until stopped;

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing
 import os
-import queue
 import signal
 import threading
 import time
@@ -34,6 +32,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from tokenway.config import EngineConfig
+from tokenway.engine.child import EngineChild
 from tokenway.engine.client import EngineClient, EngineDeadError, _Abort, _Add, deliver, fold_outputs
 from tokenway.engine.stats import EngineStats
 from tokenway.frontend.model import ModelFrontend
@@ -51,29 +50,50 @@ RESTART_BACKOFF_SECONDS = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0)  # after the 1st, 2nd
 
 
 class ProcessEngine(EngineClient):
-    def __init__(self, config: EngineConfig | None = None, niceness: int = 0) -> None:
+    def __init__(self, config: EngineConfig | None = None, niceness: int = 0, child: EngineChild | None = None,
+                 wait: bool = True) -> None:
         """niceness: added to the engine process's (os.nice), so the HTTP process wins a core back
         at once when it wakes (to answer /health, to send a token, to take a request in). It costs
         the engine nothing measurable at 16 streams (bench/engine_process_bench.py) and matters
         when the engine is never idle: beside a running batch, interactive calls' TTFT p99 went
-        from 1.7x alone to within 5% of it at 10 (bench/batch_bench.py), serve's default."""
+        from 1.7x alone to within 5% of it at 10 (bench/batch_bench.py), serve's default.
+        child: the engine process, started earlier (EngineChild.start), importing meanwhile.
+        wait=False: return while the engine loads; wait_started() before it serves."""
         config = config or EngineConfig()
-        # Resolve (convert a GGUF, once) here, so the engine process only loads.
-        model_dir = resolve_model(config.model, config.cache_dir, revision=config.revision, gguf_file=config.gguf_file)
-        frontend = ModelFrontend.from_dir(model_dir, config.max_model_len)
+        child = child if child is not None else EngineChild.start(niceness)
+        try:
+            # Resolve (convert a GGUF, once) here, so the engine process only loads; it loads
+            # while this one reads the tokenizer.
+            model_dir = resolve_model(config.model, config.cache_dir, revision=config.revision,
+                                      gguf_file=config.gguf_file)
+            child.load(config)  # the first start's failure is the caller's error
+            frontend = ModelFrontend.from_dir(model_dir, config.max_model_len)
+        except BaseException:
+            child.stop(0.5)
+            raise
         self.tokenizer, self._prompts = frontend.tokenizer, frontend.prompts
         self.vocab_size, self.max_model_len = frontend.vocab_size, frontend.max_model_len
         self._config = config
         self._lock = threading.Lock()  # guards _live, _child, _alive
         self._live: dict[str, _Add[_Remote]] = {}
-        self._child: _Child | None = None
+        self._child: EngineChild | None = None
         self._alive = False
         self._closing = False
         self.num_restarts = 0
         self._niceness = niceness
-        child = _Child.start(config, niceness)  # the first start's failure is the caller's error
+        self._loading: EngineChild | None = child
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Until the engine process has loaded the model (at once once it has); raises why it
+        could not, the first start's failure being the caller's error."""
+        child, self._loading = self._loading, None
+        if child is None:
+            return
         ready = child.wait_ready()
         if isinstance(ready, BaseException):
+            child.stop(0.5)
             raise ready
         self._snapshot = ready  # the engine's latest counts: each step's message brings them
         self._attach(child)
@@ -122,12 +142,12 @@ class ProcessEngine(EngineClient):
 
     # -- engine side, on the reader thread ---------------------------------------------
 
-    def _attach(self, child: _Child) -> None:
+    def _attach(self, child: EngineChild) -> None:
         with self._lock:
             self._child, self._alive = child, True
         threading.Thread(target=self._read, args=(child,), name="tokenway-engine-reader", daemon=True).start()
 
-    def _read(self, child: _Child) -> None:
+    def _read(self, child: EngineChild) -> None:
         """Fold the engine's messages into their requests until its pipe closes; then restart it."""
         try:
             while True:
@@ -164,7 +184,7 @@ class ProcessEngine(EngineClient):
             self._live.clear()
         deliver(failed)
 
-    def _restart(self, dead: _Child) -> None:
+    def _restart(self, dead: EngineChild) -> None:
         with self._lock:
             self._alive = False
             closing = self._closing
@@ -177,7 +197,8 @@ class ProcessEngine(EngineClient):
         failures = 0
         while not self._closing:
             time.sleep(RESTART_BACKOFF_SECONDS[min(failures, len(RESTART_BACKOFF_SECONDS) - 1)])
-            child = _Child.start(self._config, self._niceness)
+            child = EngineChild.start(self._niceness)
+            child.load(self._config)
             ready = child.wait_ready()
             if not isinstance(ready, BaseException):
                 self.num_restarts += 1
@@ -190,67 +211,21 @@ class ProcessEngine(EngineClient):
             logger.error("tokenway: the engine process failed to start again (%s)", ready)
 
 
-class _Child:
-    """One engine process and its two pipes; commands are sent by a writer thread, so a large
-    prompt never blocks the event loop on a full pipe while the engine is mid-step."""
-
-    def __init__(self, process, commands: Connection, results: Connection) -> None:
-        self.process, self.commands, self.results = process, commands, results
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._write, name="tokenway-engine-writer", daemon=True).start()
-
-    @classmethod
-    def start(cls, config: EngineConfig, niceness: int = 0) -> _Child:
-        context = multiprocessing.get_context("spawn")  # never fork a process holding torch's thread pools
-        commands_read, commands_write = context.Pipe(duplex=False)
-        results_read, results_write = context.Pipe(duplex=False)
-        process = context.Process(target=_engine_main, args=(config, niceness, commands_read, results_write),
-                                  name="tokenway-engine", daemon=True)
-        process.start()
-        commands_read.close()  # the child's ends: this process keeps only its own
-        results_write.close()
-        return cls(process, commands_write, results_read)
-
-    def wait_ready(self) -> EngineStats | BaseException:
-        """The engine's first snapshot, or why it could not start."""
-        try:
-            message = self.results.recv()
-        except (EOFError, OSError):
-            self.process.join(1.0)
-            return EngineDeadError(f"the engine process exited while loading (code {self.process.exitcode})")
-        if message[0] == "ready":
-            return message[1]
-        _, text, is_value_error = message
-        return ValueError(text) if is_value_error else RuntimeError(text)
-
-    def send(self, message: tuple) -> None:
-        self._outbox.put(message)
-
-    def _write(self) -> None:
-        while (message := self._outbox.get()) is not None:
-            try:
-                self.commands.send(message)
-            except (OSError, ValueError):  # the engine is gone: the reader restarts it
-                return
-
-    def stop(self, timeout: float) -> int | None:
-        """Ask the engine to exit, then make sure it has; its exit code."""
-        self._outbox.put(("stop",))
-        self._outbox.put(None)
-        self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5.0)
-        return self.process.exitcode
-
-
-def _engine_main(config: EngineConfig, niceness: int, commands: Connection, results: Connection) -> None:
-    """The engine process: load, then step while there is work, reading commands between steps."""
+def engine_main(niceness: int, commands: Connection, results: Connection) -> None:
+    """The engine process (engine/child.py): import the engine while the HTTP process starts,
+    load what it is told to, then step while there is work, reading commands between steps."""
     from tokenway.engine.core import EngineCore
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which stops this process
     if niceness:
         os.nice(niceness)
+    try:
+        message = commands.recv()
+    except (EOFError, OSError):  # the HTTP process stopped before it said what to load
+        return
+    if message[0] != "load":
+        return
+    config: EngineConfig = message[1]
     try:
         core = EngineCore(config)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it

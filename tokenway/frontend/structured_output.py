@@ -104,25 +104,35 @@ class StructuredOutputManager:
     ) -> None:
         self.vocab_size = vocab_size
         # Padding or truncation in tokenizer.json would also apply to what llguidance tokenizes.
-        tokenizer_json = json.loads(tokenizer.hf.to_str())
-        tokenizer_json["padding"] = tokenizer_json["truncation"] = None
+        hf = tokenizer.hf
+        tokenizer_text = hf.to_str()
+        if hf.padding is not None or hf.truncation is not None:
+            tokenizer_json = json.loads(tokenizer_text)
+            tokenizer_json["padding"] = tokenizer_json["truncation"] = None
+            tokenizer_text = json.dumps(tokenizer_json)
         # The model may have more rows than the tokenizer has tokens (padded embeddings):
         # llguidance never allows those ids, so they stay masked.
         num_tokens = max(vocab_size, tokenizer.vocab_size)
         self._llg_tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_error: str | None = None
-        try:
-            self._llg_tokenizer = llguidance.LLTokenizer(
-                json.dumps(tokenizer_json), n_vocab=num_tokens, eos_token=sorted(eos_token_ids)
-            )
-        except ValueError as exc:  # only constrained requests need it: the engine still serves the rest
-            self._tokenizer_error = str(exc)
-            logger.warning("structured output is unavailable: llguidance cannot use this tokenizer (%s)", exc)
+        # llguidance's view of the vocabulary takes ~0.2 s: built beside the start (the model's
+        # load, the engine's), and waited for by the first constrained request if it comes first.
+        self._tokenizer_built = threading.Thread(
+            target=self._build_tokenizer, args=(tokenizer_text, num_tokens, sorted(eos_token_ids)),
+            name="tokenway-llguidance-vocab", daemon=True)
+        self._tokenizer_built.start()
         self._num_words = (num_tokens + 31) // 32
         self._executor = llguidance.LLExecutor()
         self._max_cached_grammars = max_cached_grammars
         self._spec_to_matcher: OrderedDict[StructuredOutputSpec, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
+
+    def _build_tokenizer(self, tokenizer_text: str, num_tokens: int, eos_token_ids: list[int]) -> None:
+        try:
+            self._llg_tokenizer = llguidance.LLTokenizer(tokenizer_text, n_vocab=num_tokens, eos_token=eos_token_ids)
+        except ValueError as exc:  # only constrained requests need it: the engine still serves the rest
+            self._tokenizer_error = str(exc)
+            logger.warning("structured output is unavailable: llguidance cannot use this tokenizer (%s)", exc)
 
     def compile(self, spec: StructuredOutputSpec) -> None:
         """Raises FieldError("response_format", ...) when the spec is invalid or nothing satisfies it."""
@@ -156,6 +166,7 @@ class StructuredOutputManager:
         return matcher
 
     def _compile_uncached(self, spec: StructuredOutputSpec) -> llguidance.LLMatcher:
+        self._tokenizer_built.join()
         if self._llg_tokenizer is None:
             raise FieldError("response_format", f"not supported for this model's tokenizer ({self._tokenizer_error})")
         try:
