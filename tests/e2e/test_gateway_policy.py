@@ -8,6 +8,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -87,8 +88,9 @@ def test_key_lifecycle_401_403_and_no_secret_in_logs(gated):
         assert secret not in log and secret.split("-", 2)[2] not in log
 
 
-def test_rpm_exact_then_the_sdks_own_retry_honours_retry_after(gated):
+def test_rpm_exact_and_the_sdk_raises_its_rate_limit_error(gated):
     key = create_key(gated.db, "--name", "rpm", "--rpm", "3")
+    assert wait_for(lambda: chat(gated.base_url, None).status_code == 401)  # keys are on (the first turns auth on)
     wait_for(lambda: chat(gated.base_url, key).status_code in (200, 429), timeout=5)  # visible to the server
     client = openai.OpenAI(base_url=f"{gated.base_url}/v1", api_key=key, max_retries=0, timeout=120)
     statuses = []
@@ -103,13 +105,39 @@ def test_rpm_exact_then_the_sdks_own_retry_honours_retry_after(gated):
     assert refused.headers["x-ratelimit-remaining-requests"] == "0"
     with pytest.raises(openai.RateLimitError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    # The SDK's own retry waits what Retry-After says, then succeeds.
-    patient = openai.OpenAI(base_url=f"{gated.base_url}/v1", api_key=key, max_retries=3, timeout=120)
-    started = time.monotonic()
-    response = patient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                               max_tokens=2)
+
+
+def test_the_sdks_own_retry_waits_what_retry_after_says(gated):
+    # A key with one slot, held by a stream this test leaves unread: the SDK's call is refused
+    # (429, Retry-After 1 s), waits, asks again, and is served once the stream has ended.
+    key = create_key(gated.db, "--name", "one-slot", "--max-concurrent", "1")
+    assert wait_for(lambda: chat(gated.base_url, None).status_code == 401)  # keys are on (the first turns auth on)
+    assert wait_for(lambda: chat(gated.base_url, key).status_code == 200)  # visible to the server
+    answers: list[tuple[float, int, str | None]] = []
+
+    def record(response: httpx.Response) -> None:
+        answers.append((time.monotonic(), response.status_code, response.headers.get("retry-after")))
+
+    patient = openai.OpenAI(base_url=f"{gated.base_url}/v1", api_key=key, max_retries=5, timeout=120,
+                            http_client=httpx.Client(event_hooks={"response": [record]}))
+    with httpx.stream("POST", f"{gated.base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "Count to a thousand."}],
+                            "max_tokens": 4000, "ignore_eos": True, "stream": True}, timeout=120) as held:
+        assert held.status_code == 200
+        lines = held.iter_lines()  # kept: a dropped iterator closes the stream
+        assert next(lines).startswith("data: ")  # its first event: the slot is taken
+        releases = threading.Timer(2.5, held.close)
+        releases.start()
+        response = patient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=2)
+        releases.join()
     assert response.choices[0].message.content is not None
-    assert time.monotonic() - started >= retry_after - 2
+    statuses = [status for _, status, _ in answers]
+    assert statuses[0] == 429 and statuses[-1] == 200 and set(statuses) == {429, 200}, answers
+    assert all(retry_after == "1" for _, status, retry_after in answers if status == 429)
+    # Each retry waited at least what its refusal's Retry-After said (the SDK adds jitter only above it).
+    times = [at for at, _, _ in answers]
+    assert all(later - earlier >= 0.9 for earlier, later in zip(times, times[1:])), answers
 
 
 def test_tpm_by_reservation_and_reconciliation(gated):
