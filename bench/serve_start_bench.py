@@ -3,7 +3,7 @@
     python bench/serve_start_bench.py                    # the default model, 5 starts
     python bench/serve_start_bench.py --runs 9 -- --model /path/to/model.gguf --max-model-len 4096
 
-Each run is a fresh `tokenway serve` (this checkout's: `python -m tokenway.cli` from its root)
+Each run is a fresh `tokenway serve` (this checkout's, run from its root)
 on a free loopback port with its own database, polled every 20 ms until /ready answers 200 (the
 engine loaded, the app serving); then SIGINT, timed to its exit. The first run may convert a
 GGUF into the cache or build the native kernels: it is printed apart and left out of the median.
@@ -38,7 +38,10 @@ def one_start(extra: list[str], timeout_s: float) -> tuple[float, float]:
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="tw-start-") as folder:
         started = time.monotonic()
-        process = subprocess.Popen([sys.executable, "-m", "tokenway.cli", "serve", "--port", str(port),
+        # The console script's way in (`-m tokenway.cli` would import the CLI twice, and the engine
+        # process would import it again as its parent's main module), run from this checkout.
+        process = subprocess.Popen([sys.executable, "-c", "import sys; from tokenway.cli import main; sys.exit(main())",
+                                    "serve", "--port", str(port),
                                     "--db", f"{folder}/keys.db", *extra],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
         try:
