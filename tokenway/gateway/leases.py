@@ -37,7 +37,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from tokenway.gateway.budgets import (
     BudgetDecision,
@@ -117,9 +117,6 @@ class _Key(Generic[H]):
     num_waiting: int = 0  # calls waiting on `asking`
 
 
-_ASK_OWNER = object()  # a reservation the owner holds (not from a lease)
-
-
 class _Leases(Generic[H]):
     """What both stores' leases share: one lease at a time per key, asked once for a burst,
     ended when used up or out of time, settled in gathered steps."""
@@ -132,10 +129,12 @@ class _Leases(Generic[H]):
         self._tasks: set[asyncio.Task] = set()
 
     async def _from_lease(self, key_id: str, amount: int, admits: Callable[[H, float], bool],
-                          ask: Callable[[_Key[H], int], Awaitable[H | None]]) -> H | None:
+                          ask: Callable[[int, int], Awaitable[Any]], held_of: Callable[[Any, float], H]
+                          ) -> H | None:
         """The key's lease once it admits this call (admits(held, now)), asking the owner for a
-        new one where it must; None: the call is asked of the owner for itself. amount: what the
-        call reserves (tokens, nanos)."""
+        new one where it must: ask(calls, amount for them all) is the owner's lease (or None),
+        held_of(lease, deadline) this side's. None: the call is asked of the owner for itself.
+        amount: what the call reserves (tokens, nanos)."""
         key = self._keys.get(key_id)
         if key is None:
             key = self._keys[key_id] = _Key(mean_ask=amount)
@@ -152,7 +151,7 @@ class _Leases(Generic[H]):
                 break  # no lease, or a call larger than the leases the key is granted
             # A burst waits on one ask; the calls its lease did not hold ask again, for more.
             if key.asking is None:
-                key.asking = asyncio.ensure_future(self._ask(key, amount, ask))
+                key.asking = asyncio.ensure_future(self._ask(key, amount, ask, held_of))
             key.num_waiting += 1
             try:
                 await asyncio.shield(key.asking)  # a caller that leaves does not stop the others' ask
@@ -160,27 +159,24 @@ class _Leases(Generic[H]):
                 key.num_waiting -= 1
         return None
 
-    async def _ask(self, key: _Key[H], amount: int, ask: Callable[[_Key[H], int], Awaitable[H | None]]) -> None:
+    async def _ask(self, key: _Key[H], amount: int, ask: Callable[[int, int], Awaitable[Any]],
+                   held_of: Callable[[Any, float], H]) -> None:
         asked_at = time.monotonic()
+        calls = min(MOST_CALLS, max(key.want_calls, key.num_waiting))
         try:
-            held = await ask(key, amount)
+            lease = await ask(calls, max(amount, math.ceil(calls * max(key.mean_ask, amount))))
         except LimitsUnavailable:
             return  # the call asks the owner itself, and the guard hears of it from there
         finally:
             key.asking = None
-        if held is None:
+        if lease is None:
             key.per_call_until = asked_at + LEASE_S
             return
         if key.current is not None:
             self._end(key, key.current)
-        key.current = held
+        held = key.current = held_of(lease, asked_at + lease.valid_for_s)  # its time counts from the ask
         held.timer = asyncio.get_running_loop().call_later(max(0.0, held.deadline - time.monotonic()),
                                                            self._expire, key, held)
-
-    def _want(self, key: _Key[H], amount: int) -> tuple[int, int]:
-        """How many calls to ask a lease for, and what they reserve together (tokens, nanos)."""
-        calls = min(MOST_CALLS, max(key.want_calls, key.num_waiting))
-        return calls, max(amount, math.ceil(calls * max(key.mean_ask, amount)))
 
     def _expire(self, key: _Key[H], held: H) -> None:
         held.timer = None
@@ -219,6 +215,19 @@ class _Leases(Generic[H]):
                 # The lease ends at the owner on its own, counted in full: nothing over-admitted.
                 logger.debug("a lease's settlement was not sent: %s", exc)
 
+    def _settle_here(self, reservation_id: str, name: str, used: int, settle: Callable[[H], None]) -> bool:
+        """A call admitted here settles (settle(its lease)) now; False for one the owner holds."""
+        if used < 0:
+            raise ValueError(f"{name} must be >= 0, got {used}")
+        if reservation_id not in self._rid_to_held:
+            return False
+        held = self._rid_to_held.pop(reservation_id)
+        if held is not None:  # None: a call with nothing to settle
+            settle(held)
+            if held.ended:
+                self._unsettle(held)
+        return True
+
     def _too_large(self, held: H, amount: int) -> bool:
         raise NotImplementedError
 
@@ -256,16 +265,10 @@ class LeasedLimiter(_Leases[_HeldLimits]):
             reservation = Reservation(key_id, random_hex(), reserve_tokens, time.monotonic())
             self._rid_to_held[reservation.reservation_id] = None
             return Decision(True, reservation, None, None, {})
-
-        async def ask(key: _Key[_HeldLimits], amount: int) -> _HeldLimits | None:
-            asked_at = time.monotonic()
-            calls, tokens = self._want(key, amount)
-            lease = await self.remote.lease(key_id, spec, calls, tokens, amount)
-            return _HeldLimits(lease=lease, spec=spec, deadline=asked_at + lease.valid_for_s) \
-                if lease is not None else None
-
-        held = await self._from_lease(key_id, reserve_tokens,
-                                      lambda held, now: held.admits(spec, reserve_tokens, now), ask)
+        held = await self._from_lease(
+            key_id, reserve_tokens, lambda held, now: held.admits(spec, reserve_tokens, now),
+            lambda calls, tokens: self.remote.lease(key_id, spec, calls, tokens, reserve_tokens),
+            lambda lease, deadline: _HeldLimits(lease=lease, spec=spec, deadline=deadline))
         if held is None:
             return await self.remote.admit(key_id, spec, reserve_tokens)
         held.num_tokens += reserve_tokens
@@ -291,16 +294,10 @@ class LeasedLimiter(_Leases[_HeldLimits]):
     def reconcile_in_line(self, reservation: Reservation, used_tokens: int) -> bool:
         """Reconciles a call admitted here (from a lease, or with no limits) now; False for one
         the owner admitted, which reconcile() sends it."""
-        if used_tokens < 0:
-            raise ValueError(f"used_tokens must be >= 0, got {used_tokens}")
-        held = self._rid_to_held.pop(reservation.reservation_id, _ASK_OWNER)
-        if held is _ASK_OWNER:
-            return False
-        if isinstance(held, _HeldLimits):
+        def settle(held: _HeldLimits) -> None:
             held.num_tokens += used_tokens - reservation.reserved_tokens
-            if held.ended:
-                self._unsettle(held)
-        return True
+
+        return self._settle_here(reservation.reservation_id, "used_tokens", used_tokens, settle)
 
     async def headers(self, key_id: str, spec: LimitSpec) -> dict[str, str]:
         return await self.remote.headers(key_id, spec)
@@ -323,16 +320,10 @@ class LeasedBudgets(_Leases[_HeldBudget]):
         if share_nanos is not None:
             return await self.remote.reserve(key_id, budget_nanos, worst_nanos, share_nanos)
         check_amounts(budget_nanos, worst_nanos)
-
-        async def ask(key: _Key[_HeldBudget], amount: int) -> _HeldBudget | None:
-            asked_at = time.monotonic()
-            nanos = self._want(key, amount)[1]
-            lease = await self.remote.lease(key_id, budget_nanos, nanos, amount)
-            return _HeldBudget(lease=lease, budget_nanos=budget_nanos, deadline=asked_at + lease.valid_for_s) \
-                if lease is not None else None
-
-        held = await self._from_lease(key_id, worst_nanos,
-                                      lambda held, now: held.admits(budget_nanos, worst_nanos, now), ask)
+        held = await self._from_lease(
+            key_id, worst_nanos, lambda held, now: held.admits(budget_nanos, worst_nanos, now),
+            lambda _, nanos: self.remote.lease(key_id, budget_nanos, nanos, worst_nanos),
+            lambda lease, deadline: _HeldBudget(lease=lease, budget_nanos=budget_nanos, deadline=deadline))
         if held is None:
             return await self.remote.reserve(key_id, budget_nanos, worst_nanos)
         decision = BudgetDecision(BudgetReservation(key_id, random_hex(), worst_nanos, BUDGET_EPOCH),
@@ -356,18 +347,12 @@ class LeasedBudgets(_Leases[_HeldBudget]):
     def settle_in_line(self, reservation: BudgetReservation, used_nanos: int) -> bool:
         """Settles a call reserved from a lease now; False for one the owner reserved, which
         settle() sends it."""
-        if used_nanos < 0:
-            raise ValueError(f"used_nanos must be >= 0, got {used_nanos}")
-        held = self._rid_to_held.pop(reservation.reservation_id, _ASK_OWNER)
-        if held is _ASK_OWNER:
-            return False
-        if isinstance(held, _HeldBudget):
+        def settle(held: _HeldBudget) -> None:
             held.held_nanos -= reservation.reserved_nanos
             held.spent_nanos += used_nanos
             held.unreported_nanos += used_nanos
-            if held.ended:
-                self._unsettle(held)
-        return True
+
+        return self._settle_here(reservation.reservation_id, "used_nanos", used_nanos, settle)
 
     async def state(self, key_id: str, share: bool = False) -> BudgetState | None:
         return await self.remote.state(key_id, share)
