@@ -325,3 +325,43 @@ def test_a_budget_is_exact_across_leasing_workers(loop_factory):
         assert state == BudgetState(worst + 159 * worst // 2, 0)
 
     run_with_owner(test, loop_factory)
+
+
+def test_a_settlement_the_owner_could_not_hear_is_sent_again_whole(loop_factory, monkeypatch):
+    # The owner's link fails for the first settlement of a budget lease: nothing of what its
+    # calls cost is lost; the next step carries it, and the calls that ended since.
+    monkeypatch.setattr(leases, "SETTLE_EVERY_S", 0.01)
+    monkeypatch.setattr(leases, "SETTLE_AGAIN_S", 0.05)
+
+    class Flaky(RemoteBudgets):
+        failures = 1
+
+        async def settle_lease(self, key_id: str, reservation_id: str, cost_nanos: int, held_nanos: int) -> None:
+            if self.failures:
+                self.failures -= 1
+                raise LimitsUnavailable("the owner's socket is gone")
+            await super().settle_lease(key_id, reservation_id, cost_nanos, held_nanos)
+
+    async def test(path: str, owner: InProcessLimiter) -> None:
+        store = LeasedBudgets(Flaky(CounterClient(path)))
+        budget = 16 * 10**6
+        first = await store.reserve("k", budget, 1000)  # seeds the key, at the owner
+        assert first.reservation is not None
+        await store.settle(first.reservation, 1000)
+        decisions = [await store.reserve("k", budget, 1000) for _ in range(5)]
+        held = store._keys["k"].current
+        assert held is not None and all(d.allowed for d in decisions)
+        for d in decisions[:3]:
+            assert d.reservation is not None
+            await store.settle(d.reservation, 400)
+        store._end(store._keys["k"], held)  # its time is up: the first step fails
+        await asyncio.sleep(0.03)
+        for d in decisions[3:]:
+            assert d.reservation is not None
+            await store.settle(d.reservation, 400)
+        await asyncio.sleep(0.2)
+        state = await RemoteBudgets(CounterClient(path)).state("k")
+        assert state == BudgetState(1000 + 5 * 400, 0)
+        await store.close()
+
+    run_with_owner(test, loop_factory)

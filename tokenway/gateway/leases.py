@@ -66,6 +66,7 @@ FIRST_CALLS = 8  # a key's first lease holds this many calls; then twice what th
 MOST_CALLS = 1 << 16
 ASKS_PER_CALL = 32  # a call the leases of a burst did not hold in as many: asked for itself
 SETTLE_EVERY_S = 0.05  # an ended lease's settlements, gathered
+SETTLE_AGAIN_S = 1.0  # ... and sent again after this while the owner cannot be reached
 BUDGET_EPOCH = "lease"  # a BudgetReservation reserved from a lease
 
 
@@ -195,10 +196,10 @@ class _Leases(Generic[H]):
         key.want_calls = min(MOST_CALLS, max(FIRST_CALLS, 2 * held.num_calls))
         self._unsettle(held)
 
-    def _unsettle(self, held: H) -> None:
+    def _unsettle(self, held: H, after_s: float = SETTLE_EVERY_S) -> None:
         self._unsettled[id(held)] = held
         if self._settling is None:
-            self._settling = asyncio.get_running_loop().call_later(SETTLE_EVERY_S, self._settle_soon)
+            self._settling = asyncio.get_running_loop().call_later(after_s, self._settle_soon)
 
     def _settle_soon(self) -> None:
         self._settling = None
@@ -212,8 +213,10 @@ class _Leases(Generic[H]):
             try:
                 await self._report(held)
             except LimitsUnavailable as exc:
-                # The lease ends at the owner on its own, counted in full: nothing over-admitted.
+                # Sent again later; meanwhile the owner counts the lease in full (a budget's
+                # hold until it expires): nothing is over-admitted.
                 logger.debug("a lease's settlement was not sent: %s", exc)
+                self._unsettle(held, SETTLE_AGAIN_S)
 
     def _settle_here(self, reservation_id: str, name: str, used: int, settle: Callable[[H], None]) -> bool:
         """A call admitted here settles (settle(its lease)) now; False for one the owner holds."""
@@ -245,6 +248,9 @@ class _Leases(Generic[H]):
             with contextlib.suppress(Exception):
                 await task
         await self._settle()
+        if self._settling is not None:  # the owner could not hear the last: nothing to send it again to
+            self._settling.cancel()
+            self._settling = None
 
 
 class LeasedLimiter(_Leases[_HeldLimits]):
@@ -320,6 +326,9 @@ class LeasedBudgets(_Leases[_HeldBudget]):
         if share_nanos is not None:
             return await self.remote.reserve(key_id, budget_nanos, worst_nanos, share_nanos)
         check_amounts(budget_nanos, worst_nanos)
+        if key_id not in self._keys:  # the owner seeds a key's spend from the ledger at its first reserve
+            self._keys[key_id] = _Key(mean_ask=worst_nanos)
+            return await self.remote.reserve(key_id, budget_nanos, worst_nanos)
         held = await self._from_lease(
             key_id, worst_nanos, lambda held, now: held.admits(budget_nanos, worst_nanos, now),
             lambda _, nanos: self.remote.lease(key_id, budget_nanos, nanos, worst_nanos),
@@ -337,8 +346,9 @@ class LeasedBudgets(_Leases[_HeldBudget]):
         return held.lease.nanos < amount
 
     async def _report(self, held: _HeldBudget) -> None:
-        lease, cost, held.unreported_nanos = held.lease, held.unreported_nanos, 0
+        lease, cost = held.lease, held.unreported_nanos
         await self.remote.settle_lease(lease.key_id, lease.reservation_id, cost, held.held_nanos)
+        held.unreported_nanos -= cost  # what calls ended during the send stays for the next step
 
     async def settle(self, reservation: BudgetReservation, used_nanos: int) -> None:
         if not self.settle_in_line(reservation, used_nanos):
