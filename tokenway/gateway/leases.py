@@ -23,9 +23,10 @@ early; and the x-ratelimit-* headers of a call admitted from a lease count the k
 the grant found it, plus this worker's calls since.
 
 Asked call by call, as before: a call in a batch share, a key with a concurrency limit (its
-slots are held at the owner), a call larger than the key's leases, and for LEASE_S a key the
-owner grants no lease (a limit under LEASE_PART, too little left, a budget not yet seeded from
-the ledger). A key with no limits at all is admitted here, with nothing to ask or settle.
+slots are held at the owner), a call larger than the key's leases, a key's first budgeted call
+on this worker (the owner seeds the key's spend from the ledger then), and for LEASE_S a key the
+owner grants no lease (a limit under LEASE_PART, too little of it left). A key with no limits at
+all is admitted here, with nothing to ask or settle.
 """
 
 from __future__ import annotations
