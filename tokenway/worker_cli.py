@@ -89,6 +89,11 @@ def run_worker(args: argparse.Namespace) -> int:
     if secret is None and not is_loopback(args.host):
         raise ValueError(f"worker: --host {args.host} is reachable from other machines; give the shared secret "
                          f"with --secret-file or ${SECRET_ENV} (or bind 127.0.0.1)")
+    # The engine process starts now: it imports torch and the engine while this one imports the
+    # rest, and loads the model once ProcessEngine tells it which (as `tokenway serve` does).
+    from tokenway.engine.child import EngineChild
+
+    child = EngineChild.start(args.engine_niceness)
     import uvicorn
 
     from tokenway.engine.process import ProcessEngine
@@ -111,7 +116,7 @@ def run_worker(args: argparse.Namespace) -> int:
     name = args.served_model_name or default_model_name(args.model)
     # Fetched and converted once, here; the engine finds it done.
     model_dir = resolve_model(config.model, config.cache_dir, revision=config.revision, gguf_file=config.gguf_file)
-    engine = ProcessEngine(config, args.engine_niceness)
+    engine = ProcessEngine(config, args.engine_niceness, child)
     try:
         app = create_worker_app(engine, name, secret, model_dir=model_dir, block_size=config.block_size,
                                 max_pending_requests=args.max_pending_requests)
