@@ -337,6 +337,11 @@ class InProcessBudgets:
     async def settle(self, reservation: BudgetReservation, used_nanos: int) -> None:
         self.settle_now(reservation, used_nanos)
 
+    def settle_in_line(self, reservation: BudgetReservation, used_nanos: int) -> bool:
+        """settle_now, for the gatekeeper's in-line settlement: every call is settled here."""
+        self.settle_now(reservation, used_nanos)
+        return True
+
     def settle_now(self, reservation: BudgetReservation, used_nanos: int) -> None:
         if used_nanos < 0:
             raise ValueError(f"used_nanos must be >= 0, got {used_nanos}")

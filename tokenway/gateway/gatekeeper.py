@@ -49,7 +49,6 @@ from tokenway.gateway.keystore import KeyStore
 from tokenway.gateway.limits import (
     CONCURRENCY_RETRY_S,
     Decision,
-    InProcessLimiter,
     Limiter,
     LimitSpec,
     LimitsUnavailable,
@@ -137,18 +136,13 @@ class Gatekeeper:
         # round trip, not two, and a refused call holds nothing even for a moment.
         self.joint = self.budgets.joint_with(limiter)
         self.guard = StoreGuard(limits_on_error)
-        # Both stores in this process (exactly those classes: they settle without waiting and
-        # are never down): a call's settlement runs in line, not as a task of its own.
-        store = self.budgets
-        self._in_line: tuple[InProcessLimiter, InProcessBudgets] | None = (
-            (limiter, store) if type(limiter) is InProcessLimiter and type(store) is InProcessBudgets
-            else None)
-        # Stores that settle some of their calls in line (leases.py: those admitted from a
-        # lease); they say which.
+        # Stores that settle calls in line, not as a task of their own, say which they did: the
+        # in-process ones every call (they never wait and are never down), the workers' leases
+        # (leases.py) those admitted from a lease.
         self._reconcile_in_line: Callable[[Reservation, int], bool] | None = getattr(
             limiter, "reconcile_in_line", None)
         self._settle_in_line: Callable[[BudgetReservation, int], bool] | None = getattr(
-            store, "settle_in_line", None)
+            self.budgets, "settle_in_line", None)
 
     # -- who -------------------------------------------------------------------------
 
@@ -338,13 +332,6 @@ class Gatekeeper:
         if reservation is None and admission.budget is None:
             return
         used_tokens = outcome.prompt_tokens + outcome.completion_tokens
-        if self._in_line is not None:
-            limiter, budgets = self._in_line
-            if admission.budget is not None:
-                budgets.settle_now(admission.budget, nanos_up(cost))
-            if reservation is not None:
-                limiter.reconcile_now(reservation, used_tokens)
-            return
         if reservation is not None and self._reconcile_in_line is not None \
                 and self._reconcile_in_line(reservation, used_tokens):
             reservation = None

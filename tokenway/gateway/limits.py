@@ -401,6 +401,11 @@ class InProcessLimiter:
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
         self.reconcile_now(reservation, used_tokens)
 
+    def reconcile_in_line(self, reservation: Reservation, used_tokens: int) -> bool:
+        """reconcile_now, for the gatekeeper's in-line settlement: every call is settled here."""
+        self.reconcile_now(reservation, used_tokens)
+        return True
+
     def reconcile_now(self, reservation: Reservation, used_tokens: int) -> None:
         if used_tokens < 0:
             raise ValueError(f"used_tokens must be >= 0, got {used_tokens}")
