@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenway.json_codec import dumps_ascii
+
 # Columns added since the first schema come last, as each migration appends them (and rows
 # journaled before them read back with their defaults).
 COLUMNS = ("request_id", "key_id", "model", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_usd",
@@ -106,7 +108,7 @@ def storable_json(value: Any) -> tuple[Any, str | None]:
 
 
 def compact_json(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))
+    return dumps_ascii(value)
 
 
 def _storable(value: Any) -> Any:

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import pydantic
 
+from tokenway.json_codec import loads
 from tokenway.protocol.errors import InvalidRequestError, from_validation_error
 
 T = TypeVar("T", bound=pydantic.BaseModel)
@@ -39,7 +40,7 @@ def decode_json_body(raw: bytes, model: type[T]) -> T:
     except UnicodeDecodeError as exc:
         raise InvalidRequestError(f"Request body is not valid UTF-8 (byte {exc.start})") from None
     try:
-        data = json.loads(text)
+        data = loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidRequestError(f"Request body is not valid JSON: {exc.msg} at line {exc.lineno} "
                                   f"column {exc.colno}") from None

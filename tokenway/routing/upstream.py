@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import json
 import logging
 import math
 import os
@@ -63,6 +62,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 from urllib.parse import urlsplit
 
+from tokenway.json_codec import dumps, loads
 from tokenway.protocol.errors import (
     BadGatewayError,
     GatewayTimeoutError,
@@ -130,7 +130,7 @@ class ConnectionLimits:
 
 def parse_json_object(name: str, data: str) -> dict[str, Any]:
     try:
-        payload = json.loads(data)
+        payload = loads(data)
     except (ValueError, RecursionError):  # RecursionError: nested deeper than the interpreter's stack
         payload = None
     if not isinstance(payload, dict):
@@ -353,7 +353,7 @@ class UpstreamHTTP:
             raise BadGatewayError(f"Upstream {self.name} answered with more than {max_bytes} bytes "
                                   f"(max_answer_bytes); the call was ended.")
         try:
-            payload = json.loads(data)
+            payload = loads(data)
         except (ValueError, RecursionError):  # UnicodeDecodeError included
             payload = None
         if not isinstance(payload, dict):
@@ -402,7 +402,7 @@ class UpstreamHTTP:
         if len(body) > max_bytes:
             raise BadGatewayError(f"Upstream {self.name} answered GET {path} with more than {max_bytes} bytes.")
         try:
-            return json.loads(body)
+            return loads(body)
         except (ValueError, RecursionError):
             raise BadGatewayError(f"Upstream {self.name} answered GET {path} with something other than JSON.") from None
 
@@ -418,7 +418,7 @@ class UpstreamHTTP:
 
 
 def _json_bytes(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    return dumps(body)
 
 
 _END = object()

@@ -28,10 +28,11 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from tokenway.gateway.admission import admit
 from tokenway.gateway.call import Call, CallOutcome
+from tokenway.json_codec import dumps
 from tokenway.protocol.errors import InternalServerError, TokenwayError
 from tokenway.protocol.job import ChoiceDelta, ReplicaEvent, ToolCallDelta, Usage, estimate_tokens
 from tokenway.protocol.openai_bodies import CompletionUsage
@@ -352,8 +353,9 @@ class Generation:
             self.finish(exc.status, exc.message)
             raise
         self.clock.end("postprocess")
-        response = JSONResponse(body, headers={"Server-Timing": self.clock.server_timing(), id_header: self.request_id,
-                                               **self.cache_headers})
+        response = Response(dumps(body), media_type="application/json",
+                            headers={"Server-Timing": self.clock.server_timing(), id_header: self.request_id,
+                                     **self.cache_headers})
         self.finish()
         return response
 

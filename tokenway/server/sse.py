@@ -3,24 +3,25 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from tokenway.json_codec import dumps
 
 DONE = b"data: [DONE]\n\n"
 
 
-def _dumps(payload: Any) -> str:
+def _dumps(payload: Any) -> bytes:
     if hasattr(payload, "model_dump"):
         payload = payload.model_dump(mode="json", exclude_none=False)
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return dumps(payload)
 
 
 def data_event(payload: Any) -> bytes:
-    return f"data: {_dumps(payload)}\n\n".encode()
+    return b"data: " + _dumps(payload) + b"\n\n"
 
 
 def named_event(event: str, payload: Any) -> bytes:
-    return f"event: {event}\ndata: {_dumps(payload)}\n\n".encode()
+    return f"event: {event}\ndata: ".encode() + _dumps(payload) + b"\n\n"
 
 
 def comment(text: str) -> bytes:
