@@ -2,6 +2,9 @@
 # Both set everything up first (scripts/setup.sh, idempotent).
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The suite runs on this many pytest-xdist processes, a test file to one (module fixtures start
+# their servers once); each has its own PostgreSQL and Redis (tests/conftest.py own_servers).
+TEST_WORKERS ?= 2
 
 .PHONY: setup serve test test-fast bench docs lint
 
@@ -12,12 +15,12 @@ serve: setup
 	$(VENV)/bin/tokenway serve $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 # The unit tests alone (no model, server process, Redis or PostgreSQL: tests/conftest.py marks
-# the rest `heavy`): the loop while you edit, about 3 minutes on 2 cores.
+# the rest `heavy`): the loop while you edit, about a minute on 2 cores.
 test-fast: setup
-	$(PY) -m pytest -q -m "not heavy" $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not heavy" $(ARGS)
 
 bench: setup
 	$(PY) bench/engine_bench.py $(ARGS)

@@ -3,10 +3,11 @@
 #   scripts/redis.sh start   install redis-server if missing, start it (if not running), print its URL
 #   scripts/redis.sh url     print the URL of the running server (exit 1 when none is running)
 #   scripts/redis.sh stop    stop it (exit 0 when none is running)
-# Port: TOKENWAY_REDIS_PORT if set, else 6390, else the next free one. State lives in .cache/redis.
+# Port: TOKENWAY_REDIS_PORT if set, else 6390, else the next free one. State lives in
+# $TOKENWAY_REDIS_DIR (default .cache/redis): one server a directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DIR="$PWD/.cache/redis"
+DIR=$(realpath -m "${TOKENWAY_REDIS_DIR:-.cache/redis}")
 PIDFILE="$DIR/redis.pid"
 PORTFILE="$DIR/port"
 

