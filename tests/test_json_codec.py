@@ -43,7 +43,8 @@ def test_compact_and_utf8_like_json_dumps():
 
 @pytest.mark.parametrize("value", [
     {"n": 2**70},                 # past 64 bits
-    {1: "int key", None: "none key", True: "bool key"},
+    {1: "int key", None: "none key", 2.5: "float key"},
+    {True: "bool key", False: "another"},
 ])
 def test_what_orjson_refuses_is_written_as_json_writes_it(value):
     assert dumps(value) == json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()

@@ -49,7 +49,7 @@ def dumps_ascii(value: Any) -> str:
 
 def loads(data: bytes | str) -> Any:
     """json.loads(data): what it reads, read alike; what it refuses, refused with its error."""
-    if (_LONG_DIGITS_TEXT if isinstance(data, str) else _LONG_DIGITS_BYTES).search(data):
+    if _LONG_DIGITS_TEXT.search(data) if isinstance(data, str) else _LONG_DIGITS_BYTES.search(data):
         return json.loads(data)
     try:
         return orjson.loads(data)

@@ -37,6 +37,8 @@ def _stage_under_way(after: int) -> str:
 
 # last marked stage's index + 1 (0: none marked) -> the stage the time after it counts to
 _UNDER_WAY = tuple(_stage_under_way(after) for after in range(len(STAGES) + 1))
+# The Server-Timing value, every stage in STAGES order and the total: one format, not one a stage.
+_SERVER_TIMING = ", ".join(f"{stage};dur=%.2f" for stage in (*STAGES, "total"))
 
 
 @dataclass(slots=True)
@@ -102,7 +104,5 @@ class StageClock:
 
     def server_timing(self) -> str:
         """The Server-Timing header value: `auth;dur=0.04, validation;dur=0.22, ...`, as of now."""
-        durations = self.durations_ms()
-        parts = [f"{stage};dur={ms:.2f}" for stage, ms in durations.items()]
-        parts.append(f"total;dur={sum(durations.values()):.2f}")
-        return ", ".join(parts)
+        durations = self.durations_ms()  # every stage, in STAGES order
+        return _SERVER_TIMING % (*durations.values(), sum(durations.values()))

@@ -232,13 +232,14 @@ def safety_headers(call: Call) -> dict[str, str]:
     """What the safety stage found, named (never the text): the input's, and the output's where
     the response starts after it is known (not a stream's)."""
     headers = {}
-    screening, guard = call.screening, call.guard
+    screening, guard, outcome = call.screening, call.guard, call.outcome
+    if screening is None and guard is None and (outcome is None or not outcome.safety_output):
+        return headers  # no policy looked, or it found nothing to name
     found = sorted({*(screening.categories if screening is not None else ()),
                     *(guard.categories if guard is not None else ())})
     if found:
         action = screening.action if screening is not None and screening.categories else "flag"
         headers["x-tokenway-safety-input"] = f"{action}; {','.join(found)}"
-    outcome = call.outcome
     if outcome is not None and outcome.safety_output:
         headers["x-tokenway-safety-output"] = f"{outcome.safety_output_action}; {','.join(outcome.safety_output)}"
     return headers
