@@ -65,7 +65,8 @@ def test_what_orjson_refuses_to_read_is_read_as_json_reads_it(text):
     assert repr(got) == repr(want) or (isinstance(got, dict) and math.isnan(got["x"]))
 
 
-@pytest.mark.parametrize("text", ['{"a": }', "[1, 2", "", "nul", '{"a": 1}}'])
+@pytest.mark.parametrize("text", ['{"a": }', "[1, 2", "", "nul", '{"a": 1}}', "\ufeff{}", '{"a": "x\ty"}', "[1,]",
+                                  "[.5]", '{"a": 01}', "[1]\x00"])
 def test_what_neither_reads_is_the_standard_librarys_error(text):
     with pytest.raises(json.JSONDecodeError) as got:
         loads(text)
