@@ -23,7 +23,7 @@ import sys
 import tomllib
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 # Light imports only: the body parser's worker process (spawned) imports this module again.
 from tokenway.config import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL, EngineConfig, parse_bytes
@@ -43,9 +43,6 @@ from tokenway.serve_build import (
     store_flag,
 )
 from tokenway.server import connections
-
-if TYPE_CHECKING:
-    pass
 
 # flag dest -> (type, default); the config file uses the same names (dashes or underscores).
 SERVE_OPTIONS = {
