@@ -3,14 +3,13 @@ library, the standard library where it cannot.
 
 A gateway call encodes and decodes JSON about ten times (the body, the upstream's request and
 answer, the response, the ledger row and its journal line); json.dumps of a chat response takes
-~8 µs, orjson's ~0.5. What orjson refuses (an integer past 64 bits, a lone UTF-16 surrogate, a
-NaN in the text, a non-UTF-8 byte) falls back to `json`, so every document either library
-accepts is accepted and read alike, and an error is the standard library's. (orjson reads an
-integer past 64 bits as a float where json keeps it whole, so a text with 19 digits in a row is
-read by json.) Written alike, too,
-but for two things no reader tells apart: a float's shortest form (orjson `1e-7`, json `1e-07`),
-and a NaN or infinity, which orjson writes as null where json writes a token no JSON parser
-reads.
+~8 µs, orjson's ~0.5. What orjson refuses to read (a lone UTF-16 surrogate escape, a NaN or
+Infinity token, a number past a double, a BOM) or to write (a lone surrogate, an integer past 64
+bits, a type it lacks) falls back to `json`, and so does a text with 19 digits in a row, since
+orjson reads an integer past 64 bits as a float where json keeps it whole: every document is
+accepted and read alike, and an error is the standard library's. Written alike, too, but for two
+things no reader tells apart: a float's shortest form (orjson `1e-7`, json `1e-07`), and a NaN
+or infinity, which orjson writes as null where json writes a token no JSON parser reads.
 """
 
 from __future__ import annotations
