@@ -40,7 +40,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tokenway.billing.dead_letters import DeadLetters
-from tokenway.billing.record import COLUMNS, JSON_COLUMNS, UsageRecord, compact_json
+from tokenway.billing.record import COLUMNS, JSON_COLUMNS, UsageRecord
+from tokenway.json_codec import dumps_ascii
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ def encode_record(record: UsageRecord) -> bytes:
     # are read as they are (dataclasses.asdict would deep-copy the trace first: a third of the
     # cost), and the JSON columns are the text the row encoded them to once.
     stages_json, trace_json = record.encoded_json
-    fields = compact_json({name: getattr(record, name) for name in _PLAIN_COLUMNS})
+    fields = dumps_ascii({name: getattr(record, name) for name in _PLAIN_COLUMNS})
     return f'{fields[:-1]},"stages_ms":{stages_json},"trace":{trace_json}}}\n'.encode("ascii")
 
 

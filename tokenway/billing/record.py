@@ -66,7 +66,7 @@ class UsageRecord:
             raise ValueError(f"cost_usd must be finite and >= 0, got {self.cost_usd}")
         if not all(math.isfinite(ms) for ms in self.stages_ms.values()):
             raise ValueError("stages_ms values must be finite")
-        self.encoded_json = (compact_json(self.stages_ms), trace_json or compact_json(self.trace))
+        self.encoded_json = (dumps_ascii(self.stages_ms), trace_json or dumps_ascii(self.trace))
 
     def to_row(self, encode_json: Callable[[dict], Any] | None = None) -> tuple:
         """Values in COLUMNS order, the JSON columns encoded for the backend (None: as the JSON
@@ -99,16 +99,12 @@ def storable_json(value: Any) -> tuple[Any, str | None]:
     call's trace (one C-encoded pass instead of a call per field); and that compact JSON text,
     where it was made on the way (None where not)."""
     try:
-        text = compact_json(value)
+        text = dumps_ascii(value)
         if "\\u" not in text:
             return value, text
     except (TypeError, ValueError):
         pass  # not JSON-encodable as it is: the walk keeps what it can
     return _storable(value), None
-
-
-def compact_json(value: Any) -> str:
-    return dumps_ascii(value)
 
 
 def _storable(value: Any) -> Any:
