@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 from hypothesis import given, settings
@@ -62,7 +61,7 @@ def test_a_lone_surrogate_is_escaped_in_ascii_and_refused_in_utf8_as_before():
                                   '"\\ud800"', '{"a": 1e400}'])
 def test_what_orjson_refuses_to_read_is_read_as_json_reads_it(text):
     got, want = loads(text), json.loads(text)
-    assert repr(got) == repr(want) or (isinstance(got, dict) and math.isnan(got["x"]))
+    assert repr(got) == repr(want)  # NaN too: repr compares what == cannot
 
 
 @pytest.mark.parametrize("text", ['{"a": }', "[1, 2", "", "nul", '{"a": 1}}', "\ufeff{}", '{"a": "x\ty"}', "[1,]",
