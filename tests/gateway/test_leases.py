@@ -1,12 +1,15 @@
-"""Leases: a slice of a key's limits held for one worker (limits.py lease_now), and the
-worker's limiter that admits calls from them (gateway/leases.py)."""
+"""Leases: a slice of a key's limits held for one gateway process (limits.py lease_now; in
+Redis, limits_redis.py), and the process's limiter that admits calls from them
+(gateway/leases.py). The owner's side runs on both owners: in process and a real Redis."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import tempfile
 import time
+import uuid
 
 import pytest
 
@@ -14,7 +17,7 @@ from tokenway.gateway import leases
 from tokenway.gateway.budgets import BudgetState, InProcessBudgets
 from tokenway.gateway.counters import CounterClient, CounterServer, RemoteBudgets, RemoteLimiter
 from tokenway.gateway.leases import LeasedBudgets, LeasedLimiter
-from tokenway.gateway.limits import LEASE_PART, InProcessLimiter, LimitSpec, LimitsUnavailable
+from tokenway.gateway.limits import LEASE_PART, InProcessLimiter, LeaseOwner, LimitSpec, LimitsUnavailable
 
 
 async def no_spend(key_id: str) -> float:
@@ -45,108 +48,278 @@ def remaining_requests(owner: InProcessLimiter, key_id: str, rpm: int) -> int:
     return int(owner.headers_now(key_id, LimitSpec(rpm=rpm))["x-ratelimit-remaining-requests"])
 
 
-# ---- The owner's side. ----
+# ---- The owner's side, in process and in Redis. ----
 
-def test_a_lease_takes_at_most_its_part_of_each_limit_and_counts_at_once():
-    owner = InProcessLimiter()
-    spec = LimitSpec(rpm=160, tpm=16_000)
-    lease = owner.lease_now("k", spec, 1000, 10**6, 5)
-    assert lease is not None
-    assert (lease.num_requests, lease.num_tokens) == (160 // LEASE_PART, 16_000 // LEASE_PART)
-    assert (lease.num_window_requests, lease.num_window_tokens) == (0, 0)  # the window before it
-    headers = owner.headers_now("k", spec)
-    assert headers["x-ratelimit-remaining-requests"] == str(160 - 10)
-    assert headers["x-ratelimit-remaining-tokens"] == str(16_000 - 1000)
-    # Settled to what its calls used, the rest is free again.
-    owner.settle_lease_now("k", lease.lease_id, 3, 120)
-    headers = owner.headers_now("k", spec)
-    assert (headers["x-ratelimit-remaining-requests"], headers["x-ratelimit-remaining-tokens"]) == ("157", "15880")
+@pytest.fixture(params=["memory", "redis"])
+def owner_of(request):
+    """A lease owner's factory (windows as keyword arguments), called inside the test's loop."""
+    if request.param == "memory":
+        return InProcessLimiter
+    from tokenway.gateway.limits_redis import RedisLimiter
+
+    return functools.partial(RedisLimiter, request.getfixturevalue("redis_url"))
 
 
-def test_no_lease_where_a_call_must_be_asked_for_itself():
-    owner = InProcessLimiter()
-    assert owner.lease_now("k", LimitSpec(rpm=1000, max_concurrent=4), 8, 8, 1) is None  # slots live at the owner
-    assert owner.lease_now("k", LimitSpec(rpm=LEASE_PART - 1), 8, 8, 1) is None  # its part is not one request
-    assert owner.lease_now("k", LimitSpec(tpm=1600), 8, 800, 101) is None  # the call is larger than the part
-    # Only what is free now: a key at its limit gets none, one near it only the rest.
-    for _ in range(31):
-        assert owner.admit_now("full", LimitSpec(rpm=32), 0).allowed
-    lease = owner.lease_now("full", LimitSpec(rpm=32), 8, 8, 0)
-    assert lease is not None and lease.num_requests == 1
-    assert owner.lease_now("full", LimitSpec(rpm=32), 8, 8, 0) is None
-    with pytest.raises(ValueError):
-        owner.lease_now("k", LimitSpec(rpm=1000), 0, 8, 1)
-    with pytest.raises(ValueError):
-        owner.settle_lease_now("full", lease.lease_id, -1, 0)
+def run_owner(owner_of, body, **windows) -> None:
+    """body(owner, key) on a fresh owner and a key no earlier run has used (a Redis outlives runs)."""
+    async def main() -> None:
+        owner = owner_of(**windows)
+        try:
+            await body(owner, f"lease-{uuid.uuid4().hex[:12]}")
+        finally:
+            await owner.close()
+
+    asyncio.run(main())
 
 
-def test_a_lease_counts_until_a_window_after_its_last_moment():
+async def remaining(owner: LeaseOwner, key_id: str, spec: LimitSpec) -> tuple[int, int]:
+    """The key's remaining requests and tokens, as its rate headers say (a spec with rpm and tpm)."""
+    headers = await owner.headers(key_id, spec)
+    return int(headers["x-ratelimit-remaining-requests"]), int(headers["x-ratelimit-remaining-tokens"])
+
+
+def test_a_lease_takes_at_most_its_part_of_each_limit_and_counts_at_once(owner_of):
+    async def body(owner: LeaseOwner, key: str) -> None:
+        spec = LimitSpec(rpm=160, tpm=16_000)
+        lease = await owner.lease(key, spec, 1000, 10**6, 5)
+        assert lease is not None
+        assert (lease.num_requests, lease.num_tokens) == (160 // LEASE_PART, 16_000 // LEASE_PART)
+        assert (lease.num_window_requests, lease.num_window_tokens) == (0, 0)  # the window before it
+        assert await remaining(owner, key, spec) == (160 - 10, 16_000 - 1000)
+        # A second lease sees the first in the window.
+        second = await owner.lease(key, spec, 4, 100, 5)
+        assert second is not None and (second.num_window_requests, second.num_window_tokens) == (10, 1000)
+        # Settled to what its calls used, the rest is free again; settled again as that changes.
+        await owner.settle_lease(key, lease.lease_id, 3, 120)
+        assert await remaining(owner, key, spec) == (160 - 3 - 4, 16_000 - 120 - 100)
+        await owner.settle_lease(key, lease.lease_id, 0, 0)
+        await owner.settle_lease(key, second.lease_id, 0, 7)
+        assert await remaining(owner, key, spec) == (160, 16_000 - 7)
+
+    run_owner(owner_of, body)
+
+
+def test_no_lease_where_a_call_must_be_asked_for_itself(owner_of):
+    async def body(owner: LeaseOwner, key: str) -> None:
+        assert await owner.lease(key, LimitSpec(rpm=1000, max_concurrent=4), 8, 8, 1) is None  # slots: at the owner
+        assert await owner.lease(key, LimitSpec(rpm=LEASE_PART - 1), 8, 8, 1) is None  # its part is not one request
+        assert await owner.lease(key, LimitSpec(tpm=1600), 8, 800, 101) is None  # the call is larger than the part
+        # Only what is free now: a key at its limit gets none, one near it only the rest.
+        full = key + "-full"
+        for _ in range(31):
+            assert (await owner.admit(full, LimitSpec(rpm=32), 0)).allowed
+        lease = await owner.lease(full, LimitSpec(rpm=32), 8, 8, 0)
+        assert lease is not None and lease.num_requests == 1
+        assert await owner.lease(full, LimitSpec(rpm=32), 8, 8, 0) is None
+        refused = await owner.admit(full, LimitSpec(rpm=32), 0)
+        assert not refused.allowed and refused.limit_kind == "requests"
+        with pytest.raises(ValueError):
+            await owner.lease(key, LimitSpec(rpm=1000), 0, 8, 1)
+        with pytest.raises(ValueError):
+            await owner.settle_lease(full, lease.lease_id, -1, 0)
+
+    run_owner(owner_of, body)
+
+
+def test_a_lease_counts_until_a_window_after_its_last_moment(owner_of):
     # A call admitted from the lease at its last moment counts a whole window from then: so
     # does the lease, and not a moment less.
-    owner = InProcessLimiter(window_s=0.4, lease_s=0.2)
-    spec = LimitSpec(rpm=32)
-    lease = owner.lease_now("k", spec, 2, 0, 0)
-    assert lease is not None and lease.num_requests == 2
-    granted = time.monotonic()
-    while time.monotonic() - granted < 0.5:  # past a window from the grant, not from its end
-        assert remaining_requests(owner, "k", 32) == 30
-        time.sleep(0.02)
-    time.sleep(0.15)
-    assert remaining_requests(owner, "k", 32) == 32
-    owner.settle_lease_now("k", lease.lease_id, 1, 0)  # gone from the window: nothing to settle
-    assert remaining_requests(owner, "k", 32) == 32
+    async def body(owner: LeaseOwner, key: str) -> None:
+        spec = LimitSpec(rpm=32, tpm=3200)
+        lease = await owner.lease(key, spec, 2, 0, 0)
+        assert lease is not None and lease.num_requests == 2
+        granted = time.monotonic()
+        while time.monotonic() - granted < 0.5:  # past a window from the grant, not from its end
+            assert (await remaining(owner, key, spec))[0] == 30
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.15)
+        assert (await remaining(owner, key, spec))[0] == 32
+        await owner.settle_lease(key, lease.lease_id, 1, 0)  # gone from the window: nothing to settle
+        assert (await remaining(owner, key, spec))[0] == 32
+
+    run_owner(owner_of, body, window_s=0.4, lease_s=0.2)
 
 
-def test_a_refusal_waits_for_the_lease_to_leave_the_window():
-    owner = InProcessLimiter(window_s=10, lease_s=2)
-    spec = LimitSpec(rpm=16, tpm=160)
-    assert owner.lease_now("k", spec, 1, 10, 0) is not None
-    for _ in range(15):
-        assert owner.admit_now("k", spec, 1).allowed
-    refused = owner.admit_now("k", spec, 1)
-    assert not refused.allowed and refused.limit_kind == "requests"
-    # The oldest of the 16 is the first admission (now), not the lease (now + 2 s).
-    assert refused.retry_after_s is not None and 9 < refused.retry_after_s <= 10
-    # Tokens: the lease's 10 leave last, at now + 2 s + the window.
-    too_many = owner.admit_now("k", LimitSpec(tpm=160), 160)  # all 25 in the window must leave
-    assert not too_many.allowed and too_many.retry_after_s is not None and 11 < too_many.retry_after_s <= 12
-    assert owner.headers_now("k", spec)["x-ratelimit-reset-requests"].startswith("12")  # the lease's, not 10s
+def test_a_refusal_waits_for_the_lease_to_leave_the_window(owner_of):
+    async def body(owner: LeaseOwner, key: str) -> None:
+        spec = LimitSpec(rpm=16, tpm=160)
+        assert await owner.lease(key, spec, 1, 10, 0) is not None
+        for _ in range(15):
+            assert (await owner.admit(key, spec, 1)).allowed
+        refused = await owner.admit(key, spec, 1)
+        assert not refused.allowed and refused.limit_kind == "requests"
+        # The oldest of the 16 is the first admission (now), not the lease (now + 2 s).
+        assert refused.retry_after_s is not None and 9 < refused.retry_after_s <= 10
+        # Tokens: the lease's 10 leave last, at now + 2 s + the window.
+        too_many = await owner.admit(key, LimitSpec(tpm=160), 160)  # all 25 in the window must leave
+        assert not too_many.allowed and too_many.retry_after_s is not None and 11 < too_many.retry_after_s <= 12
+        reset = (await owner.headers(key, spec))["x-ratelimit-reset-requests"]
+        assert reset.endswith("s") and 11 < float(reset[:-1]) <= 12  # the lease's, not the first admission's
+
+        # A lease of many requests: a refusal waits until enough of them, with the lease, have left.
+        many = key + "-many"
+        lease = await owner.lease(many, LimitSpec(rpm=160), 10, 0, 0)
+        assert lease is not None and lease.num_requests == 10
+        for _ in range(150):
+            assert (await owner.admit(many, LimitSpec(rpm=160), 0)).allowed
+        refused = await owner.admit(many, LimitSpec(rpm=160), 0)
+        assert not refused.allowed and refused.retry_after_s is not None and 9 < refused.retry_after_s <= 10
+        await owner.settle_lease(many, lease.lease_id, 0, 0)  # its calls used none: 10 requests free again
+        assert (await owner.admit(many, LimitSpec(rpm=160), 0)).allowed
+
+    run_owner(owner_of, body, window_s=10, lease_s=2)
 
 
-def test_leases_and_calls_at_random_never_pass_a_limit():
+def test_leases_and_calls_at_random_never_pass_a_limit(owner_of):
     """Any mix of leases, calls, settlements: the window never counts more than the limits, and
     never fewer than what was admitted."""
-    rng = random.Random(7)
-    owner = InProcessLimiter(window_s=3600, lease_s=1)
-    spec = LimitSpec(rpm=200, tpm=5000)
-    admitted_requests = admitted_tokens = 0
-    leases_out = []
-    for _ in range(2000):
-        roll = rng.random()
-        if roll < 0.4:
-            tokens = rng.randrange(0, 60)
-            if owner.admit_now("k", spec, tokens).allowed:
-                admitted_requests, admitted_tokens = admitted_requests + 1, admitted_tokens + tokens
-        elif roll < 0.7:
-            lease = owner.lease_now("k", spec, rng.randrange(1, 30), 400, rng.randrange(0, 40))
-            if lease is not None:
-                leases_out.append([lease, 0, 0])
-        elif leases_out:
-            held = rng.choice(leases_out)
-            lease, used_requests, used_tokens = held
-            if used_requests < lease.num_requests:
-                tokens = rng.randrange(0, 30)
-                if used_tokens + tokens <= lease.num_tokens:  # the worker admits from it
-                    held[1], held[2] = used_requests + 1, used_tokens + tokens
+    async def body(owner: LeaseOwner, key: str) -> None:
+        rng = random.Random(7)
+        spec = LimitSpec(rpm=200, tpm=5000)
+        admitted_requests = admitted_tokens = 0
+        leases_out = []
+        for _ in range(1000):
+            roll = rng.random()
+            if roll < 0.4:
+                tokens = rng.randrange(0, 60)
+                if (await owner.admit(key, spec, tokens)).allowed:
                     admitted_requests, admitted_tokens = admitted_requests + 1, admitted_tokens + tokens
-            if rng.random() < 0.3:  # the lease ends: settled to what it holds
-                owner.settle_lease_now("k", lease.lease_id, held[1], held[2])
-                leases_out.remove(held)
-        headers = owner.headers_now("k", spec)
-        requests = 200 - int(headers["x-ratelimit-remaining-requests"])
-        tokens = 5000 - int(headers["x-ratelimit-remaining-tokens"])
-        assert admitted_requests <= requests <= 200 and admitted_tokens <= tokens <= 5000
-    assert admitted_requests > 150  # the key's limit was reached, and used
+            elif roll < 0.7:
+                lease = await owner.lease(key, spec, rng.randrange(1, 30), 400, rng.randrange(0, 40))
+                if lease is not None:
+                    leases_out.append([lease, 0, 0])
+            elif leases_out:
+                held = rng.choice(leases_out)
+                lease, used_requests, used_tokens = held
+                if used_requests < lease.num_requests:
+                    tokens = rng.randrange(0, 30)
+                    if used_tokens + tokens <= lease.num_tokens:  # the gateway admits from it
+                        held[1], held[2] = used_requests + 1, used_tokens + tokens
+                        admitted_requests, admitted_tokens = admitted_requests + 1, admitted_tokens + tokens
+                if rng.random() < 0.3:  # the lease ends: settled to what it holds
+                    await owner.settle_lease(key, lease.lease_id, held[1], held[2])
+                    leases_out.remove(held)
+            left_requests, left_tokens = await remaining(owner, key, spec)
+            assert admitted_requests <= 200 - left_requests <= 200 and admitted_tokens <= 5000 - left_tokens <= 5000
+        assert admitted_requests > 150  # the key's limit was reached, and used
+
+    run_owner(owner_of, body, window_s=3600, lease_s=1)
+
+
+def test_redis_leases_leave_with_the_window_and_keep_the_sums(redis_url):
+    """In Redis a lease's extra requests are a hash and a sum beside the window: both go with it."""
+    from redis.asyncio import Redis
+
+    from tokenway.gateway.limits_redis import RedisLimiter
+
+    async def main() -> None:
+        owner, client = RedisLimiter(redis_url, window_s=0.3, lease_s=0.1), Redis.from_url(redis_url)
+        key = f"lease-{uuid.uuid4().hex[:12]}"
+        spec = LimitSpec(rpm=1600, tpm=160_000, tpd=10**6)
+        try:
+            for _ in range(3):
+                assert await owner.lease(key, spec, 50, 1000, 1) is not None
+            assert (await owner.admit(key, spec, 10)).allowed
+            win, tok, _, _, _, _, total, req = owner.keys(key)
+            assert await client.zcard(win) == 4 and int(await client.hget(total, "req")) == 3 * 49
+            assert await remaining(owner, key, spec) == (1600 - 151, 160_000 - 3010)
+            await asyncio.sleep(0.5)  # the window and the leases' last moments are past
+            assert await remaining(owner, key, spec) == (1600, 160_000)
+            assert await client.hlen(req) == 0 and await client.hlen(tok) == 0
+            assert int(await client.hget(total, "req")) == 0 and int(await client.hget(total, "tok")) == 0
+            # The day still counts the leases' tokens (and the call's): 3,010 of it.
+            refused = await owner.admit(key, LimitSpec(tpd=3010 + 10), 11)
+            assert not refused.allowed and refused.limit_kind == "tokens_per_day"
+        finally:
+            await owner.close()
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+# ---- Gateways on one Redis. ----
+
+def test_rpm_and_tokens_are_exact_across_gateways_leasing_from_one_redis(redis_url):
+    from tokenway.gateway.limits_redis import RedisLimiter
+
+    async def main() -> None:
+        gateways = [LeasedLimiter(RedisLimiter(redis_url)) for _ in range(4)]
+        owner = gateways[0].remote
+        key = f"lease-{uuid.uuid4().hex[:12]}"
+        try:
+            spec = LimitSpec(rpm=64)
+            decisions = await asyncio.gather(*(gateways[i % 4].admit(key, spec, 3) for i in range(200)))
+            assert sum(d.allowed for d in decisions) == 64  # no more, and none of the limit left unused
+            assert {d.limit_kind for d in decisions if not d.allowed} == {"requests"}
+            assert (await owner.headers(key, spec))["x-ratelimit-remaining-requests"] == "0"
+
+            tokens_key, tokens = key + "-tokens", LimitSpec(tpm=1600)
+            decisions = await asyncio.gather(*(gateways[i % 3].admit(tokens_key, tokens, 20) for i in range(120)))
+            admitted = [(i % 3, d) for i, d in enumerate(decisions) if d.allowed]
+            assert len(admitted) == 80
+            for gateway, d in admitted:  # each used 5 of its 20: the 15 come back
+                assert d.reservation is not None
+                await gateways[gateway].reconcile(d.reservation, 5)
+        finally:
+            for gateway in gateways:
+                await gateway.close()  # settles its leases
+        checker = RedisLimiter(redis_url)
+        try:
+            headers = await checker.headers(tokens_key, tokens)
+            assert headers["x-ratelimit-remaining-tokens"] == str(1600 - 80 * 5)
+        finally:
+            await checker.close()
+
+    asyncio.run(main())
+
+
+def test_a_gateway_asks_redis_about_once_a_lease_not_once_a_call(redis_url):
+    from tokenway.gateway.limits_redis import RedisLimiter
+
+    class Counting(RedisLimiter):
+        asked: list[str] = []
+
+        async def _run(self, key_id: str, args: list, share: bool = False) -> list:
+            self.asked.append(args[0])
+            return await super()._run(key_id, args, share)
+
+    async def main() -> None:
+        gateway = LeasedLimiter(Counting(redis_url))
+        key = f"lease-{uuid.uuid4().hex[:12]}"
+        spec = LimitSpec(rpm=10**6, tpm=10**9)
+        try:
+            for _ in range(10):
+                results = await asyncio.gather(*(gateway.admit(key, spec, 40) for _ in range(100)))
+                assert all(d.allowed for d in results)
+                for d in results:
+                    assert d.reservation is not None
+                    await gateway.reconcile(d.reservation, 10)
+            assert Counting.asked.count("lease") < 15 and "admit" not in Counting.asked
+        finally:
+            await gateway.close()
+        checker = RedisLimiter(redis_url)
+        try:
+            assert await remaining(checker, key, spec) == (10**6 - 1000, 10**9 - 1000 * 10)
+        finally:
+            await checker.close()
+
+    asyncio.run(main())
+
+
+def test_a_redis_that_is_down_is_limits_unavailable_at_once():
+    """One wait for the ask, not one more for the call: every call waiting on it goes by the policy."""
+    from tokenway.gateway.limits_redis import RedisLimiter
+
+    async def main() -> None:
+        gateway = LeasedLimiter(RedisLimiter("redis://127.0.0.1:1/0", timeout_s=0.5))
+        started = time.monotonic()
+        results = await asyncio.gather(*(gateway.admit("k", LimitSpec(rpm=1000), 0) for _ in range(5)),
+                                       return_exceptions=True)
+        assert all(isinstance(result, LimitsUnavailable) for result in results)
+        assert time.monotonic() - started < 1.5
+        await gateway.close()
+
+    asyncio.run(main())
 
 
 # ---- The workers' side. ----

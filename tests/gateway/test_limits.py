@@ -259,9 +259,11 @@ def test_limit_spec_and_make_limiter_check_their_input(redis_url):
     with pytest.raises(ValueError):
         LimitSpec(tpm=1.5)
     assert isinstance(make_limiter(None), InProcessLimiter) and isinstance(make_limiter("memory"), InProcessLimiter)
+    from tokenway.gateway.leases import LeasedLimiter
     from tokenway.gateway.limits_redis import RedisLimiter
 
-    assert isinstance(make_limiter(redis_url), RedisLimiter)
+    limiter = make_limiter(redis_url)  # calls admitted from leases on the Redis
+    assert isinstance(limiter, LeasedLimiter) and isinstance(limiter.remote, RedisLimiter)
     with pytest.raises(ValueError):
         make_limiter("memcached://localhost")
 

@@ -273,7 +273,12 @@ class RedisBudgets:
         return BudgetState(*reply) if reply else None
 
     def joint_with(self, limiter: Limiter) -> JointStore | None:
-        """One script for both where the limiter is a RedisLimiter on this same Redis."""
+        """One script for both where the limiter is a RedisLimiter on this same Redis, or leases
+        on one (a budgeted call is then admitted by the script, not from a lease)."""
+        from tokenway.gateway.leases import LeasedLimiter
+
+        if isinstance(limiter, LeasedLimiter):
+            limiter = limiter.remote
         if not (isinstance(limiter, RedisLimiter) and limiter.url == self.url):
             return None
         from tokenway.gateway.joint_redis import RedisJoint  # it builds on this module

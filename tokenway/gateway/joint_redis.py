@@ -20,11 +20,11 @@ from __future__ import annotations
 from tokenway.gateway.budgets import BudgetDecision, BudgetReservation, JointDecision, check_amounts
 from tokenway.gateway.budgets_redis import LUA_BUDGETS, RedisBudgets
 from tokenway.gateway.limits import LimitSpec, Reservation, too_large
-from tokenway.gateway.limits_redis import LUA_LIMITS, LUA_PRELUDE, RedisLimiter, run_script
+from tokenway.gateway.limits_redis import KEY_NAMES, LUA_LIMITS, LUA_PRELUDE, RedisLimiter, run_script
 from tokenway.ids import random_hex
 
-# KEYS: the budget's three, the limits' seven; for a call with a batch share, then the share's
-# three budget keys and, where the key has limits, its seven limits keys (10, 13 or 20 keys).
+# KEYS: the budget's three, the limits' eight; for a call with a batch share, then the share's
+# three budget keys and, where the key has limits, its eight limits keys (11, 14 or 22 keys).
 # ARGV: op, the limits' window_args (3), then
 #   admit   the budget's reservation_args (7), the limits' admission_args (9), '1' where the
 #           caller knows the limits refuse (a request larger than a limit): the budget is decided,
@@ -34,10 +34,10 @@ LUA_SCRIPT = LUA_PRELUDE + LUA_LIMITS + LUA_BUDGETS + """
 local op = ARGV[1]
 local w, b, n = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local budgets = budgets_store({KEYS[1], KEYS[2], KEYS[3]})
-local limits = limits_store({unpack(KEYS, 4, 10)}, w, b, n)
+local limits = limits_store({unpack(KEYS, 4, 11)}, w, b, n)
 local budget_share, limits_share = nil, nil
-if #KEYS >= 13 then budget_share = budgets_store({KEYS[11], KEYS[12], KEYS[13]}) end
-if #KEYS >= 20 then limits_share = limits_store({unpack(KEYS, 14, 20)}, w, b, n) end
+if #KEYS >= 14 then budget_share = budgets_store({KEYS[12], KEYS[13], KEYS[14]}) end
+if #KEYS >= 22 then limits_share = limits_store({unpack(KEYS, 15, 22)}, w, b, n) end
 
 if op == 'settle' then
   budgets.settle(ARGV[5], tonumber(ARGV[6]), ARGV[7], ARGV[8])
@@ -86,7 +86,8 @@ class RedisJoint:
 
     def _keys(self, key_id: str, budget_share: bool, limits_share: bool) -> list[str]:
         budget_keys, limits_keys = self._budgets.keys(key_id, budget_share), self._limiter.keys(key_id, limits_share)
-        return budget_keys[:3] + limits_keys[:7] + budget_keys[3:] + limits_keys[7:]
+        num_limits_keys = len(KEY_NAMES)
+        return budget_keys[:3] + limits_keys[:num_limits_keys] + budget_keys[3:] + limits_keys[num_limits_keys:]
 
     async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int, budget_nanos: int,
                     worst_nanos: int, share: LimitSpec | None = None,

@@ -1,15 +1,16 @@
-"""One of --workers N admits most calls itself, from leases on its keys' limits and budgets.
+"""A gateway process admits most calls itself, from leases on its keys' limits (and, for one of
+--workers N, budgets) held at their owner: the supervisor's counters, or a Redis.
 
     worker: Gatekeeper ─► LeasedLimiter.admit / LeasedBudgets.reserve
                            ├► the key's lease has room: admitted (reserved) here, now
                            ├► else a new lease, one ask for every call waiting on it
-                           │   ─► RemoteLimiter.lease / RemoteBudgets.lease ─► owner
-                           └► none granted: RemoteLimiter.admit / RemoteBudgets.reserve, as before
+                           │   ─► owner.lease (RemoteLimiter or RedisLimiter) / RemoteBudgets.lease
+                           └► none granted: owner.admit / RemoteBudgets.reserve, as before
             the lease's time is up, or it is used up ─► settle_lease: what its calls hold
 
-Without leases every call crosses to the owner (gateway/counters.py) and back before it may
-run: two wake-ups of two processes, ~0.3 ms on an idle 2-core host, and one process that every
-call of the host goes through. With them a worker asks about once a second per key and store.
+Without leases every call crosses to the owner (gateway/counters.py, or Redis) and back before
+it may run: two wake-ups of two processes, ~0.3 ms on an idle 2-core host, and one process that
+every call goes through. With them a process asks about once a second per key and store.
 
 Exact as the owner alone is. A limits lease counts at the owner as all of its requests and
 tokens, admitted at the last moment a worker may use it (limits.py); a budget lease is a
@@ -47,11 +48,12 @@ from tokenway.gateway.budgets import (
     BudgetState,
     check_amounts,
 )
-from tokenway.gateway.counters import RemoteBudgets, RemoteLimiter
+from tokenway.gateway.counters import RemoteBudgets
 from tokenway.gateway.limits import (
     LEASE_S,
     Decision,
     Lease,
+    LeaseOwner,
     Limiter,
     LimitSpec,
     LimitsUnavailable,
@@ -109,6 +111,11 @@ class _HeldBudget(_Held):
 H = TypeVar("H", bound=_Held)
 
 
+def _retrieve(done: asyncio.Future) -> None:
+    if not done.cancelled():
+        done.exception()
+
+
 @dataclass(slots=True)
 class _Key(Generic[H]):
     current: H | None = None
@@ -154,6 +161,7 @@ class _Leases(Generic[H]):
             # A burst waits on one ask; the calls its lease did not hold ask again, for more.
             if key.asking is None:
                 key.asking = asyncio.ensure_future(self._ask(key, amount, ask, held_of))
+                key.asking.add_done_callback(_retrieve)  # read, even where every caller has left
             key.num_waiting += 1
             try:
                 await asyncio.shield(key.asking)  # a caller that leaves does not stop the others' ask
@@ -166,9 +174,9 @@ class _Leases(Generic[H]):
         asked_at = time.monotonic()
         calls = min(MOST_CALLS, max(key.want_calls, key.num_waiting))
         try:
+            # An owner that cannot answer is unavailable to every call waiting on the ask: each
+            # goes by the gateway's policy, without waiting out the owner once more for itself.
             lease = await ask(calls, max(amount, math.ceil(calls * max(key.mean_ask, amount))))
-        except LimitsUnavailable:
-            return  # the call asks the owner itself, and the guard hears of it from there
         finally:
             key.asking = None
         if lease is None:
@@ -258,7 +266,7 @@ class LeasedLimiter(_Leases[_HeldLimits]):
     """limits.Limiter for one of --workers N: calls admitted from leases where it can, the rest
     asked of the owner through `remote`."""
 
-    def __init__(self, remote: RemoteLimiter) -> None:
+    def __init__(self, remote: LeaseOwner) -> None:
         super().__init__()
         self.remote = remote
 

@@ -131,6 +131,16 @@ class Limiter(Protocol):
     async def close(self) -> None: ...
 
 
+class LeaseOwner(Limiter, Protocol):
+    """A limiter that also grants leases (gateway/leases.py LeasedLimiter admits from them): the
+    supervisor's counters for --workers N (counters.py RemoteLimiter), or a Redis (limits_redis.py)."""
+
+    async def lease(self, key_id: str, spec: LimitSpec, want_requests: int, want_tokens: int,
+                    min_tokens: int) -> Lease | None: ...
+
+    async def settle_lease(self, key_id: str, lease_id: str, num_requests: int, num_tokens: int) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Windows:
     """The lengths both backends measure with, in microseconds (exact integer arithmetic)."""
@@ -173,6 +183,16 @@ class WindowState:
     requests_reset_us: int  # until the newest request leaves the window
     num_tokens: int
     tokens_reset_us: int  # until the newest request holding tokens leaves the window
+
+
+def check_lease_ask(want_requests: int, want_tokens: int, min_tokens: int) -> None:
+    if want_requests < 1 or want_tokens < min_tokens or min_tokens < 0:
+        raise ValueError(f"a lease of {want_requests} requests and {want_tokens} tokens (at least {min_tokens})")
+
+
+def check_lease_settlement(num_requests: int, num_tokens: int) -> None:
+    if num_requests < 0 or num_tokens < 0:
+        raise ValueError(f"a lease settles to {num_requests} requests and {num_tokens} tokens")
 
 
 def too_large(spec: LimitSpec, reserve_tokens: int, share: LimitSpec | None = None) -> Refusal | None:
@@ -352,8 +372,7 @@ class InProcessLimiter:
         worker for lease_s; at most 1/LEASE_PART of each limit, and only what is free now. None
         where less than one request and min_tokens tokens would be granted, and for a key with a
         concurrency limit (a leased call holds no slot here): that worker asks call by call."""
-        if want_requests < 1 or want_tokens < min_tokens or min_tokens < 0:
-            raise ValueError(f"a lease of {want_requests} requests and {want_tokens} tokens (at least {min_tokens})")
+        check_lease_ask(want_requests, want_tokens, min_tokens)
         if spec.max_concurrent is not None:
             return None
         now = time.monotonic_ns() // 1000
@@ -377,11 +396,17 @@ class InProcessLimiter:
         state.num_window_tokens += num_tokens
         return lease
 
+    async def lease(self, key_id: str, spec: LimitSpec, want_requests: int, want_tokens: int,
+                    min_tokens: int) -> Lease | None:
+        return self.lease_now(key_id, spec, want_requests, want_tokens, min_tokens)
+
+    async def settle_lease(self, key_id: str, lease_id: str, num_requests: int, num_tokens: int) -> None:
+        self.settle_lease_now(key_id, lease_id, num_requests, num_tokens)
+
     def settle_lease_now(self, key_id: str, lease_id: str, num_requests: int, num_tokens: int) -> None:
         """A lease's figures become what its calls used: num_requests admitted from it, holding
         num_tokens (reserved while in flight, used once done). Sent again as they change."""
-        if num_requests < 0 or num_tokens < 0:
-            raise ValueError(f"a lease settles to {num_requests} requests and {num_tokens} tokens")
+        check_lease_settlement(num_requests, num_tokens)
         state = self._key_to_state.get(key_id)
         if state is None:
             return
@@ -526,9 +551,12 @@ def limits_backend(url: str | None) -> str:
 
 
 def make_limiter(url: str | None) -> Limiter:
+    """In process, or a Redis that this process admits most calls from leases on (leases.py):
+    a Redis round trip about once a second per key rather than one a call."""
     if limits_backend(url) == "memory":
         return InProcessLimiter()
     assert url is not None  # None is "memory"
+    from tokenway.gateway.leases import LeasedLimiter
     from tokenway.gateway.limits_redis import RedisLimiter  # redis is only needed for this backend
 
-    return RedisLimiter(url)
+    return LeasedLimiter(RedisLimiter(url))

@@ -11,12 +11,18 @@ hash tag (a cluster keeps a key's state on one node):
     {k}:dayz  ZSET  bucket index   -> bucket index the live buckets, oldest first
     {k}:fly   ZSET  reservation_id -> expires_us   in flight (not reconciled, not expired)
     {k}:res   HASH  reservation_id -> "bucket:reserved"
-    {k}:sum   HASH  tok -> sum of tok, day -> sum of day
+    {k}:sum   HASH  tok -> sum of tok, day -> sum of day, req -> sum of req
+    {k}:req   HASH  lease_id -> num_requests - 1     a lease's requests beyond its one member of win
 
-Every admit sets all seven to expire together after the longest horizon that matters
+A lease (leases.py, as limits.py's InProcessLimiter grants them to --workers N) is one member
+of win, scored at the last moment a gateway may admit from it (granted + lease_s, Redis's
+clock), holding its tokens in tok and its requests beyond one in req: a key's requests are
+ZCARD(win) + sum.req, and the wait for a request to free walks win adding each member's weight.
+
+Every admit sets all eight to expire together after the longest horizon that matters
 (the window, the reservation TTL, the day when the key has a TPD), so an idle key leaves
 nothing behind and the sums never outlive what they sum. The key's batch share (limits.py)
-is seven more of the same, {k}:batch:win and so on, under the same hash tag: a call with a
+is eight more of the same, {k}:batch:win and so on, under the same hash tag: a call with a
 share is checked against both and recorded in both (or neither) by one script.
 
 The script is Lua functions over one key's state (LUA_LIMITS) and a few lines that call them,
@@ -37,14 +43,19 @@ from redis.exceptions import RedisError
 
 from tokenway.gateway.limits import (
     CONCURRENCY_RETRY_S,
+    LEASE_PART,
+    LEASE_S,
     NUM_DAY_BUCKETS,
     Decision,
+    Lease,
     LimitSpec,
     LimitsUnavailable,
     Refusal,
     Reservation,
     Windows,
     WindowState,
+    check_lease_ask,
+    check_lease_settlement,
     make_decision,
     rate_headers,
     too_large,
@@ -61,41 +72,52 @@ local function int(x) return string.format('%d', x) end
 """
 
 # The same rules as InProcessLimiter, in the same integer microseconds, as Lua functions over
-# one key's seven keys (KEY_NAMES' order), so that another script (joint_redis.py) can run
+# one key's eight keys (KEY_NAMES' order), so that another script (joint_redis.py) can run
 # them beside its own. Limits are -1 when unlimited.
 LUA_LIMITS = """
 local function limits_store(keys, window, bucket_us, NUM_DAY_BUCKETS)
-  local win, tok, day, dayz, fly, res, sum = unpack(keys)
+  local win, tok, day, dayz, fly, res, sum, req = unpack(keys)
   local current = math.floor(now / bucket_us)
   local L = {}
 
+  -- Remove from sum_field of sum the values of hash's fields ids (when sum_field), and the fields.
+  local function drop_fields(hash, sum_field, ids)
+    if sum_field then
+      local n = 0
+      for _, v in ipairs(redis.call('HMGET', hash, unpack(ids))) do n = n + (tonumber(v) or 0) end
+      if n ~= 0 then redis.call('HINCRBY', sum, sum_field, int(-n)) end
+    end
+    redis.call('HDEL', hash, unpack(ids))
+  end
+
   -- Remove the members of zset scored <= max_score, their fields of hash, and (when sum_field)
-  -- their values from that sum.
-  local function drop(zset, hash, sum_field, max_score)
+  -- their values from that sum; with leases, their fields of req and its sum too.
+  local function drop(zset, hash, sum_field, max_score, leases)
     local ids = redis.call('ZRANGEBYSCORE', zset, '-inf', int(max_score))
+    local has_leases = leases and #ids > 0 and redis.call('EXISTS', req) == 1
     for i = 1, #ids, 1000 do
       local chunk = {unpack(ids, i, math.min(i + 999, #ids))}
-      if sum_field then
-        local n = 0
-        for _, v in ipairs(redis.call('HMGET', hash, unpack(chunk))) do n = n + (tonumber(v) or 0) end
-        redis.call('HINCRBY', sum, sum_field, int(-n))
-      end
-      redis.call('HDEL', hash, unpack(chunk))
+      drop_fields(hash, sum_field, chunk)
+      if has_leases then drop_fields(req, 'req', chunk) end
       redis.call('ZREM', zset, unpack(chunk))
     end
   end
 
   function L.prune()
-    drop(win, tok, 'tok', now - window)
+    drop(win, tok, 'tok', now - window, true)
     drop(dayz, day, 'day', current - NUM_DAY_BUCKETS)
     drop(fly, res, nil, now)
   end
 
   local function get_sum(field) return tonumber(redis.call('HGET', sum, field) or '0') end
 
-  -- Walk zset oldest first, adding hash values, until num_to_free is reached: that member's score.
-  -- Pages grow 1, 10, 100, 1000: the answer is usually on the first.
-  local function score_freeing(zset, hash, num_to_free)
+  -- The window's requests: a member each, and a lease's beyond its one.
+  function L.num_requests() return redis.call('ZCARD', win) + get_sum('req') end
+
+  -- Walk zset oldest first, adding each member's weight (base + its hash value), until
+  -- num_to_free is reached: that member's score. Pages grow 1, 10, 100, 1000: the answer is
+  -- usually on the first.
+  local function score_freeing(zset, hash, num_to_free, base)
     local num_freed, start, size = 0, 0, 1
     while true do
       local page = redis.call('ZRANGE', zset, start, start + size - 1, 'WITHSCORES')
@@ -104,7 +126,7 @@ local function limits_store(keys, window, bucket_us, NUM_DAY_BUCKETS)
       for i = 1, #page, 2 do ids[#ids + 1] = page[i] end
       local values = redis.call('HMGET', hash, unpack(ids))
       for i = 1, #ids do
-        num_freed = num_freed + (tonumber(values[i]) or 0)
+        num_freed = num_freed + base + (tonumber(values[i]) or 0)
         if num_freed >= num_to_free then return tonumber(page[2 * i]) end
       end
       start, size = start + size, math.min(size * 10, 1000)
@@ -112,7 +134,7 @@ local function limits_store(keys, window, bucket_us, NUM_DAY_BUCKETS)
   end
 
   function L.window_state()
-    local num_requests = redis.call('ZCARD', win)
+    local num_requests = L.num_requests()
     local requests_reset, tokens_reset = 0, 0
     if num_requests > 0 then
       requests_reset = tonumber(redis.call('ZRANGE', win, -1, -1, 'WITHSCORES')[2]) + window - now
@@ -145,18 +167,17 @@ local function limits_store(keys, window, bucket_us, NUM_DAY_BUCKETS)
   function L.check(a)
     local kind, wait = 0, 0
     local function fail(k, w) if w > wait then kind, wait = k, w end end
-    local num_requests = redis.call('ZCARD', win)
-    if a.rpm >= 0 and num_requests >= a.rpm then
-      fail(1, tonumber(redis.call('ZRANGE', win, num_requests - a.rpm, num_requests - a.rpm, 'WITHSCORES')[2])
-        + window - now)
+    local num_requests = L.num_requests()
+    if a.rpm >= 0 and num_requests >= a.rpm then  -- admissible once the (num_requests - rpm + 1) oldest have left
+      fail(1, score_freeing(win, req, num_requests - a.rpm + 1, 1) + window - now)
     end
     local num_tokens = get_sum('tok')
     if a.tpm >= 0 and num_tokens + a.reserve > a.tpm then
-      fail(2, score_freeing(win, tok, num_tokens + a.reserve - a.tpm) + window - now)
+      fail(2, score_freeing(win, tok, num_tokens + a.reserve - a.tpm, 0) + window - now)
     end
     local num_day_tokens = get_sum('day')
     if a.tpd >= 0 and num_day_tokens + a.reserve > a.tpd then
-      fail(3, (score_freeing(dayz, day, num_day_tokens + a.reserve - a.tpd) + NUM_DAY_BUCKETS) * bucket_us - now)
+      fail(3, (score_freeing(dayz, day, num_day_tokens + a.reserve - a.tpd, 0) + NUM_DAY_BUCKETS) * bucket_us - now)
     end
     if a.max_concurrent >= 0 and redis.call('ZCARD', fly) >= a.max_concurrent then fail(4, a.concurrency_wait) end
     return kind, wait
@@ -194,6 +215,58 @@ local function limits_store(keys, window, bucket_us, NUM_DAY_BUCKETS)
     return 1
   end
 
+  -- A lease's arguments (RedisLimiter.lease_args), from ARGV[i] on.
+  function L.lease_ask(i)
+    return {rpm = tonumber(ARGV[i]), tpm = tonumber(ARGV[i + 1]), tpd = tonumber(ARGV[i + 2]),
+            want_requests = tonumber(ARGV[i + 3]), want_tokens = tonumber(ARGV[i + 4]),
+            min_tokens = tonumber(ARGV[i + 5]), lease_us = tonumber(ARGV[i + 6]), lid = ARGV[i + 7],
+            horizon_ms = ARGV[i + 8], part = tonumber(ARGV[i + 9])}
+  end
+
+  -- limits.py InProcessLimiter.lease_now: up to the requests and tokens asked, at most 1/part of
+  -- each limit and only what is free now, counted as admitted at now + lease_us. {1, requests,
+  -- tokens, the window's requests and tokens before it}, or {0} where less than one request and
+  -- min_tokens tokens would be granted.
+  function L.lease(a)
+    local num_requests, num_tokens, num_day_tokens = L.num_requests(), get_sum('tok'), get_sum('day')
+    local n, t = a.want_requests, a.want_tokens
+    if a.rpm >= 0 then n = math.min(n, math.floor(a.rpm / a.part), a.rpm - num_requests) end
+    if a.tpm >= 0 then t = math.min(t, math.floor(a.tpm / a.part), a.tpm - num_tokens) end
+    if a.tpd >= 0 then t = math.min(t, math.floor(a.tpd / a.part), a.tpd - num_day_tokens) end
+    if n < 1 or t < a.min_tokens then return {0} end
+    local t_us = now + a.lease_us
+    local bucket = int(math.floor(t_us / bucket_us))
+    redis.call('ZADD', win, int(t_us), a.lid)
+    redis.call('HSET', tok, a.lid, int(t))
+    redis.call('HINCRBY', sum, 'tok', int(t))
+    redis.call('HSET', req, a.lid, int(n - 1))
+    redis.call('HINCRBY', sum, 'req', int(n - 1))
+    redis.call('HINCRBY', day, bucket, int(t))
+    redis.call('ZADD', dayz, bucket, bucket)
+    redis.call('HINCRBY', sum, 'day', int(t))
+    for _, key in ipairs(keys) do redis.call('PEXPIRE', key, a.horizon_ms) end
+    return {1, n, t, num_requests, num_tokens}
+  end
+
+  -- limits.py InProcessLimiter.settle_lease_now: the lease's figures become what its calls
+  -- used. 1, or 0 for a lease out of the window already.
+  function L.settle_lease(lid, n, t)
+    local t_us = redis.call('ZSCORE', win, lid)
+    if not t_us then return 0 end
+    local delta = t - tonumber(redis.call('HGET', tok, lid) or '0')
+    redis.call('HSET', tok, lid, int(t))
+    redis.call('HINCRBY', sum, 'tok', int(delta))
+    local bucket = int(math.floor(tonumber(t_us) / bucket_us))
+    if redis.call('ZSCORE', dayz, bucket) then  -- its bucket is still live
+      redis.call('HINCRBY', day, bucket, int(delta))
+      redis.call('HINCRBY', sum, 'day', int(delta))
+    end
+    local extra = n - 1 - tonumber(redis.call('HGET', req, lid) or '0')
+    redis.call('HSET', req, lid, int(n - 1))
+    redis.call('HINCRBY', sum, 'req', int(extra))
+    return 1
+  end
+
   return L
 end
 
@@ -218,15 +291,16 @@ local function check_with_share(limits, a, share, sa)
 end
 """
 
-# KEYS: the key's seven, then its batch share's seven for a call with a share.
+# KEYS: the key's eight, then its batch share's eight for a call with a share.
 # ARGV: op, the window lengths (window_args), then for admit its admission_args (and, with a
-# share, its share_args); for reconcile the reservation's id and the tokens used.
+# share, its share_args); for reconcile the reservation's id and the tokens used; for lease its
+# lease_args; for settle_lease the lease's id, requests and tokens.
 LUA_SCRIPT = LUA_PRELUDE + LUA_LIMITS + """
 local op = ARGV[1]
 local w, b, n = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local limits = limits_store({unpack(KEYS, 1, 7)}, w, b, n)
+local limits = limits_store({unpack(KEYS, 1, 8)}, w, b, n)
 local share = nil
-if #KEYS > 7 then share = limits_store({unpack(KEYS, 8, 14)}, w, b, n) end
+if #KEYS > 8 then share = limits_store({unpack(KEYS, 9, 16)}, w, b, n) end
 limits.prune()
 if share then share.prune() end
 if op == 'peek' then return limits.window_state() end
@@ -235,6 +309,8 @@ if op == 'reconcile' then
   if share then share.reconcile(ARGV[5], tonumber(ARGV[6])) end
   return done
 end
+if op == 'lease' then return limits.lease(limits.lease_ask(5)) end
+if op == 'settle_lease' then return limits.settle_lease(ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])) end
 local admission = limits.admission(5)
 local share_adm = share and share_admission(admission, 14)
 local kind, wait = check_with_share(limits, admission, share, share_adm)
@@ -246,7 +322,7 @@ local state = limits.window_state()
 return {kind, wait, now, state[1], state[2], state[3], state[4]}
 """
 
-KEY_NAMES = ("win", "tok", "day", "dayz", "fly", "res", "sum")
+KEY_NAMES = ("win", "tok", "day", "dayz", "fly", "res", "sum", "req")
 KIND_NAMES = {1: "requests", 2: "tokens", 3: "tokens_per_day", 4: "concurrency"}  # 5 to 8: the share's
 
 
@@ -290,8 +366,12 @@ class RedisLimiter:
         reservation_ttl_s: float = 600.0,
         prefix: str = "tokenway:limits",
         timeout_s: float = 1.0,
+        lease_s: float = LEASE_S,
     ):
         self.windows = Windows.from_seconds(window_s, day_s, reservation_ttl_s)
+        if not lease_s > 0:
+            raise ValueError("lease_s must be positive")
+        self.lease_s = lease_s
         self._day_us = self.windows.bucket_us * NUM_DAY_BUCKETS
         self._prefix = prefix
         self.url = url  # which Redis: a budget store on the same one joins this limiter's scripts
@@ -303,7 +383,7 @@ class RedisLimiter:
         return await run_script(self._script, self.keys(key_id, share), args, self.where)
 
     def keys(self, key_id: str, share: bool = False) -> list[str]:
-        """The key's seven; with `share`, its batch share's seven after them."""
+        """The key's eight; with `share`, its batch share's eight after them."""
         base = f"{self._prefix}:{{{key_id}}}"
         return [f"{base}:{name}" for name in KEY_NAMES] + ([f"{base}:batch:{name}" for name in KEY_NAMES]
                                                            if share else [])
@@ -366,6 +446,30 @@ class RedisLimiter:
             raise ValueError(f"used_tokens must be >= 0, got {used_tokens}")
         args = ["reconcile", *self.window_args(), reservation.reservation_id, used_tokens]
         await self._run(reservation.key_id, args, reservation.in_share)
+
+    async def lease(self, key_id: str, spec: LimitSpec, want_requests: int, want_tokens: int,
+                    min_tokens: int) -> Lease | None:
+        """InProcessLimiter.lease_now, in Redis: a slice of the key's limits for this gateway's
+        calls (leases.py), counted as admitted lease_s from now on Redis's clock."""
+        check_lease_ask(want_requests, want_tokens, min_tokens)
+        if spec.max_concurrent is not None:
+            return None  # a leased call would hold no slot here
+        lease_us = round(self.lease_s * 1e6)
+        lease_id = random_hex()
+        reply = await self._run(key_id, [
+            "lease", *self.window_args(), _limit_arg(spec.rpm), _limit_arg(spec.tpm), _limit_arg(spec.tpd),
+            want_requests, want_tokens, min_tokens, lease_us, lease_id,
+            self._horizon_ms(spec) + lease_us // 1000, LEASE_PART])
+        if not reply[0]:
+            return None
+        _, num_requests, num_tokens, num_window_requests, num_window_tokens = reply
+        return Lease(key_id, lease_id, num_requests, num_tokens, self.lease_s, self.windows.window_us,
+                     num_window_requests, num_window_tokens)
+
+    async def settle_lease(self, key_id: str, lease_id: str, num_requests: int, num_tokens: int) -> None:
+        """InProcessLimiter.settle_lease_now, in Redis."""
+        check_lease_settlement(num_requests, num_tokens)
+        await self._run(key_id, ["settle_lease", *self.window_args(), lease_id, num_requests, num_tokens])
 
     async def headers(self, key_id: str, spec: LimitSpec) -> dict[str, str]:
         state = await self._run(key_id, ["peek", *self.window_args()])
