@@ -14,6 +14,9 @@ a host with cores to spare, N workers serve N / (CPU a call takes in all) calls 
 scaling a larger host would see is (CPU a call takes in one process) / (what it takes in all)
 times N, up to the supervisor's own ceiling of 1 / (its CPU a call).
 
+--limits-url redis://... puts the limits in that Redis (scripts/redis.sh start): the gateways'
+CPU a call then leaves out Redis's own.
+
 --pin runs each role on its own CPUs with taskset: the gateway (supervisor and workers) on the
 first N cores, the stub and the clients on the rest. That is how to see the 0.8·N scaling on a
 host with cores to spare: with N gateway cores and enough left for the clients and the stub,
@@ -135,7 +138,9 @@ def measure(num_workers: int, args: argparse.Namespace, stub_port: int, folder: 
     port = free_port()
     server = subprocess.Popen([*taskset(gateway_cpus), sys.executable, "-m", "tokenway.cli", "serve", "--config",
                                str(config), "--db", str(db), "--port", str(port), "--workers", str(num_workers),
-                               "--no-embeddings", "--log-level", "warning"], cwd=REPO, stderr=subprocess.DEVNULL)
+                               "--no-embeddings", "--log-level", "warning",
+                               *(["--limits-url", args.limits_url] if args.limits_url else [])],
+                              cwd=REPO, stderr=subprocess.DEVNULL)
     try:
         wait_ready(f"http://127.0.0.1:{port}/ready", server)
         if args.pin and num_workers < num_cpus:
@@ -165,6 +170,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=2, help="client processes")
     parser.add_argument("--concurrency", type=int, default=32, help="connections per client process")
     parser.add_argument("--pin", action="store_true", help="gateway on the first N cores, the rest elsewhere")
+    parser.add_argument("--limits-url", help="the gateway's --limits-url (redis://...: scripts/redis.sh start)")
     args = parser.parse_args()
     if not STUB.exists():
         raise SystemExit(f"the upstream stub is not at {STUB}")
