@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from tokenway.gateway import leases
-from tokenway.gateway.budgets import BudgetState, InProcessBudgets
+from tokenway.gateway.budgets import BudgetLease, BudgetState, InProcessBudgets
 from tokenway.gateway.counters import CounterClient, CounterServer, RemoteBudgets, RemoteLimiter
 from tokenway.gateway.leases import LeasedBudgets, LeasedLimiter
 from tokenway.gateway.limits import LEASE_PART, InProcessLimiter, LeaseOwner, LimitSpec, LimitsUnavailable
@@ -455,26 +455,89 @@ def budget_workers(path: str, n: int) -> list[LeasedBudgets]:
     return [LeasedBudgets(RemoteBudgets(CounterClient(path))) for _ in range(n)]
 
 
-def test_a_budget_lease_is_a_hold_settled_in_steps():
+@pytest.fixture(params=["memory", "redis"])
+def budget_owner_of(request):
+    """A budget lease owner's factory, called inside the test's loop (its seed: nothing spent)."""
+    if request.param == "memory":
+        return lambda: InProcessBudgets(no_spend)
+    from tokenway.gateway.budgets_redis import RedisBudgets
+
+    redis_url = request.getfixturevalue("redis_url")
+    return lambda: RedisBudgets(redis_url, no_spend)
+
+
+def test_a_budget_lease_is_a_hold_settled_in_steps(budget_owner_of):
     async def main() -> None:
-        owner = InProcessBudgets(no_spend)
-        budget = 16 * 10**6
-        assert owner.lease_now("k", budget, 10**6, 1) is None  # not seeded yet
-        await owner.reserve("k", budget, 0)  # seeds it
-        lease = owner.lease_now("k", budget, 10**9, 1)
-        assert lease is not None and lease.nanos == budget // LEASE_PART
-        assert owner.state_now("k") == BudgetState(0, 10**6)
-        owner.settle_lease_now("k", lease.reservation_id, 300, 200)  # 300 spent, 200 still held by calls
-        assert owner.state_now("k") == BudgetState(300, 200)
-        owner.settle_lease_now("k", lease.reservation_id, 150, 0)
-        assert owner.state_now("k") == BudgetState(450, 0)
-        owner.settle_lease_now("k", lease.reservation_id, 10, 0)  # a step after the last: still owed
-        assert owner.state_now("k") == BudgetState(460, 0)
-        # Only what is free now, and never below the call's own worst case.
-        assert owner.lease_now("k", budget, budget, budget) is None  # more than its part
-        await owner.reserve("k", budget, budget - 460 - 10)
-        small = owner.lease_now("k", budget, 10**6, 5)
-        assert small is not None and small.nanos == 10
+        owner, key = budget_owner_of(), f"lease-{uuid.uuid4().hex[:12]}"
+        try:
+            budget = 16 * 10**6
+            if isinstance(owner, InProcessBudgets):  # it cannot await the ledger in line: its first call seeds
+                assert await owner.lease(key, budget, 10**6, 1) is None
+            await owner.reserve(key, budget, 0)  # seeds it (Redis: so does a lease)
+            lease = await owner.lease(key, budget, 10**9, 1)
+            assert lease is not None and lease.nanos == budget // LEASE_PART
+            assert (lease.spent_nanos, lease.held_nanos) == (0, 0)
+            assert await owner.state(key) == BudgetState(0, 10**6)
+            await owner.settle_lease(lease, 300, 200)  # 300 spent, 200 still held by calls
+            assert await owner.state(key) == BudgetState(300, 200)
+            await owner.settle_lease(lease, 150, 0)
+            assert await owner.state(key) == BudgetState(450, 0)
+            await owner.settle_lease(lease, 10, 0)  # a step after the last: still owed
+            assert await owner.state(key) == BudgetState(460, 0)
+            # Only what is free now, and never below the call's own worst case.
+            assert await owner.lease(key, budget, budget, budget) is None  # more than its part
+            await owner.reserve(key, budget, budget - 460 - 10)
+            small = await owner.lease(key, budget, 10**6, 5)
+            assert small is not None and small.nanos == 10 and small.held_nanos == budget - 470
+            assert await owner.lease(key, budget, 10**6, 1) is None  # nothing left
+            with pytest.raises(ValueError):
+                await owner.lease(key, budget, 10, 11)
+            with pytest.raises(ValueError):
+                await owner.settle_lease(small, -1, 0)
+        finally:
+            await owner.close()
+
+    asyncio.run(main())
+
+
+def test_a_redis_budget_lease_seeds_a_key_redis_has_not_seen(redis_url):
+    from tokenway.gateway.budgets_redis import RedisBudgets
+
+    async def spent_before(key_id: str) -> float:
+        return 0.004  # what the ledger holds for the key: 4,000,000 nanos
+
+    async def main() -> None:
+        owner, key = RedisBudgets(redis_url, spent_before), f"lease-{uuid.uuid4().hex[:12]}"
+        try:
+            lease = await owner.lease(key, 16 * 10**6, 10**6, 1)
+            assert lease is not None and (lease.nanos, lease.spent_nanos) == (10**6, 4 * 10**6)
+            assert await owner.state(key) == BudgetState(4 * 10**6, 10**6)
+        finally:
+            await owner.close()
+
+    asyncio.run(main())
+
+
+def test_a_redis_budget_lease_step_for_a_state_seeded_anew_is_dropped(redis_url):
+    """As a call's settle is: the new seed read the ledger, where the lease's calls' rows were."""
+    from redis.asyncio import Redis
+
+    from tokenway.gateway.budgets_redis import RedisBudgets
+
+    async def main() -> None:
+        owner, client = RedisBudgets(redis_url, no_spend), Redis.from_url(redis_url)
+        key = f"lease-{uuid.uuid4().hex[:12]}"
+        try:
+            await owner.reserve(key, 16 * 10**6, 0)
+            lease = await owner.lease(key, 16 * 10**6, 10**6, 1)
+            assert lease is not None and lease.epoch
+            await client.delete(*owner.keys(key))  # the state is lost (a restart, say)
+            await owner.reserve(key, 16 * 10**6, 0)  # ... and seeded again
+            await owner.settle_lease(lease, 500, 0)
+            assert await owner.state(key) == BudgetState(0, 0)
+        finally:
+            await owner.close()
+            await client.aclose()
 
     asyncio.run(main())
 
@@ -509,11 +572,11 @@ def test_a_settlement_the_owner_could_not_hear_is_sent_again_whole(loop_factory,
     class Flaky(RemoteBudgets):
         failures = 1
 
-        async def settle_lease(self, key_id: str, reservation_id: str, cost_nanos: int, held_nanos: int) -> None:
+        async def settle_lease(self, lease: BudgetLease, cost_nanos: int, held_nanos: int) -> None:
             if self.failures:
                 self.failures -= 1
                 raise LimitsUnavailable("the owner's socket is gone")
-            await super().settle_lease(key_id, reservation_id, cost_nanos, held_nanos)
+            await super().settle_lease(lease, cost_nanos, held_nanos)
 
     async def test(path: str, owner: InProcessLimiter) -> None:
         store = LeasedBudgets(Flaky(CounterClient(path)))
@@ -538,3 +601,124 @@ def test_a_settlement_the_owner_could_not_hear_is_sent_again_whole(loop_factory,
         await store.close()
 
     run_with_owner(test, loop_factory)
+
+
+# ---- Budgeted calls through gatekeepers on one Redis, both stores leased. ----
+
+MODEL = "m"
+CALL_NANOS = 30_000_000  # 10 prompt tokens and max_tokens 10 at the price below: $0.03
+
+
+def leased_gate(tmp_path, redis_url: str, seed):
+    from tokenway.billing.ledger import Ledger
+    from tokenway.billing.pricing import ModelPrice, PriceTable
+    from tokenway.gateway.budgets import make_budgets
+    from tokenway.gateway.gatekeeper import Defaults, Gatekeeper
+    from tokenway.gateway.keystore import KeyStore
+    from tokenway.gateway.limits import make_limiter
+
+    name = uuid.uuid4().hex
+    gate = Gatekeeper(KeyStore(tmp_path / f"{name}.keys.db"), make_limiter(redis_url),
+                      Ledger(f"sqlite:///{tmp_path / f'{name}.ledger.db'}"),
+                      PriceTable({MODEL: ModelPrice(input=1000.0, output=2000.0)}), Defaults(), host="127.0.0.1",
+                      budgets=make_budgets(redis_url, seed))
+    assert isinstance(gate.joint, leases.LeasedJoint)  # the production wiring on a Redis
+    return gate
+
+
+async def admit_or_refusal(gate, caller):
+    from tokenway.protocol.errors import RateLimitError
+
+    try:
+        return await gate.admit(caller, MODEL, 10, 10)
+    except RateLimitError as exc:
+        return exc
+
+
+def test_budgeted_calls_through_two_leasing_gateways_never_pass_the_budget_and_spend_exactly(tmp_path, redis_url):
+    from tokenway.gateway.auth import Principal
+    from tokenway.gateway.budgets_redis import RedisBudgets
+    from tokenway.gateway.call import CallOutcome
+
+    async def main() -> None:
+        caller = Principal(key_id=f"lease-{uuid.uuid4().hex[:12]}", name="k", budget_usd=2.0, rpm=10_000)
+        gates = [leased_gate(tmp_path, redis_url, no_spend) for _ in range(2)]
+        try:
+            admitted = []
+            for _ in range(3):  # a burst a round; each call then settles at $0.02, in line where it was leased
+                outcomes = await asyncio.gather(*(admit_or_refusal(gates[i % 2], caller) for i in range(40)))
+                for i, outcome in enumerate(outcomes):
+                    if not isinstance(outcome, Exception):
+                        admitted.append(outcome)
+                        gates[i % 2]._settle(outcome, CallOutcome(200, prompt_tokens=10, completion_tokens=5), 0.02)
+            # $2 is 100 calls' cost, each admitted on its worst case ($0.03) until it settles; leases
+            # (1/16 of the budget each) may leave a little unused.
+            assert 85 <= len(admitted) <= 100
+            assert all(a.decision is not None and a.decision.allowed for a in admitted)
+            for _ in range(3):  # the calls asked of Redis settle in the background
+                await asyncio.sleep(0.05)
+        finally:
+            for gate in gates:
+                await gate.close()  # the leases' last settlements
+        checker = RedisBudgets(redis_url, no_spend)
+        try:
+            state = await checker.state(caller.key_id)
+            assert state == BudgetState(len(admitted) * 20_000_000, 0)  # every call's cost, nothing held
+        finally:
+            await checker.close()
+
+    asyncio.run(main())
+
+
+def test_a_budgeted_call_the_limits_refuse_gives_its_budget_lease_back(tmp_path, redis_url):
+    from tokenway.gateway.auth import Principal
+    from tokenway.gateway.budgets_redis import RedisBudgets
+
+    async def main() -> None:
+        caller = Principal(key_id=f"lease-{uuid.uuid4().hex[:12]}", name="k", budget_usd=100.0, rpm=32)
+        gate = leased_gate(tmp_path, redis_url, no_spend)
+        try:
+            outcomes = [await admit_or_refusal(gate, caller) for _ in range(40)]
+            admitted = [o for o in outcomes if not isinstance(o, Exception)]
+            refused = [o for o in outcomes if isinstance(o, Exception)]
+            assert len(admitted) == 32 and {o.limit_kind for o in refused} == {"requests"}
+            assert sum(a.budget.epoch == leases.BUDGET_EPOCH for a in admitted) >= 30  # from leases
+        finally:
+            await gate.close()  # the leases settle to what their calls (still in flight) hold
+        checker = RedisBudgets(redis_url, no_spend)
+        try:  # the admitted calls' worst cases, none of the refused ones'
+            assert await checker.state(caller.key_id) == BudgetState(0, 32 * CALL_NANOS)
+        finally:
+            await checker.close()
+
+    asyncio.run(main())
+
+
+def test_a_leasing_gateway_asks_redis_about_once_a_lease_for_budgeted_calls(tmp_path, redis_url):
+    from tokenway.gateway.auth import Principal
+    from tokenway.gateway.call import CallOutcome
+
+    async def main() -> None:
+        caller = Principal(key_id=f"lease-{uuid.uuid4().hex[:12]}", name="k", budget_usd=10_000.0,
+                           rpm=10**6, tpm=10**9)
+        gate = leased_gate(tmp_path, redis_url, no_spend)
+        asked: list[str] = []
+        for store in (gate.limiter.remote, gate.budgets.remote):
+            run = store._run
+            store._run = lambda key_id, args, *rest, run=run: asked.append(args[0]) or run(key_id, args, *rest)
+        joint = gate.joint.joint
+        joint_admit = joint.admit
+        joint.admit = lambda *args, **kwargs: asked.append("joint") or joint_admit(*args, **kwargs)
+        try:
+            for _ in range(5):
+                outcomes = await asyncio.gather(*(admit_or_refusal(gate, caller) for _ in range(100)))
+                assert not any(isinstance(o, Exception) for o in outcomes)
+                for admission in outcomes:
+                    gate._settle(admission, CallOutcome(200, prompt_tokens=10, completion_tokens=5), 0.02)
+            # The key's first call went by the one script (it seeds the budget), the rest by leases.
+            assert asked.count("joint") == 1 and "admit" not in asked and "reserve" not in asked
+            assert 2 <= asked.count("lease") < 30, asked
+        finally:
+            await gate.close()
+
+    asyncio.run(main())

@@ -115,6 +115,9 @@ class BudgetLease:
     valid_for_s: float
     spent_nanos: int  # the key's, as the grant found them, the lease not counted
     held_nanos: int
+    # The owner's epoch of the key's state at the grant (budgets_redis.py): a settlement step for a
+    # state seeded anew since is dropped, as a call's settle is.
+    epoch: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +144,17 @@ class BudgetStore(Protocol):
         """This store and `limiter` as one JointStore where they can be; None: they are asked in turn."""
 
     async def close(self) -> None: ...
+
+
+class BudgetOwner(BudgetStore, Protocol):
+    """A budget store that also grants leases (gateway/leases.py LeasedBudgets reserves from them):
+    the supervisor's counters for --workers N (counters.py RemoteBudgets), or a Redis
+    (budgets_redis.py)."""
+
+    async def lease(self, key_id: str, budget_nanos: int, want_nanos: int, min_nanos: int) -> BudgetLease | None: ...
+
+    async def settle_lease(self, lease: BudgetLease, cost_nanos: int, held_nanos: int) -> None:
+        """One step: cost_nanos its calls have cost since the last are spent, its hold becomes held_nanos."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,13 +298,17 @@ class InProcessBudgets:
                 held.expiry_order.append((now + self._ttl_us, reservation.reservation_id))
         return decision
 
+    async def lease(self, key_id: str, budget_nanos: int, want_nanos: int, min_nanos: int) -> BudgetLease | None:
+        return self.lease_now(key_id, budget_nanos, want_nanos, min_nanos)
+
+    async def settle_lease(self, lease: BudgetLease, cost_nanos: int, held_nanos: int) -> None:
+        self.settle_lease_now(lease.key_id, lease.reservation_id, cost_nanos, held_nanos)
+
     def lease_now(self, key_id: str, budget_nanos: int, want_nanos: int, min_nanos: int) -> BudgetLease | None:
         """Up to want_nanos of the key's budget, held for one worker for LEASE_S: at most
         1/LEASE_PART of the budget, and only what is free now. None where less than min_nanos
         would be granted, and for a key not seeded yet (its first call is reserved for itself)."""
-        check_amounts(budget_nanos, want_nanos)
-        if not 0 <= min_nanos <= want_nanos:
-            raise ValueError(f"a lease of {want_nanos} nanos, at least {min_nanos}")
+        check_lease_amounts(budget_nanos, want_nanos, min_nanos)
         state = self._key_to_state.get(key_id)
         if state is None:
             return None
@@ -309,8 +327,7 @@ class InProcessBudgets:
     def settle_lease_now(self, key_id: str, reservation_id: str, cost_nanos: int, held_nanos: int) -> None:
         """One step of a lease's settlement: cost_nanos its calls have cost since the last step
         are spent, and its hold becomes held_nanos (its calls in flight; 0 once they are done)."""
-        if cost_nanos < 0 or held_nanos < 0:
-            raise ValueError(f"a lease settles {cost_nanos} nanos spent, {held_nanos} held")
+        check_lease_settlement(cost_nanos, held_nanos)
         state = self._key_to_state.get(key_id)
         if state is None:
             return
@@ -388,11 +405,24 @@ class InProcessBudgets:
                 state.held_nanos -= held
 
 
+def check_lease_amounts(budget_nanos: int, want_nanos: int, min_nanos: int) -> None:
+    check_amounts(budget_nanos, want_nanos)
+    if not 0 <= min_nanos <= want_nanos:
+        raise ValueError(f"a lease of {want_nanos} nanos, at least {min_nanos}")
+
+
+def check_lease_settlement(cost_nanos: int, held_nanos: int) -> None:
+    if cost_nanos < 0 or held_nanos < 0:
+        raise ValueError(f"a lease settles {cost_nanos} nanos spent, {held_nanos} held")
+
+
 def make_budgets(url: str | None, seed: SpendSeed, share_seed: SpendSeed | None = None) -> BudgetStore:
-    """The budget store beside the limits: in process for "memory", else the same Redis."""
+    """The budget store beside the limits: in process for "memory", else the same Redis, which
+    this process reserves most calls from leases on (leases.py)."""
     if limits_backend(url) == "memory":
         return InProcessBudgets(seed, share_seed=share_seed)
     assert url is not None  # None is "memory"
     from tokenway.gateway.budgets_redis import RedisBudgets  # redis is only needed for this backend
+    from tokenway.gateway.leases import LeasedBudgets
 
-    return RedisBudgets(url, seed, share_seed=share_seed)
+    return LeasedBudgets(RedisBudgets(url, seed, share_seed=share_seed))

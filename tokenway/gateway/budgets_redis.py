@@ -29,14 +29,17 @@ from collections.abc import Awaitable, Callable
 
 from tokenway.gateway.budgets import (
     BudgetDecision,
+    BudgetLease,
     BudgetReservation,
     BudgetState,
     JointStore,
     SeedReader,
     SpendSeed,
     check_amounts,
+    check_lease_amounts,
+    check_lease_settlement,
 )
-from tokenway.gateway.limits import Limiter
+from tokenway.gateway.limits import LEASE_PART, LEASE_S, Limiter
 from tokenway.gateway.limits_redis import LUA_PRELUDE, RedisLimiter, connect, redacted, run_script
 from tokenway.ids import random_hex
 
@@ -107,6 +110,43 @@ local function budgets_store(keys)
     return 1
   end
 
+  -- InProcessBudgets.lease_now, with a lease's arguments (RedisBudgets.lease) from ARGV[i] on: up
+  -- to want of the budget, at most budget / part and only what is free now, held as one
+  -- reservation. {1, nanos, spent, held, epoch}; {0} where less than min would be granted; {-1}
+  -- for a key not seeded, asked without a seed (the gateway reads the ledger and asks again).
+  function B.lease(i)
+    local budget, want, min = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+    local epoch = B.open({seed = ARGV[i + 7], new_epoch = ARGV[i + 8]})
+    if not epoch then return {-1} end
+    B.prune()
+    local spent, held = B.amounts()
+    local nanos = math.min(want, math.floor(budget / tonumber(ARGV[i + 6])), budget - spent - held)
+    B.touch(ARGV[i + 5])
+    if nanos < min or not B.fits({budget = budget, worst = nanos}, spent, held) then return {0} end
+    B.hold({rid = ARGV[i + 3], worst = nanos, ttl_us = tonumber(ARGV[i + 4])})
+    return {1, nanos, spent, held, epoch}
+  end
+
+  -- InProcessBudgets.settle_lease_now: cost is spent (owed whether or not the hold has
+  -- expired), the lease's hold becomes held_nanos. 1, or 0 for a state seeded anew since.
+  function B.settle_lease(rid, cost, held_nanos, their_epoch, state_ttl_ms)
+    if B.epoch() ~= their_epoch then return 0 end
+    B.prune()
+    redis.call('HINCRBY', bud, 'spent', int(cost))
+    local hold = redis.call('HGET', res, rid)
+    if hold then
+      redis.call('HINCRBY', bud, 'held', int(held_nanos - tonumber(hold)))
+      if held_nanos > 0 then
+        redis.call('HSET', res, rid, int(held_nanos))
+      else
+        redis.call('HDEL', res, rid)
+        redis.call('ZREM', fly, rid)
+      end
+    end
+    B.touch(state_ttl_ms)
+    return 1
+  end
+
   return B
 end
 
@@ -150,7 +190,8 @@ end
 """
 
 # KEYS: the key's three, then its share's three for a call with a share ('state': the one asked).
-# ARGV: op, then for reserve its reservation_args (and share_args); for settle settle_args.
+# ARGV: op, then for reserve its reservation_args (and share_args); for settle settle_args; for
+# lease and settle_lease what RedisBudgets.lease and settle_lease send.
 LUA_SCRIPT = LUA_PRELUDE + LUA_BUDGETS + """
 local op = ARGV[1]
 local budgets = budgets_store({KEYS[1], KEYS[2], KEYS[3]})
@@ -168,6 +209,11 @@ if op == 'settle' then
   local done = budgets.settle(ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5])
   if share then share.settle(ARGV[2], tonumber(ARGV[3]), ARGV[6], ARGV[5]) end
   return done
+end
+
+if op == 'lease' then return budgets.lease(2) end
+if op == 'settle_lease' then
+  return budgets.settle_lease(ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], ARGV[6])
 end
 
 local r = budgets.reservation(2)
@@ -267,6 +313,26 @@ class RedisBudgets:
         await self._run(reservation.key_id, ["settle", *self.settle_args(reservation, used_nanos)],
                         self.keys(reservation.key_id, reservation.share_epoch is not None))
 
+    async def lease(self, key_id: str, budget_nanos: int, want_nanos: int, min_nanos: int) -> BudgetLease | None:
+        """InProcessBudgets.lease_now, in Redis: a part of the key's budget for this gateway's
+        calls (leases.py), held there as one reservation. A key Redis has not seen is seeded
+        from the ledger first, as for a reserve (SeedUnavailable when the ledger cannot say)."""
+        check_lease_amounts(budget_nanos, want_nanos, min_nanos)
+        reservation_id = random_hex()
+        reply = await self.seeded(key_id, lambda seeds: self._run(key_id, [
+            "lease", budget_nanos, want_nanos, min_nanos, reservation_id, self._ttl_us, self._state_ttl_ms,
+            LEASE_PART, *(seeds[0] if seeds[0] is not None else ("", ""))]))
+        if reply[0] != 1:
+            return None
+        _, nanos, spent, held, epoch = reply
+        return BudgetLease(key_id, reservation_id, nanos, LEASE_S, spent, held, epoch.decode())
+
+    async def settle_lease(self, lease: BudgetLease, cost_nanos: int, held_nanos: int) -> None:
+        """InProcessBudgets.settle_lease_now, in Redis."""
+        check_lease_settlement(cost_nanos, held_nanos)
+        await self._run(lease.key_id, ["settle_lease", lease.reservation_id, cost_nanos, held_nanos, lease.epoch,
+                                       self._state_ttl_ms])
+
     async def state(self, key_id: str, share: bool = False) -> BudgetState | None:
         keys = self.keys(key_id, share)
         reply = await self._run(key_id, ["state"], keys[3:] if share else keys)
@@ -274,7 +340,7 @@ class RedisBudgets:
 
     def joint_with(self, limiter: Limiter) -> JointStore | None:
         """One script for both where the limiter is a RedisLimiter on this same Redis, or leases
-        on one (a budgeted call is then admitted by the script, not from a lease)."""
+        on one (leases.py LeasedJoint asks the script for what the leases do not hold)."""
         from tokenway.gateway.leases import LeasedLimiter
 
         if isinstance(limiter, LeasedLimiter):

@@ -424,8 +424,8 @@ class RemoteBudgets:
         row = await self.client.call("budget_lease", [key_id, budget_nanos, want_nanos, min_nanos])
         return BudgetLease(*row) if row is not None else None
 
-    async def settle_lease(self, key_id: str, reservation_id: str, cost_nanos: int, held_nanos: int) -> None:
-        await self.client.send("settle_budget_lease", [key_id, reservation_id, cost_nanos, held_nanos])
+    async def settle_lease(self, lease: BudgetLease, cost_nanos: int, held_nanos: int) -> None:
+        await self.client.send("settle_budget_lease", [lease.key_id, lease.reservation_id, cost_nanos, held_nanos])
 
     def joint_with(self, limiter: Limiter) -> None:
         return None  # two calls to one owner: each atomic there, as the in-process pair is

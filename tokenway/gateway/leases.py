@@ -1,31 +1,33 @@
-"""A gateway process admits most calls itself, from leases on its keys' limits (and, for one of
---workers N, budgets) held at their owner: the supervisor's counters, or a Redis.
+"""A gateway process admits most calls itself, from leases on its keys' limits and budgets held
+at their owner: the supervisor's counters (one of --workers N), or a Redis.
 
-    worker: Gatekeeper ─► LeasedLimiter.admit / LeasedBudgets.reserve
-                           ├► the key's lease has room: admitted (reserved) here, now
-                           ├► else a new lease, one ask for every call waiting on it
-                           │   ─► owner.lease (RemoteLimiter or RedisLimiter) / RemoteBudgets.lease
-                           └► none granted: owner.admit / RemoteBudgets.reserve, as before
-            the lease's time is up, or it is used up ─► settle_lease: what its calls hold
+    Gatekeeper ─► LeasedLimiter.admit / LeasedBudgets.reserve (a budgeted call on a Redis: LeasedJoint)
+                   ├► the key's lease has room: admitted (reserved) here, now
+                   ├► else a new lease, one ask for every call waiting on it
+                   │   ─► owner.lease: RemoteLimiter / RemoteBudgets, or RedisLimiter / RedisBudgets
+                   └► none granted: owner.admit / owner.reserve (on a Redis, both in one script), as before
+    the lease's time is up, or it is used up ─► owner.settle_lease: what its calls hold
 
 Without leases every call crosses to the owner (gateway/counters.py, or Redis) and back before
-it may run: two wake-ups of two processes, ~0.3 ms on an idle 2-core host, and one process that
-every call goes through. With them a process asks about once a second per key and store.
+it may run: two wake-ups of two processes, ~0.3 ms on an idle 2-core host (~0.4 ms to a Redis),
+and one process that every call goes through. With them a process asks about once a second per
+key and store.
 
 Exact as the owner alone is. A limits lease counts at the owner as all of its requests and
 tokens, admitted at the last moment a worker may use it (limits.py); a budget lease is a
 reservation there of all its nanos (budgets.py). This side never admits more from a lease than
 it holds, nor after its time (measured from before it asked). A call's reserved tokens come back
 to its lease when it ends, as they come back to the key's window at the owner; its cost is
-spent from its budget lease. What it costs: what a worker has not used of a lease is kept from
+spent from its budget lease. What it costs: what a process has not used of a lease is kept from
 the others' calls until the lease ends (at most 1/LEASE_PART of each limit and of the budget,
-for at most LEASE_S, per worker and key), so a key close to a limit may be refused a little
-early; and the x-ratelimit-* headers of a call admitted from a lease count the key's window as
-the grant found it, plus this worker's calls since.
+for at most LEASE_S, per process and key), so a key close to a limit may be refused a little
+early; the x-ratelimit-* headers of a call admitted from a lease count the key's window as the
+grant found it, plus this process's calls since; and a process that dies takes with it the cost
+of its calls since its lease's last settlement (the ledger still has their rows).
 
 Asked call by call, as before: a call in a batch share, a key with a concurrency limit (its
 slots are held at the owner), a call larger than the key's leases, a key's first budgeted call
-on this worker (the owner seeds the key's spend from the ledger then), and for LEASE_S a key the
+in this process (the owner seeds the key's spend from the ledger then), and for LEASE_S a key the
 owner grants no lease (a limit under LEASE_PART, too little of it left). A key with no limits at
 all is admitted here, with nothing to ask or settle.
 """
@@ -44,11 +46,13 @@ from typing import Any, Generic, TypeVar
 from tokenway.gateway.budgets import (
     BudgetDecision,
     BudgetLease,
+    BudgetOwner,
     BudgetReservation,
     BudgetState,
+    JointDecision,
+    JointStore,
     check_amounts,
 )
-from tokenway.gateway.counters import RemoteBudgets
 from tokenway.gateway.limits import (
     LEASE_S,
     Decision,
@@ -323,10 +327,10 @@ class LeasedLimiter(_Leases[_HeldLimits]):
 
 
 class LeasedBudgets(_Leases[_HeldBudget]):
-    """budgets.BudgetStore for one of --workers N: calls' worst cases reserved from budget
-    leases where it can, the rest asked of the owner through `remote`."""
+    """budgets.BudgetStore for a gateway process: calls' worst cases reserved from budget leases
+    where it can, the rest asked of the owner through `remote`."""
 
-    def __init__(self, remote: RemoteBudgets) -> None:
+    def __init__(self, remote: BudgetOwner) -> None:
         super().__init__()
         self.remote = remote
 
@@ -334,16 +338,23 @@ class LeasedBudgets(_Leases[_HeldBudget]):
                       share_nanos: int | None = None) -> BudgetDecision:
         if share_nanos is not None:
             return await self.remote.reserve(key_id, budget_nanos, worst_nanos, share_nanos)
+        decision = await self.reserve_leased(key_id, budget_nanos, worst_nanos)
+        return decision if decision is not None else await self.remote.reserve(key_id, budget_nanos, worst_nanos)
+
+    async def reserve_leased(self, key_id: str, budget_nanos: int, worst_nanos: int) -> BudgetDecision | None:
+        """The call reserved from the key's lease (allowed or refused by it); None where it must be
+        asked of the owner: a key's first call here (the owner seeds the key's spend from the
+        ledger then), or one no lease holds."""
         check_amounts(budget_nanos, worst_nanos)
-        if key_id not in self._keys:  # the owner seeds a key's spend from the ledger at its first reserve
+        if key_id not in self._keys:
             self._keys[key_id] = _Key(mean_ask=worst_nanos)
-            return await self.remote.reserve(key_id, budget_nanos, worst_nanos)
+            return None
         held = await self._from_lease(
             key_id, worst_nanos, lambda held, now: held.admits(budget_nanos, worst_nanos, now),
             lambda _, nanos: self.remote.lease(key_id, budget_nanos, nanos, worst_nanos),
             lambda lease, deadline: _HeldBudget(lease=lease, budget_nanos=budget_nanos, deadline=deadline))
         if held is None:
-            return await self.remote.reserve(key_id, budget_nanos, worst_nanos)
+            return None
         decision = BudgetDecision(BudgetReservation(key_id, random_hex(), worst_nanos, BUDGET_EPOCH),
                                   held.lease.spent_nanos + held.spent_nanos, held.lease.held_nanos + held.held_nanos)
         held.held_nanos += worst_nanos
@@ -356,7 +367,7 @@ class LeasedBudgets(_Leases[_HeldBudget]):
 
     async def _report(self, held: _HeldBudget) -> None:
         lease, cost = held.lease, held.unreported_nanos
-        await self.remote.settle_lease(lease.key_id, lease.reservation_id, cost, held.held_nanos)
+        await self.remote.settle_lease(lease, cost, held.held_nanos)
         held.unreported_nanos -= cost  # what calls ended during the send stays for the next step
 
     async def settle(self, reservation: BudgetReservation, used_nanos: int) -> None:
@@ -376,9 +387,49 @@ class LeasedBudgets(_Leases[_HeldBudget]):
     async def state(self, key_id: str, share: bool = False) -> BudgetState | None:
         return await self.remote.state(key_id, share)
 
-    def joint_with(self, limiter: Limiter) -> None:
-        return None  # two stores of one owner: each atomic there
+    def joint_with(self, limiter: Limiter) -> JointStore | None:
+        """Where the owner has a joint store with `limiter` (a Redis both share): the call from
+        both stores' leases where they hold it, else that store's one step."""
+        joint = self.remote.joint_with(limiter)
+        return None if joint is None else LeasedJoint(self, limiter, joint)
 
     async def close(self) -> None:
         await self._close_leases()
         await self.remote.close()
+
+
+class LeasedJoint:
+    """budgets.JointStore over leases: a budgeted call's budget reserved from the key's budget
+    lease and its limits from its limits lease, in line, where the leases hold it; otherwise (a
+    batch line, a key's first call here, no budget lease) both in the owner's one step, `joint`,
+    as without leases. Held by both or by neither all the same: a call the limits refuse gives
+    its budget back to the lease at once."""
+
+    def __init__(self, budgets: LeasedBudgets, limiter: Limiter, joint: JointStore) -> None:
+        self.budgets, self.limiter, self.joint = budgets, limiter, joint
+
+    async def admit(self, key_id: str, spec: LimitSpec, reserve_tokens: int, budget_nanos: int,
+                    worst_nanos: int, share: LimitSpec | None = None,
+                    share_nanos: int | None = None) -> JointDecision:
+        budget = None
+        if share is None and share_nanos is None:
+            budget = await self.budgets.reserve_leased(key_id, budget_nanos, worst_nanos)
+        if budget is None:
+            return await self.joint.admit(key_id, spec, reserve_tokens, budget_nanos, worst_nanos, share,
+                                          share_nanos)
+        if budget.reservation is None:
+            return JointDecision(budget, None)
+        try:
+            limits = await self.limiter.admit(key_id, spec, reserve_tokens)  # from its lease where it can
+        except BaseException:
+            self.budgets.settle_in_line(budget.reservation, 0)
+            raise
+        if not limits.allowed:
+            self.budgets.settle_in_line(budget.reservation, 0)
+            budget = BudgetDecision(None, budget.spent_nanos, budget.held_nanos)
+        return JointDecision(budget, limits)
+
+    async def settle(self, budget: BudgetReservation, used_nanos: int, reservation: Reservation,
+                     used_tokens: int) -> None:
+        """Both reservations the owner holds (the gatekeeper settles leased ones in line first)."""
+        await self.joint.settle(budget, used_nanos, reservation, used_tokens)
