@@ -11,6 +11,7 @@ through four doors in front of the same instant upstream (../shared/bench/upstre
     python bench/gateway_floor.py                 # 3,000 calls a door, 3 rounds, alternated
     python bench/gateway_floor.py --calls 1000 --rounds 1
     python bench/gateway_floor.py --limits-url $(scripts/redis.sh start)   # tokenway's limits in Redis
+    python bench/gateway_floor.py --limits-url ... --budget-usd 100000     # ... and a budget on its key
 
 Prints each door's round-trip p50 and what it adds over `direct`. The lean door is not a
 product: it answers one key, one model and well-formed bodies, and is here to say what the
@@ -196,6 +197,7 @@ def main() -> int:
     parser.add_argument("--gap-ms", type=float, default=2.0, help="between one call's answer and the next call")
     parser.add_argument("--port", type=int, default=18510, help="the first of five ports")
     parser.add_argument("--limits-url", help="the tokenway door's --limits-url (redis://...: scripts/redis.sh start)")
+    parser.add_argument("--budget-usd", help="the tokenway door's key has this budget")
     parser.add_argument("--door", choices=("bare", "lean"), help=argparse.SUPPRESS)  # a door's own process
     parser.add_argument("--upstream-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--journal", help=argparse.SUPPRESS)
@@ -224,8 +226,9 @@ def main() -> int:
                               f'  model = "bench-model"\n')
             tokenway = [sys.executable, "-m", "tokenway.cli"]
             key = subprocess.run([*tokenway, "keys", "--db", str(work_dir / "keys.db"), "create", "--name", "floor",
-                                  "--rpm", "100000000", "--tpm", "100000000000"], check=True, capture_output=True,
-                                 text=True, cwd=REPO).stdout.strip()
+                                  "--rpm", "100000000", "--tpm", "100000000000",
+                                  *(["--budget-usd", args.budget_usd] if args.budget_usd else [])],
+                                 check=True, capture_output=True, text=True, cwd=REPO).stdout.strip()
             processes.append(subprocess.Popen([*tokenway, "serve", "--host", "127.0.0.1", "--port", str(tw_port),
                                                "--config", str(config), "--db", str(work_dir / "keys.db"),
                                                "--no-embeddings", "--log-level", "warning",
