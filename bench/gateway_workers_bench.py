@@ -133,8 +133,9 @@ def measure(num_workers: int, args: argparse.Namespace, stub_port: int, folder: 
                       f'  kind = "openai"\n  url = "http://127.0.0.1:{stub_port}/v1"\n  model = "{MODEL}"\n')
     db = folder / f"keys-{num_workers}.db"
     key = subprocess.run([sys.executable, "-m", "tokenway.cli", "keys", "--db", str(db), "create", "--name", "b",
-                          "--rpm", "100000000", "--tpm", "100000000000"], check=True, capture_output=True,
-                         text=True, cwd=REPO).stdout.strip()
+                          "--rpm", "100000000", "--tpm", "100000000000",
+                          *(["--budget-usd", args.budget_usd] if args.budget_usd else [])],
+                         check=True, capture_output=True, text=True, cwd=REPO).stdout.strip()
     port = free_port()
     server = subprocess.Popen([*taskset(gateway_cpus), sys.executable, "-m", "tokenway.cli", "serve", "--config",
                                str(config), "--db", str(db), "--port", str(port), "--workers", str(num_workers),
@@ -171,6 +172,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="connections per client process")
     parser.add_argument("--pin", action="store_true", help="gateway on the first N cores, the rest elsewhere")
     parser.add_argument("--limits-url", help="the gateway's --limits-url (redis://...: scripts/redis.sh start)")
+    parser.add_argument("--budget-usd", help="the key has this budget")
     args = parser.parse_args()
     if not STUB.exists():
         raise SystemExit(f"the upstream stub is not at {STUB}")
