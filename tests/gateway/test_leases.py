@@ -90,10 +90,10 @@ def test_a_lease_takes_at_most_its_part_of_each_limit_and_counts_at_once(owner_o
         second = await owner.lease(key, spec, 4, 100, 5)
         assert second is not None and (second.num_window_requests, second.num_window_tokens) == (10, 1000)
         # Settled to what its calls used, the rest is free again; settled again as that changes.
-        await owner.settle_lease(key, lease.lease_id, 3, 120)
+        await owner.settle_lease(lease, 3, 120)
         assert await remaining(owner, key, spec) == (160 - 3 - 4, 16_000 - 120 - 100)
-        await owner.settle_lease(key, lease.lease_id, 0, 0)
-        await owner.settle_lease(key, second.lease_id, 0, 7)
+        await owner.settle_lease(lease, 0, 0)
+        await owner.settle_lease(second, 0, 7)
         assert await remaining(owner, key, spec) == (160, 16_000 - 7)
 
     run_owner(owner_of, body)
@@ -116,7 +116,7 @@ def test_no_lease_where_a_call_must_be_asked_for_itself(owner_of):
         with pytest.raises(ValueError):
             await owner.lease(key, LimitSpec(rpm=1000), 0, 8, 1)
         with pytest.raises(ValueError):
-            await owner.settle_lease(full, lease.lease_id, -1, 0)
+            await owner.settle_lease(lease, -1, 0)
 
     run_owner(owner_of, body)
 
@@ -134,7 +134,7 @@ def test_a_lease_counts_until_a_window_after_its_last_moment(owner_of):
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.15)
         assert (await remaining(owner, key, spec))[0] == 32
-        await owner.settle_lease(key, lease.lease_id, 1, 0)  # gone from the window: nothing to settle
+        await owner.settle_lease(lease, 1, 0)  # gone from the window: nothing to settle
         assert (await remaining(owner, key, spec))[0] == 32
 
     run_owner(owner_of, body, window_s=0.4, lease_s=0.2)
@@ -164,7 +164,7 @@ def test_a_refusal_waits_for_the_lease_to_leave_the_window(owner_of):
             assert (await owner.admit(many, LimitSpec(rpm=160), 0)).allowed
         refused = await owner.admit(many, LimitSpec(rpm=160), 0)
         assert not refused.allowed and refused.retry_after_s is not None and 9 < refused.retry_after_s <= 10
-        await owner.settle_lease(many, lease.lease_id, 0, 0)  # its calls used none: 10 requests free again
+        await owner.settle_lease(lease, 0, 0)  # its calls used none: 10 requests free again
         assert (await owner.admit(many, LimitSpec(rpm=160), 0)).allowed
 
     run_owner(owner_of, body, window_s=10, lease_s=2)
@@ -197,7 +197,7 @@ def test_leases_and_calls_at_random_never_pass_a_limit(owner_of):
                         held[1], held[2] = used_requests + 1, used_tokens + tokens
                         admitted_requests, admitted_tokens = admitted_requests + 1, admitted_tokens + tokens
                 if rng.random() < 0.3:  # the lease ends: settled to what it holds
-                    await owner.settle_lease(key, lease.lease_id, held[1], held[2])
+                    await owner.settle_lease(lease, held[1], held[2])
                     leases_out.remove(held)
             left_requests, left_tokens = await remaining(owner, key, spec)
             assert admitted_requests <= 200 - left_requests <= 200 and admitted_tokens <= 5000 - left_tokens <= 5000
@@ -651,9 +651,10 @@ def test_budgeted_calls_through_two_leasing_gateways_never_pass_the_budget_and_s
                     if not isinstance(outcome, Exception):
                         admitted.append(outcome)
                         gates[i % 2]._settle(outcome, CallOutcome(200, prompt_tokens=10, completion_tokens=5), 0.02)
-            # $2 is 100 calls' cost, each admitted on its worst case ($0.03) until it settles; leases
-            # (1/16 of the budget each) may leave a little unused.
-            assert 85 <= len(admitted) <= 100
+                await asyncio.sleep(3 * leases.SETTLE_EVERY_S)  # ended leases' settlements reach Redis
+            # $2 is 100 calls' cost, each admitted on its worst case ($0.03) until it settles; the
+            # leases out (1/16 of the budget each, a gateway) may leave a little unused.
+            assert 75 <= len(admitted) <= 100
             assert all(a.decision is not None and a.decision.allowed for a in admitted)
             for _ in range(3):  # the calls asked of Redis settle in the background
                 await asyncio.sleep(0.05)

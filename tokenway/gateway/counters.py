@@ -395,8 +395,8 @@ class RemoteLimiter:
         row = await self.client.call("lease", [key_id, _spec_row(spec), want_requests, want_tokens, min_tokens])
         return Lease(*row) if row is not None else None
 
-    async def settle_lease(self, key_id: str, lease_id: str, num_requests: int, num_tokens: int) -> None:
-        await self.client.send("settle_lease", [key_id, lease_id, num_requests, num_tokens])
+    async def settle_lease(self, lease: Lease, num_requests: int, num_tokens: int) -> None:
+        await self.client.send("settle_lease", [lease.key_id, lease.lease_id, num_requests, num_tokens])
 
     async def close(self) -> None:
         await self.client.close()

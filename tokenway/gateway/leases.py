@@ -267,7 +267,7 @@ class _Leases(Generic[H]):
 
 
 class LeasedLimiter(_Leases[_HeldLimits]):
-    """limits.Limiter for one of --workers N: calls admitted from leases where it can, the rest
+    """limits.Limiter for a gateway process: calls admitted from leases where it can, the rest
     asked of the owner through `remote`."""
 
     def __init__(self, remote: LeaseOwner) -> None:
@@ -303,8 +303,7 @@ class LeasedLimiter(_Leases[_HeldLimits]):
         return held.lease.num_tokens < amount
 
     async def _report(self, held: _HeldLimits) -> None:
-        lease = held.lease
-        await self.remote.settle_lease(lease.key_id, lease.lease_id, held.num_calls, max(0, held.num_tokens))
+        await self.remote.settle_lease(held.lease, held.num_calls, max(0, held.num_tokens))
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
         if not self.reconcile_in_line(reservation, used_tokens):
@@ -342,9 +341,9 @@ class LeasedBudgets(_Leases[_HeldBudget]):
         return decision if decision is not None else await self.remote.reserve(key_id, budget_nanos, worst_nanos)
 
     async def reserve_leased(self, key_id: str, budget_nanos: int, worst_nanos: int) -> BudgetDecision | None:
-        """The call reserved from the key's lease (allowed or refused by it); None where it must be
-        asked of the owner: a key's first call here (the owner seeds the key's spend from the
-        ledger then), or one no lease holds."""
+        """The call reserved from the key's lease; None where it must be asked of the owner: a
+        key's first call here (the owner seeds the key's spend from the ledger then), or one no
+        lease holds (the owner also decides a refusal)."""
         check_amounts(budget_nanos, worst_nanos)
         if key_id not in self._keys:
             self._keys[key_id] = _Key(mean_ask=worst_nanos)
@@ -414,11 +413,9 @@ class LeasedJoint:
         budget = None
         if share is None and share_nanos is None:
             budget = await self.budgets.reserve_leased(key_id, budget_nanos, worst_nanos)
-        if budget is None:
+        if budget is None or budget.reservation is None:
             return await self.joint.admit(key_id, spec, reserve_tokens, budget_nanos, worst_nanos, share,
                                           share_nanos)
-        if budget.reservation is None:
-            return JointDecision(budget, None)
         try:
             limits = await self.limiter.admit(key_id, spec, reserve_tokens)  # from its lease where it can
         except BaseException:

@@ -138,7 +138,8 @@ class LeaseOwner(Limiter, Protocol):
     async def lease(self, key_id: str, spec: LimitSpec, want_requests: int, want_tokens: int,
                     min_tokens: int) -> Lease | None: ...
 
-    async def settle_lease(self, key_id: str, lease_id: str, num_requests: int, num_tokens: int) -> None: ...
+    async def settle_lease(self, lease: Lease, num_requests: int, num_tokens: int) -> None:
+        """The lease's figures become what its calls used: num_requests, holding num_tokens."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -400,8 +401,8 @@ class InProcessLimiter:
                     min_tokens: int) -> Lease | None:
         return self.lease_now(key_id, spec, want_requests, want_tokens, min_tokens)
 
-    async def settle_lease(self, key_id: str, lease_id: str, num_requests: int, num_tokens: int) -> None:
-        self.settle_lease_now(key_id, lease_id, num_requests, num_tokens)
+    async def settle_lease(self, lease: Lease, num_requests: int, num_tokens: int) -> None:
+        self.settle_lease_now(lease.key_id, lease.lease_id, num_requests, num_tokens)
 
     def settle_lease_now(self, key_id: str, lease_id: str, num_requests: int, num_tokens: int) -> None:
         """A lease's figures become what its calls used: num_requests admitted from it, holding

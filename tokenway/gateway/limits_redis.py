@@ -466,10 +466,10 @@ class RedisLimiter:
         return Lease(key_id, lease_id, num_requests, num_tokens, self.lease_s, self.windows.window_us,
                      num_window_requests, num_window_tokens)
 
-    async def settle_lease(self, key_id: str, lease_id: str, num_requests: int, num_tokens: int) -> None:
+    async def settle_lease(self, lease: Lease, num_requests: int, num_tokens: int) -> None:
         """InProcessLimiter.settle_lease_now, in Redis."""
         check_lease_settlement(num_requests, num_tokens)
-        await self._run(key_id, ["settle_lease", *self.window_args(), lease_id, num_requests, num_tokens])
+        await self._run(lease.key_id, ["settle_lease", *self.window_args(), lease.lease_id, num_requests, num_tokens])
 
     async def headers(self, key_id: str, spec: LimitSpec) -> dict[str, str]:
         state = await self._run(key_id, ["peek", *self.window_args()])
