@@ -294,7 +294,7 @@ class UpstreamHTTP:
         event_by = bound(timeouts.first_event)
         response = await self._request(
             "POST", path, {"content-type": "application/json", "accept": "text/event-stream"},
-            _json_bytes(body), event_by, deadline)
+            dumps(body), event_by, deadline)
         chunks: Any = None
         try:
             if response.status >= 300:
@@ -331,7 +331,7 @@ class UpstreamHTTP:
             deadline = started + timeouts.total
         until = min(started + timeouts.whole_answer, math.inf if deadline is None else deadline)
         pool, target = self._target(path)
-        headers, request_body = self._headers_with(_JSON_ANSWER), _json_bytes(body)
+        headers, request_body = self._headers_with(_JSON_ANSWER), dumps(body)
         max_bytes = self._limits.max_answer_bytes
 
         async def answer() -> tuple[Response, bytes | None]:  # the request and its answer, under one timeout
@@ -415,10 +415,6 @@ class UpstreamHTTP:
         if status >= 300:
             raise error_for_status(self.name, status, body, headers)
         return True
-
-
-def _json_bytes(body: dict[str, Any]) -> bytes:
-    return dumps(body)
 
 
 _END = object()
