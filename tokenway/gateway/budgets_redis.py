@@ -339,12 +339,7 @@ class RedisBudgets:
         return BudgetState(*reply) if reply else None
 
     def joint_with(self, limiter: Limiter) -> JointStore | None:
-        """One script for both where the limiter is a RedisLimiter on this same Redis, or leases
-        on one (leases.py LeasedJoint asks the script for what the leases do not hold)."""
-        from tokenway.gateway.leases import LeasedLimiter
-
-        if isinstance(limiter, LeasedLimiter):
-            limiter = limiter.remote
+        """One script for both where the limiter is a RedisLimiter on this same Redis."""
         if not (isinstance(limiter, RedisLimiter) and limiter.url == self.url):
             return None
         from tokenway.gateway.joint_redis import RedisJoint  # it builds on this module

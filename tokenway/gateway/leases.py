@@ -387,9 +387,9 @@ class LeasedBudgets(_Leases[_HeldBudget]):
         return await self.remote.state(key_id, share)
 
     def joint_with(self, limiter: Limiter) -> JointStore | None:
-        """Where the owner has a joint store with `limiter` (a Redis both share): the call from
-        both stores' leases where they hold it, else that store's one step."""
-        joint = self.remote.joint_with(limiter)
+        """Where the owner has a joint store with `limiter` or the owner of its leases (a Redis
+        both share): the call from both stores' leases where they hold it, else that store's one step."""
+        joint = self.remote.joint_with(limiter.remote if isinstance(limiter, LeasedLimiter) else limiter)
         return None if joint is None else LeasedJoint(self, limiter, joint)
 
     async def close(self) -> None:
