@@ -231,6 +231,11 @@ SeedArgs = tuple[int, str] | None
 Seeds = tuple[SeedArgs, SeedArgs]
 
 
+def seed_args(seed: SeedArgs) -> tuple[int | str, str]:
+    """A seed and its epoch as a script reads them: two empty strings where there is none."""
+    return seed if seed is not None else ("", "")
+
+
 class RedisBudgets:
     """share_seed: what a key's batch lines have cost, to seed its share (None: the store takes no share)."""
 
@@ -260,15 +265,14 @@ class RedisBudgets:
 
     def reservation_args(self, budget_nanos: int, worst_nanos: int, reservation_id: str, seed: SeedArgs
                          ) -> list[str | int]:
-        return [budget_nanos, worst_nanos, reservation_id, self._ttl_us, self._state_ttl_ms,
-                *(seed if seed is not None else ("", ""))]
+        return [budget_nanos, worst_nanos, reservation_id, self._ttl_us, self._state_ttl_ms, *seed_args(seed)]
 
     @staticmethod
     def share_args(share_nanos: int | None, seed: SeedArgs) -> list[str | int]:
         """A batch share's budget, seed and epoch, after reservation_args; none for a call without one."""
         if share_nanos is None:
             return []
-        return [share_nanos, *(seed if seed is not None else ("", ""))]
+        return [share_nanos, *seed_args(seed)]
 
     def settle_args(self, reservation: BudgetReservation, used_nanos: int) -> list[str | int]:
         if used_nanos < 0:
@@ -321,7 +325,7 @@ class RedisBudgets:
         reservation_id = random_hex()
         reply = await self.seeded(key_id, lambda seeds: self._run(key_id, [
             "lease", budget_nanos, want_nanos, min_nanos, reservation_id, self._ttl_us, self._state_ttl_ms,
-            LEASE_PART, *(seeds[0] if seeds[0] is not None else ("", ""))]))
+            LEASE_PART, *seed_args(seeds[0])]))
         if reply[0] != 1:
             return None
         _, nanos, spent, held, epoch = reply

@@ -215,7 +215,7 @@ local function limits_store(keys, window, bucket_us, NUM_DAY_BUCKETS)
     return 1
   end
 
-  -- A lease's arguments (RedisLimiter.lease_args), from ARGV[i] on.
+  -- A lease's arguments (what RedisLimiter.lease sends), from ARGV[i] on.
   function L.lease_ask(i)
     return {rpm = tonumber(ARGV[i]), tpm = tonumber(ARGV[i + 1]), tpd = tonumber(ARGV[i + 2]),
             want_requests = tonumber(ARGV[i + 3]), want_tokens = tonumber(ARGV[i + 4]),
