@@ -18,7 +18,8 @@ from tokenway.protocol.errors import ContextLengthExceededError, InvalidRequestE
 
 
 def cap_max_tokens(gatekeeper: Gatekeeper | None, principal: Principal, window: int, num_prompt_tokens: int,
-                   requested: int | None, param: str, num_messages: int = 1, exact: bool = True) -> int | None:
+                   requested: int | None, param: str, num_messages: int = 1, exact: bool = True,
+                   prompt: str = "messages") -> int | None:
     """max_tokens after the window check and the key's caps (the cap fills in when the
     request names none). `exact`: num_prompt_tokens is the templated prompt's length; else an
     estimate (an untemplated job), which only a max_tokens over the whole window fails, and a
@@ -35,17 +36,19 @@ def cap_max_tokens(gatekeeper: Gatekeeper | None, principal: Principal, window: 
                 f"tokens for the completion alone. Please reduce {param}.", param=param,
                 code="context_length_exceeded")
         return requested
-    return resolve_max_tokens(window, num_prompt_tokens, requested, param)
+    return resolve_max_tokens(window, num_prompt_tokens, requested, param, prompt)
 
 
-def resolve_max_tokens(window: int, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
-    """OpenAI's rule: prompt + max_tokens must fit the window; no max_tokens means 'the rest'."""
+def resolve_max_tokens(window: int, num_prompt_tokens: int, max_tokens: int | None, param: str,
+                       prompt: str = "messages") -> int:
+    """OpenAI's rule: prompt + max_tokens must fit the window; no max_tokens means 'the rest'.
+    param: the max_tokens field's name; prompt: the prompt's."""
     if num_prompt_tokens >= window:
-        raise ContextLengthExceededError(num_prompt_tokens, max_tokens, window, param="messages")
+        raise ContextLengthExceededError(num_prompt_tokens, max_tokens, window, param=prompt, prompt=prompt)
     if max_tokens is None:
         return window - num_prompt_tokens
     if num_prompt_tokens + max_tokens > window:
-        raise ContextLengthExceededError(num_prompt_tokens, max_tokens, window, param=param)
+        raise ContextLengthExceededError(num_prompt_tokens, max_tokens, window, param=param, prompt=prompt)
     return max_tokens
 
 

@@ -108,20 +108,24 @@ class ContextLengthExceededError(InvalidRequestError):
 
     def __init__(
         self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, *, param: str = "messages",
-        at_least: bool = False,
+        at_least: bool = False, prompt: str = "messages",
     ) -> None:
+        """param: the field at fault (the prompt's, or the max_tokens field that pushed it past
+        the window); prompt: the prompt's field, which the text names beside the completion."""
         if max_tokens is None:
+            prompt = param  # the prompt alone is too long: param is its field
             detail = f"your {param} resulted in {'at least ' if at_least else ''}{num_prompt_tokens} tokens"
         else:
             detail = (
                 f"you requested {num_prompt_tokens + max_tokens} tokens "
-                f"({num_prompt_tokens} in the {param}, {max_tokens} in the completion)"
+                f"({num_prompt_tokens} in the {prompt}, {max_tokens} in the completion)"
             )
         super().__init__(
             f"This model's maximum context length is {max_model_len} tokens. However, {detail}. "
-            f"Please reduce the length of the {param} or completion.",
+            f"Please reduce the length of the {prompt} or completion.",
             param=param,
         )
+        self.prompt = prompt
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens
         self.max_model_len = max_model_len

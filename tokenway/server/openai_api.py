@@ -193,7 +193,7 @@ def prepare_completion(services: Services, body: CompletionRequest, call: Call) 
     if any(not 0 <= t < vocab_size for t in prompt_token_ids):
         raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
     max_tokens = cap_max_tokens(services.gatekeeper, call.start.principal, frontend.max_model_len,
-                                len(prompt_token_ids), body.max_tokens, "max_tokens")
+                                len(prompt_token_ids), body.max_tokens, "max_tokens", prompt="prompt")
     params = openai_sampling(body, max_tokens, None, body.logprobs)
     job = GenerationJob(call.start.new_id("cmpl-"), model, "completion", params, n=body.n or 1,
                         prompt=prompt if isinstance(prompt, str) else None,
@@ -228,7 +228,7 @@ def prepare_untemplated_completion(services: Services, body: CompletionRequest, 
     window = services.catalog.max_model_len(model)
     num_prompt_tokens = estimate_tokens(text) if text is not None else len(item)
     max_tokens = cap_max_tokens(services.gatekeeper, call.start.principal, window, num_prompt_tokens, body.max_tokens,
-                                "max_tokens", exact=False)
+                                "max_tokens", exact=False, prompt="prompt")
     params = openai_sampling(body, max_tokens, None, body.logprobs)
     job = GenerationJob(call.start.new_id("cmpl-"), model, "completion", params, n=body.n or 1, prompt=text,
                         prompt_token_ids=token_ids, context_window=window,

@@ -133,7 +133,8 @@ def prepare_response(services: Services, body: ResponsesRequest, call: Call, his
             structured_output=templating.structured, skip_special_tokens=templating.skip_special_tokens,
             reasoning_budget=templating.reasoning_budget)
     job = GenerationJob(call.start.new_id("resp_"), model, "chat", params, messages=templating.messages,
-                        tools=tuple(chat.tools) if chat.tools else None, tool_choice=tool_choice,
+                        tools=tuple(chat.tools) if chat.tools else None, omitted_tools=body.omitted_tools(),
+                        tool_choice=tool_choice,
                         parallel_tool_calls=body.parallel_tool_calls is not False,
                         response_format=chat.response_format, prompt_token_ids=templating.prompt_token_ids,
                         context_window=templating.context_window, stream=bool(body.stream), thinking=body.thinking(),
@@ -235,6 +236,8 @@ def naming_fields(exc: ContentPolicyViolationError) -> ContentPolicyViolationErr
 
 def _naming_input(exc: ContextLengthExceededError) -> ContextLengthExceededError:
     """The chat path's context-length 400, naming the Responses field: input, not messages."""
-    if exc.param != "messages":
+    if exc.prompt != "messages":
         return exc
-    return ContextLengthExceededError(exc.num_prompt_tokens, exc.max_tokens, exc.max_model_len, param="input")
+    param = "input" if exc.param == "messages" else exc.param
+    return ContextLengthExceededError(exc.num_prompt_tokens, exc.max_tokens, exc.max_model_len, param=param,
+                                      prompt="input")
