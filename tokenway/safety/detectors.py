@@ -3,10 +3,10 @@
     text -> detect(text, categories) -> tuple[Finding, ...]  (sorted by start, non-overlapping)
          -> redact(text, findings)   -> text with each span replaced by "[REDACTED:<category>]"
 
-Each category has one finder (cards and IBANs in numbers.py, keys in keys.py, emails and phone
+Each category has one finder (cards in cards.py, IBANs in numbers.py, keys in keys.py, emails and phone
 numbers here) that yields candidates; detect() runs the finders whose cheap prefilter passes
 (no '@': no email; no digit run: no card, phone or IBAN; no key prefix: no api_key regex), then
-keeps, among overlapping candidates, the most specific category (api_key > credit_card > iban >
+keeps, among overlapping candidates, the most specific category (api_key > iban > credit_card >
 email > phone), so a key whose digits look like a phone number is reported once, as a key. A
 Finding holds only offsets, so a secret is never copied into it.
 
@@ -44,22 +44,16 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from tokenway.safety.cards import find_cards, luhn_ok
 from tokenway.safety.keys import find_api_keys
-from tokenway.safety.numbers import (
-    IBAN_COUNTRY_TO_LENGTH,
-    NumberWindows,
-    find_cards,
-    find_ibans,
-    iban_ok,
-    luhn_ok,
-    number_windows,
-)
+from tokenway.safety.numbers import IBAN_COUNTRY_TO_LENGTH, NumberWindows, find_ibans, iban_ok, number_windows
 
 __all__ = ["CATEGORIES", "IBAN_COUNTRY_TO_LENGTH", "Finding", "detect", "iban_ok", "luhn_ok", "redact"]
 
 CATEGORIES = ("api_key", "credit_card", "iban", "email", "phone")
-# Higher wins when two findings overlap.
-_CATEGORY_TO_RANK = {"api_key": 5, "credit_card": 4, "iban": 3, "email": 2, "phone": 1}
+# Higher wins when two findings overlap. An IBAN's digits glued to its country code may read as
+# a card too ("BE68 5390 0754 7034"): mod 97 and the country's length are the stronger check.
+_CATEGORY_TO_RANK = {"api_key": 5, "iban": 4, "credit_card": 3, "email": 2, "phone": 1}
 _NUMBER_CATEGORIES = frozenset({"credit_card", "iban", "phone"})  # found in the number windows
 
 

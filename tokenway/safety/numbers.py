@@ -1,8 +1,8 @@
-"""Where numbers are in a text, and which of them are card numbers and IBANs (detectors.py runs
-these; phone numbers are found there, in the same windows).
+"""Where numbers are in a text, and which of them are IBANs (detectors.py runs these; card
+numbers are found in cards.py, phone numbers in detectors.py, in the same windows).
 
     number_windows(text) -> NumberWindows   the text around its digit runs, in one string
-    find_cards(windows), find_ibans(windows) -> (start, end) ...   offsets in the text
+    find_ibans(windows) -> (start, end) ...   offsets in the text
 
 A card, IBAN or phone number holds a digit run; scanning the text once for runs and running the
 number regexes over those runs only (with a margin: an IBAN's country code before, its letter
@@ -60,104 +60,6 @@ def number_windows(text: str) -> NumberWindows:
         position += end - start + 1
     return NumberWindows(text, "\0".join(text[start:end] for start, end in spans), tuple(joined_starts),
                          tuple(start for start, _ in spans))
-
-
-# ---- credit_card ---------------------------------------------------------------------------------
-
-# 13-19 digits, optionally in groups split by a space, a dash, a dot or a slash (with blanks
-# around it) or by up to three line breaks; checked further in Python. The three kinds of gap
-# match disjoint strings, so a failing candidate cannot backtrack through many ways of reading it.
-# Each regex here starts with what it consumes first, its boundary a lookbehind after it, so the
-# engine skips to the next digit (or capital) at C speed; a card's lookahead first makes sure 13
-# digits follow closely, which most numbers fail at once.
-_CARD_GAP = r"(?:[ \t]{0,2}(?:\n[ \t]{0,2}){1,3}|[ \t]?(?:\n[ \t]?){0,3}[./-][ \t]?(?:\n[ \t]?){0,3}|[ \t]{1,2})"
-_CARD = re.compile(rf"\d(?<![\w.,/-]\d)(?=(?:[^\d\0]{{0,7}}+\d){{12}})(?:\d|{_CARD_GAP}\d){{12,18}}"
-                   rf"(?![\w]|[.,/-]\d)", re.ASCII)
-_DIGITS_OR_GAP = re.compile(r"\d+|\D+", re.ASCII)
-# (first digits range, allowed lengths) per scheme.
-_IIN_RANGES = (
-    ((4, 4), (13, 16, 19)),  # Visa
-    ((51, 55), (16,)), ((2221, 2720), (16,)),  # Mastercard
-    ((34, 34), (15,)), ((37, 37), (15,)),  # Amex
-    ((6011, 6011), (16, 17, 18, 19)), ((65, 65), (16, 17, 18, 19)), ((644, 649), (16, 17, 18, 19)),  # Discover
-    ((3528, 3589), (16, 17, 18, 19)),  # JCB
-    ((300, 305), (14, 15, 16, 17, 18, 19)), ((36, 36), (14, 15, 16, 17, 18, 19)),  # Diners
-    ((38, 38), (14, 15, 16, 17, 18, 19)),
-)
-
-
-def luhn_ok(digits: str) -> bool:
-    total = 0
-    for i, ch in enumerate(reversed(digits)):
-        d = ord(ch) - 48
-        if i % 2:
-            d = d * 2 - 9 if d > 4 else d * 2
-        total += d
-    return total % 10 == 0
-
-
-def _known_scheme(digits: str) -> bool:
-    for (low, high), lengths in _IIN_RANGES:
-        if len(digits) in lengths and low <= int(digits[:len(str(low))]) <= high:
-            return True
-    return False
-
-
-def _card_ok(candidate: str) -> bool:
-    """Whether a _CARD match is a card: one kind of separator, groups of 3-6 digits led by one
-    of 4-6, 13-19 digits in all in a known scheme's range and length, Luhn. A bare line break
-    may cut a group (a card split across two texts, or wrapped): the digits around it are one
-    group, and the groups a line break touches are not held to the group lengths."""
-    groups: list[str] = []
-    loose: list[bool] = []  # per group: a line break cuts it or is next to it
-    kinds: set[str] = set()
-    merge = loose_next = False
-    for token in _DIGITS_OR_GAP.findall(candidate):
-        if token[0].isdigit():
-            if merge:
-                groups[-1] += token
-                loose[-1] = True
-            else:
-                groups.append(token)
-                loose.append(loose_next)
-            merge = loose_next = False
-            continue
-        kind = token.strip(" \t\n") or (" " if token.strip("\n") else None)
-        if kind is None:
-            merge = True
-            continue
-        kinds.add(kind)
-        if "\n" in token:
-            loose[-1] = loose_next = True
-    if len(kinds) > 1:
-        return False
-    if kinds and (not all(is_loose or 3 <= len(group) <= 6 for group, is_loose in zip(groups, loose))
-                  or not loose[0] and len(groups[0]) < 4):
-        return False
-    digits = "".join(groups)
-    return 13 <= len(digits) <= 19 and _known_scheme(digits) and luhn_ok(digits)
-
-
-def find_cards(windows: NumberWindows) -> Iterator[tuple[int, int]]:
-    joined, position = windows.joined, 0
-    while (m := _CARD.search(joined, position)) is not None:
-        candidate, position = m.group(), m.end()
-        if _card_ok(candidate):
-            start = windows.text_offset(m.start())
-            yield start, start + len(candidate)
-        elif "\n" in candidate:
-            # A candidate across line breaks may join one text's number to the next one's (a
-            # reference ending a message, a card starting the next): a card may be in its
-            # first lines, else it is looked for again from its next line on.
-            breaks = [i for i, ch in enumerate(candidate) if ch == "\n"]
-            first_lines = (candidate[:i].rstrip(" \t\n./-") for i in reversed(breaks))
-            card = next((lines for lines in first_lines if _card_ok(lines)), None)
-            if card is not None:
-                start = windows.text_offset(m.start())
-                yield start, start + len(card)
-                position = m.start() + len(card)
-            else:
-                position = m.start() + breaks[0] + 1
 
 
 # ---- iban ----------------------------------------------------------------------------------------
