@@ -6,6 +6,7 @@
     API adaptor       ─► GenerationJob the typed work (protocol/job.py; EmbeddingsJob for embeddings)
     safety stage      ─► InputScreening what the input check found and did (safety/screen.py)
     Gatekeeper.admit  ─► Admission    the limits' reservation and rate headers
+    GatewayMiddleware ─► Answer       the status and Retry-After the response's head sent
     whoever sees the call end ─► CallOutcome   status, usage, finish, error
                                    │
                                    ├─► UsageRecord (the ledger row, Gatekeeper)
@@ -19,6 +20,11 @@ Billing follows generation: a call refused (401, 403, 429, any 4xx) or failed be
 replica produced anything bills no tokens, whoever reports its outcome; its row keeps the
 status and the reason. A call that generated and then failed (a 5xx mid-stream), or whose
 client left (499), bills what its outcome counts.
+
+A batch line's attempt refused for now (Call.deferred: a 429 or 503 with a Retry-After, before
+any replica ran it) is no outcome: the runner runs the line again, under the same ids, and only
+the attempt the line ends with writes its ledger row and its trace. An attempt a replica ran is
+always one a line ends with, so each is billed once.
 """
 
 from __future__ import annotations
@@ -38,6 +44,11 @@ if TYPE_CHECKING:
     from tokenway.gateway.gatekeeper import Admission
     from tokenway.protocol.job import EmbeddingsJob, GenerationJob
     from tokenway.routing.router import ReplicaChoice
+
+# What a batch line outlives when nothing ran it yet and its answer names a wait (429: the key's
+# limits, its batch share, or budget held by calls in flight; 503: no capacity now): the runner
+# runs it again after that wait (batches/runner.py). A 429 naming none (a budget used up) is final.
+DEFERRED_STATUSES = frozenset({429, 503})
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +83,15 @@ class RouteChoice:
 
 
 @dataclass(frozen=True, slots=True)
+class Answer:
+    """What the response's head told the caller: its status, and how long its Retry-After
+    asked it to wait (seconds; None: it sent none)."""
+
+    status: int
+    retry_after_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class CallOutcome:
     status: int  # what the caller got: the HTTP status, or 499 when it left first
     prompt_tokens: int = 0
@@ -103,7 +123,7 @@ class CallOutcome:
 
 class Call:
     __slots__ = ("clock", "start", "route", "job", "admission", "replica", "outcome", "committed", "screening",
-                 "guard", "handed_over")
+                 "guard", "handed_over", "answer")
 
     def __init__(self, start: CallStart, clock: StageClock | None = None) -> None:
         self.clock = clock or StageClock()
@@ -117,6 +137,7 @@ class Call:
         self.screening: InputScreening | None = None  # the safety stage's input check
         self.guard: GuardVerdict | None = None  # a guard model's verdict on the input, where one is set
         self.handed_over = False  # another call records this one's work (hand_over)
+        self.answer: Answer | None = None  # the response's head, once sent
 
     @property
     def request_id(self) -> str:
@@ -152,6 +173,10 @@ class Call:
         assert self.guard is None, "the guard is asked once"
         self.guard = verdict
 
+    def set_answer(self, answer: Answer) -> None:
+        assert self.answer is None, "a call's response starts once"
+        self.answer = answer
+
     def set_replica(self, choice: ReplicaChoice) -> None:
         assert self.replica is None, "a call runs on one replica"
         self.replica = choice
@@ -161,11 +186,26 @@ class Call:
         if self.outcome is None:
             self.outcome = outcome if self._generated(outcome) else outcome.unbilled()
 
+    @property
+    def deferred(self) -> bool:
+        """A batch line's attempt refused for now, before any replica ran it, and told when to
+        retry (DEFERRED_STATUSES): not the line's outcome (the line runs again, under the same
+        ids), so it writes no ledger row and no trace. An attempt a replica started is the
+        line's outcome, whatever its status: its row bills what it generated, and the line is
+        not run again."""
+        answer = self.answer
+        return (self.start.batch_line is not None and answer is not None and answer.status in DEFERRED_STATUSES
+                and answer.retry_after_s is not None and not self._started())
+
+    def _started(self) -> bool:
+        """Whether a replica began the work (the router names it at the first event; "" when
+        none could run it)."""
+        return self.replica is not None and bool(self.replica.replica)
+
     def _generated(self, outcome: CallOutcome) -> bool:
         """Whether the outcome's tokens are owed: it succeeded, its client left, or its replica
-        had started (the router names it at the first event; "" when none could run it)."""
-        started = self.replica is not None and bool(self.replica.replica)
-        return outcome.status < 400 or outcome.status == 499 or started
+        had started."""
+        return outcome.status < 400 or outcome.status == 499 or self._started()
 
     def end_as_sent(self, status: int) -> None:
         """An outcome for a call that ended without one of its own: the status sent, or 499

@@ -388,6 +388,8 @@ class Gatekeeper:
         call.clock.start_billing()
         cost = self.call_cost_usd(call, outcome)
         self._settle(call.admission, outcome, cost)
+        if call.deferred:  # the line runs again under the same id: its row is the attempt it ends with
+            return None
         return self.usage_record(call, outcome, cost)
 
     async def commit(self, call: Call, status: int = 0) -> None:

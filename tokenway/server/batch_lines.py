@@ -7,7 +7,11 @@ trace, the safety stage) and none of them is written twice.
     line's id) ─► GatewayMiddleware opens the Call from it instead of the headers ─► LineOutcome
 
 The line's id becomes CallStart.batch_line: the call runs as service class "batch", and its job's
-id (the ledger row's and the trace's) is the line's every time it runs.
+id (the ledger row's and the trace's) is the line's every time it runs. An attempt refused for
+now, before any replica ran it (Call.deferred: a 429 from the key's limits, its batch share or
+budget held by calls in flight; a 503 for capacity), is put back with its Retry-After and writes
+no row and no trace: the line's one row and trace are those of the attempt it ends with, which
+bill what it generated.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from starlette.types import ASGIApp, Message
 
 from tokenway.batches.store import BatchLine, LineOutcome
 from tokenway.gateway.auth import ANONYMOUS, ANONYMOUS_KEY_ID, Principal
-from tokenway.gateway.call import CallStart
+from tokenway.gateway.call import Call, CallStart
 from tokenway.gateway.gatekeeper import Gatekeeper
 from tokenway.protocol.errors import (
     AuthenticationError,
@@ -39,9 +43,6 @@ from tokenway.server.services import Capacity
 logger = logging.getLogger(__name__)
 
 PrincipalOf = Callable[[str], Principal | None]
-# Answers a line outlives: run again after the wait they ask for (the runner bounds it).
-RETRIED_STATUSES = frozenset({429, 503})
-DEFAULT_RETRY_S = 5.0
 
 
 def principal_of(gatekeeper: Gatekeeper | None) -> PrincipalOf:
@@ -71,18 +72,22 @@ class LineExecutor:
                 "The API key that made this batch is revoked or expired; its remaining requests are not run."))
         start = CallStart(line.endpoint, principal, f"req_{line.line_id}", time.time(), batch_line=line.line_id)
         try:
-            status, request_id, retry_after, body = await self._post(start, json.dumps(line.body).encode())
+            status, request_id, body, call = await self._post(start, json.dumps(line.body).encode())
         except Exception:
             logger.exception("batch line %s", line.line_id)
             return LineOutcome("failed", 500, None, {"code": "internal_error",
                                                      "message": "The server had an error processing the request"})
-        # Refused for now (the key's limits or budget, no capacity): the runner runs it again later.
-        retry_after = retry_after if status in RETRIED_STATUSES else None
+        # Refused for now, nothing run (the key's limits or budget, no capacity): the runner runs
+        # it again after the wait asked for, and this attempt left no row. Any other answer is
+        # the line's outcome.
+        answer = call.answer if call is not None and call.deferred else None
+        retry_after = answer.retry_after_s if answer is not None else None
         return LineOutcome("succeeded" if status < 400 else "failed", status, body, None, request_id, retry_after)
 
-    async def _post(self, start: CallStart, payload: bytes) -> tuple[int, str | None, float | None, dict[str, Any]]:
-        """POST the payload to the app as `start`: (status, the request id answered, its
-        Retry-After in seconds, the JSON body)."""
+    async def _post(self, start: CallStart, payload: bytes
+                    ) -> tuple[int, str | None, dict[str, Any], Call | None]:
+        """POST the payload to the app as `start`: (status, the request id answered, the JSON
+        body, the Call the gateway made of it, ended)."""
         scope = {
             "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
             "scheme": "http", "path": start.endpoint, "raw_path": start.endpoint.encode(), "root_path": "",
@@ -91,7 +96,7 @@ class LineExecutor:
             IN_PROCESS_CALL: start,
         }
         answered = asyncio.Event()
-        status, request_id, retry_after = 0, None, None
+        status, request_id = 0, None
         chunks: list[bytes] = []
         body_sent = False
 
@@ -104,14 +109,12 @@ class LineExecutor:
             return {"type": "http.disconnect"}
 
         async def send(message: Message) -> None:
-            nonlocal status, request_id, retry_after
+            nonlocal status, request_id
             if message["type"] == "http.response.start":
                 status = message["status"]
                 for name, value in message.get("headers", ()):
                     if name.lower() in (b"x-request-id", b"request-id"):  # OpenAI's name, Anthropic's
                         request_id = value.decode("latin-1")
-                    elif name.lower() == b"retry-after":
-                        retry_after = seconds_of(value)
             elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
                 if not message.get("more_body"):
@@ -124,16 +127,9 @@ class LineExecutor:
             body = None
         if not isinstance(body, dict) or status == 0:
             raise RuntimeError(f"{start.endpoint} answered {status} with no JSON object")
-        return status, request_id, retry_after, body
-
-
-def seconds_of(value: bytes) -> float:
-    """A Retry-After header's seconds (this server always sends a number); a date or garbage
-    asks for the default wait."""
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        return DEFAULT_RETRY_S
+        # GatewayMiddleware keeps the Call in the scope's state; it has ended by the last byte.
+        call = scope["state"].get("call")
+        return status, request_id, body, call if isinstance(call, Call) else None
 
 
 def _refused(endpoint: str, exc: TokenwayError) -> LineOutcome:

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenway.gateway.auth import ADMIN, ANONYMOUS, presents_admin_key, unauthenticated
-from tokenway.gateway.call import Call, CallStart
+from tokenway.gateway.call import Answer, Call, CallStart
 from tokenway.gateway.gatekeeper import Gatekeeper
 from tokenway.observability.observer import Observer
 from tokenway.observability.traces import Trace
@@ -103,8 +103,9 @@ class GatewayMiddleware:
                 call.end_as_sent(status)
                 outcome = call.outcome
                 assert outcome is not None, "end_as_sent makes one where the call had none"
-                cost = self.gatekeeper.call_cost_usd(call, outcome) if self.gatekeeper is not None else 0.0
-                self.observer.record(Trace.of_call(call, outcome, cost))
+                if not call.deferred:  # a batch line's attempt to run again: traced by the one it ends with
+                    cost = self.gatekeeper.call_cost_usd(call, outcome) if self.gatekeeper is not None else 0.0
+                    self.observer.record(Trace.of_call(call, outcome, cost))
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, clock: StageClock,
                       generation_call: bool) -> tuple[int, Call | None]:
@@ -197,6 +198,7 @@ class GatewayMiddleware:
                 except Exception:  # a bug: the response goes out all the same, without them
                     logger.exception("response headers on %s", path)
                 status = message["status"]
+                call.set_answer(answer_of(status, message.get("headers", ())))
             elif ledger_keeper is not None and not message.get("more_body") and not call.committed:
                 await ledger_keeper.commit(call, status)
             await send(message)
@@ -226,6 +228,19 @@ class GatewayMiddleware:
             if ledger_keeper is not None and not call.committed:
                 ledger_keeper.commit_nowait(call, 0)  # the client left before the last byte: a 499
         return status, call
+
+
+def answer_of(status: int, headers) -> Answer:
+    """The Answer a response's head gives: its status, and its Retry-After in seconds
+    (retry-after-ms where sent, this server's finer figure; a date or garbage reads as none)."""
+    values = {name.lower(): value for name, value in headers if name.lower() in (b"retry-after", b"retry-after-ms")}
+    for name, scale in ((b"retry-after-ms", 1000.0), (b"retry-after", 1.0)):
+        if name in values:
+            try:
+                return Answer(status, max(0.0, float(values[name]) / scale))
+            except ValueError:
+                continue
+    return Answer(status)
 
 
 def safety_headers(call: Call) -> dict[str, str]:
