@@ -146,3 +146,18 @@ def test_a_postgresql_store_without_psycopg_names_the_extra(monkeypatch):
     assert missing_package("--limits-url", "memory") is None and missing_package("--store-url", None) is None
     with pytest.raises(RuntimeError, match=r"tokenway\[scale\]"):
         KeyStore("postgresql://db/keys")
+
+
+def test_revoking_the_last_live_key_says_auth_stays_on(db, capsys):
+    for name in ("a", "b"):
+        assert keys("create", "--db", db, "--name", name) == 0
+    with KeyStore(db) as store:
+        key_ids = [info.key_id for info in store.list()]
+    capsys.readouterr()
+    assert keys("revoke", "--db", db, key_ids[0]) == 0
+    assert "no live key is left" not in capsys.readouterr().err  # one is still live
+    assert keys("revoke", "--db", db, key_ids[1]) == 0
+    err = capsys.readouterr().err
+    assert "no live key is left: every call is refused" in err and "--auth off" in err
+    with KeyStore(db) as store:
+        assert store.count_active() == 0 and store.has_held_keys()

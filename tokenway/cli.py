@@ -106,6 +106,8 @@ SERVE_OPTIONS = {
     "responses_lease_seconds": (float, 60.0),  # a background response outliving its server this long is failed
     "batch_lease_seconds": (float, 60.0),  # a batch line outliving its server this long runs again elsewhere
     "limits_on_error": (str, "open"),  # while that Redis is down: "open" admits without it, "closed" 503s
+    # "auto": off only on loopback while no key has existed and no admin key is set; "on" | "off"
+    "auth": (str, "auto"),
     "admin_key": (str, None),  # guards /admin; better from $TOKENWAY_ADMIN_KEY or admin_key_file
     "admin_key_file": (str, None),  # a file holding the admin key (first line)
     # TLS at the gateway: both files, PEM (the key unencrypted)
@@ -276,6 +278,10 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--limits-on-error", choices=["open", "closed"],
                        help="while the --limits-url Redis is down: open admits calls without its limits (budgets "
                             "by the ledger's spend), closed refuses them with 503 limits_unavailable (default open)")
+    serve.add_argument("--auth", choices=["auto", "on", "off"],
+                       help="whether calls need an API key: auto (default) is off only on a loopback bind while "
+                            "no key has ever existed and no admin key is set, and on for good after; on or off "
+                            "whatever the key store holds")
     serve.add_argument("--admin-key", help="guards /admin; visible to every user in `ps`: prefer "
                        "$TOKENWAY_ADMIN_KEY or --admin-key-file (none of them: admin API off)")
     serve.add_argument("--admin-key-file", help="a file whose first line is the admin key")
@@ -334,6 +340,7 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
     from tokenway.engine.process import ProcessEngine
     from tokenway.frontend.reasoning_parsers import check_reasoning_parser
     from tokenway.frontend.tool_parsers import FORMATS
+    from tokenway.gateway.auth import AuthPolicy, is_loopback
     from tokenway.routing.batch_room import LOCAL_QUEUE_DEPTH
     from tokenway.server.app import create_app
     from tokenway.server.batch_forward import build_forwarder
@@ -381,6 +388,7 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
     check_tls(options)
     # A bad value is one line now, not after loading.
     connection_policy = connections.ConnectionPolicy.from_options(options)
+    AuthPolicy(options["auth"], options["host"])
     responses_ttl_s = parse_duration(options["responses_ttl"], "responses_ttl") if options["responses_ttl"] else None
     if not options["responses_lease_seconds"] > 0:
         raise ValueError(f"responses_lease_seconds: must be > 0, got {options['responses_lease_seconds']!r}")
@@ -472,14 +480,15 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
         services.background.start(response_store, lease_s=options["responses_lease_seconds"], ttl_s=responses_ttl_s)
         batch_runner.start()
         if gatekeeper is not None:
-            auth = "on" if gatekeeper.auth_required else "OFF (no API key exists and the server binds loopback)"
-            print(f"tokenway: auth {auth}; limits {options['limits_url']}; ledger {gatekeeper.ledger.url}",
-                  file=sys.stderr, flush=True)
+            print(f"tokenway: auth {gatekeeper.auth_summary}; limits {options['limits_url']}; ledger "
+                  f"{gatekeeper.ledger.url}", file=sys.stderr, flush=True)
             if gatekeeper.auth_required and gatekeeper.keys.count_active() == 0:
-                print(f"tokenway: WARNING: {server_config.host} is reachable from other machines and no API key "
-                      f"exists, so every /v1 call is refused with 401 until you create one:\n"
-                      f"    tokenway keys create --name NAME {store_flag(gatekeeper.keys)}",
-                      file=sys.stderr, flush=True)
+                print(f"tokenway: WARNING: auth is on and no live API key exists, so every /v1 call is refused "
+                      f"with 401 until you create one:\n    tokenway keys create --name NAME "
+                      f"{store_flag(gatekeeper.keys)}", file=sys.stderr, flush=True)
+            elif not gatekeeper.auth_required and options["auth"] == "off" and not is_loopback(server_config.host):
+                print(f"tokenway: WARNING: --auth off and {server_config.host} is reachable from other machines: "
+                      "anyone who reaches it calls the models", file=sys.stderr, flush=True)
         # What start-up made (the app, tokenizers, registries) lives as long as the server: out of
         # the collector's sight, so a collection walks only what requests make (fewer, shorter pauses).
         gc.collect()

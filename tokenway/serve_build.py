@@ -166,6 +166,7 @@ def build_gatekeeper(options: dict, registry=None, slot: WorkerSlot | None = Non
         budgets=LeasedBudgets(RemoteBudgets(counters)) if counters is not None
         else make_budgets(options["limits_url"], ledger.spend_usd, batch_spend_seed(ledger)),
         limits_on_error=options["limits_on_error"],
+        auth_mode=options["auth"], has_admin_key=admin_key(options) is not None,
     )
 
 

@@ -8,7 +8,6 @@ from tokenway.gateway.auth import (
     Principal,
     authorize_model,
     key_id_of,
-    needs_auth,
     principal_for,
     secret_from_headers,
 )
@@ -233,15 +232,6 @@ def test_authorize_model_gives_403_for_a_model_the_key_may_not_use():
     with pytest.raises(PermissionDeniedError) as excinfo:
         authorize_model(principal, "m2")
     assert excinfo.value.status == 403 and excinfo.value.param == "model"
-
-
-@pytest.mark.parametrize("num_keys, host, expected", [
-    (0, "127.0.0.1", False), (0, "localhost", False), (0, "::1", False), (0, "127.0.0.2", False),
-    (0, "0.0.0.0", True), (0, "::", True), (0, "10.1.2.3", True), (0, "gateway.internal", True),
-    (1, "127.0.0.1", True),
-])
-def test_auth_may_stay_off_only_on_loopback_without_keys(num_keys, host, expected):
-    assert needs_auth(num_keys, host) is expected
 
 
 def test_count_active_follows_other_processes_within_the_refresh_interval(store, db_path):

@@ -201,14 +201,55 @@ def authorize_model(principal: Principal, model: str) -> None:
                                     param="model", code="model_not_allowed")
 
 
-def needs_auth(num_active_keys: int, host: str) -> bool:
-    """Auth may stay off only on a loopback-bound server with no key at all; anything
-    reachable from another machine, or any server whose operator made a key, requires one."""
-    if num_active_keys > 0:
-        return True
+AUTH_MODES = ("auto", "on", "off")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address is reachable from this machine only; a host name other than
+    localhost is assumed reachable."""
     if host == "localhost":
-        return False
-    try:
-        return not ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a host name other than localhost: assume it is reachable
         return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class AuthPolicy:
+    """Whether a call must present a live key: the serve option `auth` and what it depends on.
+
+    auto   on, unless the server binds loopback, no admin key is set and the key store has never
+           held a key. Once a key has existed it stays on: a revoked or expired last key leaves
+           the server refusing every call, since turning auth off then would open the server at
+           the moment its operator shuts a leaked key out (and loopback is where a server sits
+           behind a reverse proxy on the same host).
+    on     always, even before the first key (every call is a 401 until one exists).
+    off    never: the operator's explicit word, whatever the store holds.
+    """
+
+    mode: str = "auto"
+    host: str = "127.0.0.1"
+    has_admin_key: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in AUTH_MODES:
+            raise FieldError("auth", f"must be one of {', '.join(AUTH_MODES)}, got {self.mode!r}")
+
+    def required(self, has_held_keys: bool) -> bool:
+        """has_held_keys: whether the key store holds any key, revoked and expired ones included."""
+        if self.mode != "auto":
+            return self.mode == "on"
+        return has_held_keys or self.has_admin_key or not is_loopback(self.host)
+
+    def reason(self, has_held_keys: bool) -> str:
+        """Why auth is on or off, for the startup line and /ready."""
+        if self.mode != "auto":
+            return f"--auth {self.mode}"
+        if has_held_keys:
+            return "a key has existed in the key store; only --auth off turns it off"
+        if self.has_admin_key:
+            return "an admin key is set"
+        if not is_loopback(self.host):
+            return f"the server binds {self.host}, beyond loopback"
+        return "no key has existed and the server binds loopback; the first key turns it on for good"

@@ -27,10 +27,10 @@ from tokenway.billing.ledger import Ledger, UsageRecord
 from tokenway.billing.pricing import ModelPrice, PriceTable, cost_usd, response_cache_cost_usd
 from tokenway.gateway.auth import (
     ANONYMOUS,
+    AuthPolicy,
     Principal,
     authorize_model,
     check_service_tiers,
-    needs_auth,
     principal_for,
 )
 from tokenway.gateway.budgets import (
@@ -120,10 +120,13 @@ class Defaults:
 
 class Gatekeeper:
     """budgets: the budget store (default: in process, seeded from `ledger`); limits_on_error:
-    "open" or "closed", what a call gets while the limiter's or the budgets' store is down."""
+    "open" or "closed", what a call gets while the limiter's or the budgets' store is down;
+    auth_mode "auto", "on" or "off" and has_admin_key: when a call needs a key (AuthPolicy)."""
 
     def __init__(self, keys: KeyStore, limiter: Limiter, ledger: Ledger, prices: PriceTable, defaults: Defaults,
-                 host: str, *, budgets: BudgetStore | None = None, limits_on_error: str = "open") -> None:
+                 host: str, *, budgets: BudgetStore | None = None, limits_on_error: str = "open",
+                 auth_mode: str = "auto", has_admin_key: bool = False) -> None:
+        self.auth = AuthPolicy(auth_mode, host, has_admin_key)
         self.keys = keys
         self.limiter = limiter
         self.ledger = ledger
@@ -148,20 +151,28 @@ class Gatekeeper:
 
     @property
     def auth_required(self) -> bool:
-        """Auth may stay off only while no key exists and the server binds loopback; the
-        first key created (even by the CLI, in another process) turns it on within ~2 s."""
-        return needs_auth(self.keys.count_active(), self.host)
+        """Under --auth auto, off only while no key has existed (and no admin key is set) on a
+        loopback bind; the first key created (even by the CLI, in another process) turns it on
+        within ~2 s, for good: revoking or outliving every key leaves it on."""
+        return self.auth.required(self.keys.has_held_keys())
+
+    @property
+    def auth_summary(self) -> str:
+        """'on (why)' or 'off (why)': for the startup line and /ready."""
+        held = self.keys.has_held_keys()
+        return f"{'on' if self.auth.required(held) else 'off'} ({self.auth.reason(held)})"
 
     def authenticate(self, headers: dict[str, str]) -> Principal:
         """401 (with OpenAI's codes) unless the headers carry a live key; ANONYMOUS when auth is off."""
-        num_keys = self.keys.count_active()
-        if not needs_auth(num_keys, self.host):
+        held = self.keys.has_held_keys()
+        if not self.auth.required(held):
             return ANONYMOUS
-        if num_keys == 0:
+        if not held:
             raise AuthenticationError(
-                f"This server listens on {self.host}, beyond loopback, and has no API key yet, so every call is "
-                "refused. Its operator creates one with `tokenway keys create --name NAME` (on the server's --db); "
-                "send it as Authorization: Bearer KEY.", code="no_api_keys")
+                f"This server requires an API key ({self.auth.reason(held)}) and has none yet, so every call is "
+                "refused. Its operator creates one with `tokenway keys create --name NAME` (on the server's --db) "
+                "or POST /admin/keys; send it as Authorization: Bearer KEY.", code="no_api_keys")
+        # Every key revoked or expired: principal_for refuses each call (401), as for any bad key.
         return principal_for(headers, self.keys)
 
     # -- may they, how much ----------------------------------------------------------

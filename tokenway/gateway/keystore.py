@@ -110,6 +110,8 @@ class KeyStore:
         # Replaced whole, never mutated, so a reader needs no lock.
         self._key_id_to_entry: dict[str, _Entry] = {}
         self._version: int | None = None
+        # Whether the table has ever held a key: only ever goes from False to True here.
+        self._has_held_keys = False
         self._checked_at = float("-inf")  # time.monotonic() of the last version check
         self._refreshing = threading.Lock()  # one reload at a time, so an older one never replaces a newer
         self._key_id_to_last_used: dict[str, float] = {}  # flushed by flush_last_used()
@@ -155,6 +157,12 @@ class KeyStore:
         self._poll()
         now = time.time()
         return sum(not entry.principal.is_expired(now) for entry in self._key_id_to_entry.values())
+
+    def has_held_keys(self) -> bool:
+        """Whether the store holds any key, revoked and expired ones included, from the cache (at
+        most refresh_seconds old): what keeps auth on once a key has existed (auth.py AuthPolicy)."""
+        self._poll()
+        return self._has_held_keys
 
     def _entry(self, key_id: str) -> _Entry | None:
         self._poll()
@@ -311,6 +319,7 @@ class KeyStore:
                     logger.warning("api key %s has an invalid row in %s; it is ignored", key.info.key_id, self.where)
             self._key_id_to_entry = key_id_to_entry
             self._version = snapshot.version
+            self._has_held_keys = self._has_held_keys or snapshot.has_held_keys
         finally:
             self._refreshing.release()
 

@@ -181,17 +181,20 @@ def json_text(value: Any) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """The live (unrevoked) keys as of one version of the table."""
+    """The live (unrevoked) keys as of one version of the table, and whether it holds any row
+    at all: a key that ever existed, revoked or expired, keeps auth on (auth.py AuthPolicy)."""
 
     version: int
     keys: list[StoredKey]
+    has_held_keys: bool
 
 
 class KeyBackend(Protocol):
     where: str  # the database, for messages: a path, or host/dbname without a password
 
     def snapshot(self, known_version: int | None, wait: bool) -> Snapshot | None:
-        """The live keys, unless known_version is still the table's version (then None). wait
+        """The live keys (and whether any row exists), unless known_version is still the table's
+        version (then None). wait
         False: None at once, too, if another thread is using the connection (the request path
         must not queue behind a write)."""
         ...

@@ -96,7 +96,8 @@ class PostgresKeys:
                 if row[0] == known_version:
                     return None
                 rows = conn.execute(_SELECT + " WHERE revoked_at IS NULL").fetchall()
-            return Snapshot(row[0], [decode_row(r, _decoded) for r in rows])
+                held = conn.execute("SELECT EXISTS (SELECT 1 FROM api_keys)").fetchone()
+            return Snapshot(row[0], [decode_row(r, _decoded) for r in rows], bool(held and held[0]))
 
         return self._run(read)
 

@@ -1,6 +1,7 @@
 """The key store's SQLite backend: the embedded default, one file per gateway host.
 
     table api_keys           one row per key ever created; revoked rows stay, with revoked_at
+                             (so any row at all means a key has existed: auth stays on)
     table api_keys_version   one row: bumped in the same transaction as every create, revoke, rotate
 
 The file may be the usage ledger's too: this backend owns only these two tables and its own
@@ -80,9 +81,10 @@ class SqliteKeys:
             if version == known_version:
                 return None
             rows = self._conn.execute(f"{_SELECT} WHERE revoked_at IS NULL").fetchall()
+            (has_held_keys,) = self._conn.execute("SELECT EXISTS (SELECT 1 FROM api_keys)").fetchone()
         finally:
             self._lock.release()
-        return Snapshot(version, [decode_row(row, json.loads) for row in rows])
+        return Snapshot(version, [decode_row(row, json.loads) for row in rows], bool(has_held_keys))
 
     def insert(self, keys: Sequence[StoredKey]) -> bool:
         try:

@@ -4,7 +4,8 @@
                         key sees its models' pools as totals
     GET /health         the process answers
     GET /ready          200 while every served model can be served (the engine alive, a
-                        replica of each pool available); 503 + Retry-After otherwise
+                        replica of each pool available); 503 + Retry-After otherwise. Its
+                        body says whether auth is on, and why (--auth and the key store)
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def router(services: Services) -> APIRouter:
                 # serve safely (rows journaled and replayed once it is back, budgets counting
                 # them meanwhile). The body says so; alert on tokenway_ledger_degraded.
                 body["ledger"] = "degraded" if gatekeeper.ledger.health().degraded else "ok"
+                # Open to all, as /ready is: whether a call needs a key is no secret to a caller.
+                body["auth"] = "on" if gatekeeper.auth_required else "off"
+                body["auth_mode"] = gatekeeper.auth.mode
             return JSONResponse(body)
         return JSONResponse({"status": "not ready"}, status_code=503, headers={"Retry-After": "1"})
 
