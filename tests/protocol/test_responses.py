@@ -19,6 +19,7 @@ from openai.types.responses import InputTokenCountResponse, Response, ResponseIt
 from openai.types.responses.response_create_params import ResponseCreateParamsBase
 
 from tokenway.conversations import open_response_store
+from tokenway.observability.observer import Observer
 from tokenway.protocol.body import decode_json_body
 from tokenway.protocol.errors import BadGatewayError, InvalidRequestError
 from tokenway.protocol.job import ChoiceDelta, ToolCallDelta, Usage
@@ -47,14 +48,15 @@ CALL_EVENTS = [ChoiceDelta(0, text="Let me look."),
 class ResponsesServer(ScriptedServer):
     """ScriptedServer's app, keeping responses in memory."""
 
-    def __init__(self, safety: SafetyPolicy | None = None) -> None:
+    def __init__(self, safety: SafetyPolicy | None = None, observe: bool = False) -> None:
         self.runner = asyncio.Runner()
         self.replica = ScriptedReplica()
         catalog = ModelCatalog((MODEL,), context_windows={MODEL: 4096})
         router = Router({MODEL: Pool.of(MODEL, [self.replica])})
         self.store = open_response_store("memory")
         settings = ServerConfig(served_model_names=(MODEL,), safety=safety or SafetyPolicy())
-        self.app = create_app(Services.build(settings, catalog, router, response_store=self.store))
+        self.app = create_app(Services.build(settings, catalog, router, response_store=self.store,
+                                             observer_for=Observer if observe else None))
 
     def close(self) -> None:
         self.run(self.store.close())
@@ -114,13 +116,17 @@ def test_every_field_of_the_sdks_create_call_is_accepted():
 
 
 @pytest.mark.parametrize(("body", "param", "words"), [
-    ({"tools": [{"type": "web_search"}]}, "tools[0]", "tool 'web_search' is not supported"),
-    ({"tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools[0]", "tool 'file_search' is not supported"),
-    ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "custom", "name": "c"}]}]},
-     "tools[0].tools[0]", "tool 'custom' is not supported"),
+    ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "sandwich"}]}]}, "tools[0].tools[0]",
+     "got 'sandwich'"),
     ({"tools": [WEATHER, {"type": "namespace", "name": "n", "tools": [WEATHER]}]}, "tools", "appears twice"),
-    ({"tools": [{"type": "sandwich"}]}, "tools[0]", "'function', 'namespace'"),
+    ({"tools": [{"type": "sandwich"}]}, "tools[0]", "'function', 'namespace' or one of OpenAI's built-in tools"),
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "names tool 'web_search_preview'"),
+    # Listed, a built-in tool is left out; forced (by name, or as the only tool), it is refused.
+    ({"tools": [WEATHER, {"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice",
+     "names tool 'web_search', which this server does not run"),
+    ({"tools": [{"type": "custom", "name": "c"}], "tool_choice": {"type": "custom", "name": "c"}}, "tool_choice",
+     "names tool 'custom'"),
+    ({"tools": [{"type": "web_search"}], "tool_choice": "required"}, "tool_choice", "needs at least one tool"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice", "not in tools"),
     ({"input": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}]}, "input[0]", "built-in tool"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "item_reference"),
@@ -142,6 +148,47 @@ def test_what_this_server_cannot_do_is_a_400_naming_it(responses, body, param, w
     assert error["param"] == param and words in error["message"], error
     with pytest.raises(InvalidRequestError):  # the same at the edge, without the app
         decode_json_body(json.dumps({"model": MODEL, **body}).encode(), ResponsesRequest)
+
+
+# What OpenAI's Codex CLI lists with every request: its functions, a namespace, and the built-in web search.
+AGENT_TOOLS = [WEATHER, {"type": "namespace", "name": "agents", "description": "Sub-agents", "tools": [
+    {"type": "function", "name": "spawn_agent", "parameters": {"type": "object", "properties": {}}},
+    {"type": "custom", "name": "apply_patch", "format": {"type": "grammar", "syntax": "lark", "definition": "x"}}]},
+    {"type": "web_search", "external_web_access": False}, {"type": "image_generation"},
+    {"type": "web_search_preview", "search_context_size": "low"}]
+
+
+@pytest.fixture()
+def observed():
+    server = ResponsesServer(observe=True)
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tools_the_server_cannot_run_are_left_out_and_named(observed, stream):
+    responses = observed
+    created = responses.create(TEXT_EVENTS, input="hi", tools=AGENT_TOOLS, stream=stream)
+    assert created.status_code == 200, created.text
+    assert created.headers["x-tokenway-omitted-tools"] == "custom, web_search, image_generation, web_search_preview"
+    job = responses.replica.jobs[-1]
+    assert [tool["function"]["name"] for tool in job.tools] == ["get_weather", "spawn_agent"]
+    assert job.omitted_tools == ("custom", "web_search", "image_generation", "web_search_preview")
+    body = stream_events(created.text)[-1]["response"] if stream else created.json()
+    assert [tool["type"] for tool in body["tools"]] == ["function", "namespace"]  # what the model was given
+    assert [tool["name"] for tool in body["tools"][1]["tools"]] == ["spawn_agent"]
+    trace = responses.request("GET", f"/v1/traces/{body['id']}")
+    assert trace.status_code == 200, trace.text
+    assert trace.json()["omitted_tools"] == list(job.omitted_tools)
+
+
+def test_a_call_whose_tools_are_all_left_out_is_a_plain_one(responses):
+    created = responses.create(TEXT_EVENTS, input="hi", tools=[{"type": "web_search"}], tool_choice="auto")
+    assert created.status_code == 200, created.text
+    assert created.headers["x-tokenway-omitted-tools"] == "web_search"
+    assert responses.replica.jobs[-1].tools is None and created.json()["tools"] == []
+    plain = responses.create(TEXT_EVENTS, input="hi", tools=[WEATHER])
+    assert "x-tokenway-omitted-tools" not in plain.headers  # named only where something was left out
 
 
 def test_items_become_the_chat_paths_messages_and_are_listed_back_with_ids(responses):

@@ -13,6 +13,7 @@ import statistics
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
+from tokenway.protocol.job import GenerationJob
 from tokenway.stages import STAGES
 
 # Why the prefix cache stopped where it did (kv_cache/manager.py sets the first four).
@@ -66,6 +67,8 @@ class Trace:
     # index); None for a call made over HTTP.
     batch_line: str | None = None
     response_cache: str | None = None  # "hit" (answered from the response cache) or "miss"; None: not covered
+    # The types of the tools the caller listed that the model was not shown (GenerationJob's omitted_tools).
+    omitted_tools: list[str] = field(default_factory=list)
 
     @classmethod
     def of_call(cls, call, outcome, cost_usd: float = 0.0) -> Trace:
@@ -89,11 +92,13 @@ class Trace:
                                                 "failed_attempts": replica.num_failed_attempts},
             json_complete=outcome.json_complete, safety=safety_of(call, outcome), batch_line=call.start.batch_line,
             response_cache=outcome.response_cache,
+            omitted_tools=list(job.omitted_tools) if isinstance(job, GenerationJob) else [],
         )
 
     # What the ledger row keeps besides its own columns (`tokenway trace` rebuilds the rest).
     LEDGER_FIELDS = ("endpoint", "total_ms", "ttft_ms", "tpot_ms", "stream", "num_choices", "cache_reason",
-                     "limit_kind", "sampling", "route", "json_complete", "safety", "batch_line", "response_cache")
+                     "limit_kind", "sampling", "route", "json_complete", "safety", "batch_line", "response_cache",
+                     "omitted_tools")
 
     def ledger_fields(self) -> dict:
         return {name: getattr(self, name) for name in self.LEDGER_FIELDS}

@@ -44,6 +44,9 @@ class GenerationJob:
     # chat: OpenAI chat-format messages and tools
     messages: tuple[dict[str, Any], ...] = ()
     tools: tuple[dict[str, Any], ...] | None = None
+    # the types of the tools the caller listed that the model is not shown (a Responses call's
+    # web_search, ...): named in the response's x-tokenway-omitted-tools header and the trace
+    omitted_tools: tuple[str, ...] = ()
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None

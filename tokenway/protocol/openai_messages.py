@@ -52,7 +52,9 @@ def fail(error_type: LiteralString, message: LiteralString, **context: Any) -> P
 def tagged_union(*members: type[BaseModel], what: str, text_only: frozenset[str] = frozenset()) -> Any:
     """A union chosen by each object's "type". Unknown types fail with our own message (naming
     the type, and saying "text only" for images and audio) instead of pydantic's union dump."""
-    kind_to_tag = {get_args(member.model_fields["type"].annotation)[0]: member.__name__ for member in members}
+    # A member's `type` is a Literal of one kind, or of several that the member stands for alike.
+    kind_to_tag = {kind: member.__name__ for member in members
+                   for kind in get_args(member.model_fields["type"].annotation)}
 
     def check_kind(value: Any) -> Any:
         if not isinstance(value, dict):

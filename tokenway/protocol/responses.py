@@ -10,8 +10,12 @@ instructions, previous_response_id, tools, tool_choice, parallel_tool_calls, tex
 max_output_tokens, temperature, top_p, top_logprobs, truncation, include's logprobs and
 reasoning.encrypted_content, reasoning.effort, store, background, metadata, service_tier); what a
 self-hosted server has no use for (prompt_cache_key, reasoning.summary, safety_identifier,
-...) is accepted and echoed. What it cannot do is a 400 naming it:
-built-in tools (web_search, file_search, ...) and their items, stored prompt templates, the
+...) is accepted and echoed. A tool it cannot give the model (OpenAI's built-in tools,
+web_search, file_search, ..., and the client tools with call shapes of their own: custom,
+shell, apply_patch, ...) is left out of the prompt, as Ollama and LM Studio do, since agents
+(OpenAI's Codex CLI) list web_search with every request: the response's
+x-tokenway-omitted-tools header and the trace name it. What it cannot do is a 400 naming it:
+a tool_choice that names such a tool, built-in tools' items, stored prompt templates, the
 Conversations API, item references, image and file inputs.
 
 The rules of protocol/openai_messages.py hold: unknown top-level fields are an error, nested
@@ -21,7 +25,7 @@ objects ignore unknown keys, types are strict.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BeforeValidator, Field, ValidationInfo, field_validator
 
@@ -44,12 +48,14 @@ MAX_TOP_LOGPROBS = 20
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 MAX_INPUT_ITEMS = 2**14  # far above any window's worth of turns; a bound on what one body makes us build
 # Tools other than functions: OpenAI's built-in (hosted) tools, and the client tools with a shape
-# of their own (free-form input, shell actions, patches). Named in the 400.
-UNSUPPORTED_TOOLS = frozenset({
+# of their own (free-form input, shell actions, patches). Left out of the prompt; a tool_choice
+# that names one is a 400.
+OmittedToolType = Literal[
     "web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11", "file_search",
     "computer", "computer_use", "computer_use_preview", "code_interpreter", "image_generation", "mcp",
     "local_shell", "shell", "apply_patch", "custom", "tool_search", "programmatic_tool_calling",
-})
+]
+OMITTED_TOOLS: frozenset[str] = frozenset(get_args(OmittedToolType))
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 INCLUDE_ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
@@ -81,13 +87,21 @@ class FunctionTool(WireModel):
         return {"type": "function", "function": function}
 
 
-def _supported_tool(value: Any) -> Any:
+def _tool_type(value: Any) -> Any:
+    """Named here, not by the union: its list of every built-in type would hide what was sent."""
     kind = string_type(value).get("type") if isinstance(value, dict) else None
-    if kind in UNSUPPORTED_TOOLS:
-        raise fail("unsupported_tool", "tool {got} is not supported by this server: it runs function tools (type "
-                   "'function', alone or in a namespace), which your code executes; OpenAI's built-in tools run on "
-                   "OpenAI's side", got=short_repr(kind))
+    if isinstance(value, dict) and kind not in ("function", "namespace") and kind not in OMITTED_TOOLS:
+        raise fail("unknown_type", "type must be 'function', 'namespace' or one of OpenAI's built-in tools (which "
+                   "this server leaves out of the prompt), got {got}", got=short_repr(kind))
     return value
+
+
+class OmittedTool(WireModel):
+    """A tool the model is not shown: one of OpenAI's built-in tools, which run on OpenAI's side,
+    or a client tool whose calls are not functions. Its other fields are not read."""
+
+    type: OmittedToolType
+    name: str | None = None  # a custom tool's; the built-in ones have none
 
 
 class NamespaceTool(WireModel):
@@ -97,10 +111,15 @@ class NamespaceTool(WireModel):
     type: Literal["namespace"]
     name: Name
     description: str | None = None
-    tools: list[Annotated[FunctionTool, BeforeValidator(_supported_tool)]]
+    tools: list[Annotated[Annotated[FunctionTool | OmittedTool, TaggedUnion("tool")], BeforeValidator(_tool_type)]]
+
+    @property
+    def functions(self) -> list[FunctionTool]:
+        return [tool for tool in self.tools if isinstance(tool, FunctionTool)]
 
 
-ToolModel = Annotated[Annotated[FunctionTool | NamespaceTool, TaggedUnion("tool")], BeforeValidator(_supported_tool)]
+ToolModel = Annotated[Annotated[FunctionTool | NamespaceTool | OmittedTool, TaggedUnion("tool")],
+                      BeforeValidator(_tool_type)]
 
 
 class FunctionChoice(WireModel):
@@ -125,8 +144,10 @@ def _tool_choice_shape(value: Any) -> Any:
     if value is None or value in ("none", "auto", "required"):
         return value
     kind = string_type(value).get("type") if isinstance(value, dict) else None
-    if kind in UNSUPPORTED_TOOLS:
-        raise fail("unsupported_tool", "names tool {got}, which this server does not run", got=short_repr(kind))
+    if kind in OMITTED_TOOLS:  # listed, it is left out; forced, the call could only fail
+        raise fail("unsupported_tool", "names tool {got}, which this server does not run: it runs function tools "
+                   "(type 'function', alone or in a namespace), which your code executes; OpenAI's built-in tools "
+                   "run on OpenAI's side", got=short_repr(kind))
     if kind in ("function", "allowed_tools"):
         return value
     raise fail("tool_choice", "must be 'none', 'auto', 'required', a function ({{\"type\": \"function\", \"name\": "
@@ -172,15 +193,25 @@ class Reasoning(WireModel):
     generate_summary: str | None = None
 
 
-def function_tools(tools: list[FunctionTool | NamespaceTool] | None) -> list[tuple[str | None, FunctionTool]]:
+Tool = FunctionTool | NamespaceTool | OmittedTool
+
+
+def function_tools(tools: list[Tool] | None) -> list[tuple[str | None, FunctionTool]]:
     """Every function tool with its namespace (None: none), in order."""
     flat: list[tuple[str | None, FunctionTool]] = []
     for tool in tools or ():
         if isinstance(tool, FunctionTool):
             flat.append((None, tool))
-        else:
-            flat += [(tool.name, inner) for inner in tool.tools]
+        elif isinstance(tool, NamespaceTool):
+            flat += [(tool.name, inner) for inner in tool.functions]
     return flat
+
+
+def omitted_tools(tools: list[Tool] | None) -> tuple[str, ...]:
+    """The types of the tools left out of the prompt, each once, in order (a namespace's too)."""
+    kinds = [inner.type for tool in tools or () for inner in (tool.tools if isinstance(tool, NamespaceTool) else
+                                                               (tool,)) if isinstance(inner, OmittedTool)]
+    return tuple(dict.fromkeys(kinds))
 
 
 def finite(schema: dict[str, Any]) -> dict[str, Any]:
@@ -240,8 +271,7 @@ class ResponsesPrompt(RequestModel):
 
     @field_validator("tools")
     @classmethod
-    def _unique_tool_names(cls, value: list[FunctionTool | NamespaceTool] | None
-                           ) -> list[FunctionTool | NamespaceTool] | None:
+    def _unique_tool_names(cls, value: list[Tool] | None) -> list[Tool] | None:
         seen: set[str] = set()
         for _, tool in function_tools(value):
             if tool.name in seen:
@@ -290,6 +320,10 @@ class ResponsesPrompt(RequestModel):
         allowed = {tool.name for tool in choice.tools} if isinstance(choice, AllowedToolsChoice) else None
         return [tool.chat_tool() for _, tool in function_tools(self.tools)
                 if allowed is None or tool.name in allowed] or None
+
+    def omitted_tools(self) -> tuple[str, ...]:
+        """The tool types left out of the prompt (OmittedTool's), for the header and the trace."""
+        return omitted_tools(self.tools)
 
     def namespaces(self) -> dict[str, str]:
         """function name -> its namespace, for the functions in one."""

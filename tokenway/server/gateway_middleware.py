@@ -24,6 +24,7 @@ from tokenway.protocol.errors import (
     anthropic_error_body,
     openai_error_body,
 )
+from tokenway.protocol.job import GenerationJob
 from tokenway.server.direct_routes import DirectRoutes
 from tokenway.stages import StageClock
 
@@ -181,6 +182,8 @@ class GatewayMiddleware:
             if generation_call:  # every answer to a generation call names the id to trace it by
                 extra.setdefault("x-request-id", call.request_id)
                 extra.update(safety_headers(call))
+                if (omitted := omitted_tools(call)):
+                    extra[OMITTED_TOOLS_HEADER] = ", ".join(omitted)
             if not extra:
                 return message
             response_headers = list(message.get("headers", []))
@@ -228,6 +231,15 @@ class GatewayMiddleware:
             if ledger_keeper is not None and not call.committed:
                 ledger_keeper.commit_nowait(call, 0)  # the client left before the last byte: a 499
         return status, call
+
+
+OMITTED_TOOLS_HEADER = "x-tokenway-omitted-tools"
+
+
+def omitted_tools(call: Call) -> tuple[str, ...]:
+    """The tools the caller listed that the model is not shown (a Responses call's web_search, ...)."""
+    job = call.job
+    return job.omitted_tools if isinstance(job, GenerationJob) else ()
 
 
 def answer_of(status: int, headers) -> Answer:

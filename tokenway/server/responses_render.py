@@ -33,6 +33,7 @@ from tokenway.protocol.responses import (
     FunctionChoice,
     FunctionTool,
     NamespaceTool,
+    OmittedTool,
     ResponsesRequest,
     TextFormatJSONSchema,
 )
@@ -76,7 +77,9 @@ def response_base(body: ResponsesRequest, prepared: PreparedResponse) -> Respons
         "store": body.stored,
         "temperature": job.params.temperature, "text": {
             "format": _text_format(body), "verbosity": text.verbosity if text and text.verbosity else "medium"},
-        "tool_choice": _tool_choice(body), "tools": [_tool(tool) for tool in body.tools or ()],
+        # The tools the model was given: those left out are named in x-tokenway-omitted-tools.
+        "tool_choice": _tool_choice(body),
+        "tools": [_tool(tool) for tool in body.tools or () if not isinstance(tool, OmittedTool)],
         "top_logprobs": body.top_logprobs or 0, "top_p": job.params.top_p, "truncation": body.truncation or "disabled",
         "usage": None, "user": body.user,
     }
@@ -103,7 +106,7 @@ def _tool_choice(body: ResponsesRequest) -> str | dict[str, Any]:
 def _tool(tool: FunctionTool | NamespaceTool) -> FunctionToolBody | NamespaceToolBody:
     if isinstance(tool, NamespaceTool):
         return {"type": "namespace", "name": tool.name, "description": tool.description,
-                "tools": [_function(function) for function in tool.tools]}
+                "tools": [_function(function) for function in tool.functions]}
     return _function(tool)
 
 
