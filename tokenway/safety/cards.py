@@ -24,6 +24,7 @@ breaks, its lines and runs of lines (a number ending one message, a card startin
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -79,14 +80,19 @@ def _known_scheme(digits: str) -> bool:
 class _Gap:
     kind: str | None  # " " (blanks), the separator, or None (bare line breaks: no kind)
     breaks: bool  # it holds a line break: the groups it touches are not held to group lengths
+    ends_run: bool = False  # not a gap a number has: two runs meet there
 
 
-def _gap(text: str) -> _Gap | None:
-    """What the gap between two groups is, or None where it ends the run (module docstring)."""
+_RUN_END = _Gap(None, False, ends_run=True)
+
+
+@functools.lru_cache(maxsize=4096)  # a text has few kinds of gap, seen again and again
+def _gap(text: str) -> _Gap:
+    """What the gap between two groups is (module docstring)."""
     num_breaks = text.count("\n")
     separator = text.replace(" ", "").replace("\t", "").replace("\n", "")
     if num_breaks > 3 or len(separator) > 1 or _BLANKS_OVER_TWO.search(text):
-        return None
+        return _RUN_END
     if not separator:
         return _Gap(None if text.count("\n") == len(text) else " ", num_breaks > 0)
     return _Gap(separator, num_breaks > 0)
@@ -158,29 +164,24 @@ def _cards_in(run: _Run, lo: int, hi: int, shared_lo: bool, shared_hi: bool) -> 
 def _cards_in_run(text: str) -> Iterator[tuple[int, int]]:
     """The cards in one _RUN match, as offsets in it."""
     tokens = _GROUPS_AND_GAPS.findall(text)
-    starts = list(accumulate((len(token) for token in tokens), initial=0))
-    gaps = [_gap(token) for token in tokens[1::2]]
-    # Split at the gaps that end a run (None), then at each change of separator.
-    first = 0
-    for end in [*(i for i, gap in enumerate(gaps) if gap is None), len(gaps)]:
-        groups = tokens[2 * first:2 * end + 1:2]
-        run = _Run(groups, [gap for gap in gaps[first:end] if gap is not None], starts[2 * first:2 * end + 1:2],
-                   list(accumulate((len(group) for group in groups), initial=0)))
-        first = end + 1
-        if run.num_digits(0, len(groups) - 1) < 13:
+    groups = tokens[::2]
+    run = _Run(groups, [_gap(token) for token in tokens[1::2]],
+               list(accumulate(map(len, tokens), initial=0))[::2],
+               list(accumulate(map(len, groups), initial=0)))
+    # Pieces: cut at a gap that ends a run, and where the separator changes (the group
+    # there is in both pieces).
+    lo, kind, used_to, num_gaps = 0, None, -1, len(run.gaps)
+    for i in range(num_gaps + 1):
+        gap = run.gaps[i] if i < num_gaps else _RUN_END
+        if not gap.ends_run and (gap.kind is None or kind is None or gap.kind == kind):
+            kind = kind or gap.kind
             continue
-        lo, kind, used_to = 0, None, -1
-        for i in range(len(run.gaps) + 1):
-            gap_kind = run.gaps[i].kind if i < len(run.gaps) else None
-            if i < len(run.gaps) and (gap_kind is None or kind is None or gap_kind == kind):
-                kind = kind or gap_kind
-                continue
-            # groups lo..i are one piece; the next starts at group i, in both
-            shared_lo = lo > 0 and used_to < lo
-            for a, b in _cards_in(run, lo + (used_to == lo), i, shared_lo, i < len(run.gaps)):
+        if run.num_digits(lo, i) >= 13:
+            shared_lo = lo > 0 and not run.gaps[lo - 1].ends_run and used_to < lo
+            for a, b in _cards_in(run, lo + (used_to == lo), i, shared_lo, not gap.ends_run):
                 used_to = b
                 yield run.starts[a], run.starts[b] + len(run.groups[b])
-            lo, kind = i, gap_kind
+        lo, kind = (i + 1, None) if gap.ends_run else (i, gap.kind)
 
 
 def find_cards(windows: NumberWindows) -> Iterator[tuple[int, int]]:
