@@ -5,8 +5,9 @@ with the model's chat template. Tools, in the model's own tool-call format where
 template has one (tool_format(): Hermes/Qwen2.5 <tool_call>, Llama 3.x JSON, Mistral
 [TOOL_CALLS]): the template renders the tools, the earlier calls and their results, and the
 reply is read by that format's parser (tool_parsers.py); tool_choice "required" or a named
-function constrains the reply to the format's calls. A template without tools gets the
-generic format (tools.py): the tools in the system prompt, the reply constrained to its JSON.
+function constrains the reply to the format's calls (tool_grammars.py). A template without
+tools gets the generic format (tools.py): the tools in the system prompt, the reply constrained
+to its JSON.
 
 A reasoning model (a template that thinks, or serve --reasoning-parser): the call's
 ThinkingRequest sets the template's own switch (enable_thinking) and, with a budget, the
@@ -22,8 +23,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import llguidance
-
 from tokenway.frontend import special_text
 from tokenway.frontend import tools as generic_tools
 from tokenway.frontend.reasoning_parsers import (
@@ -34,7 +33,8 @@ from tokenway.frontend.reasoning_parsers import (
     thinking_budget,
 )
 from tokenway.frontend.tokenizer import Tokenizer
-from tokenway.frontend.tool_parsers import FORMATS, ReplyFormat
+from tokenway.frontend.tool_grammars import hermes_auto_grammar, native_call_grammar
+from tokenway.frontend.tool_parsers import FORMATS, MARKERS, ReplyFormat
 from tokenway.protocol.errors import FieldError
 from tokenway.protocol.sampling import ReasoningBudget, ThinkingRequest
 
@@ -191,10 +191,11 @@ def build_chat_prompt(
         else:
             template_tools = [_as_tool(tool) for tool in rendered_tools]
             if tool_choice == "required" or isinstance(tool_choice, dict):
-                prompt.grammar = native_call_grammar(fmt, tools, tool_choice, parallel_tool_calls)
+                prompt.grammar = native_call_grammar(tokenizer, fmt, tools, tool_choice, parallel_tool_calls)
             elif fmt == "hermes":
-                prompt.grammar = hermes_auto_grammar(tools)
-        prompt.reply_format = ReplyFormat(fmt, max_calls=None if parallel_tool_calls else 1)
+                prompt.grammar = hermes_auto_grammar(tokenizer, tools)
+        prompt.reply_format = ReplyFormat(fmt, max_calls=None if parallel_tool_calls else 1,
+                                          keeps_special_tokens=_marks_with_special_tokens(tokenizer, fmt))
     elif response_format is not None:
         kind = response_format.get("type", "text")
         if kind == "json_schema":
@@ -216,6 +217,13 @@ def build_chat_prompt(
     else:
         prompt.prompt_token_ids = special_text.encode(tokenizer, text, escaped, max_num_tokens)
     return prompt
+
+
+def _marks_with_special_tokens(tokenizer: Tokenizer, fmt: str) -> bool:
+    """Whether a marker of the format is a special (control) token of this tokenizer, which the
+    reply's text must then keep for the parser to see (a user-defined one is text anyway)."""
+    token_ids = (tokenizer.added_token_id(text) for text in MARKERS[fmt])
+    return any(token_id is not None and tokenizer.is_special(token_id) for token_id in token_ids)
 
 
 def _continuing(text: str, begun: str) -> str:
@@ -284,44 +292,6 @@ def mistral_id(call_id: str) -> str:
     digest = hashlib.sha256(call_id.encode()).digest()
     alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
     return "".join(alphabet[b % len(alphabet)] for b in digest[:9])
-
-
-def native_call_grammar(fmt: str, tools: list[dict], tool_choice: Any, parallel_tool_calls: bool) -> str:
-    """tool_choice "required" or a named function in a native format: a Lark grammar
-    (llguidance's, with %json) for one call, or several, in the format's own framing."""
-    arguments_key = "parameters" if fmt == "llama3_json" else "arguments"
-    call = generic_tools.call_schema(tools, tool_choice, arguments_key)
-    if fmt == "mistral":
-        call, defs = generic_tools.nested(call)
-        array = {"type": "array", "items": call, "minItems": 1}
-        if not parallel_tool_calls:
-            array["maxItems"] = 1
-        if defs:
-            array["$defs"] = defs
-        return f'start: "[TOOL_CALLS]" %json {_grammar_json(array)}'
-    if fmt == "hermes":
-        one, separator = f'"<tool_call>\\n" %json {_grammar_json(call)} "\\n</tool_call>"', '"\\n"'
-    else:  # llama3_json
-        one, separator = f"%json {_grammar_json(call)}", '"; "'
-    rules = f"start: call\ncall: {one}" if not parallel_tool_calls else f"start: call ({separator} call)*\ncall: {one}"
-    return rules
-
-
-def hermes_auto_grammar(tools: list[dict]) -> str:
-    """tool_choice "auto" in the Hermes format: free text, but once the model writes
-    <tool_call> the call is held to the tools' schemas (llguidance's lazy trigger), so its
-    arguments always parse and match. The other native formats mark calls with special tokens,
-    which a lazy text trigger does not see: they stay free under auto, as in vLLM."""
-    tag = llguidance.StructTag(trigger="<tool_call>", begin="<tool_call>\n", end="\n</tool_call>",
-                               grammar=_grammar_json(generic_tools.call_schema(tools, "auto")))
-    return llguidance.StructTag.to_grammar([tag], assume_special=False)
-
-
-def _grammar_json(schema: dict) -> str:
-    """A schema for %json, its keys in order (properties are generated in schema order: the
-    name before the arguments) and JSON written compactly, as the json_schema kind is."""
-    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    return json.dumps({"x-guidance": options, **schema}, ensure_ascii=False)
 
 
 def schema_text(schema: dict) -> str:

@@ -57,6 +57,11 @@ class Tokenizer:
         self.eos_token_ids = frozenset(generation_eos_ids + ([] if self.eos_token_id is None else [self.eos_token_id]))
         added = hf.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        # Added tokens (special or not) are matched whole before the BPE runs: a tool format's
+        # marker that is one of them is that token (tool_grammars.py). The first of duplicates wins.
+        self._added_text_to_id: dict[str, int] = {}
+        for token_id, token in sorted(added.items()):
+            self._added_text_to_id.setdefault(token.content, token_id)
         # The special tokens' strings, longest first (one may begin another): where they stand in
         # a caller's text they are text, not control tokens (special_text.py).
         special_texts = sorted({t.content for t in added.values() if t.special and t.content}, key=len, reverse=True)
@@ -205,6 +210,11 @@ class Tokenizer:
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
+
+    def added_token_id(self, text: str) -> int | None:
+        """The id of the added token (a control or user-defined one) whose text is `text`; None
+        where the tokenizer spells `text` out of its vocabulary."""
+        return self._added_text_to_id.get(text)
 
     def _token_id(self, config_name: str, fallback: int | None) -> int | None:
         token = self._special_tokens.get(config_name)

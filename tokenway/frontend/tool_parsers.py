@@ -35,6 +35,15 @@ from dataclasses import dataclass
 from tokenway.protocol.job import ToolCallDelta
 
 FORMATS = ("generic", "hermes", "llama3_json", "mistral")
+# The texts that frame a format's calls. A tokenizer may have any of them as an added token, a
+# control or a user-defined one, or spell it out of its vocabulary; a control token's text is in
+# the decoded reply only where special tokens are kept (ReplyFormat.keeps_special_tokens).
+MARKERS: dict[str, tuple[str, ...]] = {
+    "generic": (),
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "llama3_json": ("<|python_tag|>",),
+    "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+}
 
 _WHITESPACE = " \t\r\n"
 _ALPHANUMERIC = string.ascii_letters + string.digits
@@ -429,8 +438,7 @@ class _Tagged(ToolCallParser):
 class HermesParser(_Tagged):
     """<tool_call>\\n{"name": .., "arguments": {..}}\\n</tool_call>, any number, after text."""
 
-    trigger = "<tool_call>"
-    closing = "</tool_call>"
+    trigger, closing = MARKERS["hermes"]
 
     def _push(self, ch: str) -> None:
         mode = self.mode
@@ -458,7 +466,7 @@ class MistralParser(_Tagged):
     """[TOOL_CALLS] then a JSON array of calls, or (newer tokenizers) name[ARGS]{..}; more than
     one [TOOL_CALLS] may follow."""
 
-    trigger = "[TOOL_CALLS]"
+    trigger = MARKERS["mistral"][0]
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("new_id", mistral_call_id)
@@ -516,7 +524,7 @@ class Llama3JsonParser(ToolCallParser):
     <|python_tag|>; a reply that is not one is text."""
 
     argument_keys = ("parameters", "arguments")
-    python_tag = "<|python_tag|>"
+    python_tag = MARKERS["llama3_json"][0]
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -629,10 +637,9 @@ class ReplyFormat:
     tool_format: str
     max_calls: int | None = None  # 1: parallel_tool_calls false
     id_prefix: str = "call_"  # the API's: OpenAI's call_, Anthropic's toolu_ (Mistral's ids are its own)
-
-    @property
-    def keeps_special_tokens(self) -> bool:
-        return self.tool_format in ("mistral", "llama3_json")
+    # A marker of the format is a special token of the model's tokenizer (chat.py): the reply is
+    # decoded with special tokens kept, or the parser would never see the call begin.
+    keeps_special_tokens: bool = False
 
     def parser(self) -> ToolCallParser:
         if self.tool_format == "mistral":
