@@ -3,12 +3,19 @@
     find_api_keys(text) -> (start, end) ...   each known key format, a JWT, a PEM private key
 
 A key is found by its literal prefix ("sk-proj-", "AKIA", "ghp_" ...) and the rest of its
-format. It may be broken by blanks or line breaks (a key split across two messages or wrapped):
-its pieces are joined while they make no key yet, and after that up to the first that reads as
-a word, so prose after a key stays out of it; a key that needed pieces reading as words must
-also hold a random piece and look random as a whole, so prose after a prefix makes no key.
-"sk-" (OpenAI's and Anthropic's keys) may be broken inside its prefix too ("s k-proj-..."); the
-other prefixes must be whole.
+format. It may be broken by blanks or line breaks (a key split across two messages or wrapped)
+or by one separator between pieces of any size ("AKIA.Z7Q2.M9VB...", "AKIA-Z7Q2-...": any
+character but a letter, a digit or NUL, blanks around it allowed; a "-" or "_" the format has
+no room for is dropped): its pieces are joined while they make no key yet, and after that up to
+the first that reads as a word, so prose after a key stays out of it; a key that needed pieces
+reading as words, or pieces of one or two characters, must look random as a whole, so prose
+after a prefix makes no key. "sk-" (OpenAI's and Anthropic's keys) may be broken inside its
+prefix too ("s k-proj-..."); the other prefixes must be whole.
+
+A key may be glued to the word before it ("keysk-proj-...", "x_AKIA..."), and a key of a fixed
+length (AWS, Google, tokenway) to the one after it, when it looks random as a whole; glued
+after a run of more than 24 key characters, a prefix is part of a longer token (base64url
+holds "sk-" once in about 260,000 characters), not a key.
 """
 
 from __future__ import annotations
@@ -35,13 +42,24 @@ _PREFIX_TO_PATTERN = {
     prefix: re.compile(f"{re.escape(prefix)}(?<![{_KEY_CHARS}]{re.escape(prefix)}){rest}(?![{_KEY_CHARS}])")
     for prefix, rest in _KEY_PREFIX_TO_REST}
 _BLANKS = "[ \t\n]{0,8}"
+# Between two pieces of a key: blanks, or one separator with blanks around it (on its line: a
+# sentence's end and the next message's start are no key's).
+_PIECE_GAP = "(?:[ \t\n]{1,8}|[ \t]{0,2}[^A-Za-z0-9_\\s\0-][ \t]{0,2})"
+# A word this long is prose, not a piece of a random key (base62 gives one 7 letters of a case
+# about one time in 400): before a key is made, it ends the search.
+_MAX_WORD_IN_KEY = 6
+# The fixed-length formats, and the pattern of each without its end: a key glued to the word
+# after it ends where its format does.
+_FIXED_LENGTH_PREFIXES = ("AKIA", "ASIA", "AIza", "tw-k_")
+_PREFIX_TO_OPEN_PATTERN = {prefix: re.compile(re.escape(prefix) + rest) for prefix, rest in _KEY_PREFIX_TO_REST
+                           if prefix in _FIXED_LENGTH_PREFIXES}
+_MAX_GLUED_BEFORE = 24
 
 
 def _run(prefix: str) -> re.Pattern[str]:
-    """A prefix and what may be its key: pieces of key characters split by up to 8 blanks."""
-    start = (f"s(?<![{_KEY_CHARS}]s){_BLANKS}k{_BLANKS}-" if prefix == "sk-"
-             else f"{re.escape(prefix)}(?<![{_KEY_CHARS}]{re.escape(prefix)})")
-    return re.compile(f"{start}[{_KEY_CHARS}]*(?:[ \t\n]{{1,8}}[{_KEY_CHARS}]+){{0,32}}")
+    """A prefix and what may be its key: pieces of key characters split by gaps."""
+    start = f"s{_BLANKS}k{_BLANKS}-" if prefix == "sk-" else re.escape(prefix)
+    return re.compile(f"{start}[{_KEY_CHARS}]*+(?:{_PIECE_GAP}[{_KEY_CHARS}]++){{0,128}}")
 
 
 # Prefixes in families, each family behind one literal search (about 5 us on 16,000 characters,
@@ -71,7 +89,8 @@ def find_api_keys(text: str) -> Iterator[tuple[int, int]]:
         for prefix, run, pattern in members:
             position = 0
             while (m := run.search(text, position)) is not None:
-                end = _key_end(m.group(), prefix, pattern)
+                num_glued = _num_key_chars_before(text, m.start())
+                end = None if num_glued > _MAX_GLUED_BEFORE else _key_end(m.group(), prefix, pattern, num_glued > 0)
                 if end is not None:
                     yield m.start(), m.start() + end
                 position = m.start() + (end or 1)
@@ -100,34 +119,68 @@ def _looks_random(body: str) -> bool:
     """Whether a key body joined from pieces that read as words is random all the same: in random
     base62, 62% of neighbours differ in kind (lower, upper, digit); in words joined ("andthen",
     "UseTheNewKey2024"), far fewer, or none."""
-    kinds = [0 if ch.islower() else 1 if ch.isupper() else 2 if ch.isdigit() else 3 for ch in body]
-    return sum(a != b for a, b in zip(kinds, kinds[1:])) >= 0.3 * (len(body) - 1)
+    # "-" and "_" are left out: slugs ("assessment-framework-2024-Q1") change kind at each.
+    kinds = [0 if ch.islower() else 1 if ch.isupper() else 2 for ch in body if ch not in "-_"]
+    return sum(a != b for a, b in zip(kinds, kinds[1:])) >= 0.3 * (len(kinds) - 1)
 
 
-def _key_end(run: str, prefix: str, pattern: re.Pattern[str]) -> int | None:
+def _num_key_chars_before(text: str, start: int) -> int:
+    """How many key characters run up to text[start] (the word a prefix is glued to)."""
+    i = start
+    while i > 0 and (text[i - 1].isascii() and text[i - 1].isalnum() or text[i - 1] in "_-"):
+        i -= 1
+        if start - i > _MAX_GLUED_BEFORE:
+            break
+    return start - i
+
+
+def _compact(key: str, prefix: str, pattern: re.Pattern[str]) -> bool:
+    """Whether `key` (pieces joined) is of the format, as written or with the "-" and "_" it
+    has no room for dropped (separators between its pieces)."""
+    body = key[len(prefix):] if not key.startswith("sk-") else key[3:]
+    head = key[:len(key) - len(body)]
+    return any(pattern.fullmatch(head + candidate) for candidate in dict.fromkeys(
+        (body, body.replace("-", ""), body.replace("-", "").replace("_", ""))))
+
+
+def _key_end(run: str, prefix: str, pattern: re.Pattern[str], glued: bool) -> int | None:
     """Where the key `run` starts with ends (an offset in `run`), or None (module docstring).
-    A word of one or two characters ("d", "Ab") that a random piece follows is a key's piece."""
+    A word of one or two characters ("d", "Ab") that a random piece follows is a key's piece.
+    `glued`: the prefix is glued to the word before it."""
     pieces = list(_KEY_PIECE.finditer(run))
     words = [_is_word(piece.group()) for piece in pieces]
     first = pieces[0].group()
     first_body = _SK_KIND.sub("", first) if prefix == "sk-" else first[len(prefix):]
-    found, used_word, used_random = None, False, bool(first_body) and not _is_word(first_body)
+    found, used_word, used_random = None, glued, bool(first_body) and not _is_word(first_body)
+    used_short = False  # a piece of one or two characters: the key must look random
     for num_pieces in range(1, len(pieces) + 1):
         if num_pieces > 1:
             last = num_pieces - 1
-            bridge = len(pieces[last].group()) <= 2 and num_pieces < len(pieces) and not words[num_pieces]
-            if words[last] and not bridge:
-                if found is not None:
+            size, size_before = len(pieces[last].group()), len(pieces[last - 1].group())
+            # A key written in chunks (of up to 4, or 2 characters) goes on through chunks that
+            # read as words.
+            chunked = size <= 2 and size_before <= 2 or size <= 4 and size_before <= 4 and last > 1
+            bridge = (size <= 2 or chunked) and num_pieces < len(pieces) and not words[num_pieces]
+            if words[last] and not (bridge or chunked and size <= 2):
+                if found is not None or size > _MAX_WORD_IN_KEY:
                     break
                 used_word = True
-            used_random = used_random or not words[last]
+            used_short = used_short or size <= 2
+            used_random = used_random or not words[last] or used_short
         key = "".join(piece.group() for piece in pieces[:num_pieces])
-        if not pattern.fullmatch(key):
+        if not _compact(key, prefix, pattern):
             continue
         body = _SK_KIND.sub("", key) if prefix == "sk-" else key[len(prefix):]
         if prefix == "sk-" and not _is_mixed(body):
             continue
-        if used_word and not (used_random and (prefix in ("AKIA", "ASIA") or _looks_random(body))):
+        if used_short and not _looks_random(body):
+            continue
+        if used_word and not (used_random and (prefix in ("AKIA", "ASIA") and not glued or _looks_random(body))):
             continue
         found = pieces[num_pieces - 1].end()
+    if found is None and prefix in _PREFIX_TO_OPEN_PATTERN:
+        # Glued to the word after it: the format's length of the first piece, random.
+        m = _PREFIX_TO_OPEN_PATTERN[prefix].match(first)
+        if m is not None and m.end() < len(first) and _looks_random(m.group()[len(prefix):]):
+            found = m.end()
     return found
