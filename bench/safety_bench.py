@@ -11,23 +11,25 @@ of lines whose found categories equal the expected ones exactly.
 Latency: p50/p99 of detect() on a ~16,000-character (~4,000-token) prompt of mixed prose with
 digits, dates, versions and a few PII items; and on the same length of prose with no digit and
 no '@' (the fast path: only the key-prefix scans run). The goal is p99 under 1 ms.
-The input screen: p50/p99 of what the server's screen (server/prepare.py) runs for a ~4,000-token chat request (a
-system prompt, tools with schemas, eight turns, two tool calls with their JSON results; prose
-with dates, amounts and ids, no secret): the current screen (every channel gathered, the
-normalized view, one detect() pass) and the baseline's (each message's content, detect() on
-each), the baseline loaded from git at --baseline, in the same process, runs alternated. Then
-the current screen on the same request written in Cyrillic and with fullwidth digits (the
-normalization's slow path). The goal: p99 under 1 ms.
+The input screen: p50/p99 of what the server's screen (server/prepare.py) runs for a ~4,000-token
+chat request (a system prompt, tools with schemas, eight turns, two tool calls with their JSON
+results; prose with dates, amounts and ids, no secret), the current tokenway/safety and the
+baseline's (the package as it was at --baseline, loaded from git), in the same process, runs
+alternated; and both on the same request written in Cyrillic with fullwidth digits (the
+normalization's slow path) and with a tool result that is a table of numbers (the number
+matcher's). The goal: p99 under 1 ms.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from collections import Counter
@@ -38,14 +40,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 # After the sys.path line:
-from tokenway.frontend.chat import text_content  # noqa: E402
 from tokenway.protocol.job import estimate_chat_tokens  # noqa: E402
 from tokenway.safety.channels import ChatInput  # noqa: E402
 from tokenway.safety.detectors import CATEGORIES, detect  # noqa: E402
 from tokenway.safety.screen import SafetyPolicy, screen_input  # noqa: E402
 
-# The screen before every channel was read (message contents only, raw text, one detect() each).
-BASELINE = "6cf0200"
+# The screen before the broader card and key matcher (separators of every kind, groups of 1-6
+# digits, glued letters).
+BASELINE = "e80586b"
 
 PII_LINES = REPO / "tests" / "safety" / "data" / "pii_lines.tsv"
 PROMPT_CHARS = 16_000
@@ -172,20 +174,19 @@ def make_chat_request(rng: random.Random) -> ChatInput:
 
 
 def load_baseline(rev: str) -> types.ModuleType:
-    """safety/screen.py as it was at `rev`, with that revision's detectors."""
-    def module(name: str, path: str, replace: tuple[str, str] | None = None) -> types.ModuleType:
-        source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, check=True, capture_output=True,
-                                text=True).stdout
-        if replace is not None:
-            source = source.replace(*replace)
-        loaded = types.ModuleType(name)
-        sys.modules[name] = loaded  # dataclasses look their module up
-        exec(compile(source, f"{rev}:{path}", "exec"), loaded.__dict__)
-        return loaded
-
-    module("baseline_detectors", "tokenway/safety/detectors.py")
-    return module("baseline_screen", "tokenway/safety/screen.py",
-                  ("from tokenway.safety.detectors import", "from baseline_detectors import"))
+    """tokenway/safety as it was at `rev`, as the package `baseline_safety` (its own modules
+    importing each other, the rest of tokenway the current one); returns its screen module."""
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:tokenway/safety"], cwd=REPO, check=True,
+                           capture_output=True, text=True).stdout.split()
+    root = Path(tempfile.mkdtemp(prefix="safety-baseline-"))
+    (root / "baseline_safety").mkdir()
+    for name in names:
+        if name.endswith(".py"):
+            source = subprocess.run(["git", "show", f"{rev}:tokenway/safety/{name}"], cwd=REPO, check=True,
+                                    capture_output=True, text=True).stdout
+            (root / "baseline_safety" / name).write_text(source.replace("tokenway.safety.", "baseline_safety."))
+    sys.path.insert(0, str(root))
+    return importlib.import_module("baseline_safety.screen")
 
 
 def time_alternated(screens: dict[str, Callable[[], object]], num_runs: int) -> dict[str, tuple[float, float]]:
@@ -210,6 +211,18 @@ def cyrillic(chat: ChatInput) -> ChatInput:
                            **{str(d): chr(0xFF10 + d) for d in range(10)}})
     return ChatInput([{**m, "content": m["content"].translate(table)} if m["role"] != "tool" else m
                       for m in chat.messages], chat.tools)
+
+
+def with_table(chat: ChatInput, rng: random.Random) -> ChatInput:
+    """The request with its first tool result replaced by a table of numbers (~2,000 characters:
+    ids, dates, amounts, counts), the input the number matcher works hardest on."""
+    rows = ["id,date,qty,amount,ref"] + [
+        f"{rng.randrange(10**5)},2024-{rng.randrange(1, 13):02d}-{rng.randrange(1, 29):02d},{rng.randrange(1, 50)},"
+        f"{rng.randrange(1, 999)}.{rng.randrange(100):02d},{rng.randrange(10**3)} {rng.randrange(10**4):04d}"
+        for _ in range(60)]
+    index = next(i for i, m in enumerate(chat.messages) if m["role"] == "tool")
+    table = {**chat.messages[index], "content": "\n".join(rows)}
+    return ChatInput([*chat.messages[:index], table, *chat.messages[index + 1:]], chat.tools)
 
 
 def main() -> None:
@@ -237,14 +250,17 @@ def main() -> None:
     chat = make_chat_request(random.Random(1))
     policy = SafetyPolicy(input="block")
     baseline = load_baseline(args.baseline)
+    baseline_channels = importlib.import_module("baseline_safety.channels")
     baseline_policy = baseline.SafetyPolicy(input="block")
     slow = cyrillic(chat)
-    screens = {
-        f"baseline screen ({args.baseline})": lambda: baseline.screen_input(
-            baseline_policy, [text_content(m.get("content")) for m in chat.messages]),
-        "current screen": lambda: screen_input(policy, list(chat.texts())),
-        "current, Cyrillic + fullwidth": lambda: screen_input(policy, list(slow.texts())),
-    }
+    numeric = with_table(chat, random.Random(2))
+    screens = {}
+    for name, request in (("", chat), (", Cyrillic + fullwidth", slow), (", numeric table", numeric)):
+        texts = list(request.texts())
+        # The baseline's own PromptText: its screen checks texts against its own class.
+        old_texts = list(baseline_channels.ChatInput(request.messages, request.tools).texts())
+        screens[f"baseline{name}"] = lambda texts=old_texts: baseline.screen_input(baseline_policy, texts)
+        screens[f"current{name}"] = lambda texts=texts: screen_input(policy, texts)
     num_chars = sum(len(t.text) for t in chat.texts())
     print(f"input screen on one chat request: ~{estimate_chat_tokens(chat.messages, chat.tools):,} tokens, "
           f"{len(chat.messages)} messages, {len(chat.tools)} tools, {len(list(chat.texts()))} texts screened, "
