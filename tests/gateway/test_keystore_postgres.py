@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from tokenway.gateway.auth import hash_secret
+from tokenway.gateway.auth import AuthPolicy, hash_secret
 from tokenway.gateway.keystore import ImportConflict, KeyStore, KeyStoreUnavailable, StoredKey, UnknownKeyError
 from tokenway.safety.screen import SafetyPolicy
 
@@ -80,6 +80,19 @@ def test_every_store_on_the_database_sees_new_keys_revocations_and_rotations(ope
     assert gateway_b.authenticate(rotated) is None  # at once on the store that revoked it
     eventually(lambda: gateway_a.authenticate(rotated) is None, "the revocation on the other store")
     assert gateway_a.count_active() == 0
+
+
+def test_a_revoked_last_key_keeps_auth_on_for_every_gateway_on_the_database(open_store):
+    gateway_a, gateway_b = open_store(), open_store()
+    policy = AuthPolicy("auto", "127.0.0.1")
+    assert not gateway_a.has_held_keys() and not policy.required(gateway_b.has_held_keys())
+    _, info = gateway_a.create("leaked")
+    eventually(gateway_b.has_held_keys, "the first key on the other store")
+    gateway_b.revoke(info.key_id)
+    eventually(lambda: gateway_a.count_active() == 0, "the revocation on the other store")
+    assert gateway_a.has_held_keys() and policy.required(gateway_a.has_held_keys())
+    restarted = open_store()  # a gateway started later reads the same fact
+    assert restarted.count_active() == 0 and policy.required(restarted.has_held_keys())
 
 
 def test_concurrent_creates_on_two_stores_all_land(open_store):
