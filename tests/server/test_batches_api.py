@@ -60,6 +60,13 @@ async def upload(client, auth, content: bytes, purpose: str = "batch") -> httpx.
                              files={"file": ("requests.jsonl", content, "application/jsonl")})
 
 
+def multipart(filename: str, content: bytes, purpose: str = "batch") -> bytes:
+    """A multipart body written by hand: the filename's bytes as given (UTF-8), unescaped."""
+    return (b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n' + purpose.encode() +
+            b'\r\n--B\r\nContent-Disposition: form-data; name="file"; filename="' + filename.encode() +
+            b'"\r\nContent-Type: application/jsonl\r\n\r\n' + content + b"\r\n--B--\r\n")
+
+
 def test_an_upload_names_every_bad_line_by_its_number(services):
     [auth] = keys(services, "a")
     content = jsonl(request_line("ok-1"), "not json", request_line("ok-1"), {**request_line("get"), "method": "GET"},
@@ -103,9 +110,24 @@ def test_an_upload_that_is_no_batch_file_is_refused_by_name(services):
             await client.post("/v1/files", headers=auth, data={
                 "purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "60"},
                               files={"file": ("r.jsonl", jsonl(request_line("a")))}),
+            *[await upload(client, auth, jsonl(request_line("a")), purpose=spaced)
+              for spaced in ("batch ", " batch", "batch\n", "Batch")],
+            # httpx writes a NUL in a filename as %00; a client that sends the byte itself:
+            *[await client.post("/v1/files", headers={**auth, "content-type": "multipart/form-data; boundary=B"},
+                                content=multipart(filename, jsonl(request_line("a"))))
+              for filename in ("r\x00.jsonl", "r\x01.jsonl", "r\x1b[31m.jsonl", "r\x7f.jsonl", "r\x85.jsonl")],
+            await client.post("/v1/files", headers={**auth, "content-type": "multipart/form-data; boundary=B"},
+                              content=multipart("données ✓.jsonl", jsonl(request_line("a")))),
         ]
 
-    media, purpose, missing, empty, binary, expiry = session(services, steps)
+    media, purpose, missing, empty, binary, expiry, *rest = session(services, steps)
+    spaced, named, kept = rest[:4], rest[4:9], rest[9]
+    for refused in spaced:
+        assert (refused.status_code, refused.json()["error"]["param"]) == (400, "purpose"), refused.text
+    for refused in named:
+        assert (refused.status_code, refused.json()["error"]["param"]) == (400, "file"), refused.text
+        assert "filename" in refused.json()["error"]["message"]
+    assert kept.status_code == 200 and kept.json()["filename"] == "données ✓.jsonl"
     assert media.status_code == 415
     assert (purpose.status_code, purpose.json()["error"]["param"]) == (400, "purpose")
     assert (missing.status_code, missing.json()["error"]["param"]) == (400, "file")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+import unicodedata
 from collections.abc import Callable
 
 from fastapi import APIRouter
@@ -65,7 +66,7 @@ def router(services: Services) -> APIRouter:
                 raise InvalidRequestError("file: missing; send the JSONL as the multipart field 'file'",
                                           param="file")
             ttl_s = expires_after_s(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"))
-            filename = (upload.filename or "batch.jsonl")[:MAX_FILENAME_CHARS]
+            filename = checked_filename(upload.filename)
             content = await upload.read()
         max_bytes = services.settings.max_batch_file_bytes
         if len(content) > max_bytes:
@@ -148,6 +149,20 @@ def model_checker(services: Services, principal: Principal) -> Callable[[str, st
 
 def file_not_found(file_id: str) -> NotFoundError:
     return NotFoundError(f"No such File object: {truncate(file_id)}", param="id")
+
+
+def checked_filename(filename: str | None) -> str:
+    """The upload's filename as kept and echoed (its first MAX_FILENAME_CHARS), or a 400 naming
+    the field for a control character in it (a NUL, an escape, C1): a name that would end a C
+    string or rewrite a terminal where a listing is shown."""
+    if not filename:
+        return "batch.jsonl"
+    for position, char in enumerate(filename):
+        if unicodedata.category(char) == "Cc":
+            raise InvalidRequestError(f"file: its filename holds the control character U+{ord(char):04X} at "
+                                      f"position {position}; send a filename without control characters",
+                                      param="file")
+    return filename[:MAX_FILENAME_CHARS]
 
 
 def expires_after_s(anchor: object, seconds: object) -> float:
