@@ -158,6 +158,6 @@ def test_revoking_the_last_live_key_says_auth_stays_on(db, capsys):
     assert "no live key is left" not in capsys.readouterr().err  # one is still live
     assert keys("revoke", "--db", db, key_ids[1]) == 0
     err = capsys.readouterr().err
-    assert "no live key is left: every call is refused" in err and "--auth off" in err
+    assert "no live key is left: a server on this store refuses every call" in err and "--auth off" in err
     with KeyStore(db) as store:
         assert store.count_active() == 0 and store.has_held_keys()

@@ -140,8 +140,8 @@ def _rotate(store: KeyStore, args: argparse.Namespace) -> int:
 def _revoke(store: KeyStore, args: argparse.Namespace) -> int:
     if store.revoke(args.key_id):
         # An operator may fear the last revocation reopens a loopback server: it does not.
-        last = " (no live key is left: every call is refused until you create one; --auth off opens it)" \
-            if store.count_active() == 0 else ""
+        last = (" (no live key is left: a server on this store refuses every call until you create one, "
+                "unless it runs with --auth off)") if store.count_active() == 0 else ""
         print(f"tokenway: revoked API key {args.key_id}{last}", file=sys.stderr)
         return 0
     if store.get(args.key_id) is None:

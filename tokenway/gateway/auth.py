@@ -4,6 +4,9 @@
       -> secret_from_headers -> KeyStore.authenticate (keystore.py) -> Principal | None
       -> principal_for raises AuthenticationError (401); authorize_model PermissionDeniedError (403)
 
+Whether a call must present a key at all is AuthPolicy's answer (--auth auto | on | off, the
+bind address, the admin key, and whether the key store has ever held a key).
+
 A secret is `tw-<key_id>-<random>`. The key_id is public: it appears in key lists, logs and
 the usage ledger. Only the random part is secret, and only the SHA-256 of the whole secret is
 stored. A secret is never logged, never put into an error message and never held by a
