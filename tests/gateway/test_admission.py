@@ -36,6 +36,10 @@ def test_without_a_gatekeeper_the_window_alone_decides():
 def test_a_keys_cap_fills_in_and_refuses_more(gatekeeper):
     assert cap_max_tokens(gatekeeper, CAPPED, 1000, 10, None, "max_tokens") == 100
     assert cap_max_tokens(gatekeeper, CAPPED, 1000, 950, None, "max_tokens") == 50  # the window is smaller
+    with pytest.raises(ContextLengthExceededError) as full:  # the prompt alone: no completion to name
+        cap_max_tokens(gatekeeper, CAPPED, 1000, 1066, None, "max_tokens")
+    assert full.value.param == "messages" and full.value.max_tokens is None
+    assert "your messages resulted in 1066 tokens" in full.value.message, full.value.message
     with pytest.raises(InvalidRequestError) as over:
         cap_max_tokens(gatekeeper, CAPPED, 1000, 10, 101, "max_tokens")
     assert over.value.param == "max_tokens" and "cap of 100" in over.value.message

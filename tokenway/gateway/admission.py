@@ -27,7 +27,9 @@ def cap_max_tokens(gatekeeper: Gatekeeper | None, principal: Principal, window: 
     if gatekeeper is not None:
         gatekeeper.check_sizes(principal, num_messages, requested, param)
         cap = gatekeeper.max_tokens_cap(principal)
-        if requested is None and cap is not None:
+        if requested is None and cap is not None and not (exact and num_prompt_tokens >= window):
+            # (a prompt that fills the window alone is refused below for itself, not for a
+            # completion of what it leaves, a negative count)
             requested = min(cap, window - num_prompt_tokens) if exact else cap
     if not exact:
         if requested is not None and requested >= window:
