@@ -124,6 +124,12 @@ def _looks_random(body: str) -> bool:
     return sum(a != b for a, b in zip(kinds, kinds[1:])) >= 0.3 * (len(kinds) - 1)
 
 
+def _is_chunked(piece: str) -> bool:
+    """Whether `piece` is chunks of one or two characters joined by "-" or "_" ("A-b-3-d")."""
+    parts = _WORD_PART.split(piece)
+    return len(parts) >= 4 and all(len(part) <= 2 for part in parts)
+
+
 def _num_key_chars_before(text: str, start: int) -> int:
     """How many key characters run up to text[start] (the word a prefix is glued to)."""
     i = start
@@ -151,8 +157,10 @@ def _key_end(run: str, prefix: str, pattern: re.Pattern[str], glued: bool) -> in
     words = [_is_word(piece.group()) for piece in pieces]
     first = pieces[0].group()
     first_body = _SK_KIND.sub("", first) if prefix == "sk-" else first[len(prefix):]
-    found, used_word, used_random = None, glued, bool(first_body) and not _is_word(first_body)
-    used_short = False  # a piece of one or two characters: the key must look random
+    # A piece of one or two characters (or a first piece of such chunks joined by "-" or "_"):
+    # the key must look random.
+    used_short = _is_chunked(first_body)
+    found, used_word, used_random = None, glued, bool(first_body) and not _is_word(first_body) or used_short
     for num_pieces in range(1, len(pieces) + 1):
         if num_pieces > 1:
             last = num_pieces - 1
@@ -162,13 +170,19 @@ def _key_end(run: str, prefix: str, pattern: re.Pattern[str], glued: bool) -> in
             chunked = size <= 2 and size_before <= 2 or size <= 4 and size_before <= 4 and last > 1
             bridge = (size <= 2 or chunked) and num_pieces < len(pieces) and not words[num_pieces]
             if words[last] and not (bridge or chunked and size <= 2):
-                if found is not None or size > _MAX_WORD_IN_KEY:
+                if found is not None or max(map(len, _WORD_PART.split(pieces[last].group()))) > _MAX_WORD_IN_KEY:
                     break
                 used_word = True
             used_short = used_short or size <= 2
             used_random = used_random or not words[last] or used_short
         key = "".join(piece.group() for piece in pieces[:num_pieces])
         if not _compact(key, prefix, pattern):
+            # Glued to the word after it: a fixed-length format ends inside the last piece.
+            open_match = _PREFIX_TO_OPEN_PATTERN[prefix].match(key) if prefix in _PREFIX_TO_OPEN_PATTERN else None
+            last_start = len(key) - len(pieces[num_pieces - 1].group())
+            if (open_match is not None and last_start < open_match.end() < len(key)
+                    and _looks_random(open_match.group()[len(prefix):])):
+                return pieces[num_pieces - 1].start() + open_match.end() - last_start
             continue
         body = _SK_KIND.sub("", key) if prefix == "sk-" else key[len(prefix):]
         if prefix == "sk-" and not _is_mixed(body):
@@ -178,9 +192,4 @@ def _key_end(run: str, prefix: str, pattern: re.Pattern[str], glued: bool) -> in
         if used_word and not (used_random and (prefix in ("AKIA", "ASIA") and not glued or _looks_random(body))):
             continue
         found = pieces[num_pieces - 1].end()
-    if found is None and prefix in _PREFIX_TO_OPEN_PATTERN:
-        # Glued to the word after it: the format's length of the first piece, random.
-        m = _PREFIX_TO_OPEN_PATTERN[prefix].match(first)
-        if m is not None and m.end() < len(first) and _looks_random(m.group()[len(prefix):]):
-            found = m.end()
     return found
