@@ -69,11 +69,14 @@ def luhn_ok(digits: str) -> bool:
     return total % 10 == 0
 
 
+# The same, as ranges of the first four digits, for one int() per number.
+_HEAD_RANGES = tuple((low * 10 ** (4 - len(str(low))), (high + 1) * 10 ** (4 - len(str(high))) - 1, lengths)
+                     for (low, high), lengths in _IIN_RANGES)
+
+
 def _known_scheme(digits: str) -> bool:
-    for (low, high), lengths in _IIN_RANGES:
-        if len(digits) in lengths and low <= int(digits[:len(str(low))]) <= high:
-            return True
-    return False
+    head, num_digits = int(digits[:4]), len(digits)
+    return any(low <= head <= high and num_digits in lengths for low, high, lengths in _HEAD_RANGES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,13 +115,12 @@ class _Run:
         """Whether groups lo..hi (inclusive) are one card."""
         if not 13 <= self.num_digits(lo, hi) <= _MAX_DIGITS:
             return False
-        digits = "".join(self.groups[lo:hi + 1])
-        if not _known_scheme(digits) or not luhn_ok(digits):
+        if any(gap.kind is not None for gap in self.gaps[lo:hi]) and not all(
+                len(self.groups[i]) <= _MAX_GROUP or (i > lo and self.gaps[i - 1].breaks)
+                or (i < hi and self.gaps[i].breaks) for i in range(lo, hi + 1)):
             return False
-        if all(gap.kind is None for gap in self.gaps[lo:hi]):
-            return True
-        return all(len(self.groups[i]) <= _MAX_GROUP or (i > lo and self.gaps[i - 1].breaks)
-                   or (i < hi and self.gaps[i].breaks) for i in range(lo, hi + 1))
+        digits = "".join(self.groups[lo:hi + 1])
+        return _known_scheme(digits) and luhn_ok(digits)
 
     def tiled(self, lo: int, hi: int) -> list[tuple[int, int]] | None:
         """Groups lo..hi as one card or several back to back, every one valid; else None."""
@@ -140,7 +142,8 @@ def _cards_in(run: _Run, lo: int, hi: int, shared_lo: bool, shared_hi: bool) -> 
     shared_hi: the first and last group are also in the neighbouring pieces."""
     if run.num_digits(lo, hi) < 13:
         return []
-    for a, b in ((lo, hi), (lo + shared_lo, hi), (lo, hi - shared_hi), (lo + shared_lo, hi - shared_hi)):
+    for a, b in dict.fromkeys(((lo, hi), (lo + shared_lo, hi), (lo, hi - shared_hi),
+                               (lo + shared_lo, hi - shared_hi))):
         if a <= b and (cards := run.tiled(a, b)):
             return cards
     # Across line breaks: its lines and runs of lines, the longest from each line first.

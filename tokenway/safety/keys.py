@@ -124,6 +124,19 @@ def _looks_random(body: str) -> bool:
     return sum(a != b for a, b in zip(kinds, kinds[1:])) >= 0.3 * (len(kinds) - 1)
 
 
+class _LazyWords:
+    """words[i]: whether pieces[i] reads as a word, computed on first use."""
+
+    def __init__(self, pieces: list[re.Match[str]]) -> None:
+        self.pieces = pieces
+        self.index_to_word: dict[int, bool] = {}
+
+    def __getitem__(self, i: int) -> bool:
+        if i not in self.index_to_word:
+            self.index_to_word[i] = _is_word(self.pieces[i].group())
+        return self.index_to_word[i]
+
+
 def _is_chunked(piece: str) -> bool:
     """Whether `piece` is chunks of one or two characters joined by "-" or "_" ("A-b-3-d")."""
     parts = _WORD_PART.split(piece)
@@ -154,7 +167,8 @@ def _key_end(run: str, prefix: str, pattern: re.Pattern[str], glued: bool) -> in
     A word of one or two characters ("d", "Ab") that a random piece follows is a key's piece.
     `glued`: the prefix is glued to the word before it."""
     pieces = list(_KEY_PIECE.finditer(run))
-    words = [_is_word(piece.group()) for piece in pieces]
+    # Read as words lazily: a run holds up to 128 pieces, and the loop stops at the first few.
+    words = _LazyWords(pieces)
     first = pieces[0].group()
     first_body = _SK_KIND.sub("", first) if prefix == "sk-" else first[len(prefix):]
     # A piece of one or two characters (or a first piece of such chunks joined by "-" or "_"):
