@@ -13,14 +13,16 @@ Finding holds only offsets, so a secret is never copied into it.
 The patterns are ASCII. The input screen (screen.py) runs them on a normalized view of the
 request (normalize.py: other scripts' digits, fullwidth forms, invisible characters, odd spaces
 and dashes, look-alike letters folded), so what they see is what a reader sees. On that view:
-  cards     groups split by a space, dash, dot or slash (blanks around it allowed) or line
-            breaks, one kind per number; a bare line break may cut a group (a card split across
-            texts: the screen joins a conversation's texts with line breaks), and a candidate
-            running from one line's number into the next is tried again line by line
+  cards     digit groups of any size split by blanks, line breaks or any one separator ("_",
+            "+", ",", ":", "|" ..., blanks around it allowed), one kind per number, glued to
+            letters or not; each run of one kind is judged whole (cards.py); a bare line break
+            may cut a group (a card split across texts: the screen joins a conversation's texts
+            with line breaks), and a run across lines is tried again line by line
   IBANs     groups of any size split by a blank or a line break
-  api keys  broken by blanks or line breaks, the "sk-" prefix too: the pieces are joined up to
-            the first that reads as a word once they make a key ("and", "Then", "2024"), so
-            prose after a key stays out (keys.py)
+  api keys  broken by blanks, line breaks or one separator, in pieces of any size, the "sk-"
+            prefix too (by blanks): the pieces are joined up to the first that reads as a word
+            once they make a key ("and", "Then", "2024"), so prose after a key stays out; glued
+            to the word before it (or, fixed-length formats, after it) when random (keys.py)
 A phone number's context (a label, "call") is read on its own line only.
 
 Scores: 1.0 where the match is checked beyond its shape (Luhn and IIN range for cards, mod-97
@@ -28,14 +30,17 @@ and the country's length for IBANs) or is an exact key format; 0.95 for emails; 
 numbers, 0.9 when a word such as "phone" or "call" comes just before.
 
 Deliberately not detected: obfuscated emails ("ann at example dot com"), lowercase IBANs,
-plain digit runs as phone numbers ("4155550132"), card numbers whose groups are not 4-digit
-led ("41 1111 1111 1111 11"), a card led by another number on its line ("ref 1234 4111 1111
-1111 1111" is one 20-digit run, and trying every group as a start would multiply false
-positives in lists of numbers), a key whose prefix is broken other than "sk-"'s ("AK IA...").
+plain digit runs as phone numbers ("4155550132"), a card led by another number split the same
+way ("ref 1234 4111 1111 1111 1111" is one 20-digit run, and trying every window of a run would
+multiply false positives in lists of numbers), a card with two kinds of separator or two
+separators in a row ("4111-1111 1111.1111", "4111--1111"), digits inside a hex token of 32 or
+more (a hash), a key whose prefix is broken other than "sk-"'s ("AK IA..."), a tokenway key
+split by dashes (its random part holds dashes of its own).
 
-Out of a pattern detector's reach, left to a guard model (guard.py): secrets encoded (base64,
-hex, URL or JSON escapes in free text), reversed, spelled out ("four one one one ..."),
-interleaved with other text, or split between places that stand alone (JSON values, names).
+Out of a pattern detector's reach, left to a guard model (guard.py): secrets encoded (HTML
+entities "&#52;&#49;", URL-encoding "%34%31", base64, hex, JSON escapes in free text),
+reversed, spelled out ("four one one one ..."), interleaved with other text ("4a1b1c1..."), or
+split between places that stand alone (JSON values, names).
 """
 
 from __future__ import annotations
