@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import tracemalloc
 
 import httpx
 import pytest
@@ -326,3 +327,47 @@ def test_a_files_list_takes_only_asc_or_desc_order(services):
     asc, desc, bad = session(services, steps)
     assert [f["id"] for f in asc.json()["data"]] == [f["id"] for f in desc.json()["data"]][::-1]
     assert (bad.status_code, bad.json()["error"]["param"]) == (400, "order")
+
+
+def test_a_100000_request_message_batch_is_made_off_the_event_loop(services):
+    """Read and checked in the body parser's worker process, stored on the store's thread: /health
+    is answered throughout the create, and the server holds the requests packed (about the body's
+    own size), never as 100,000 models. The figures (/health p99, the create's time, RSS):
+    bench/batch_create_bench.py."""
+    [auth] = keys(services, "a")
+
+    def body(requests: int, model_of=lambda i: MODEL) -> bytes:
+        return json.dumps({"requests": [{"custom_id": f"q{i}", "params": {
+            "model": model_of(i), "max_tokens": 16,
+            "messages": [{"role": "user", "content": f"Question {i:06d}: what is the capital of France?"}]}}
+            for i in range(requests)]}).encode()
+
+    big = body(100_000)
+    bad_last = body(100_000, lambda i: "nope" if i == 99_999 else MODEL)
+
+    async def steps(client, app):
+        await client.get("/health")
+        num_answered = 0
+
+        async def create(content: bytes) -> httpx.Response:
+            return await client.post("/v1/messages/batches", headers={**auth, "content-type": "application/json"},
+                                     content=content)
+
+        tracemalloc.start()
+        creating = asyncio.create_task(create(big))
+        while not creating.done():
+            assert (await client.get("/health")).status_code == 200
+            num_answered += not creating.done()
+            await asyncio.sleep(0.005)
+        _, peak_bytes = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        return await creating, num_answered, peak_bytes, await create(bad_last)
+
+    created, num_answered, peak_bytes, refused = session(services, steps)
+    assert created.status_code == 200, created.text
+    assert created.json()["request_counts"]["processing"] == 100_000
+    assert num_answered >= 10  # answered while the batch was being made, not only before and after
+    # The body (13.7 MB, held by the test's client too), the packed lines and one chunk of rows at a
+    # time: not the 100,000 dicts and their JSON copies (about 20 times the body).
+    assert peak_bytes < 4 * len(big), (peak_bytes, len(big))
+    assert refused.status_code == 404 and "requests[99999].params.model" in refused.json()["error"]["message"]

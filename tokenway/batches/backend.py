@@ -18,6 +18,7 @@ from typing import Any, Literal, LiteralString, Protocol, cast
 
 from tokenway.batches import schema
 from tokenway.batches.lines import CANCELLED_ERROR, EXPIRED_ERROR, result_files
+from tokenway.batches.packed import PackedLines
 from tokenway.batches.schema import dumps
 from tokenway.batches.store import (
     FINAL_STATUSES,
@@ -118,13 +119,18 @@ class BatchBackend:
 
     # ---- batches ----
 
-    def create_batch(self, batch: Batch, lines: Sequence[tuple[str, JSONObject]]) -> None:
-        rows = [(batch.id, index, custom_id, dumps(body)) for index, (custom_id, body) in enumerate(lines)]
+    def create_batch(self, batch: Batch, lines: PackedLines) -> None:
         with self.transaction():
             # A retry of a create whose commit's reply was lost: the batch and its lines are there.
             if self.execute(schema.INSERT_BATCH, schema.batch_row(batch)).rowcount == 1:
-                for chunk in chunks(rows):
-                    self.executemany(schema.INSERT_LINE, chunk)
+                # A chunk's rows at a time: never every line's row at once beside the packed lines.
+                for start in range(0, len(lines), IN_BATCH):
+                    self.executemany(schema.INSERT_LINE, [
+                        (batch.id, index, custom_id, body)
+                        for index, (custom_id, body) in enumerate(lines.rows(start, start + IN_BATCH), start)])
+
+    def reclaim(self) -> None:
+        """Give back the space deleted rows left, where the database does not do so itself."""
 
     def counts(self, batch_ids: Sequence[str]) -> dict[str, BatchCounts]:
         rows = self.execute(schema.counts_sql(len(batch_ids)), batch_ids).fetchall() if batch_ids else []

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Literal, TypeVar
 
 from tokenway.batches.backend import RESULTS_PAGE, BatchBackend
+from tokenway.batches.packed import PackedLines
 from tokenway.batches.store import (
     FINAL_STATUSES,
     MAX_PAGE_ITEMS,
@@ -89,26 +90,24 @@ class SqlBatchStore:
                 num_deleted += num
                 if num < PURGE_BATCH:
                     break
+            backend.reclaim()
             return num_deleted
 
         return await self._run(purge_all)
 
     # ---- batches ----
 
-    async def create_batch(self, batch: Batch, lines: Sequence[tuple[str, JSONObject]]) -> Batch:
+    async def create_batch(self, batch: Batch, lines: PackedLines | Sequence[tuple[str, JSONObject]]) -> Batch:
         if batch.status not in ("in_progress", "failed"):
             raise ValueError(f"a batch is created in_progress or failed (its input refused), not {batch.status}")
-        if batch.status == "failed" and lines:
+        if batch.status == "failed" and len(lines):
             raise ValueError("a failed batch has no lines to run")
-        if len({custom_id for custom_id, _ in lines}) != len(lines):
-            raise ValueError("a batch's custom_ids must be unique")
-        model = batch.model
-        if model is None and lines and isinstance(lines[0][1].get("model"), str):
-            model = lines[0][1]["model"]
-        stored = dataclasses.replace(batch, model=model, counts=BatchCounts(len(lines), pending=len(lines)))
+        packed = lines if isinstance(lines, PackedLines) else PackedLines.of(lines)  # ValueError: a repeat
+        model = batch.model if batch.model is not None else packed.first_model
+        stored = dataclasses.replace(batch, model=model, counts=BatchCounts(len(packed), pending=len(packed)))
         if stored.status == "in_progress" and stored.upstream is None and self._choose_upstream is not None:
-            stored = dataclasses.replace(stored, upstream=self._choose_upstream(stored, lines))
-        await self._run(lambda backend: backend.create_batch(stored, lines))
+            stored = dataclasses.replace(stored, upstream=self._choose_upstream(stored, packed.models))
+        await self._run(lambda backend: backend.create_batch(stored, packed))
         if stored.status == "in_progress":
             for callback in self._created_callbacks:
                 callback()

@@ -35,9 +35,12 @@ import secrets
 import string
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, Protocol, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar, get_args
 
 from tokenway.protocol.errors import InvalidRequestError, ServiceUnavailableError
+
+if TYPE_CHECKING:
+    from tokenway.batches.packed import PackedLines
 
 # A JSON object as decoded (a dict at run time); read-only to the store's callers.
 JSONObject = Mapping[str, Any]
@@ -263,8 +266,9 @@ class Page(Generic[T]):
         return self.data[-1].id if self.data else None
 
 
-# (the batch as it will be stored, its (custom_id, body) lines) -> the upstream to run it whole, or None.
-ChooseUpstream = Callable[[Batch, Sequence[tuple[str, JSONObject]]], str | None]
+# (the batch as it will be stored, the models its lines' bodies name: None for a body whose model is
+# not a string) -> the upstream to run it whole, or None.
+ChooseUpstream = Callable[[Batch, frozenset[str | None]], str | None]
 
 
 class BatchStoreUnavailable(ServiceUnavailableError):
@@ -306,10 +310,11 @@ class BatchStore(Protocol):
         """The batches made from it keep their lines: they run on."""
         ...
 
-    async def create_batch(self, batch: Batch, lines: Sequence[tuple[str, JSONObject]]) -> Batch:
-        """The batch (new_batch's) and its lines, (custom_id, body) in the input's order, in one
-        transaction; the batch as stored (its counts, its model from the first line's body
-        unless batch.model is set). A failed batch has no lines."""
+    async def create_batch(self, batch: Batch, lines: PackedLines | Sequence[tuple[str, JSONObject]]) -> Batch:
+        """The batch (new_batch's) and its lines, in the input's order (packed, as the APIs read
+        them: packed.py; or (custom_id, body) pairs), in one transaction, written a chunk at a
+        time; the batch as stored (its counts, its model from the first line's body unless
+        batch.model is set). A failed batch has no lines."""
         ...
 
     async def get_batch(self, batch_id: str, key_id: str) -> Batch | None: ...
@@ -340,7 +345,9 @@ class BatchStore(Protocol):
         ...
 
     async def purge_files(self, now: float) -> int:
-        """Delete the files whose expires_at has passed; how many."""
+        """Delete the files whose expires_at has passed; how many. Then give back the space that
+        deleted files and batches left (SQLite: an incremental vacuum, a few MiB a step, and the
+        WAL truncated; PostgreSQL's autovacuum does this itself)."""
         ...
 
     async def cancel_batch(self, batch_id: str, key_id: str) -> Batch | None:

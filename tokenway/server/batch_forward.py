@@ -91,10 +91,10 @@ class BatchForwarder:
         self._poll_s = poll_s
         self._task: asyncio.Task[None] | None = None
 
-    def choose(self, batch: Batch, lines: Sequence[tuple[str, JSONObject]]) -> str | None:
+    def choose(self, batch: Batch, models: frozenset[str | None]) -> str | None:
         # One model, by its name or an alias: one target for every line.
-        keys = {target.key if (target := self._name_to_target.get(str(body.get("model")))) is not None
-                and target.client.shape == batch.api else None for _, body in lines}
+        keys = {target.key if model is not None and (target := self._name_to_target.get(model)) is not None
+                and target.client.shape == batch.api else None for model in models}
         return keys.pop() if len(keys) == 1 else None
 
     async def __call__(self) -> None:

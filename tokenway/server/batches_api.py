@@ -13,7 +13,6 @@ The lines run on the BatchRunner (cli.py starts it), each through the endpoint's
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 
@@ -22,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenway.batches import Batch, new_batch
+from tokenway.batches.intake import read_batch_file_lines
 from tokenway.gateway.auth import ADMIN, Principal
 from tokenway.gateway.tiers import TierAsk
 from tokenway.protocol.batches import (
@@ -31,11 +31,10 @@ from tokenway.protocol.batches import (
     BatchCreateRequest,
     BatchError,
     BatchList,
-    read_batch_file,
 )
 from tokenway.protocol.batches import Batch as BatchBody
 from tokenway.protocol.errors import FieldError, InvalidRequestError, NotFoundError, PermissionDeniedError, truncate
-from tokenway.server.files_api import FILE_ID, batch_store_of, model_checker
+from tokenway.server.files_api import FILE_ID, batch_store_of, chunks_of, model_checker
 from tokenway.server.http import parse_body
 from tokenway.server.responses_api import key_of, page_limit
 from tokenway.server.routes import call_of, schema_extra
@@ -65,16 +64,17 @@ def router(services: Services) -> APIRouter:
         if file.purpose != "batch":
             raise InvalidRequestError(f"input_file_id: file {file_id} has purpose '{file.purpose}'; a batch's "
                                       "input is a file uploaded with purpose 'batch'", param="input_file_id")
-        # Checked again: what the key may run, or the server serves, may have changed since the upload.
-        lines, bad = await asyncio.to_thread(read_batch_file, content, model_checker(services, principal))
-        bad += [BadLine(line.number, f"url {line.url} is not the batch's endpoint {body.endpoint}")
-                for line in lines if line.url != body.endpoint]
-        bad.sort(key=lambda line: line.number)
+        # Checked again: what the key may run, or the server serves, may have changed since the
+        # upload. Read and packed in the body parser's worker process (intake.py), off the loop.
+        reading, _ = await services.body_parser.parse_with(chunks_of(content), read_batch_file_lines)
+        del content
+        bad = reading.problems(model_checker(services, principal), body.endpoint)
         errors = [batch_error(line) for line in bad]
         batch = new_batch("openai", principal.key_id, body.endpoint, now=time.time(), input_file_id=file_id,
                           metadata=body.metadata, completion_window_s=COMPLETION_WINDOW_S, errors=errors)
         # A failed batch keeps no lines: none of them runs.
-        created = await store.create_batch(batch, [] if bad else [(line.custom_id, line.body) for line in lines])
+        assert reading.lines is not None, "read_batch_file_lines packs the lines"
+        created = await store.create_batch(batch, [] if bad else reading.lines)
         return JSONResponse(batch_json(created))
 
     @api.get("/v1/batches/{batch_id}")

@@ -13,11 +13,10 @@ batch's output files to the batch's key): another key's is a 404, as one that do
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 import unicodedata
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter
 from starlette.datastructures import UploadFile
@@ -25,8 +24,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenway.batches import BatchStore, StoredFile, new_file_id
+from tokenway.batches.intake import check_batch_file_lines
 from tokenway.gateway.auth import Principal
-from tokenway.protocol.batches import FileDeleted, FileList, FileObject, check_batch_file
+from tokenway.protocol.batches import FileDeleted, FileList, FileObject, bad_lines_error
 from tokenway.protocol.errors import (
     FieldError,
     InvalidRequestError,
@@ -45,6 +45,7 @@ FILE_ID = re.compile(r"file-[A-Za-z0-9]{1,64}")
 BATCH_FILE_TTL_S = 30 * 24 * 3600  # OpenAI's default for purpose "batch"
 MAX_FILENAME_CHARS = 255
 MIN_EXPIRES_AFTER_S, MAX_EXPIRES_AFTER_S = 3600, 30 * 24 * 3600
+CHUNK_BYTES = 1 << 20
 
 
 def router(services: Services) -> APIRouter:
@@ -72,7 +73,11 @@ def router(services: Services) -> APIRouter:
         if len(content) > max_bytes:
             raise PayloadTooLargeError(f"file: {len(content)} bytes exceed this server's limit of {max_bytes}")
         principal = call_of(request).start.principal
-        await asyncio.to_thread(check_batch_file, content, model_checker(services, principal))
+        # Every line read in the body parser's worker process (intake.py), off the loop; each
+        # model the lines name asked about here, once.
+        reading, _ = await services.body_parser.parse_with(chunks_of(content), check_batch_file_lines)
+        if bad := reading.problems(model_checker(services, principal)):
+            raise bad_lines_error(bad)
         now = time.time()
         stored = StoredFile(new_file_id(), principal.key_id, "batch", filename, len(content), now, now + ttl_s)
         await store.create_file(stored, content)
@@ -116,6 +121,13 @@ def router(services: Services) -> APIRouter:
         return Response(data, media_type="application/octet-stream")
 
     return api
+
+
+async def chunks_of(content: bytes) -> AsyncIterator[bytes]:
+    """A file's bytes for BodyParser.parse_with, as a body arrives, CHUNK_BYTES at a time: views, not copies."""
+    view = memoryview(content)
+    for start in range(0, len(view), CHUNK_BYTES):
+        yield view[start:start + CHUNK_BYTES]  # type: ignore[misc]  # bytes-like: the worker's pipe takes a view
 
 
 def batch_store_of(services: Services) -> BatchStore:

@@ -39,11 +39,20 @@ def is_json_media_type(content_type: str | None) -> bool:
 
 
 async def parse_body(request: Request, model: type[T], parser: BodyParser) -> T:
+    return await _read_body(request, lambda chunks: parser.parse(chunks, model))
+
+
+async def read_body(request: Request, reader: Callable[[bytes], R], parser: BodyParser) -> R:
+    """parse_body with a reader of the JSON body's bytes (BodyParser.parse_with) in place of a model."""
+    return await _read_body(request, lambda chunks: parser.parse_with(chunks, reader))
+
+
+async def _read_body(request: Request, parse: Callable[[AsyncIterator[bytes]], Awaitable[tuple[R, int]]]) -> R:
     content_type = request.headers.get("content-type")
     if not is_json_media_type(content_type):
         raise UnsupportedMediaTypeError(f"Content-Type must be application/json, got {truncate(content_type or '')!r}")
     try:
-        parsed, num_bytes = await parser.parse(request.stream(), model)
+        parsed, num_bytes = await parse(request.stream())
     except ClientDisconnect:
         raise ClientDisconnected() from None  # gone before sending the whole body: nothing to answer
     state = request.scope.setdefault("state", {})

@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenway.batches import Batch, new_batch
+from tokenway.batches.intake import read_message_batch
 from tokenway.protocol.batches import (
     COMPLETION_WINDOW_S,
     DeletedMessageBatch,
@@ -34,7 +35,7 @@ from tokenway.protocol.batches import (
 from tokenway.protocol.errors import FieldError, InvalidRequestError, NotFoundError, TokenwayError, truncate
 from tokenway.server.batches_api import check_may_run
 from tokenway.server.files_api import batch_store_of
-from tokenway.server.http import parse_body
+from tokenway.server.http import read_body
 from tokenway.server.responses_api import page_limit
 from tokenway.server.routes import call_of, schema_extra
 from tokenway.server.services import Services
@@ -48,30 +49,21 @@ def router(services: Services) -> APIRouter:
     @api.post("/v1/messages/batches", openapi_extra=schema_extra(MessageBatchCreateRequest))
     async def create(request: Request) -> Response:
         store = batch_store_of(services)
-        body = await parse_body(request, MessageBatchCreateRequest, services.body_parser)
+        # Read, checked and packed in the body parser's worker process (intake.py): the loop
+        # never holds the requests as models, and the store writes them a chunk at a time.
+        lines = await read_body(request, read_message_batch, services.body_parser)
         principal = call_of(request).start.principal
         check_may_run(services, principal)
-        seen: set[str] = set()
-        for index, item in enumerate(body.requests):
-            where = f"requests[{index}]"
-            if item.custom_id in seen:
-                raise InvalidRequestError(f"{where}.custom_id: {item.custom_id!r} is used by an earlier request; "
-                                          "each must be unique", param=f"{where}.custom_id")
-            seen.add(item.custom_id)
-            model, stream = item.params.get("model"), item.params.get("stream")
-            if stream is True:
-                raise InvalidRequestError(f"{where}.params.stream: a batch's requests are answered whole; "
-                                          "remove stream", param=f"{where}.params.stream")
-            if not isinstance(model, str):
-                raise InvalidRequestError(f"{where}.params.model: a string is required", param=f"{where}.params.model")
+        for model, index in lines.model_to_first_index.items():  # each model once, the earliest request naming it
+            assert model is not None, "read_message_batch refuses a model that is not a string"
+            where = f"requests[{index}].params.model"
             try:
                 services.resolve_model(model, principal)
             except TokenwayError as exc:  # 404 not served, 403 not this key's: the same error, naming the request
-                raise type(exc)(f"{where}.params.model: {exc.message}", param=f"{where}.params.model",
-                                code=exc.code) from None
+                raise type(exc)(f"{where}: {exc.message}", param=where, code=exc.code) from None
         batch = new_batch("anthropic", principal.key_id, "/v1/messages", now=time.time(),
                           completion_window_s=COMPLETION_WINDOW_S)
-        created = await store.create_batch(batch, [(item.custom_id, item.params) for item in body.requests])
+        created = await store.create_batch(batch, lines)
         return JSONResponse(message_batch_json(created, request))
 
     @api.get("/v1/messages/batches")
