@@ -329,3 +329,42 @@ def test_a_client_that_leaves_before_a_whole_answer_aborts_the_upstream_request(
     while server.stats()["replicas"]["solo"]["oa"]["num_in_flight"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.stats()["replicas"]["solo"]["oa"]["num_in_flight"] == 0
+
+
+CUT_TEXT = ("Hello there, ", "my friend")  # 22 characters: 6 tokens by estimate_tokens, its tokenizer unknown
+
+
+@pytest.mark.parametrize("upstream", ["openai", "anthropic"])
+@pytest.mark.parametrize("ending", ["upstream_closes", "client_leaves"])
+def test_an_upstream_stream_cut_short_bills_the_text_it_had_sent(gateway, upstream, ending):
+    """The upstream reports usage only at its end: a stream cut before it (the upstream's
+    connection dropped, or the client gone) is billed its prompt and what the upstream had sent."""
+    server, oa, an = gateway
+    then = "close" if ending == "upstream_closes" else "hang"
+    if upstream == "openai":
+        model, stub = "solo", oa
+        stub.script(Reply(chunks=tuple(openai_chunk(text=piece) for piece in CUT_TEXT), then=then))
+    else:
+        model, stub = "claude", an
+        stub.script(Reply(chunks=(
+            anthropic_event("message_start", message={"id": "msg_1", "type": "message", "role": "assistant",
+                                                      "content": [], "model": "claude-up",
+                                                      "usage": {"input_tokens": 20, "output_tokens": 1}}),
+            anthropic_event("content_block_start", index=0, content_block={"type": "text", "text": ""}),
+            *(anthropic_event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece})
+              for piece in CUT_TEXT)), then=then))
+    body = {"model": model, "stream": True, "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}
+    texts = []
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=30) as response:
+        request_id = response.headers["x-request-id"]
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"choices"' in line:
+                texts.append(json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
+            if "".join(texts) == "".join(CUT_TEXT) and ending == "client_leaves":
+                break
+    assert "".join(texts) == "".join(CUT_TEXT)
+    row = server.ledger_row(request_id)
+    assert row["status"] == (502 if ending == "upstream_closes" else 499), row
+    assert row["completion_tokens"] == 6 and row["prompt_tokens"] > 0, row
+    trace = trace_of(server, request_id)
+    assert (trace["prompt_tokens"], trace["completion_tokens"]) == (row["prompt_tokens"], 6)

@@ -111,6 +111,10 @@ class Generation:
         self.tool_calls: list[list[ToolCall]] = [[] for _ in range(job.n)]
         self.reasonings: list[list[str]] = [[] for _ in range(job.n)]
         self.reasoning_tokens = [0] * job.n  # of completion_tokens, those spent thinking
+        # What a replica sent without token ids (an upstream's text, thinking and call pieces),
+        # by choice: counted only for a call that ends with no usage of its own (cut mid-stream,
+        # its client gone), so that what it was sent is still billed.
+        self.uncounted: list[list[str]] = [[] for _ in range(job.n)]
         # A reasoning model's reply is split as it streams (before its tool calls are read: they
         # are in the content); a replica that splits it itself (an upstream) sends `reasoning`.
         reasoning = prepared.reasoning
@@ -210,6 +214,8 @@ class Generation:
                         observer.on_tokens(self.model, num_new, gap)
                         last_token_times[index] = now
                     self.completion_tokens[index] += num_new
+                    if not num_new:
+                        keep_uncounted(self.uncounted[index], event)
                     if self.reasoning_parsers is not None:
                         event = self._split(event)
                     elif event.reasoning:  # split by the replica: its tokens where it says, else an estimate
@@ -352,6 +358,10 @@ class Generation:
         except TokenwayError as exc:
             self.finish(exc.status, exc.message)
             raise
+        except Exception as exc:  # a bug: the tokens made before it are still billed, then a plain 500
+            logger.exception("request %s failed", self.request_id)
+            self.finish(500, type(exc).__name__)
+            raise InternalServerError("The server had an error processing the request") from exc
         self.clock.end("postprocess")
         response = Response(dumps(body), media_type="application/json",
                             headers={"Server-Timing": self.clock.server_timing(), id_header: self.request_id,
@@ -371,7 +381,20 @@ class Generation:
 
     @property
     def num_completion_tokens(self) -> int:
-        return self.reported.completion_tokens if self.reported is not None else sum(self.completion_tokens)
+        """The replica's count where it sent one; else the token ids its deltas carried; else
+        (a replica that counts nothing until its end, cut before it) what it sent, counted by
+        the model's tokenizer where the call has one, or estimated."""
+        if self.reported is not None:
+            return self.reported.completion_tokens
+        return sum(self.completion_tokens) or sum(map(self._count, self.uncounted))
+
+    def _count(self, pieces: list[str]) -> int:
+        if not pieces:
+            return 0
+        text = "".join(pieces)
+        if self.frontend is not None:
+            return len(self.frontend.tokenizer.encode(text, add_special_tokens=False))
+        return estimate_tokens(text)
 
     @property
     def num_reasoning_tokens(self) -> int:
@@ -450,6 +473,13 @@ async def _chained(first: list[ReplicaEvent], rest: AsyncIterator[ReplicaEvent]
         yield event
     async for event in rest:
         yield event
+
+
+def keep_uncounted(pieces: list[str], delta: ChoiceDelta) -> None:
+    """A delta's generated text (thinking, content, a call's name and arguments) as it came."""
+    pieces.extend(text for text in (delta.reasoning, delta.text) if text)
+    for call in delta.tool_calls:
+        pieces.extend(text for text in (call.name, call.arguments) if text)
 
 
 def add_tool_call_piece(calls: list[ToolCall], piece: ToolCallDelta) -> None:
