@@ -9,11 +9,12 @@ from __future__ import annotations
 import string
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tests.safety.test_bypass import CARDS, KEYS, openai_input, redacted, screened, user
 from tokenway.safety.detectors import detect
+from tokenway.safety.screen import OutputScreen, SafetyPolicy
 
 # Every ASCII character that is not a letter, a digit or a blank, and the blanks and the other
 # scripts' spaces and dashes the view folds.
@@ -148,3 +149,18 @@ def test_an_iban_whose_digits_read_as_a_card_is_an_iban():
     # Norway's length say IBAN.
     assert [f.category for f in detect("card 4850008063608")] == ["credit_card"]
     assert [f.category for f in detect("IBAN NO48 5000 8063 608 ok")] == ["iban"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(written_cards(), st.lists(st.integers(1, 6), min_size=1, max_size=8))
+def test_a_streamed_reply_never_shows_a_digit_of_such_a_card(written, sizes):
+    # ASCII separators: the reply is screened as written (the input screen reads a folded view).
+    assume(written.isascii())
+    text, out, position = f"Your card is {written} and more text follows.", [], 0
+    screen = OutputScreen(SafetyPolicy(output="redact"))
+    while position < len(text):
+        size = sizes[len(out) % len(sizes)]
+        out.append(screen.feed(text[position:position + size]).text)
+        position += size
+    reply = "".join(out) + screen.finish().text
+    assert "[REDACTED:credit_card]" in reply and not any(ch.isdigit() for ch in reply), (written, reply)

@@ -44,10 +44,11 @@ from tokenway.safety.normalize import JoinedView
 MODES = ("off", "flag", "redact", "block")
 _DIGIT_GROUPS_TAIL = 64
 _MAX_HELD = 512  # longer than any key the detectors know
-# From the first of the trailing runs that hold a digit (with the blanks between them) to the
-# end: the part of the tail a number written in groups may still be growing in. The first
-# digit of a run is where the run's [^\s\d]* stops, so the pattern cannot backtrack far.
-_TRAILING_GROUPS = re.compile(r"(?:[^\s\d]*\d\S*[ \t]{1,2})*\S*\Z")
+# From the first of the trailing runs that hold a digit, or are one separator ("4539 | 1488"),
+# (with the blanks between them) to the end: the part of the tail a number written in groups
+# may still be growing in. The first digit of a run is where the run's [^\s\d]* stops, so the
+# pattern cannot backtrack far.
+_TRAILING_GROUPS = re.compile(r"(?:(?:[^\s\d]*\d\S*|[^A-Za-z0-9\s])[ \t]{1,2})*\S*\Z")
 
 
 @dataclass(frozen=True, slots=True)
