@@ -31,6 +31,8 @@ SWITCH_BY_VACUUM_BYTES = 64 * 2**20
 RECLAIM_STEP_PAGES = 2048  # pages an incremental_vacuum frees per write: 8 MiB of 4 KiB pages
 RECLAIM_MIN_PAGES = 256  # free pages below this are left for the next writes to reuse
 JOURNAL_SIZE_LIMIT = 64 * 2**20  # a WAL that a large create grew is cut back to this once checkpointed
+BUSY_TIMEOUT_MS = 10_000
+CHECKPOINT_WAIT_MS = 200
 
 
 class SqliteBatchBackend(BatchBackend):
@@ -39,10 +41,11 @@ class SqliteBatchBackend(BatchBackend):
         # check_same_thread=False: the store closes its connections from the thread that closes it.
         self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._incremental = False
+        self._wal_to_truncate = False  # pages were moved since the WAL was last truncated
         try:
             if path != ":memory:":
                 # The file is the ledger's and the keys' too: wait out their write locks.
-                self._conn.execute("PRAGMA busy_timeout = 10000")
+                self._conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
                 # The mode is the file's, kept once set: switching takes an exclusive lock that
                 # SQLite may refuse at once (no busy wait) while another connection reads.
                 if self._conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
@@ -84,16 +87,21 @@ class SqliteBatchBackend(BatchBackend):
         the WAL truncated (it holds the moved pages until checkpointed)."""
         if not self._incremental:
             return
-        num_freed = 0
         while (num_free := self._conn.execute("PRAGMA freelist_count").fetchone()[0]) >= RECLAIM_MIN_PAGES:
             # A script: the pragma frees a page a step, and execute() steps it once (one page, whatever N).
             self._conn.executescript(f"PRAGMA incremental_vacuum({RECLAIM_STEP_PAGES});")
-            freed = num_free - self._conn.execute("PRAGMA freelist_count").fetchone()[0]
-            if freed <= 0:
+            self._wal_to_truncate = True
+            if self._conn.execute("PRAGMA freelist_count").fetchone()[0] >= num_free:
                 break
-            num_freed += freed
-        if num_freed:
-            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        if self._wal_to_truncate:
+            # A TRUNCATE checkpoint holds off writers (the ledger's) while it waits for readers: it
+            # waits briefly, and a busy one is tried again at the next reclaim.
+            self._conn.execute(f"PRAGMA busy_timeout = {CHECKPOINT_WAIT_MS}")
+            try:
+                busy = self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+            finally:
+                self._conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            self._wal_to_truncate = bool(busy)
 
     def close(self) -> None:
         self._conn.close()
