@@ -1,14 +1,14 @@
 """An agent CLI that speaks OpenAI's Responses API (OpenAI's Codex CLI, from npm) configured
-for tokenway serve as a custom provider, completing one non-interactive turn: the case of the
-issue, where such a CLI got `404 No route POST /v1/responses` and gave up after five retries.
-It is installed from npm into this session's cache (never globally); without npm, or without
-the registry, the test skips and says why."""
+for tokenway serve as a custom provider, completing one non-interactive turn. Codex lists its
+hosted web_search tool with every request: the server leaves it out of the prompt (and names
+it in the trace) rather than refusing the turn. The CLI is installed from npm into this
+session's cache (never globally); without npm, or without the registry, the test skips and
+says why."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import sqlite3
 import subprocess
 import time
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import Server
+from .npm_cli import npm_cli
 
 MODEL = "smollm2-135m-instruct"
 CODEX_VERSION = "0.169.0"  # pinned: a new release must not change what this test checks unseen
@@ -26,18 +27,7 @@ ATTEMPTS = 3
 
 @pytest.fixture(scope="module")
 def codex() -> Path:
-    npm = shutil.which("npm")
-    if npm is None:
-        pytest.skip("npm is not installed: the agent CLI (@openai/codex) comes from npm")
-    prefix = Path(os.environ["TOKENWAY_CACHE_DIR"]) / f"codex-{CODEX_VERSION}"
-    binary = prefix / "node_modules" / ".bin" / "codex"
-    if not binary.exists():
-        prefix.mkdir(parents=True, exist_ok=True)
-        installed = subprocess.run([npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund",
-                                    f"@openai/codex@{CODEX_VERSION}"], capture_output=True, text=True, timeout=600)
-        if installed.returncode != 0 or not binary.exists():
-            pytest.skip(f"npm could not install @openai/codex@{CODEX_VERSION}: {installed.stderr[-500:]}")
-    return binary
+    return npm_cli("@openai/codex", CODEX_VERSION, "codex")
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +45,13 @@ def num_rows(db: Path) -> int:
         return conn.execute("SELECT count(*) FROM usage_ledger WHERE status = 200").fetchone()[0]
 
 
+def omitted_tools(db: Path) -> set[str]:
+    """Every tool type the server left out of a call's prompt, as the calls' traces name them."""
+    with sqlite3.connect(db) as conn:
+        traces = [json.loads(trace or "{}") for (trace,) in conn.execute("SELECT trace FROM usage_ledger")]
+    return {kind for trace in traces for kind in trace.get("omitted_tools") or ()}
+
+
 def rows_after(db: Path, before: int, timeout: float = 10) -> int:
     """The rows once more than `before` are committed (or what there is at the deadline): a
     call's row is journaled before its reply ends, and committed with its window's rows, a
@@ -70,17 +67,17 @@ def test_an_agent_cli_on_the_responses_api_completes_a_turn(codex, capped, tmp_p
     home.mkdir()
     work.mkdir()
     # The custom provider, as a user writes it in ~/.codex/config.toml; CODEX_HOME keeps the
-    # user's own config (and any OpenAI login) out of it. Codex asks for OpenAI's hosted web
-    # search unless told not to, and tokenway refuses built-in tools (a 400 naming it). Its own
-    # instructions and some tool groups are left out so that the prompt fits the test model's
-    # 8,192-token window, and prefills in seconds rather than minutes on a CPU.
+    # user's own config (and any OpenAI login) out of it. Its web search is left as it is: Codex
+    # lists the hosted tool, and the server leaves it out. Its own instructions and some tool
+    # groups are left out so that the prompt fits the test model's 8,192-token window (the whole
+    # prompt is about 10,000 tokens), and prefills in seconds rather than minutes on a CPU.
     instructions = home / "instructions.md"
     instructions.write_text("You are a terse assistant. Answer in one sentence.\n")
     (home / "config.toml").write_text(f"""\
 model = "{MODEL}"
 model_provider = "tokenway"
 model_instructions_file = "{instructions}"
-web_search = "disabled"
+model_context_window = 8192
 
 [model_providers.tokenway]
 name = "tokenway"
@@ -115,3 +112,4 @@ enabled = false
     assert messages and messages[-1].strip(), events[-5:]
     assert any(event.get("type") == "turn.completed" for event in events), events[-5:]
     assert rows_after(capped.db, before) > before  # its calls reached the model, each billed
+    assert "web_search" in omitted_tools(capped.db)  # listed by Codex, left out of the prompt
