@@ -137,10 +137,22 @@ def test_cancelling_a_background_response_stops_its_generation(client, server):
     assert client.responses.cancel(queued.id).status == "cancelled"  # idempotent
 
 
+def test_a_built_in_tool_listed_is_left_out_and_named(client, server):
+    """As OpenAI's Codex CLI lists web_search with every request: answered, not refused."""
+    raw = client.responses.with_raw_response.create(
+        model=MODEL, input="Say hi.", max_output_tokens=4, temperature=0,
+        tools=[{"type": "web_search", "external_web_access": False}, {"type": "image_generation"}])
+    assert raw.headers["x-tokenway-omitted-tools"] == "web_search, image_generation"
+    response = raw.parse()
+    assert response.status == "incomplete" and response.tools == [] and response.usage.output_tokens == 4
+    assert server.ledger_row(response.id)["status"] == 200
+
+
 def test_errors_are_openai_shaped(client, server):
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.responses.create(model=MODEL, input="hi", tools=[{"type": "web_search"}])
-    assert refused.value.param == "tools[0]" and "web_search" in refused.value.message
+    with pytest.raises(openai.BadRequestError) as refused:  # forced: only a built-in tool could answer it
+        client.responses.create(model=MODEL, input="hi", tools=[{"type": "web_search"}],
+                                tool_choice={"type": "web_search"})
+    assert refused.value.param == "tool_choice" and "web_search" in refused.value.message
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="no-such-model", input="hi")
     with pytest.raises(openai.BadRequestError) as too_long:
