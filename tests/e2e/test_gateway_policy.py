@@ -57,7 +57,8 @@ def wait_for(predicate, timeout: float = 5.0):
 
 
 def test_key_lifecycle_401_403_and_no_secret_in_logs(gated):
-    assert chat(gated.base_url, None).status_code == 200  # no key yet, loopback: auth is off
+    # No key yet, on loopback, but an admin key is set: keys are managed here, so auth is on.
+    assert chat(gated.base_url, None).json()["error"]["code"] == "no_api_keys"
     key = create_key(gated.db, "--name", "alice", "--models", MODEL)
     other_model_key = create_key(gated.db, "--name", "bob", "--models", "some-other-model")
     # The CLI wrote to the same database: the server turns auth on within its 2 s refresh.

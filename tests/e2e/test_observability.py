@@ -27,7 +27,24 @@ def server(default_model_dir):
     assert server.stop() == 0, server.read_log()[-3000:]
 
 
-def client(server: Server, key: str = "unused") -> openai.OpenAI:
+@pytest.fixture(scope="module")
+def key(server) -> str:
+    """An API key: with an admin key set, auth is on from the start."""
+    from .test_gateway_policy import create_key
+
+    key = create_key(server.db, "--name", "observer")
+    deadline = time.monotonic() + 10  # the server sees the new key within ~2 s
+    while httpx.get(f"{server.base_url}/v1/models", headers=bearer(key), timeout=10).status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    return key
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def client(server: Server, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0)
 
 
@@ -62,9 +79,9 @@ def value(samples: dict, name: str, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def test_a_completed_call_has_a_trace_whose_stages_add_up(server):
+def test_a_completed_call_has_a_trace_whose_stages_add_up(server, key):
     started = time.monotonic()
-    raw = client(server).chat.completions.with_raw_response.create(
+    raw = client(server, key).chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "Name a color."}], max_tokens=8, temperature=0)
     elapsed_ms = (time.monotonic() - started) * 1000
     completion = raw.parse()
@@ -86,15 +103,15 @@ def test_a_completed_call_has_a_trace_whose_stages_add_up(server):
         assert trace["tpot_ms"] > 0
     assert trace["sampling"]["max_tokens"] == 8 and trace["sampling"]["temperature"] == 0
 
-    # Auth is off (no key yet, loopback): the anonymous caller sees its own traces on /v1.
-    own = httpx.get(f"{server.base_url}/v1/traces/{completion.id}", timeout=10)
+    # A key sees its own traces on /v1.
+    own = httpx.get(f"{server.base_url}/v1/traces/{completion.id}", headers=bearer(key), timeout=10)
     assert own.status_code == 200 and own.json()["request_id"] == completion.id
-    missing = httpx.get(f"{server.base_url}/v1/traces/chatcmpl-nope", timeout=10)
+    missing = httpx.get(f"{server.base_url}/v1/traces/chatcmpl-nope", headers=bearer(key), timeout=10)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "trace_not_found"
 
 
-def test_a_stream_and_an_anthropic_call_are_traced_too(server):
-    stream = client(server).chat.completions.create(
+def test_a_stream_and_an_anthropic_call_are_traced_too(server, key):
+    stream = client(server, key).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Count to three."}], max_tokens=6, temperature=0,
         stream=True)
     chunk_ids = {chunk.id for chunk in stream}
@@ -102,7 +119,7 @@ def test_a_stream_and_an_anthropic_call_are_traced_too(server):
     trace = wait_for_trace(server, request_id)
     assert trace["stream"] is True and trace["status"] == 200 and trace["stages_ms"]["decode"] >= 0
 
-    response = httpx.post(f"{server.base_url}/v1/messages", timeout=60, json={
+    response = httpx.post(f"{server.base_url}/v1/messages", headers={"x-api-key": key}, timeout=60, json={
         "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
     assert response.status_code == 200
     message_id = response.json()["id"]
@@ -110,9 +127,9 @@ def test_a_stream_and_an_anthropic_call_are_traced_too(server):
     assert wait_for_trace(server, message_id)["endpoint"] == "/v1/messages"
 
 
-def test_metrics_appear_and_move_after_requests(server):
+def test_metrics_appear_and_move_after_requests(server, key):
     before = scrape(server)
-    completion = client(server).chat.completions.create(
+    completion = client(server, key).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Say yes."}], max_tokens=5, temperature=0)
     wait_for_trace(server, completion.id)
     after = scrape(server)
@@ -139,10 +156,10 @@ def test_metrics_appear_and_move_after_requests(server):
     assert 0.0 <= value(after, "tokenway_prefix_cache_hit_ratio") <= 1.0
 
 
-def test_the_trace_says_why_the_prefix_cache_missed(server):
+def test_the_trace_says_why_the_prefix_cache_missed(server, key):
     messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "What is 2+2?"}]
-    first = client(server).chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
-    second = client(server).chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    first = client(server, key).chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    second = client(server, key).chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
     cold, warm = wait_for_trace(server, first.id), wait_for_trace(server, second.id)
     assert cold["cache_reason"] == "not_cached" and cold["cached_tokens"] == 0
     assert "never cached" in cold["cache_explanation"]
@@ -150,13 +167,13 @@ def test_the_trace_says_why_the_prefix_cache_missed(server):
     assert warm["cached_tokens"] == second.usage.prompt_tokens_details.cached_tokens > 0
     assert warm["cache_explanation"].startswith(f"{warm['cached_tokens']} of {warm['prompt_tokens']}")
 
-    short = client(server).completions.create(model=MODEL, prompt="Hi", max_tokens=1, temperature=0)
+    short = client(server, key).completions.create(model=MODEL, prompt="Hi", max_tokens=1, temperature=0)
     assert wait_for_trace(server, short.id)["cache_reason"] == "no_full_block"
 
 
-def test_a_cancelled_stream_leaves_a_trace(server):
+def test_a_cancelled_stream_leaves_a_trace(server, key):
     before = scrape(server)
-    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", timeout=60, json={
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", headers=bearer(key), timeout=60, json={
             "model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 400,
             "temperature": 0, "ignore_eos": True, "stream": True}) as response:
         request_id = response.headers["x-request-id"]
@@ -178,8 +195,8 @@ def test_a_429_leaves_a_trace_with_its_limit(server):
     from .test_gateway_policy import create_key
 
     key = create_key(server.db, "--name", "one-per-minute", "--rpm", "1")
-    deadline = time.monotonic() + 10  # the server sees the new key (and turns auth on) within ~2 s
-    while httpx.post(f"{server.base_url}/v1/chat/completions", json={}, timeout=10).status_code != 401:
+    deadline = time.monotonic() + 10  # the server sees the new key within ~2 s (/v1/models counts to no limit)
+    while httpx.get(f"{server.base_url}/v1/models", headers=bearer(key), timeout=10).status_code != 200:
         assert time.monotonic() < deadline
         time.sleep(0.1)
     before = scrape(server)
