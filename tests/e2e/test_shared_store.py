@@ -62,8 +62,8 @@ def gateways(upstream, postgres_database, redis_url, tmp_path) -> Iterator[tuple
     try:
         for _ in range(2):
             servers.append(Server(*args))
-        # Auth is off on loopback while a gateway knows no live key; a first key keeps it on
-        # for both, so an unknown or revoked key is refused rather than let in anonymously.
+        # An admin key keeps auth on from the start, and a key once made keeps it on for every
+        # gateway on the store: an unknown or revoked key is refused, never let in anonymously.
         admin(servers[0], "POST", "/keys", json={"name": "auth-on"})
         until(lambda: all(auth_on(server) for server in servers), "auth on, on both gateways")
         yield servers[0], servers[1]
