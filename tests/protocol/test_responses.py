@@ -17,13 +17,14 @@ import pydantic
 import pytest
 from openai.types.responses import InputTokenCountResponse, Response, ResponseItemList, ResponseStreamEvent
 from openai.types.responses.response_create_params import ResponseCreateParamsBase
+from openai.types.responses.tool_param import ToolParam
 
 from tokenway.conversations import open_response_store
 from tokenway.observability.observer import Observer
 from tokenway.protocol.body import decode_json_body
 from tokenway.protocol.errors import BadGatewayError, InvalidRequestError
 from tokenway.protocol.job import ChoiceDelta, ToolCallDelta, Usage
-from tokenway.protocol.responses import InputTokensRequest, ResponsesRequest
+from tokenway.protocol.responses import OMITTED_TOOLS, InputTokensRequest, ResponsesRequest
 from tokenway.routing.router import Pool, Router
 from tokenway.safety.screen import SafetyPolicy
 from tokenway.server.app import create_app
@@ -180,6 +181,19 @@ def test_tools_the_server_cannot_run_are_left_out_and_named(observed, stream):
     trace = responses.request("GET", f"/v1/traces/{body['id']}")
     assert trace.status_code == 200, trace.text
     assert trace.json()["omitted_tools"] == list(job.omitted_tools)
+
+
+def test_every_tool_type_of_the_sdk_is_served_or_left_out():
+    """No tool the real API accepts is a 400: a new SDK type needs a decision here."""
+    kinds = set()
+    for member in typing.get_args(ToolParam):
+        hint = typing.get_type_hints(member)["type"]
+        kinds |= set(typing.get_args(typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Required
+                                     else hint))
+    assert kinds - {"function", "namespace"} <= OMITTED_TOOLS, kinds - OMITTED_TOOLS
+    body = ResponsesRequest.model_validate({"model": MODEL, "input": "hi", "tools": [
+        {"type": kind} for kind in sorted(OMITTED_TOOLS)]})
+    assert body.chat_tools() is None and set(body.omitted_tools()) == OMITTED_TOOLS
 
 
 def test_a_call_whose_tools_are_all_left_out_is_a_plain_one(responses):
