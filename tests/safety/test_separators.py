@@ -164,3 +164,12 @@ def test_a_streamed_reply_never_shows_a_digit_of_such_a_card(written, sizes):
         position += size
     reply = "".join(out) + screen.finish().text
     assert "[REDACTED:credit_card]" in reply and not any(ch.isdigit() for ch in reply), (written, reply)
+
+
+def test_a_card_written_one_digit_a_line_is_found_and_a_page_of_them_is_read_line_by_line():
+    vertical = "\n".join("4539148803436467")
+    assert screened(openai_input(messages=[user(f"Card:\n{vertical}\nthanks")])).categories == ("credit_card",)
+    # A page of numbers a line is one run, read a few lines at a time (cards.py): its cards of
+    # four lines are found.
+    page = "\n".join(["45 39", "14 88", "03 43", "64 67"] * 50)
+    assert len(detect(page, frozenset({"credit_card"}))) >= 40

@@ -19,7 +19,8 @@ window of its groups, is what keeps lists of small numbers ("41 42 43 ...", lott
 token ids), amounts, dates and versions out: a window of a long run would pass Luhn one time in
 ten. What is tried beyond the whole piece, in order: without the group it shares with a
 neighbour ("... 1111 12/28"); several cards back to back, all of them valid; and, across line
-breaks, its lines and runs of lines (a number ending one message, a card starting the next).
+breaks, a card in up to four of its lines (a number ending one message, a card starting the
+next).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ _BLANKS_OVER_TWO = re.compile(r"[ \t]{3}")
 _MAX_GROUP = 6
 _MAX_DIGITS = 19
 _MAX_TILED = 4 * _MAX_DIGITS  # the most digits read as cards back to back
+_MAX_LINES = 4  # the most lines a card is looked for in, within a longer run
 # Hashes (git's 40 hex digits, MD5's 32, SHA-256's 64) hold long digit runs glued to letters: a
 # run inside a hex token this long is part of one, not a card glued to a word.
 _HASH_CHARS = 32
@@ -146,18 +148,18 @@ def _cards_in(run: _Run, lo: int, hi: int, shared_lo: bool, shared_hi: bool) -> 
                                (lo + shared_lo, hi - shared_hi))):
         if a <= b and (cards := run.tiled(a, b)):
             return cards
-    # Across line breaks: its lines and runs of lines, the longest from each line first.
+    # Across line breaks: one card in up to _MAX_LINES of its lines, the most from each line
+    # first (a number ending one message, a card starting the next). Bounded so, the work is
+    # linear in the lines, however many ("4\n5\n3\n9\n..." for a page).
     line_starts = [lo, *(i + 1 for i in range(lo, hi) if run.gaps[i].breaks)]
     line_ends = [start - 1 for start in line_starts[1:]] + [hi]
     found: list[tuple[int, int]] = []
     first = 0
     while len(line_starts) > 1 and first < len(line_starts):
-        a, widest = line_starts[first], first
-        while widest + 1 < len(line_starts) and run.num_digits(a, line_ends[widest + 1]) <= _MAX_TILED:
-            widest += 1
-        for last in range(widest, first - 1, -1):
-            if (a, line_ends[last]) != (lo, hi) and (cards := run.tiled(a, line_ends[last])):
-                found += cards
+        a = line_starts[first]
+        for last in range(min(first + _MAX_LINES, len(line_starts)) - 1, first - 1, -1):
+            if (a, line_ends[last]) != (lo, hi) and run.is_card(a, line_ends[last]):
+                found.append((a, line_ends[last]))
                 first = last
                 break
         first += 1
