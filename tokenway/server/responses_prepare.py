@@ -238,6 +238,6 @@ def _naming_input(exc: ContextLengthExceededError) -> ContextLengthExceededError
     """The chat path's context-length 400, naming the Responses field: input, not messages."""
     if exc.prompt != "messages":
         return exc
-    param = "input" if exc.param == "messages" else exc.param
+    param = "input" if exc.param in ("messages", None) else exc.param
     return ContextLengthExceededError(exc.num_prompt_tokens, exc.max_tokens, exc.max_model_len, param=param,
                                       prompt="input")
