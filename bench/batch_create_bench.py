@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -29,7 +32,30 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_bench import MODEL, REPO, percentile, start_server  # noqa: E402
+from serve_bench import MODEL, REPO, percentile  # noqa: E402
+
+START_TIMEOUT_S = 900.0  # a loaded 2-core machine can take minutes to load the model
+
+
+def start_server(*extra: str, repo: Path, log) -> tuple[subprocess.Popen, str]:
+    """`tokenway serve` from the checkout `repo` on a free loopback port, once it is ready."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "tokenway.cli", "serve", "--port", str(port),
+                                "--log-level", "warning", *extra], cwd=repo,
+                               env={**os.environ, "PYTHONPATH": str(repo)}, stdout=log, stderr=log)
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(base_url + "/ready", timeout=2).status_code == 200:
+                return process, base_url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise SystemExit(f"the server from {repo} did not start")
 
 
 def params(i: int) -> dict:
@@ -146,6 +172,7 @@ def measure(repo: Path, num_requests: int, workdir: Path) -> None:
 
 
 def main() -> None:
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # figures as they come
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repo", action="append", default=[], help="another checkout to measure too")
     parser.add_argument("--requests", type=int, default=100_000, help="the message batch's requests")
