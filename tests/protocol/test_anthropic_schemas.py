@@ -245,11 +245,11 @@ TOOL_USE = {"type": "tool_use", "id": "t", "name": "f", "input": {}}
          "messages[0].content", "messages[0].content: thinking blocks are not allowed in user messages"),
         ({"messages": [{"role": "user", "content": [{"type": "container_upload", "file_id": "f"}]}]},
          "messages[0].content[0].file_id", None),
-        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]",
-         "tools[0]: tool type 'web_search_20250305' is a server tool, which Anthropic's servers run and this "
-         "server does not; define it as a custom tool (name, input_schema) and run it client-side"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}],  # listed, it is left out; forced:
+          "tool_choice": {"type": "tool", "name": "web_search"}}, "tool_choice", None),
         ({"tools": [{"type": "computer_20250124", "name": "computer", "display_width_px": 1024,
-                     "display_height_px": 768}]}, "tools[0]", None),
+                     "display_height_px": 768}], "tool_choice": {"type": "tool", "name": "computer"}},
+         "tool_choice", None),
         ({"tools": [{"type": "bash_20250124", "name": "shell"}]}, "tools[0]",
          "tools[0]: a bash_20250124 tool is named 'bash', got 'shell'"),
         ({"mcp_servers": [{"type": "url", "url": "https://mcp.example", "name": "x"}]}, "mcp_servers", None),

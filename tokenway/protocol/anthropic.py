@@ -12,7 +12,9 @@ what the server sends back protocol/anthropic_bodies.py's.
 Same rules as the OpenAI schemas: unknown top-level fields are a 400, nested unknown keys are
 ignored, types are strict. Every field of Anthropic's reference is accepted; the few whose
 values no server without Anthropic's infrastructure can honour (MCP servers, threads, server-side
-compaction) are a 400 naming them. docs/api.md says what each field does here.
+compaction, a tool_choice forcing a server tool) are a 400 naming them; server tools listed
+beside client tools are left out of the prompt (anthropic_tools.py). docs/api.md says what each
+field does here.
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ from tokenway.protocol.anthropic_edits import ContextManagement
 from tokenway.protocol.anthropic_tools import (
     Tool,
     ToolChoice,
-    ToolChoiceAny,
     ToolChoiceNone,
-    ToolChoiceTool,
+    check_tool_choice,
+    omitted_tools,
+    shown_tools,
 )
 from tokenway.protocol.errors import short_repr
 from tokenway.protocol.openai_messages import (
@@ -150,12 +153,11 @@ class MessagesPrompt(RequestModel):
     def _choice_names_a_tool(cls, value: Any, info: ValidationInfo) -> Any:
         if "tools" not in info.data:  # the tools failed; that error is the one to report
             return value
-        names = [tool.name for tool in info.data["tools"] or ()]
-        if isinstance(value, ToolChoiceTool) and value.name not in names:
-            raise fail("tool_choice", "names tool {name}, which is not in tools", name=short_repr(value.name))
-        if isinstance(value, ToolChoiceAny) and not names:
-            raise fail("tool_choice", "'any' needs at least one tool in tools")
-        return value
+        return check_tool_choice(value, info.data["tools"])
+
+    def omitted_tools(self) -> tuple[str, ...]:
+        """The tool types left out of the prompt (ServerTool's), for the header and the trace."""
+        return omitted_tools(self.tools)
 
     @field_validator("mcp_servers")
     @classmethod
@@ -349,7 +351,8 @@ def to_chat_messages(req: MessagesPrompt) -> list[dict[str, Any]]:
 
 
 def to_chat_tools(req: MessagesPrompt) -> list[dict[str, Any]] | None:
-    """The tools in OpenAI's {"type": "function", "function": {...}} shape, or None."""
-    if not req.tools or isinstance(req.tool_choice, ToolChoiceNone):
+    """The tools the model is shown, in OpenAI's {"type": "function", "function": {...}} shape,
+    or None: server tools are left out (MessagesPrompt.omitted_tools names them)."""
+    if isinstance(req.tool_choice, ToolChoiceNone):
         return None
-    return [tool.chat_tool() for tool in req.tools]
+    return [tool.chat_tool() for tool in shown_tools(req.tools)] or None

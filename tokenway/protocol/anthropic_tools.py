@@ -4,10 +4,13 @@ tool_choice, as the chat templates take them.
     custom tool (no type, or "custom")      -> a function with the caller's input_schema
     bash_*, text_editor_*, memory_*         -> Anthropic-defined client tools: the caller runs them,
                                                the model gets their documented input schema
-    computer_*                              -> 400: it acts on screenshots a text-only model cannot read
-    web_search_*, web_fetch_*, code_execution_*, tool_search_*, advisor_*, *_toolset_*, mcp_toolset
-                                            -> 400 naming the type: server tools, which Anthropic
-                                               runs and this server does not
+    web_search_*, web_fetch_*, code_execution_*, tool_search_tool_*, advisor_*, *_toolset*
+    (mcp_toolset too), computer_*           -> left out of what the model sees (ServerTool), as the
+                                               Responses API leaves out OpenAI's built-in tools:
+                                               agents list them beside their client tools. Server
+                                               tools run on Anthropic's side; the computer tool
+                                               acts on screenshots a text-only model cannot read.
+                                               A tool_choice naming one is a 400 (anthropic.py).
 """
 
 from __future__ import annotations
@@ -75,8 +78,15 @@ CLIENT_TOOLS: dict[str, tuple[str, dict[str, Any]]] = {
     "text_editor_20250728": ("str_replace_based_edit_tool", _EDITOR_V2),
     "memory_20250818": ("memory", _MEMORY),
 }
-_SERVER_TOOL_PREFIXES = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_", "advisor_",
-                         "browser_toolset_", "computer_toolset_", "mcp_toolset")
+# Types the model is not shown: Anthropic's server tools (the toolsets by "_toolset" anywhere in
+# the type), and the computer tool.
+_SERVER_TOOL_PREFIXES = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_", "advisor_")
+_COMPUTER_PREFIX = "computer_"
+
+
+def left_out(kind: str) -> bool:
+    """Whether a tool of this type is left out of what the model sees (a ServerTool)."""
+    return kind.startswith((*_SERVER_TOOL_PREFIXES, _COMPUTER_PREFIX)) or "_toolset" in kind
 
 
 class CustomTool(WireModel):
@@ -136,6 +146,15 @@ class ClientTool(WireModel):
         return {"type": "function", "function": {"name": self.name, **CLIENT_TOOLS[self.type][1]}}
 
 
+class ServerTool(WireModel):
+    """A tool the model is not shown (left_out): its type is named in the response's
+    x-tokenway-omitted-tools header and the trace; its other fields are not read."""
+
+    type: str
+    name: str | None = None  # a toolset has none (mcp_toolset names its server instead)
+    cache_control: CacheControl | None = None  # still a breakpoint: the prompt's prefix ends there
+
+
 def _tool_kind(value: Any) -> Any:
     if not isinstance(value, dict):
         raise fail("object_type", "each tool must be a JSON object, got {got}", got=short_repr(value))
@@ -144,24 +163,32 @@ def _tool_kind(value: Any) -> Any:
         return value
     if not isinstance(kind, str):
         raise fail("tool_type", "type must be a string, got {got}", got=short_repr(kind))
-    if kind.startswith("computer_"):
-        raise fail("tool_type", "tool type {got}: the computer use tool acts on screenshots, which this "
-                   "text-only model cannot read", got=short_repr(kind))
-    if kind.startswith(_SERVER_TOOL_PREFIXES):
-        raise fail("server_tool", "tool type {got} is a server tool, which Anthropic's servers run and this "
-                   "server does not; define it as a custom tool (name, input_schema) and run it client-side",
-                   got=short_repr(kind))
-    raise fail("tool_type", "type must be 'custom' (or absent), or one of {expected}, got {got}",
+    if left_out(kind):
+        return value
+    raise fail("tool_type", "type must be 'custom' (or absent), one of {expected}, or one of Anthropic's server "
+               "tools (which this server leaves out of the prompt), got {got}",
                expected=", ".join(repr(k) for k in CLIENT_TOOLS), got=short_repr(kind))
 
 
 def _tool_tag(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return "CustomTool" if kind in (None, "custom") else "ClientTool"  # CamelCase: left out of an error's param
+    if kind in (None, "custom"):  # CamelCase: left out of an error's param
+        return "CustomTool"
+    return "ClientTool" if kind in CLIENT_TOOLS else "ServerTool"
 
 
-Tool = Annotated[Annotated[CustomTool, Tag("CustomTool")] | Annotated[ClientTool, Tag("ClientTool")],
-                 Discriminator(_tool_tag), BeforeValidator(_tool_kind)]
+Tool = Annotated[Annotated[CustomTool, Tag("CustomTool")] | Annotated[ClientTool, Tag("ClientTool")]
+                 | Annotated[ServerTool, Tag("ServerTool")], Discriminator(_tool_tag), BeforeValidator(_tool_kind)]
+
+
+def shown_tools(tools: list[Any] | None) -> list[CustomTool | ClientTool]:
+    """The tools the model sees, in order."""
+    return [tool for tool in tools or () if not isinstance(tool, ServerTool)]
+
+
+def omitted_tools(tools: list[Any] | None) -> tuple[str, ...]:
+    """The types of the tools left out, each once, in order (GenerationJob's omitted_tools)."""
+    return tuple(dict.fromkeys(tool.type for tool in tools or () if isinstance(tool, ServerTool)))
 
 
 # ---- tool_choice --------------------------------------------------------------------------------
@@ -188,6 +215,29 @@ class ToolChoiceTool(WireModel):
 
 
 ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceNone | ToolChoiceTool, TaggedUnion("tool_choice")]
+
+
+def check_tool_choice(choice: ToolChoice | None, tools: list[Any] | None) -> ToolChoice | None:
+    """tool_choice, if it names a tool the model is shown, or asks for any where one is."""
+    names = [tool.name for tool in shown_tools(tools)]
+    if isinstance(choice, ToolChoiceTool) and choice.name not in names:
+        kind = next((tool.type for tool in tools or () if isinstance(tool, ServerTool) and tool.name == choice.name),
+                    None)
+        if kind is not None and kind.startswith(_COMPUTER_PREFIX):  # listed, it is left out; forced, it fails
+            raise fail("unsupported_tool", "names tool {name}, a {kind} tool, which this server leaves out of the "
+                       "prompt: it acts on screenshots, which this text-only model cannot read",
+                       name=short_repr(choice.name), kind=kind)
+        if kind is not None:
+            raise fail("unsupported_tool", "names tool {name}, a {kind} server tool, which this server leaves out of "
+                       "the prompt: Anthropic's servers run it and this one does not; define it as a custom tool "
+                       "(name, input_schema) and run it client-side", name=short_repr(choice.name), kind=kind)
+        raise fail("tool_choice", "names tool {name}, which is not in tools", name=short_repr(choice.name))
+    if isinstance(choice, ToolChoiceAny) and not names:
+        if tools:
+            raise fail("tool_choice", "'any' needs a client tool in tools; those listed ({kinds}) are left out of "
+                       "the prompt, as tools this server cannot give the model", kinds=", ".join(omitted_tools(tools)))
+        raise fail("tool_choice", "'any' needs at least one tool in tools")
+    return choice
 
 
 def chat_tool_choice(choice: ToolChoice | None) -> str | dict[str, Any]:

@@ -129,7 +129,8 @@ def prepare_messages(services: Services, body: MessagesRequest, call: Call) -> M
             stop=tuple(s for s in (body.stop_sequences or ()) if s), structured_output=templating.structured,
             skip_special_tokens=templating.skip_special_tokens, reasoning_budget=templating.reasoning_budget)
     job = GenerationJob(call.start.new_id("msg_"), model, "chat", params, messages=templating.messages,
-                        tools=tuple(chat.tools) if chat.tools else None, tool_choice=prompt.tool_choice,
+                        tools=tuple(chat.tools) if chat.tools else None, omitted_tools=body.omitted_tools(),
+                        tool_choice=prompt.tool_choice,
                         parallel_tool_calls=prompt.parallel_tool_calls is None, response_format=chat.response_format,
                         prompt_token_ids=templating.prompt_token_ids, context_window=templating.context_window,
                         stream=bool(body.stream), thinking=prompt.thinking, service_class=tier)
