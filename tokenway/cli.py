@@ -345,6 +345,7 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
     from tokenway.server.app import create_app
     from tokenway.server.batch_forward import build_forwarder
     from tokenway.server.batch_lines import LineExecutor, batch_capacity, principal_of
+    from tokenway.server.responses_background import bill_abandoned
     from tokenway.server.services import ModelCatalog, ServerConfig, Services, local_router
     from tokenway.server.uvicorn_server import Server, run_event_loop
     from tokenway.server.workers import read_peers_metrics, worker_sockets
@@ -477,7 +478,8 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
                                f"/v1/completions{', /v1/embeddings' if embedder else ''}; Anthropic /v1/messages)")
         await services.body_parser.start()
         router.start()
-        services.background.start(response_store, lease_s=options["responses_lease_seconds"], ttl_s=responses_ttl_s)
+        services.background.start(response_store, lease_s=options["responses_lease_seconds"], ttl_s=responses_ttl_s,
+                                  bill=partial(bill_abandoned, services))
         batch_runner.start()
         if gatekeeper is not None:
             print(f"tokenway: auth {gatekeeper.auth_summary}; limits {options['limits_url']}; ledger "

@@ -15,6 +15,7 @@ from tokenway.conversations.store import (
     ResponseStatus,
     ResponseStore,
     ResponseStoreUnavailable,
+    ResponseUsage,
     StoredResponse,
     Turn,
     open_response_store,
@@ -24,4 +25,4 @@ from tokenway.conversations.store import (
 
 __all__ = ["FINAL_STATUSES", "RUNNING_STATUSES", "ConversationTooLongError", "InputItemsPage",
            "PreviousResponseNotFoundError", "ResponseStatus", "ResponseStore", "ResponseStoreUnavailable",
-           "StoredResponse", "Turn", "open_response_store", "parse_duration", "response_not_found"]
+           "ResponseUsage", "StoredResponse", "Turn", "open_response_store", "parse_duration", "response_not_found"]

@@ -9,13 +9,17 @@ walk from a response to the one it continues. So the key needs no index of its o
 checked on the row the id found. The upkeep's two scans have an index each: purge's by
 created_at, expire's by lease_until over the rows still running only (a partial index: the
 finished ones, nearly all, are not in it).
+
+A running response's lease renewal writes its usage so far too (prompt_tokens, cached_tokens,
+completion_tokens), one statement a response: what the server that fails it, once its own
+server stopped, bills it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, LiteralString, Protocol, cast
 
 from tokenway.conversations.store import (
@@ -24,15 +28,20 @@ from tokenway.conversations.store import (
     STATUSES,
     JSONObject,
     ResponseStatus,
+    ResponseUsage,
     StoredResponse,
     Turn,
 )
 
 COLUMNS: tuple[LiteralString, ...] = ("id", "key_id", "created_at", "status", "model", "previous_response_id",
-                                      "instructions", "input_items", "response", "metadata", "lease_until")
+                                      "instructions", "input_items", "response", "metadata", "lease_until",
+                                      "prompt_tokens", "cached_tokens", "completion_tokens")
 assert tuple(field.name for field in dataclasses.fields(StoredResponse)) == COLUMNS
 JSON_COLUMNS = frozenset({"input_items", "response", "metadata"})
-
+# The usage columns, added since the first schema: a table made before them gains them (each
+# backend's migration), its rows at 0.
+USAGE_COLUMNS: tuple[LiteralString, ...] = ("prompt_tokens", "cached_tokens", "completion_tokens")
+USAGE_DEFINITION: LiteralString = "INTEGER NOT NULL DEFAULT 0"
 
 
 def _status_in(statuses: Iterable[str]) -> LiteralString:
@@ -75,13 +84,14 @@ class ResponseBackend(Protocol):
 
     def input_items(self, response_id: str, key_id: str) -> tuple[JSONObject, ...] | None: ...
 
-    def renew(self, response_ids: Sequence[str], lease_until: float) -> int:
-        """The running ones' leases set to lease_until; how many."""
+    def renew(self, response_id_to_usage: Mapping[str, ResponseUsage], lease_until: float) -> int:
+        """The running ones' leases set to lease_until and their usage to what is given, in one
+        transaction; how many."""
         ...
 
-    def stale(self, now: float, unleased_before: float) -> list[tuple[str, JSONObject]]:
-        """(id, response) of every response running whose lease has passed, or that has none and
-        was made before unleased_before."""
+    def stale(self, now: float, unleased_before: float) -> list[StoredResponse]:
+        """Every response running whose lease has passed, or that has none and was made before
+        unleased_before."""
         ...
 
     def expire(self, response_id: str, response: JSONObject, now: float, unleased_before: float) -> bool:
@@ -109,9 +119,10 @@ def row_values(response: StoredResponse, encode: Callable[[Any], Any]) -> tuple:
 
 def from_row(row: Sequence[Any], decode: Callable[[Any], Any]) -> StoredResponse:
     (response_id, key_id, created_at, status, model, previous_response_id, instructions, input_items, response,
-     metadata, lease_until) = row
+     metadata, lease_until, prompt_tokens, cached_tokens, completion_tokens) = row
     return StoredResponse(response_id, key_id, created_at, cast(ResponseStatus, status), model, previous_response_id,
-                          instructions, tuple(decode(input_items)), decode(response), decode(metadata), lease_until)
+                          instructions, tuple(decode(input_items)), decode(response), decode(metadata), lease_until,
+                          prompt_tokens, cached_tokens, completion_tokens)
 
 
 def turn_from_row(row: Sequence[Any], decode: Callable[[Any], Any]) -> Turn:
@@ -156,9 +167,15 @@ def chain_sql(mark: LiteralString, output: LiteralString) -> LiteralString:
         " SELECT id, previous_response_id, status, model, input_items, output FROM conversation ORDER BY depth DESC")
 
 
-def renew_sql(mark: LiteralString, num_ids: int) -> LiteralString:
-    ids = cast(LiteralString, ", ".join(mark for _ in range(num_ids)))
-    return f"UPDATE stored_responses SET lease_until = {mark} WHERE id IN ({ids}) AND {RUNNING}"
+def renew_sql(mark: LiteralString) -> LiteralString:
+    """Parameters: renew_params' (a response's own usage: one statement each, run as a batch)."""
+    return (f"UPDATE stored_responses SET lease_until = {mark}, prompt_tokens = {mark}, cached_tokens = {mark},"
+            f" completion_tokens = {mark} WHERE id = {mark} AND {RUNNING}")
+
+
+def renew_params(response_id_to_usage: Mapping[str, ResponseUsage], lease_until: float) -> list[tuple]:
+    return [(lease_until, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, response_id)
+            for response_id, usage in response_id_to_usage.items()]
 
 
 def _stale(mark: LiteralString) -> LiteralString:
@@ -168,7 +185,7 @@ def _stale(mark: LiteralString) -> LiteralString:
 
 
 def stale_sql(mark: LiteralString) -> LiteralString:
-    return f"SELECT id, response FROM stored_responses WHERE {_stale(mark)}"
+    return f"SELECT {', '.join(COLUMNS)} FROM stored_responses WHERE {_stale(mark)}"
 
 
 def expire_sql(mark: LiteralString) -> LiteralString:

@@ -10,9 +10,10 @@ before its own query, so a client that continues a response the moment it has it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from typing import Literal, TypeVar
 
 from tokenway.conversations.backend import PURGE_BATCH, ResponseBackend
@@ -28,6 +29,7 @@ from tokenway.conversations.store import (
     PreviousResponseNotFoundError,
     ResponseStatus,
     ResponseStoreUnavailable,
+    ResponseUsage,
     StoredResponse,
     Turn,
     check_status,
@@ -41,7 +43,7 @@ T = TypeVar("T")
 
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 5.0
-RENEW_BATCH = 500  # ids a statement: far below either database's bound on parameters
+RENEW_BATCH = 500  # responses a transaction: a write lock (SQLite's is the ledger's too) held briefly
 # A response running without a lease was made by a server from before leases (a gateway not yet
 # upgraded, sharing the database): it is abandoned only once it is older than any reply takes.
 UNLEASED_GRACE_S = 3600.0
@@ -149,22 +151,28 @@ class SqlResponseStore:
         return InputItemsPage(data, data[0]["id"] if data else None, data[-1]["id"] if data else None,
                               start + limit < len(ordered))
 
-    async def renew(self, response_ids: Sequence[str], lease_until: float) -> int:
-        if not response_ids:
+    async def renew(self, response_id_to_usage: Mapping[str, ResponseUsage], lease_until: float) -> int:
+        if not response_id_to_usage:
             return 0
+        response_ids = list(response_id_to_usage)
 
         def renew_all(backend: ResponseBackend) -> int:
-            return sum(backend.renew(response_ids[start:start + RENEW_BATCH], lease_until)
+            return sum(backend.renew({response_id: response_id_to_usage[response_id]
+                                      for response_id in response_ids[start:start + RENEW_BATCH]}, lease_until)
                        for start in range(0, len(response_ids), RENEW_BATCH))
 
         return await self._run(renew_all)
 
-    async def expire(self, now: float, abandon: Callable[[JSONObject], JSONObject]) -> tuple[str, ...]:
+    async def expire(self, now: float, abandon: Callable[[JSONObject], JSONObject]) -> tuple[StoredResponse, ...]:
         unleased_before = now - UNLEASED_GRACE_S
 
-        def expire_stale(backend: ResponseBackend) -> tuple[str, ...]:
-            return tuple(response_id for response_id, response in backend.stale(now, unleased_before)
-                         if backend.expire(response_id, abandon(response), now, unleased_before))
+        def expire_stale(backend: ResponseBackend) -> tuple[StoredResponse, ...]:
+            expired = []
+            for stale in backend.stale(now, unleased_before):
+                response = abandon(stale.response)
+                if backend.expire(stale.id, response, now, unleased_before):  # not renewed, nor failed elsewhere
+                    expired.append(dataclasses.replace(stale, status="failed", response=response, lease_until=None))
+            return tuple(expired)
 
         return await self._run(expire_stale)
 

@@ -9,7 +9,7 @@ object's keys in its own order (shorter keys first), not the order they were wri
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any, LiteralString
 
 import psycopg
@@ -20,6 +20,8 @@ from tokenway.conversations.backend import (
     COLUMNS,
     INDEXES,
     STATUS_CHECK,
+    USAGE_COLUMNS,
+    USAGE_DEFINITION,
     chain_sql,
     delete_sql,
     dumps,
@@ -27,6 +29,7 @@ from tokenway.conversations.backend import (
     from_row,
     insert_sql,
     purge_sql,
+    renew_params,
     renew_sql,
     row_values,
     select_sql,
@@ -34,7 +37,7 @@ from tokenway.conversations.backend import (
     turn_from_row,
     update_sql,
 )
-from tokenway.conversations.store import JSONObject, ResponseStatus, StoredResponse, Turn
+from tokenway.conversations.store import JSONObject, ResponseStatus, ResponseUsage, StoredResponse, Turn
 from tokenway.sql import pg_timeouts
 
 # Any constant (not the ledger's): serializes CREATE TABLE IF NOT EXISTS between gateways starting
@@ -45,17 +48,21 @@ CREATE TABLE IF NOT EXISTS stored_responses (
     id TEXT PRIMARY KEY, key_id TEXT NOT NULL, created_at DOUBLE PRECISION NOT NULL,
     status TEXT NOT NULL CHECK ({STATUS_CHECK}), model TEXT NOT NULL, previous_response_id TEXT,
     instructions TEXT, input_items JSONB NOT NULL, response JSONB NOT NULL, metadata JSONB NOT NULL,
-    lease_until DOUBLE PRECISION);
+    lease_until DOUBLE PRECISION, prompt_tokens {USAGE_DEFINITION}, cached_tokens {USAGE_DEFINITION},
+    completion_tokens {USAGE_DEFINITION});
 """
-# A table made before lease_until existed gains it.
+# A table made before lease_until, or the usage columns, existed gains them.
 _MIGRATIONS: tuple[LiteralString, ...] = (
-    "ALTER TABLE stored_responses ADD COLUMN IF NOT EXISTS lease_until DOUBLE PRECISION", *INDEXES)
+    "ALTER TABLE stored_responses ADD COLUMN IF NOT EXISTS lease_until DOUBLE PRECISION",
+    *(f"ALTER TABLE stored_responses ADD COLUMN IF NOT EXISTS {column} {USAGE_DEFINITION}"
+      for column in USAGE_COLUMNS), *INDEXES)
 _INSERT = insert_sql("%s")
 _SELECT = select_sql(", ".join(COLUMNS), "%s")
 _SELECT_INPUT_ITEMS = select_sql("input_items", "%s")
 _DELETE = delete_sql("%s")
 _CHAIN = chain_sql("%s", "COALESCE(r.response -> 'output', '[]'::jsonb)")
 _STALE = stale_sql("%s")
+_RENEW = renew_sql("%s")
 _EXPIRE = expire_sql("%s")
 _PURGE = purge_sql("%s")
 # \u0000 in JSON text, as an escape (an even run of backslashes before it, none at all included),
@@ -126,12 +133,14 @@ class PostgresBackend:
         row = self._conn.execute(_SELECT_INPUT_ITEMS, (response_id, key_id)).fetchone()
         return None if row is None else tuple(row[0])
 
-    def renew(self, response_ids: Sequence[str], lease_until: float) -> int:
-        return self._conn.execute(renew_sql("%s", len(response_ids)), (lease_until, *response_ids)).rowcount
+    def renew(self, response_id_to_usage: Mapping[str, ResponseUsage], lease_until: float) -> int:
+        # One transaction, its statements pipelined (psycopg's executemany): one round trip.
+        with self._conn.transaction(), self._conn.cursor() as cur:
+            cur.executemany(_RENEW, renew_params(response_id_to_usage, lease_until))
+            return cur.rowcount
 
-    def stale(self, now: float, unleased_before: float) -> list[tuple[str, JSONObject]]:
-        return [(response_id, response)
-                for response_id, response in self._conn.execute(_STALE, (now, unleased_before)).fetchall()]
+    def stale(self, now: float, unleased_before: float) -> list[StoredResponse]:
+        return [from_row(row, _decoded) for row in self._conn.execute(_STALE, (now, unleased_before)).fetchall()]
 
     def expire(self, response_id: str, response: JSONObject, now: float, unleased_before: float) -> bool:
         return self._conn.execute(_EXPIRE, (Jsonb(response, _jsonb_dumps), response_id, now,

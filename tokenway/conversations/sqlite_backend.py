@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping
 
 from tokenway.conversations.backend import (
     COLUMNS,
     FINAL,
     INDEXES,
     STATUS_CHECK,
+    USAGE_COLUMNS,
+    USAGE_DEFINITION,
     chain_sql,
     delete_sql,
     dumps,
@@ -19,6 +21,7 @@ from tokenway.conversations.backend import (
     from_row,
     insert_sql,
     purge_sql,
+    renew_params,
     renew_sql,
     row_values,
     select_sql,
@@ -26,7 +29,7 @@ from tokenway.conversations.backend import (
     turn_from_row,
     update_sql,
 )
-from tokenway.conversations.store import JSONObject, ResponseStatus, StoredResponse, Turn
+from tokenway.conversations.store import JSONObject, ResponseStatus, ResponseUsage, StoredResponse, Turn
 
 # A rowid table, not WITHOUT ROWID: its rows carry whole conversations' JSON, far past the
 # small rows WITHOUT ROWID suits; the id's own index finds them.
@@ -35,7 +38,8 @@ CREATE TABLE IF NOT EXISTS stored_responses (
     id TEXT PRIMARY KEY, key_id TEXT NOT NULL, created_at REAL NOT NULL,
     status TEXT NOT NULL CHECK ({STATUS_CHECK}), model TEXT NOT NULL, previous_response_id TEXT,
     instructions TEXT, input_items TEXT NOT NULL, response TEXT NOT NULL, metadata TEXT NOT NULL,
-    lease_until REAL);
+    lease_until REAL, prompt_tokens {USAGE_DEFINITION}, cached_tokens {USAGE_DEFINITION},
+    completion_tokens {USAGE_DEFINITION});
 """
 _INSERT = insert_sql("?")
 _SELECT = select_sql(", ".join(COLUMNS), "?")
@@ -43,19 +47,24 @@ _SELECT_INPUT_ITEMS = select_sql("input_items", "?")
 _DELETE = delete_sql("?")
 _CHAIN = chain_sql("?", "COALESCE(json_extract(r.response, '$.output'), '[]')")
 _STALE = stale_sql("?")
+_RENEW = renew_sql("?")
+# Columns a table made by an earlier release lacks, in the order they were added.
+_ADDED_COLUMNS = (("lease_until", "REAL"), *((column, USAGE_DEFINITION) for column in USAGE_COLUMNS))
 _EXPIRE = expire_sql("?")
 _PURGE = purge_sql("?")
 
 
-def _add_lease_column(conn: sqlite3.Connection) -> None:
-    """A table made before lease_until existed gains it (SQLite has no ADD COLUMN IF NOT EXISTS)."""
-    if any(row[1] == "lease_until" for row in conn.execute("PRAGMA table_info(stored_responses)")):
-        return
-    try:
-        conn.execute("ALTER TABLE stored_responses ADD COLUMN lease_until REAL")
-    except sqlite3.OperationalError as exc:  # another connection added it since
-        if "duplicate column" not in str(exc):
-            raise
+def _add_columns(conn: sqlite3.Connection) -> None:
+    """A table made before a column existed gains it (SQLite has no ADD COLUMN IF NOT EXISTS)."""
+    existing = {row[1] for row in conn.execute("PRAGMA table_info(stored_responses)")}
+    for column, definition in _ADDED_COLUMNS:
+        if column in existing:
+            continue
+        try:
+            conn.execute(f"ALTER TABLE stored_responses ADD COLUMN {column} {definition}")
+        except sqlite3.OperationalError as exc:  # another connection added it since
+            if "duplicate column" not in str(exc):
+                raise
 
 
 class MemoryBudget:
@@ -106,7 +115,7 @@ class SqliteBackend:
                     self._conn.execute("PRAGMA journal_mode = WAL")
                 self._conn.execute("PRAGMA synchronous = NORMAL")
             self._conn.executescript(_SCHEMA)
-            _add_lease_column(self._conn)
+            _add_columns(self._conn)
             for index in INDEXES:
                 self._conn.execute(index)
         except BaseException:
@@ -152,12 +161,19 @@ class SqliteBackend:
         row = self._conn.execute(_SELECT_INPUT_ITEMS, (response_id, key_id)).fetchone()
         return None if row is None else tuple(json.loads(row[0]))
 
-    def renew(self, response_ids: Sequence[str], lease_until: float) -> int:
-        return self._conn.execute(renew_sql("?", len(response_ids)), (lease_until, *response_ids)).rowcount
+    def renew(self, response_id_to_usage: Mapping[str, ResponseUsage], lease_until: float) -> int:
+        # One transaction: one commit for the lot, not one a response.
+        self._conn.execute("BEGIN")
+        try:
+            num_renewed = self._conn.executemany(_RENEW, renew_params(response_id_to_usage, lease_until)).rowcount
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+        return num_renewed
 
-    def stale(self, now: float, unleased_before: float) -> list[tuple[str, JSONObject]]:
-        return [(response_id, json.loads(response))
-                for response_id, response in self._conn.execute(_STALE, (now, unleased_before))]
+    def stale(self, now: float, unleased_before: float) -> list[StoredResponse]:
+        return [from_row(row, json.loads) for row in self._conn.execute(_STALE, (now, unleased_before))]
 
     def expire(self, response_id: str, response: JSONObject, now: float, unleased_before: float) -> bool:
         text = dumps(response)

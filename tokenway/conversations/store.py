@@ -6,8 +6,10 @@
       store: true ─► keep(StoredResponse): inserted without the reply waiting for it
       background: true ─► create(StoredResponse), then update(id, status=..., response=...) as it
                      runs, queued ─► in_progress ─► completed | failed | incomplete
-    background, while it runs ─► renew(ids, lease_until): its server holds it; one whose lease
-                     ran out (its server stopped) ─► expire(now, ...) ─► failed, by any server
+    background, while it runs ─► renew({id: ResponseUsage}, lease_until): its server holds it, and
+                     the tokens it has generated so far are kept with the lease; one whose lease ran
+                     out (its server stopped) ─► expire(now, ...) ─► failed, by any server, which
+                     bills it the usage last kept (server/responses_background.py)
     retention (a TTL) ─► purge(created_before): the finished responses made before it, deleted
     POST /v1/responses/{id}/cancel ─► get, then update(id, status="cancelled", ...)
     GET /v1/responses/{id} ─► get ─► StoredResponse.response;  DELETE /v1/responses/{id} ─► delete
@@ -21,7 +23,7 @@ conditional), so a response cancelled while it runs stays cancelled whatever its
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, get_args
 
@@ -55,13 +57,32 @@ def check_status(status: str, response: JSONObject) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class ResponseUsage:
+    """What a background response has used so far, as its server last kept it with its lease:
+    what is billed for it if that server stops before it ends. cached_tokens is part of
+    prompt_tokens, as in a ledger row."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.prompt_tokens, self.cached_tokens, self.completion_tokens) < 0:
+            raise ValueError(f"token counts must be >= 0, got {self!r}")
+        if self.cached_tokens > self.prompt_tokens:
+            raise ValueError(f"cached_tokens ({self.cached_tokens}) exceeds prompt_tokens ({self.prompt_tokens})")
+
+
+@dataclass(frozen=True, slots=True)
 class StoredResponse:
     """One response as kept. input_items: this response's own input (not the conversation it
     continues), each item with its "id", in order. response: the Response object as last
     rendered, JSON-able; its "status", where it has one, is `status`. lease_until: for a
     response that runs detached (background), the unix time until which the server running it
     holds it; that server renews it while it runs, and once it has passed with the response
-    still queued or in progress, the response is abandoned (expire)."""
+    still queued or in progress, the response is abandoned (expire). prompt_tokens,
+    cached_tokens, completion_tokens: a background response's usage as of its lease's last
+    renewal (ResponseUsage); 0 until then, and for one that never ran detached."""
 
     id: str
     key_id: str  # the owner; "" when the gateway is off
@@ -74,6 +95,9 @@ class StoredResponse:
     response: JSONObject
     metadata: Mapping[str, str]
     lease_until: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.id.startswith("resp_"):
@@ -91,6 +115,11 @@ class StoredResponse:
             if item_id in item_ids:  # `after` in input_items() must name one item
                 raise ValueError(f"input_items[{i}]: id {truncate(item_id)!r} appears twice")
             item_ids.add(item_id)
+        ResponseUsage(self.prompt_tokens, self.cached_tokens, self.completion_tokens)  # raises on bad counts
+
+    @property
+    def usage(self) -> ResponseUsage:
+        return ResponseUsage(self.prompt_tokens, self.cached_tokens, self.completion_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,13 +215,15 @@ class ResponseStore(Protocol):
         item id; FieldError if the response has none such); None when the response is not there."""
         ...
 
-    async def renew(self, response_ids: Sequence[str], lease_until: float) -> int:
-        """Extend the leases of those of the responses still queued or in progress; how many."""
+    async def renew(self, response_id_to_usage: Mapping[str, ResponseUsage], lease_until: float) -> int:
+        """Extend the leases of those of the responses still queued or in progress, each with
+        its usage so far; how many."""
         ...
 
-    async def expire(self, now: float, abandon: Callable[[JSONObject], JSONObject]) -> tuple[str, ...]:
+    async def expire(self, now: float, abandon: Callable[[JSONObject], JSONObject]) -> tuple[StoredResponse, ...]:
         """Every response queued or in progress whose lease has passed at `now` (or that never had
-        one, and is an hour old), stored failed as abandon(its response) renders it; their ids."""
+        one, and is an hour old), stored failed as abandon(its response) renders it; each as
+        stored now (its usage the last its server kept), for its bill."""
         ...
 
     async def purge(self, created_before: float) -> int:
