@@ -68,7 +68,7 @@ def test_the_betas_fields_with_the_beta_client(client):
     ("messages", [{"role": "user", "content": [
         {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}],
      "messages[0].content[0]"),
-    ("tools", [{"type": "web_search_20250305", "name": "web_search"}], "tools[0]"),
+    ("tool_choice", {"type": "any"}, "tool_choice"),
 ])
 def test_a_value_this_server_cannot_honour_is_an_anthropic_400_naming_it(client, field, value, param):
     body = {"model": MODEL, "max_tokens": 2048, "messages": [{"role": "user", "content": "hi"}], field: value}
@@ -77,6 +77,26 @@ def test_a_value_this_server_cannot_honour_is_an_anthropic_400_naming_it(client,
     error = caught.value.body
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert error["error"]["message"].startswith(param + ":")
+
+
+def test_a_server_tool_beside_a_client_tool_is_left_out_and_named(client, server):
+    """As agents on the anthropic SDK list Anthropic's web search with their own tools."""
+    web_search = {"type": "web_search_20250305", "name": "web_search", "max_uses": 2}
+    body = {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [WEATHER, web_search]}
+    raw = client.messages.with_raw_response.create(model=MODEL, max_tokens=4, extra_body=GREEDY, **body)
+    assert raw.status_code == 200 and raw.headers["x-tokenway-omitted-tools"] == "web_search_20250305"
+    message = raw.parse()
+    assert message.usage.output_tokens > 0 and server.ledger_row(message.id)["status"] == 200
+    # What the model saw: the client tool alone, as count_tokens counts it.
+    alone = client.messages.count_tokens(model=MODEL, messages=body["messages"], tools=[WEATHER]).input_tokens
+    usage = message.usage
+    assert client.messages.count_tokens(model=MODEL, **body).input_tokens == alone == (
+        usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens)
+    with pytest.raises(anthropic.BadRequestError) as forced:  # only Anthropic's search could answer it
+        client.messages.create(model=MODEL, max_tokens=4, tool_choice={"type": "tool", "name": "web_search"}, **body)
+    error = forced.value.body["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith("tool_choice: names tool 'web_search', a web_search_20250305 server tool")
 
 
 def test_count_tokens_is_the_prompt_of_the_same_call(client):
