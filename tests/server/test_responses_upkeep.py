@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from functools import partial
 
 import pytest
 
 from tokenway.billing.ledger import Ledger
 from tokenway.billing.pricing import PriceTable
-from tokenway.conversations import StoredResponse, open_response_store
+from tokenway.billing.record import UsageRecord
+from tokenway.conversations import ResponseUsage, StoredResponse, open_response_store
 from tokenway.gateway.auth import ANONYMOUS
 from tokenway.gateway.gatekeeper import Defaults, Gatekeeper
 from tokenway.gateway.keystore import KeyStore
@@ -21,6 +23,7 @@ from tokenway.gateway.limits import InProcessLimiter
 from tokenway.observability.observer import Observer
 from tokenway.routing.router import Pool, Router
 from tokenway.safety.screen import SafetyPolicy
+from tokenway.server.responses_background import bill_abandoned
 from tokenway.server.responses_tasks import ABANDONED
 from tokenway.server.services import ModelCatalog, ServerConfig, Services
 
@@ -135,3 +138,86 @@ def test_a_safety_refusal_names_the_input(served):
 
     for error in session(blocking, steps):
         assert (error["code"], error["param"]) == ("content_policy_violation", "input")
+
+
+# $0.001 a prompt token, $0.0005 a cached one, $0.002 a completion token (USD per million).
+PRICES = {MODEL: {"input": 1000.0, "cached_input": 500.0, "output": 2000.0}}
+
+
+@pytest.fixture()
+def priced(tmp_path):
+    """The served fixture's services with prices, and a key with a $1 budget."""
+    replica = EndlessReplica()
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    gatekeeper = Gatekeeper(KeyStore(tmp_path / "keys.db"), InProcessLimiter(), ledger,
+                            PriceTable.from_config(PRICES), Defaults(), host="127.0.0.1")
+    secret, key = gatekeeper.keys.create("budgeted", budget_usd=1.0)
+    services = Services.build(ServerConfig(served_model_names=(MODEL,)), ModelCatalog(
+        (MODEL,), context_windows={MODEL: 4096}), Router({MODEL: Pool.of(MODEL, [replica])}), gatekeeper=gatekeeper,
+        response_store=open_response_store("memory"), observer_for=lambda _: Observer(lambda: None))
+    yield services, key.key_id, {"authorization": f"Bearer {secret}"}
+    asyncio.run(services.response_store.close())
+
+
+def test_a_response_whose_server_stopped_is_billed_the_usage_it_kept_once(priced):
+    services, key_id, _ = priced
+    store, gatekeeper = services.response_store, services.gatekeeper
+    budgets, ledger = gatekeeper.budgets, gatekeeper.ledger
+
+    def left(response_id: str, usage: ResponseUsage) -> StoredResponse:
+        stored = left_running(response_id, lease_until=time.time() - 1)
+        return dataclasses.replace(stored, key_id=key_id, response={**stored.response, "service_tier": "default"},
+                                   prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
+                                   completion_tokens=usage.completion_tokens)
+
+    async def steps(_):
+        # One whose server wrote its row, then stopped before storing its end: billed once only.
+        await ledger.record(UsageRecord("resp_billed", key_id, MODEL, 10, 0, 20, 0.05, "stop", None, 200, {},
+                                        time.time(), time.time()))
+        await store.create(left("resp_billed", ResponseUsage(10, 0, 20)))
+        await store.create(left("resp_left", ResponseUsage(100, 20, 50)))
+        held = (await budgets.reserve(key_id, 10**9, 0)).reservation  # the key seen before: its seed counts $0.05
+        assert held is not None
+        await budgets.settle(held, 0)
+        services.background.start(store, lease_s=1.0, bill=partial(bill_abandoned, services))
+        row = await ledger_row(services, "resp_left")
+        await until(lambda: services.observer.traces.get("resp_left") is not None)
+        await services.background.aclose()
+        return row, await budgets.state(key_id), await ledger.recent(10)
+
+    row, budget, rows = session(services, steps)
+    assert (row.key_id, row.model, row.status, row.service_tier) == (key_id, MODEL, 500, "default")
+    assert (row.prompt_tokens, row.cached_tokens, row.completion_tokens) == (100, 20, 50)
+    assert row.cost_usd == pytest.approx((80 * 1000 + 20 * 500 + 50 * 2000) / 1e6)  # $0.19
+    assert sorted(r.request_id for r in rows) == ["resp_billed", "resp_left"]  # no second row for resp_billed
+    assert budget.spent_nanos == 240_000_000 and budget.held_nanos == 0  # $0.05 seeded, plus $0.19
+    trace = services.observer.traces.get("resp_left")
+    assert (trace.status, trace.completion_tokens, trace.cost_usd) == (500, 50, row.cost_usd)
+
+
+def test_each_renewal_keeps_what_a_running_response_has_generated(priced):
+    services, key_id, headers = priced
+    store = services.response_store
+
+    async def steps(client):
+        services.background.start(store, lease_s=0.3, bill=partial(bill_abandoned, services))
+        # Its worst case within the $1 budget: 100 output tokens at $0.002.
+        queued = (await client.post("/v1/responses", json={**BODY, "max_output_tokens": 100},
+                                    headers=headers)).json()
+        kept = []
+
+        async def renewed() -> bool:
+            stored = await store.get(queued["id"], key_id)
+            kept.append(stored.usage)
+            return stored.completion_tokens > 0
+
+        for _ in range(400):
+            if await renewed():
+                break
+            await asyncio.sleep(0.01)
+        await client.post(f"/v1/responses/{queued['id']}/cancel", headers=headers)
+        await services.background.aclose()
+        return kept[-1]
+
+    usage = session(services, steps)
+    assert usage.completion_tokens > 0 and usage.prompt_tokens > 0, usage
