@@ -34,9 +34,12 @@ from itertools import accumulate
 from tokenway.safety.numbers import NumberWindows
 
 # A digit, then (when 13 digits follow closely) its run. Possessive throughout: a run is taken
-# whole, once; what it holds is judged in Python. The lookahead fails at once on most numbers.
+# whole, once; what it holds is judged in Python. The lookahead fails at once on most numbers,
+# and is not tried on a digit right after a digit or after one gap character: a run starts its
+# chain (numbers.py), and the lookahead failing at a digit fails at each after it.
 _GAP_CHAR = r"[^0-9A-Za-z\0]"
-_RUN = re.compile(rf"[0-9](?=(?:{_GAP_CHAR}{{0,7}}+[0-9]){{12}})[0-9]*+(?:{_GAP_CHAR}{{1,7}}+[0-9]++)*+")
+_RUN = re.compile(rf"[0-9](?<![0-9].)(?<![0-9]{_GAP_CHAR}.)(?=(?:{_GAP_CHAR}{{0,7}}+[0-9]){{12}})[0-9]*+"
+                  rf"(?:{_GAP_CHAR}{{1,7}}+[0-9]++)*+")
 _GROUPS_AND_GAPS = re.compile(r"[0-9]+|[^0-9]+")
 _BLANKS_OVER_TWO = re.compile(r"[ \t]{3}")
 _MAX_GROUP = 6

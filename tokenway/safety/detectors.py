@@ -51,7 +51,14 @@ from dataclasses import dataclass
 
 from tokenway.safety.cards import find_cards, luhn_ok
 from tokenway.safety.keys import find_api_keys
-from tokenway.safety.numbers import IBAN_COUNTRY_TO_LENGTH, NumberWindows, find_ibans, iban_ok, number_windows
+from tokenway.safety.numbers import (
+    IBAN_COUNTRY_TO_LENGTH,
+    NumberWindows,
+    chain_windows,
+    find_ibans,
+    iban_ok,
+    zero_digits,
+)
 
 __all__ = ["CATEGORIES", "IBAN_COUNTRY_TO_LENGTH", "Finding", "detect", "iban_ok", "luhn_ok", "redact"]
 
@@ -59,7 +66,8 @@ CATEGORIES = ("api_key", "credit_card", "iban", "email", "phone")
 # Higher wins when two findings overlap. An IBAN's digits glued to its country code may read as
 # a card too ("BE68 5390 0754 7034"): mod 97 and the country's length are the stronger check.
 _CATEGORY_TO_RANK = {"api_key": 5, "iban": 4, "credit_card": 3, "email": 2, "phone": 1}
-_NUMBER_CATEGORIES = frozenset({"credit_card", "iban", "phone"})  # found in the number windows
+_NUMBER_CATEGORIES = frozenset({"credit_card", "iban", "phone"})  # each holds a digit
+_CHAIN_CATEGORIES = frozenset({"credit_card", "phone"})  # found in the chain windows (numbers.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,12 +114,14 @@ def _find_emails(text: str) -> Iterator[Finding]:
 # ---- phone ---------------------------------------------------------------------------------------
 
 _PHONE = re.compile(r"""
-    (?<![\w+#$/.:-])
-    (?:
-        \+[1-9]\d{0,2}(?:[ ]?\(0\))?(?:[ .-]?\(\d{1,4}\)|[ .-]?\d{1,6}){1,6}   # international
-      | (?:1[ .-])?\([2-9]\d{2}\)[ ]?[2-9]\d{2}[ .-]\d{4}                      # US (415) 555-0132
-      | (?:1([ .-]))?[2-9]\d{2}([ .-])[2-9]\d{2}\2\d{4}                         # US 415-555-0132
-      | 0\d{1,4}([ .-])\d{2,8}(?:\3\d{2,4}){0,3}                                # national 020 7946 0958
+    [+(0-9](?<![\w+#$/.:-].)       # the first character, then what stands before it: so the
+    (?:                             # regex engine skips to the next "+", "(" or digit at once
+        (?<=\+)[1-9]\d{0,2}(?:[ ]?\(0\))?(?:[ .-]?\(\d{1,4}\)|[ .-]?\d{1,6}){1,6}    # international
+      | (?<=\()[2-9]\d{2}\)[ ]?[2-9]\d{2}[ .-]\d{4}                          # US (415) 555-0132
+      | (?<=1)[ .-]\([2-9]\d{2}\)[ ]?[2-9]\d{2}[ .-]\d{4}                    # US 1 (415) 555-0132
+      | (?<=1)[ .-][2-9]\d{2}([ .-])[2-9]\d{2}\1\d{4}                         # US 1-415-555-0132
+      | (?<=[2-9])\d{2}([ .-])[2-9]\d{2}\2\d{4}                              # US 415-555-0132
+      | (?<=0)\d{1,4}([ .-])\d{2,8}(?:\3\d{2,4}){0,3}                        # national 020 7946 0958
     )
     (?!\w|[ .,:/-]\d)                # nor the start of one: "04 11 23 35 42 48"
 """, re.VERBOSE | re.ASCII)
@@ -168,13 +178,14 @@ def detect(text: str, categories: frozenset[str] | None = None) -> tuple[Finding
     candidates: list[Finding] = []
     if "api_key" in categories:
         candidates += (Finding("api_key", start, end, 1.0) for start, end in find_api_keys(text))
-    if categories & _NUMBER_CATEGORIES and (windows := number_windows(text)).joined:
-        if "credit_card" in categories:
-            candidates += (Finding("credit_card", start, end, 1.0) for start, end in find_cards(windows))
+    if categories & _NUMBER_CATEGORIES and "0" in (zeroed := zero_digits(text)):
+        if categories & _CHAIN_CATEGORIES and (windows := chain_windows(text, zeroed)).joined:
+            if "credit_card" in categories:
+                candidates += (Finding("credit_card", start, end, 1.0) for start, end in find_cards(windows))
+            if "phone" in categories:
+                candidates += _find_phones(windows)
         if "iban" in categories:
-            candidates += (Finding("iban", start, end, 1.0) for start, end in find_ibans(windows))
-        if "phone" in categories:
-            candidates += _find_phones(windows)
+            candidates += (Finding("iban", start, end, 1.0) for start, end in find_ibans(text, zeroed))
     if "email" in categories and "@" in text:
         candidates += _find_emails(text)
     if len(candidates) < 2:
