@@ -485,9 +485,12 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
             print(f"tokenway: auth {gatekeeper.auth_summary}; limits {options['limits_url']}; ledger "
                   f"{gatekeeper.ledger.url}", file=sys.stderr, flush=True)
             if gatekeeper.auth_required and gatekeeper.keys.count_active() == 0:
-                print(f"tokenway: WARNING: auth is on and no live API key exists, so every /v1 call is refused "
-                      f"with 401 until you create one:\n    tokenway keys create --name NAME "
-                      f"{store_flag(gatekeeper.keys)}", file=sys.stderr, flush=True)
+                # With an admin key, no key yet is how a deployment starts (keys come from
+                # POST /admin/keys): said, not warned.
+                warning = "" if admin_key(options) else "WARNING: "
+                print(f"tokenway: {warning}auth is on and no live API key exists, so every /v1 call is refused "
+                      f"with 401 until one is created:\n    tokenway keys create --name NAME "
+                      f"{store_flag(gatekeeper.keys)}  (or POST /admin/keys)", file=sys.stderr, flush=True)
             elif not gatekeeper.auth_required and options["auth"] == "off" and not is_loopback(server_config.host):
                 print(f"tokenway: WARNING: --auth off and {server_config.host} is reachable from other machines: "
                       "anyone who reaches it calls the models", file=sys.stderr, flush=True)

@@ -50,11 +50,13 @@ def run_chromium(chromium: str, tmp_path, url: str, *mode: str) -> subprocess.Co
 
 
 def test_the_dashboard_draws_the_waterfall_of_a_request(chromium, server, tmp_path):
-    key = create_key(server.db, "--name", "dashboard-user")  # auth on: the page needs the admin key
+    key = create_key(server.db, "--name", "dashboard-user")  # auth on (the admin key): the page needs it
     snapshot_url = f"{server.base_url}/dashboard/api/snapshot"
+    assert httpx.get(snapshot_url, timeout=10).status_code == 401
     deadline = time.monotonic() + 10  # the server sees the new key within ~2 s
-    while httpx.get(snapshot_url, timeout=10).status_code != 401:
-        assert time.monotonic() < deadline, "auth never turned on"
+    while httpx.get(server.base_url + "/v1/models", headers={"Authorization": f"Bearer {key}"},
+                    timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "the new key was never accepted"
         time.sleep(0.2)
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0)
     completion = client.chat.completions.create(
