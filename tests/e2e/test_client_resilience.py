@@ -21,6 +21,7 @@ from .fault_proxy import Fault, FaultProxy
 pytestmark = pytest.mark.anyio
 
 MODEL = "smollm2-135m-instruct"
+COOLDOWN_S = 10.0  # the breaker test's: longer than its five failing calls take under load
 ASK = {"model": MODEL, "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 24,
        "temperature": 0}
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Write an essay."}], "max_tokens": 2000,
@@ -68,9 +69,10 @@ async def test_a_wait_over_max_retry_after_ends_the_call(proxy, client):
 
 
 async def test_500s_trip_the_breaker_and_fail_over(server, client):
-    # A cooldown the five calls cannot outlast on a loaded machine (at 1 s, slow calls let it
-    # pass and the primary was probed again before call 5).
-    breaker = BreakerConfig(failure_threshold=3, failure_window=60, cooldown=4.0)
+    # A cooldown the five calls cannot outlast on a loaded machine (at 1 s, and once at 4 s
+    # beside other sessions' tests, slow calls let it pass and the primary was probed again
+    # before call 5).
+    breaker = BreakerConfig(failure_threshold=3, failure_window=60, cooldown=COOLDOWN_S)
     with FaultProxy(server.base_url) as primary, FaultProxy(server.base_url) as backup:
         primary.always = Fault(status=500)
         chat = ResilientChat([client(primary.base_url), client(backup.base_url)], Policy(breaker=breaker))
@@ -79,7 +81,7 @@ async def test_500s_trip_the_breaker_and_fail_over(server, client):
         # Three failures opened the primary's breaker: calls 4 and 5 went straight to the backup.
         assert len(primary.chat_hits()) == 3 and len(backup.chat_hits()) == 5
         primary.always = None  # it recovers; after the cooldown one call probes it and closes the breaker
-        await asyncio.sleep(4.1)
+        await asyncio.sleep(COOLDOWN_S + 0.1)
         await chat.create(**ASK)
         await chat.create(**ASK)
         assert len(primary.chat_hits()) == 5 and len(backup.chat_hits()) == 5
