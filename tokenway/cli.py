@@ -487,7 +487,7 @@ def run_serve(options: dict, argv: list[str] | None = None) -> int:
             if gatekeeper.auth_required and gatekeeper.keys.count_active() == 0:
                 # With an admin key, no key yet is how a deployment starts (keys come from
                 # POST /admin/keys): said, not warned.
-                warning = "" if admin_key(options) else "WARNING: "
+                warning = "" if gatekeeper.auth.has_admin_key else "WARNING: "
                 print(f"tokenway: {warning}auth is on and no live API key exists, so every /v1 call is refused "
                       f"with 401 until one is created:\n    tokenway keys create --name NAME "
                       f"{store_flag(gatekeeper.keys)}  (or POST /admin/keys)", file=sys.stderr, flush=True)

@@ -12,7 +12,6 @@ import re
 import signal
 import sqlite3
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -21,6 +20,7 @@ import pytest
 
 from .conftest import Server
 from .test_gateway_policy import create_key
+from .test_killed_billing import wait_for
 
 MODEL = "smollm2-135m-instruct"
 # A token costs $0.001, prompt, cached or completion: a response costs (prompt + completion) * $0.001.
@@ -30,14 +30,6 @@ BUDGET_USD = 3.0  # both responses' worst cases (prompt + max_output_tokens each
 COUNT = "Count from 1 to 1000, one number a line."  # greedy, it runs past 300 tokens
 MAX_OUTPUT_TOKENS = 600
 NUM_KEPT_BEFORE_KILL = 16  # completion tokens each response's lease renewals have kept
-
-
-def wait_for(predicate, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.1)
-    return value
 
 
 def kept_usage(db: Path, response_ids: list[str]) -> dict[str, tuple[int, int]]:
