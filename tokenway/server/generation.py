@@ -111,10 +111,6 @@ class Generation:
         self.tool_calls: list[list[ToolCall]] = [[] for _ in range(job.n)]
         self.reasonings: list[list[str]] = [[] for _ in range(job.n)]
         self.reasoning_tokens = [0] * job.n  # of completion_tokens, those spent thinking
-        # What a replica sent without token ids (an upstream's text, thinking and call pieces),
-        # by choice: counted only for a call that ends with no usage of its own (cut mid-stream,
-        # its client gone), so that what it was sent is still billed.
-        self.uncounted: list[list[str]] = [[] for _ in range(job.n)]
         # A reasoning model's reply is split as it streams (before its tool calls are read: they
         # are in the content); a replica that splits it itself (an upstream) sends `reasoning`.
         reasoning = prepared.reasoning
@@ -214,8 +210,6 @@ class Generation:
                         observer.on_tokens(self.model, num_new, gap)
                         last_token_times[index] = now
                     self.completion_tokens[index] += num_new
-                    if not num_new:
-                        keep_uncounted(self.uncounted[index], event)
                     if self.reasoning_parsers is not None:
                         event = self._split(event)
                     elif event.reasoning:  # split by the replica: its tokens where it says, else an estimate
@@ -386,12 +380,15 @@ class Generation:
         the model's tokenizer where the call has one, or estimated."""
         if self.reported is not None:
             return self.reported.completion_tokens
-        return sum(self.completion_tokens) or sum(map(self._count, self.uncounted))
+        return sum(self.completion_tokens) or sum(map(self._count_sent, range(self.job.n)))
 
-    def _count(self, pieces: list[str]) -> int:
-        if not pieces:
+    def _count_sent(self, index: int) -> int:
+        """A choice's text as kept for its reply (thinking, content, its calls' names and
+        arguments), in tokens."""
+        calls = self.tool_calls[index]
+        text = "".join((*self.reasonings[index], *self.texts[index], *(c.name + c.arguments for c in calls)))
+        if not text:
             return 0
-        text = "".join(pieces)
         if self.frontend is not None:
             return len(self.frontend.tokenizer.encode(text, add_special_tokens=False))
         return estimate_tokens(text)
@@ -473,13 +470,6 @@ async def _chained(first: list[ReplicaEvent], rest: AsyncIterator[ReplicaEvent]
         yield event
     async for event in rest:
         yield event
-
-
-def keep_uncounted(pieces: list[str], delta: ChoiceDelta) -> None:
-    """A delta's generated text (thinking, content, a call's name and arguments) as it came."""
-    pieces.extend(text for text in (delta.reasoning, delta.text) if text)
-    for call in delta.tool_calls:
-        pieces.extend(text for text in (call.name, call.arguments) if text)
 
 
 def add_tool_call_piece(calls: list[ToolCall], piece: ToolCallDelta) -> None:
