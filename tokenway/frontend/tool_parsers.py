@@ -17,6 +17,8 @@ The formats (chosen per model by its chat template, tool_formats.py):
     hermes       text <tool_call>\\n{"name": .., "arguments": {..}}\\n</tool_call> ..   (Qwen2.5, Hermes)
     llama3_json  {"name": .., "parameters": {..}}; {..}  the whole reply, maybe after <|python_tag|>
     mistral      text [TOOL_CALLS][{"name": .., "arguments": {..}}, ..]  or  [TOOL_CALLS]name[ARGS]{..}
+    qwen3_coder  text <tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>\n..</function>\n</tool_call>
+                 (Qwen3-Coder, Qwen3.5; tool_parser_qwen3_coder.py: the values typed by the tools' schemas)
 
 Everything is read one character at a time by small state machines, so a reply costs
 O(its length) however finely it is split.
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 from tokenway.protocol.job import ToolCallDelta
 
-FORMATS = ("generic", "hermes", "llama3_json", "mistral")
+FORMATS = ("generic", "hermes", "llama3_json", "mistral", "qwen3_coder")
 # The texts that frame a format's calls. A tokenizer may have any of them as an added token, a
 # control or a user-defined one, or spell it out of its vocabulary; a control token's text is in
 # the decoded reply only where special tokens are kept (ReplyFormat.keeps_special_tokens).
@@ -43,6 +45,7 @@ MARKERS: dict[str, tuple[str, ...]] = {
     "hermes": ("<tool_call>", "</tool_call>"),
     "llama3_json": ("<|python_tag|>",),
     "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+    "qwen3_coder": ("<tool_call>", "</tool_call>"),  # <function=, <parameter= are text in its vocabulary
 }
 
 _WHITESPACE = " \t\r\n"
@@ -640,9 +643,20 @@ class ReplyFormat:
     # A marker of the format is a special token of the model's tokenizer (chat.py): the reply is
     # decoded with special tokens kept, or the parser would never see the call begin.
     keeps_special_tokens: bool = False
+    # The request's tools, as sent: qwen3_coder reads each value's type from its parameter's
+    # schema (its calls write every value as bare text).
+    tools: tuple[dict, ...] = ()
 
     def parser(self) -> ToolCallParser:
         if self.tool_format == "mistral":
             return MistralParser(max_calls=self.max_calls)
         prefix = self.id_prefix
-        return _PARSERS[self.tool_format](new_id=lambda: f"{prefix}{uuid.uuid4().hex[:24]}", max_calls=self.max_calls)
+
+        def new_id() -> str:
+            return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+        if self.tool_format == "qwen3_coder":
+            # Imported here: the format's module builds on this one's parsers.
+            from tokenway.frontend.tool_parser_qwen3_coder import Qwen3CoderParser
+            return Qwen3CoderParser(self.tools, new_id=new_id, max_calls=self.max_calls)
+        return _PARSERS[self.tool_format](new_id=new_id, max_calls=self.max_calls)
