@@ -167,10 +167,50 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q).view(n, QK_K)
 
 
+# IQ4_NL's and IQ4_XS's 16 non-linear levels; MXFP4's e2m1 values, doubled (its scale is halved).
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def _lookup(codes: torch.Tensor, values: tuple[int, ...]) -> torch.Tensor:
+    table = torch.tensor(values, dtype=torch.float32, device=codes.device)
+    return table[codes.long()]
+
+
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """float32 of MXFP4's E8M0 scale byte, halved (ggml_e8m0_to_fp32_half): exact powers of two."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32, device=e.device) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:  # e: E8M0 scale byte, qs: 16 bytes of e2m1 codes; x = d/2 * 2v
+    q = _unpack(b[:, 1:], 16, 4).reshape(b.shape[0], 32)
+    return _e8m0_half(b[:, :1]) * _lookup(q, MXFP4_VALUES)
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:  # d: f16, qs: 16 bytes of indices into IQ4_VALUES
+    q = _unpack(b[:, 2:], 16, 4).reshape(b.shape[0], 32)
+    return _f16(b) * _lookup(q, IQ4_VALUES)
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    # d: f16, scales_h: u16 (2 high bits a sub-block), scales_l: 4 bytes (4 low bits a sub-block),
+    # qs: 128 bytes, 8 sub-blocks of 32 (16 bytes each: low nibbles, then high)
+    n = b.shape[0]
+    low = _unpack(b[:, 4:8], 4, 4).transpose(1, 2).reshape(n, 8)  # byte i: sub-blocks 2i (low), 2i + 1
+    high = _unpack(b[:, 2:4], 2, 2).transpose(1, 2).reshape(n, 8)  # 2 bits a sub-block, little-endian
+    scales = ((low | (high << 4)).to(torch.int8) - 32).float()
+    dl = (_f16(b) * scales).view(n, 8, 1)
+    q = _unpack(b[:, 8:], 16, 4).reshape(n, 8, 32)
+    return (dl * _lookup(q, IQ4_VALUES)).view(n, QK_K)
+
+
 _DEQUANTIZE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "F32": _f32, "F16": _f16, "BF16": _bf16,
     "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
     "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
+    "MXFP4": _mxfp4, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
 }
 
 # The types dequantize reads (GGUF type names).

@@ -1,0 +1,1037 @@
+// A mixture-of-experts layer's expert MLPs, and dense matmuls, on GGUF blocks as the file stores
+// them: rows of llama.cpp's block structs, mapped in place, never relaid or copied.
+//
+//   experts_forward: out (T, H) = sum_j w_tj * down_e(act(gate_e(x_t) + bg_e, up_e(x_t) + bu_e)) + bd_e
+//     gate, up (E, I, bytes a row), down (E, H, bytes a row), e = topk_ids[t, j]
+//   raw_linear: y (T, N) = x (T, K) @ W.T (+ bias), W (N, bytes a row)
+//
+// A step's (token, expert) pairs are grouped by expert (a counting sort), each token's
+// activations quantized once to int8, then each active expert's gate and up rows run against all
+// of its tokens (each row read once a step, its tokens in tiles against it), the activation and
+// its requantization, down likewise, and the weighted sum into each token's row. Work items are
+// (expert, chunk of rows) over all active experts at once, on the process's pool (pool.h): one
+// decode token's 8 experts keep every core busy.
+//
+// Block types: Q4_0, Q8_0, MXFP4, IQ4_NL (blocks of 32) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS
+// (super-blocks of 256) with int8 products; F32, F16, BF16 with float32 ones. Activations are
+// quantized as llama.cpp pairs them: per block of 32 (Q8_0) for the 32-weight types, per 256 (Q8_K)
+// for the others, x ~ dx qx, qx in [-127, 127].
+//
+// Every weight is decoded to an unsigned code u with a per-type offset, w = s (u - off) - m, s and
+// m per 16 weights (a K-quant's sub-block scale and min, or a block's scale), so that one int8 dot
+// (vpdpbusd: u unsigned, qx signed) serves all types:
+//   x . w = sum_lanes s dx (u . qx)  -  sum_16 (off s + m) dx sum(qx)
+// The second sum is per super-block and token, from the activations' sums (bx), or for the
+// 32-weight types folded into the dot's int32 start (init = -off sum(qx) per 4). Without VNNI,
+// maddubs's int16 pairs saturate past 32767: codes above 128 (Q8_0, IQ4's) stay signed there and
+// meet x through the sign trick (|q| . sign(x, q)) with no offset.
+//
+// Paths (compile time, as native.py's isa builds choose): AVX512 with VNNI (64 weights a vector),
+// AVX2 (32, VNNI where present), and plain C++ (float products of decoded rows: the reference
+// the tests hold the others to).
+//
+// TOKENWAY_LIBRARY names the operator library (native.py builds variants under their own names).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "pool.h"
+
+#ifndef TOKENWAY_LIBRARY
+#define TOKENWAY_LIBRARY tokenway_experts
+#endif
+
+namespace {
+
+#include "vec.h"
+
+using tokenway_native::ChunkPool;
+
+// The quant library's pool where it is loaded (one set of helpers a process), else this one's.
+ChunkPool& pool() {
+  if (ChunkPool* shared = tokenway_native::find_pool()) return *shared;
+  static std::mutex made;
+  static ChunkPool* instance = nullptr;  // never freed: its detached helpers outlive any owner
+  const std::lock_guard<std::mutex> lock(made);
+  if (instance == nullptr || instance->owner() != getpid()) instance = new ChunkPool(getpid());
+  return *instance;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block types (GGML type ids) and their layouts.
+
+enum class QType : int {
+  F32 = 0, F16 = 1, Q4_0 = 2, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+  IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, MXFP4 = 39,
+};
+
+struct Layout {
+  int block;        // weights a block (super-block)
+  int bytes;        // bytes a block
+  bool super;       // a 256-weight super-block with per-16 scales (else a 32-weight block, one scale)
+  bool is_float;    // F32, F16, BF16: float products
+};
+
+constexpr Layout layout_of(QType q) {
+  switch (q) {
+    case QType::F32: return {1, 4, false, true};
+    case QType::F16: return {1, 2, false, true};
+    case QType::BF16: return {1, 2, false, true};
+    case QType::Q4_0: return {32, 18, false, false};
+    case QType::Q8_0: return {32, 34, false, false};
+    case QType::IQ4_NL: return {32, 18, false, false};
+    case QType::MXFP4: return {32, 17, false, false};
+    case QType::Q2_K: return {256, 84, true, false};
+    case QType::Q3_K: return {256, 110, true, false};
+    case QType::Q4_K: return {256, 144, true, false};
+    case QType::Q5_K: return {256, 176, true, false};
+    case QType::Q6_K: return {256, 210, true, false};
+    case QType::IQ4_XS: return {256, 136, true, false};
+  }
+  return {0, 0, false, false};
+}
+
+bool known_qtype(int64_t id) {
+  switch (QType(id)) {
+    case QType::F32: case QType::F16: case QType::BF16: case QType::Q4_0: case QType::Q8_0:
+    case QType::IQ4_NL: case QType::MXFP4: case QType::Q2_K: case QType::Q3_K: case QType::Q4_K:
+    case QType::Q5_K: case QType::Q6_K: case QType::IQ4_XS: return true;
+  }
+  return false;
+}
+
+template <typename Fn>
+void with_qtype(QType q, Fn&& fn) {
+  switch (q) {
+#define TOKENWAY_CASE(T) case QType::T: fn(std::integral_constant<QType, QType::T>{}); break;
+    TOKENWAY_CASE(F32) TOKENWAY_CASE(F16) TOKENWAY_CASE(BF16) TOKENWAY_CASE(Q4_0) TOKENWAY_CASE(Q8_0)
+    TOKENWAY_CASE(IQ4_NL) TOKENWAY_CASE(MXFP4) TOKENWAY_CASE(Q2_K) TOKENWAY_CASE(Q3_K) TOKENWAY_CASE(Q4_K)
+    TOKENWAY_CASE(Q5_K) TOKENWAY_CASE(Q6_K) TOKENWAY_CASE(IQ4_XS)
+#undef TOKENWAY_CASE
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return float(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// MXFP4's E8M0 scale, halved (its codes are e2m1 values doubled): ggml_e8m0_to_fp32_half.
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? uint32_t(0x00200000) << e : uint32_t(e - 1) << 23;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// Q4_K, Q5_K: sub-block j's 6-bit scale and min from the 12 packed bytes (get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Q3_K's 16 6-bit scales, less 32.
+inline int q3k_scale(const uint8_t* s, int h) {
+  const int low = h < 8 ? s[h] & 0xF : s[h - 8] >> 4;
+  const int high = (s[8 + h % 4] >> (2 * (h / 4))) & 3;
+  return (low | high << 4) - 32;
+}
+
+inline int iq4xs_scale(const uint8_t* b, int i) {  // sub-block i of 32, less 32
+  uint16_t high;
+  std::memcpy(&high, b + 2, 2);
+  return (((b[4 + i / 2] >> (4 * (i % 2))) & 0xF) | (((high >> (2 * i)) & 3) << 4)) - 32;
+}
+
+// One block (super-block) -> its weights as float32, as llama.cpp's dequantize_row_* (up to the
+// compiler's contraction of a product and a sum): the plain path's weights.
+template <QType Q>
+void decode_block(const uint8_t* b, float* y) {
+  if constexpr (Q == QType::Q4_0 || Q == QType::IQ4_NL || Q == QType::MXFP4) {
+    const float d = Q == QType::MXFP4 ? e8m0_half(b[0]) : half_at(b);
+    const uint8_t* qs = b + (Q == QType::MXFP4 ? 1 : 2);
+    for (int l = 0; l < 16; ++l) {
+      const int lo = qs[l] & 0xF, hi = qs[l] >> 4;
+      if constexpr (Q == QType::Q4_0) {
+        y[l] = d * float(lo - 8), y[l + 16] = d * float(hi - 8);
+      } else if constexpr (Q == QType::IQ4_NL) {
+        y[l] = d * float(kIQ4Values[lo]), y[l + 16] = d * float(kIQ4Values[hi]);
+      } else {
+        y[l] = d * float(kMXFP4Values[lo]), y[l + 16] = d * float(kMXFP4Values[hi]);
+      }
+    }
+  } else if constexpr (Q == QType::Q8_0) {
+    const float d = half_at(b);
+    for (int l = 0; l < 32; ++l) y[l] = float(int8_t(b[2 + l])) * d;
+  } else if constexpr (Q == QType::Q2_K) {
+    const float d = half_at(b + 80), dmin = half_at(b + 82);
+    for (int i = 0; i < 8; ++i)
+      for (int l = 0; l < 32; ++l) {
+        const int h = 2 * i + l / 16, q = (b[16 + 32 * (i / 4) + l] >> (2 * (i % 4))) & 3;
+        y[32 * i + l] = d * float(b[h] & 0xF) * float(q) - dmin * float(b[h] >> 4);
+      }
+  } else if constexpr (Q == QType::Q3_K) {
+    const float d = half_at(b + 108);
+    for (int i = 0; i < 8; ++i)
+      for (int l = 0; l < 32; ++l) {
+        const int h = 2 * i + l / 16, low = (b[32 + 32 * (i / 4) + l] >> (2 * (i % 4))) & 3;
+        const int q = low - ((b[l] >> i) & 1 ? 0 : 4);
+        y[32 * i + l] = d * float(q3k_scale(b + 96, h)) * float(q);
+      }
+  } else if constexpr (Q == QType::Q4_K || Q == QType::Q5_K) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t* qs = b + (Q == QType::Q5_K ? 48 : 16);
+    for (int i = 0; i < 8; ++i) {
+      int sc, m;
+      scale_min_k4(i, b + 4, sc, m);
+      for (int l = 0; l < 32; ++l) {
+        int q = (qs[32 * (i / 2) + l] >> (4 * (i % 2))) & 0xF;
+        if constexpr (Q == QType::Q5_K) q |= ((b[16 + l] >> i) & 1) << 4;
+        y[32 * i + l] = d * float(sc) * float(q) - dmin * float(m);
+      }
+    }
+  } else if constexpr (Q == QType::Q6_K) {
+    const float d = half_at(b + 208);
+    for (int i = 0; i < 8; ++i) {
+      const int n = i / 4, j = i % 4;
+      for (int l = 0; l < 32; ++l) {
+        const int low = (b[64 * n + 32 * (j % 2) + l] >> (4 * (j / 2))) & 0xF;
+        const int high = (b[128 + 32 * n + l] >> (2 * j)) & 3;
+        y[32 * i + l] = d * float(int8_t(b[192 + 2 * i + l / 16])) * float((low | high << 4) - 32);
+      }
+    }
+  } else if constexpr (Q == QType::IQ4_XS) {
+    const float d = half_at(b);
+    for (int i = 0; i < 8; ++i) {
+      const float dl = d * float(iq4xs_scale(b, i));
+      for (int l = 0; l < 16; ++l) {
+        const uint8_t q = b[8 + 16 * i + l];
+        y[32 * i + l] = dl * float(kIQ4Values[q & 0xF]);
+        y[32 * i + l + 16] = dl * float(kIQ4Values[q >> 4]);
+      }
+    }
+  } else if constexpr (Q == QType::F32) {
+    std::memcpy(y, b, 4);
+  } else if constexpr (Q == QType::F16) {
+    y[0] = half_at(b);
+  } else if constexpr (Q == QType::BF16) {
+    uint16_t bits;
+    std::memcpy(&bits, b, 2);
+    y[0] = bf16_to_float(bits);
+  }
+}
+
+template <QType Q>
+void decode_row(const uint8_t* row, int64_t k, float* y) {
+  constexpr Layout L = layout_of(Q);
+  if constexpr (Q == QType::F32) {
+    std::memcpy(y, row, k * 4);
+  } else {
+    for (int64_t b = 0; b < k / L.block; ++b) decode_block<Q>(row + b * L.bytes, y + b * L.block);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Activations, quantized once for every matrix of their kind that reads them.
+
+struct Acts {
+  int64_t k = 0, kp = 0;        // features, and the row stride: k rounded up to 64 (zeros past k)
+  std::vector<int8_t> xq;       // (n, kp) int8 codes
+  std::vector<float> dxe;       // (n, kp / 4) the scale dx of each 4 codes' block
+  std::vector<int32_t> init;    // (n, kp / 4) -offset x the sum of each 4 codes (32-weight types)
+  std::vector<float> bx;        // (n, kp / 16) dx x the sum of each 16 codes (super-block types)
+  std::vector<float> xf;        // (n, kp) float: float weights' x, or the plain path's dx qx
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define TOKENWAY_EXPERTS_VECTOR 1
+#define TOKENWAY_EXPERTS_512 1
+constexpr const char* kIsa = "avx512";
+constexpr bool kVnni = true;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TOKENWAY_EXPERTS_VECTOR 1
+constexpr const char* kIsa = "avx2";
+#if defined(__AVXVNNI__)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+#else
+constexpr const char* kIsa = "scalar";
+constexpr bool kVnni = false;
+#endif
+
+#if defined(TOKENWAY_EXPERTS_VECTOR)
+constexpr bool kVector = true;
+#else
+constexpr bool kVector = false;
+#endif
+
+// Types whose codes meet x signed (no VNNI: maddubs would saturate on codes past 128).
+constexpr bool signed_codes(QType q) {
+  return !kVnni && (q == QType::Q8_0 || q == QType::IQ4_NL || q == QType::IQ4_XS);
+}
+
+// The offset of a type's unsigned codes: w = s (u - offset) - m.
+constexpr int offset_of(QType q) {
+  if (signed_codes(q)) return 0;
+  switch (q) {
+    case QType::Q4_0: return 8;
+    case QType::Q8_0: case QType::IQ4_NL: case QType::IQ4_XS: return 128;
+    case QType::MXFP4: return 12;
+    case QType::Q6_K: return 32;
+    case QType::Q3_K: return 4;
+    default: return 0;
+  }
+}
+
+// What a type's activations look like: the block of their int8 scales, and the offset folded into
+// init. Two types with the same kind read the same activations.
+struct ActKind {
+  int block;  // 0: float activations
+  int offset;
+  bool operator==(const ActKind& o) const { return block == o.block && offset == o.offset; }
+};
+
+ActKind act_kind(QType q) {
+  const Layout L = layout_of(q);
+  if (L.is_float) return {0, 0};
+  if (L.super) return {256, 0};
+  return {32, offset_of(q)};
+}
+
+// x (n rows, ldx apart, of k floats) -> a, for matrices of kind `kind`. Rows in parallel.
+void quantize_acts(const float* x, int64_t n, int64_t ldx, int64_t k, ActKind kind, Acts& a) {
+  a.k = k;
+  a.kp = (k + 63) / 64 * 64;
+  const int64_t kp = a.kp;
+  const bool float_weights = kind.block == 0;
+  if (float_weights || !kVector) a.xf.assign(n * kp, 0.0f);
+  if (!float_weights && kVector) {
+    a.xq.assign(n * kp, 0);
+    a.dxe.assign(n * kp / 4, 0.0f);
+    if (kind.block == 32) a.init.assign(n * kp / 4, 0);
+    else a.bx.assign(n * kp / 16, 0.0f);
+  }
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(k, 1));
+  tokenway_native::parallel_for(0, n, grain, [&](int64_t first, int64_t last) {
+    int8_t q[256];
+    for (int64_t t = first; t < last; ++t) {
+      const float* xt = x + t * ldx;
+      if (float_weights) {
+        std::memcpy(a.xf.data() + t * kp, xt, k * sizeof(float));
+        continue;
+      }
+      const int block = kind.block;
+      for (int64_t b0 = 0; b0 < k; b0 += block) {
+        float amax = 0.0f;
+        for (int i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xt[b0 + i]));
+        const float dx = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int i = 0; i < block; ++i) q[i] = int8_t(std::nearbyint(xt[b0 + i] * inverse));
+        if (!kVector) {
+          for (int i = 0; i < block; ++i) a.xf[t * kp + b0 + i] = dx * float(q[i]);
+          continue;
+        }
+        std::memcpy(a.xq.data() + t * kp + b0, q, block);
+        for (int i = 0; i < block; i += 4) {
+          const int32_t sum4 = q[i] + q[i + 1] + q[i + 2] + q[i + 3];
+          a.dxe[(t * kp + b0 + i) / 4] = dx;
+          if (block == 32) a.init[(t * kp + b0 + i) / 4] = -kind.offset * sum4;
+        }
+        if (block == 256)
+          for (int h = 0; h < 16; ++h) {
+            int32_t sum = 0;
+            for (int i = 0; i < 16; ++i) sum += q[16 * h + i];
+            a.bx[(t * kp + b0) / 16 + h] = dx * float(sum);
+          }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// The vector paths: one unit of kUnit weights a vector (64 with AVX512, 32 with AVX2).
+
+#if defined(TOKENWAY_EXPERTS_VECTOR)
+
+// 16 bytes of nibbles -> 32 codes: the low nibbles (elements 0-15), then the high ones (16-31).
+inline __m256i nibbles32(const uint8_t* qs) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+}
+
+// A 16-entry table of codes, in both 128-bit lanes (vpshufb looks up within a lane).
+template <int Add>
+inline __m256i table16(const int8_t (&values)[16]) {
+  return _mm256_setr_epi8(
+      char(values[0] + Add), char(values[1] + Add), char(values[2] + Add), char(values[3] + Add), char(values[4] + Add),
+      char(values[5] + Add), char(values[6] + Add), char(values[7] + Add), char(values[8] + Add), char(values[9] + Add),
+      char(values[10] + Add), char(values[11] + Add), char(values[12] + Add), char(values[13] + Add),
+      char(values[14] + Add), char(values[15] + Add), char(values[0] + Add), char(values[1] + Add),
+      char(values[2] + Add), char(values[3] + Add), char(values[4] + Add), char(values[5] + Add), char(values[6] + Add),
+      char(values[7] + Add), char(values[8] + Add), char(values[9] + Add), char(values[10] + Add),
+      char(values[11] + Add), char(values[12] + Add), char(values[13] + Add), char(values[14] + Add),
+      char(values[15] + Add));
+}
+
+inline __m256i shr16(__m256i v, int s) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(s)); }
+
+// The 32 codes of chunk i (of 32 weights) of a block: u = w / s + offset, unsigned; or, for
+// signed_codes(Q), the signed codes w / s.
+template <QType Q>
+inline __m256i decode32(const uint8_t* b, int i) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if constexpr (Q == QType::Q4_0) {
+    return nibbles32(b + 2);
+  } else if constexpr (Q == QType::Q8_0) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    return signed_codes(Q) ? q : _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80)));
+  } else if constexpr (Q == QType::IQ4_NL || Q == QType::IQ4_XS) {
+    const __m256i table = table16<signed_codes(Q) ? 0 : 128>(kIQ4Values);
+    const uint8_t* qs = Q == QType::IQ4_NL ? b + 2 : b + 8 + 16 * i;
+    return _mm256_shuffle_epi8(table, nibbles32(qs));
+  } else if constexpr (Q == QType::MXFP4) {
+    const __m256i table = table16<12>(kMXFP4Values);
+    return _mm256_shuffle_epi8(table, nibbles32(b + 1));
+  } else if constexpr (Q == QType::Q4_K || Q == QType::Q5_K) {
+    const uint8_t* qs = b + (Q == QType::Q5_K ? 48 : 16) + 32 * (i / 2);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+    __m256i u = _mm256_and_si256(i % 2 ? _mm256_srli_epi16(v, 4) : v, low4);
+    if constexpr (Q == QType::Q5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(shr16(qh, i), _mm256_set1_epi8(1)), 4));
+    }
+    return u;
+  } else if constexpr (Q == QType::Q6_K) {
+    const int n = i / 4, j = i % 4;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32 * (j % 2)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
+    const __m256i low = _mm256_and_si256(j / 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+    const __m256i high = _mm256_and_si256(shr16(qh, 2 * j), _mm256_set1_epi8(3));
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+  } else if constexpr (Q == QType::Q2_K) {
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (i / 4)));
+    return _mm256_and_si256(shr16(qs, 2 * (i % 4)), _mm256_set1_epi8(3));
+  } else if constexpr (Q == QType::Q3_K) {
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + 32 * (i / 4)));
+    const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+    const __m256i low = _mm256_and_si256(shr16(qs, 2 * (i % 4)), _mm256_set1_epi8(3));
+    const __m256i high = _mm256_and_si256(shr16(hm, i), _mm256_set1_epi8(1));
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 2));
+  }
+  return _mm256_setzero_si256();
+}
+
+// A super-block's per-16 scales s and corrections c = offset s + m (w = s (u - offset) - m).
+template <QType Q>
+inline void super_scales(const uint8_t* b, float* s, float* c) {
+  constexpr float off = float(offset_of(Q));
+  if constexpr (Q == QType::Q4_K || Q == QType::Q5_K) {
+    const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
+    const float dmin = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 2));
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      scale_min_k4(j, b + 4, sc, m);
+      s[2 * j] = s[2 * j + 1] = d * float(sc);
+      c[2 * j] = c[2 * j + 1] = dmin * float(m);
+    }
+  } else if constexpr (Q == QType::Q6_K) {
+    const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 208));
+#if defined(TOKENWAY_EXPERTS_512)
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
+    const __m512 sv = _mm512_mul_ps(sc, _mm512_set1_ps(d));
+    _mm512_storeu_ps(s, sv);
+    _mm512_storeu_ps(c, _mm512_mul_ps(sv, _mm512_set1_ps(off)));
+#else
+    for (int h = 0; h < 16; ++h) s[h] = d * float(int8_t(b[192 + h])), c[h] = off * s[h];
+#endif
+  } else if constexpr (Q == QType::Q2_K) {
+    const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 80));
+    const float dmin = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 82));
+    for (int h = 0; h < 16; ++h) s[h] = d * float(b[h] & 0xF), c[h] = dmin * float(b[h] >> 4);
+  } else if constexpr (Q == QType::Q3_K) {
+    const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 108));
+    for (int h = 0; h < 16; ++h) s[h] = d * float(q3k_scale(b + 96, h)), c[h] = off * s[h];
+  } else if constexpr (Q == QType::IQ4_XS) {
+    const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
+    for (int i = 0; i < 8; ++i) {
+      s[2 * i] = s[2 * i + 1] = d * float(iq4xs_scale(b, i));
+      c[2 * i] = c[2 * i + 1] = off * s[2 * i];
+    }
+  }
+}
+
+template <QType Q>
+inline float block_scale(const uint8_t* b) {
+  if constexpr (Q == QType::MXFP4) return e8m0_half(b[0]);
+  else return _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
+}
+
+#if defined(TOKENWAY_EXPERTS_512)
+constexpr int kUnit = 64;
+using UV = __m512i;
+using FU = __m512;
+inline UV join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+inline UV uload(const int8_t* p) { return _mm512_loadu_si512(p); }
+inline UV uload32(const int32_t* p) { return _mm512_loadu_si512(p); }
+inline UV uzero() { return _mm512_setzero_si512(); }
+inline UV udot(UV acc, UV u, UV x) { return _mm512_dpbusd_epi32(acc, u, x); }
+inline UV sdot(UV acc, UV q, UV x) { return udot(acc, q, x); }  // never used: VNNI has offsets
+inline FU fzero() { return _mm512_setzero_ps(); }
+inline FU fload(const float* p) { return _mm512_loadu_ps(p); }
+inline FU fmul(FU a, FU b) { return _mm512_mul_ps(a, b); }
+inline FU ffma(FU a, FU b, FU c) { return _mm512_fmadd_ps(a, b, c); }
+inline FU fcvt(UV a) { return _mm512_cvtepi32_ps(a); }
+inline float fsum(FU a) { return _mm512_reduce_add_ps(a); }
+// acc - c . bx over one super-block's 16 sub-blocks.
+inline FU fcorrect(FU acc, const float* c, const float* bx) {
+  return _mm512_fnmadd_ps(_mm512_loadu_ps(c), _mm512_loadu_ps(bx), acc);
+}
+// Unit u of a super-block (sub-blocks 4u .. 4u + 3): each lane's scale, 4 lanes a sub-block.
+inline FU super_lanes(const float* s, int unit) {
+  const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(4 * unit),
+                                         _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0));
+  return _mm512_permutexvar_ps(index, _mm512_loadu_ps(s));
+}
+inline FU block_lanes(float d0, float d1) {
+  return _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
+}
+template <QType Q>
+inline UV super_unit(const uint8_t* b, int unit) { return join(decode32<Q>(b, 2 * unit), decode32<Q>(b, 2 * unit + 1)); }
+template <QType Q>
+inline UV block_unit(const uint8_t* b, bool second) {
+  return join(decode32<Q>(b, 0), second ? decode32<Q>(b + layout_of(Q).bytes, 0) : _mm256_setzero_si256());
+}
+constexpr int kBlocksAUnit = 2;
+#else
+constexpr int kUnit = 32;
+using UV = __m256i;
+using FU = __m256;
+inline UV uload(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline UV uload32(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline UV uzero() { return _mm256_setzero_si256(); }
+inline UV udot(UV acc, UV u, UV x) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+#endif
+}
+inline UV sdot(UV acc, UV q, UV x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)),
+                                                 _mm256_set1_epi16(1)));
+}
+inline FU fzero() { return _mm256_setzero_ps(); }
+inline FU fload(const float* p) { return _mm256_loadu_ps(p); }
+inline FU fmul(FU a, FU b) { return _mm256_mul_ps(a, b); }
+inline FU ffma(FU a, FU b, FU c) { return _mm256_fmadd_ps(a, b, c); }
+inline FU fcvt(UV a) { return _mm256_cvtepi32_ps(a); }
+inline float fsum(FU a) { return vsum(a); }
+inline FU fcorrect(FU acc, const float* c, const float* bx) {
+  acc = _mm256_fnmadd_ps(_mm256_loadu_ps(c), _mm256_loadu_ps(bx), acc);
+  return _mm256_fnmadd_ps(_mm256_loadu_ps(c + 8), _mm256_loadu_ps(bx + 8), acc);
+}
+inline FU super_lanes(const float* s, int unit) {  // sub-blocks 2u, 2u + 1
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(s + 2 * unit)), _mm_broadcast_ss(s + 2 * unit + 1), 1);
+}
+inline FU block_lanes(float d0, float) { return _mm256_set1_ps(d0); }
+template <QType Q>
+inline UV super_unit(const uint8_t* b, int unit) { return decode32<Q>(b, unit); }
+template <QType Q>
+inline UV block_unit(const uint8_t* b, bool) { return decode32<Q>(b, 0); }
+constexpr int kBlocksAUnit = 1;
+#endif
+
+template <QType Q>
+inline UV dot(UV acc, UV u, UV x) {
+  if constexpr (signed_codes(Q)) return sdot(acc, u, x);
+  else return udot(acc, u, x);
+}
+
+// NR rows (pointers to their blocks) times TT tokens (rows of a): res[r][t].
+template <QType Q, int NR, int TT>
+void tile_quant(const uint8_t* const* rows, const Acts& a, const int32_t* slots, float (*res)[TT]) {
+  constexpr Layout L = layout_of(Q);
+  const int64_t k = a.k, kp = a.kp;
+  FU acc[NR][TT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = fzero();
+  const int8_t* xq[TT];
+  const float* dxe[TT];
+  for (int t = 0; t < TT; ++t) {
+    xq[t] = a.xq.data() + int64_t(slots[t]) * kp;
+    dxe[t] = a.dxe.data() + int64_t(slots[t]) * kp / 4;
+  }
+  if constexpr (L.super) {
+    const float* bx[TT];
+    for (int t = 0; t < TT; ++t) bx[t] = a.bx.data() + int64_t(slots[t]) * kp / 16;
+    for (int64_t sb = 0; sb < k / 256; ++sb) {
+      alignas(64) float s[NR][16], c[NR][16];
+      for (int r = 0; r < NR; ++r) super_scales<Q>(rows[r] + sb * L.bytes, s[r], c[r]);
+#pragma GCC unroll 4
+      for (int unit = 0; unit < 256 / kUnit; ++unit) {
+        UV u[NR];
+        FU f[NR];
+        for (int r = 0; r < NR; ++r) {
+          u[r] = super_unit<Q>(rows[r] + sb * L.bytes, unit);
+          f[r] = super_lanes(s[r], unit);
+        }
+        const int64_t at = sb * 256 + unit * kUnit;
+        for (int t = 0; t < TT; ++t) {
+          const UV x = uload(xq[t] + at);
+          const FU dx = fload(dxe[t] + at / 4);
+          for (int r = 0; r < NR; ++r) acc[r][t] = ffma(fcvt(dot<Q>(uzero(), u[r], x)), fmul(f[r], dx), acc[r][t]);
+        }
+      }
+      for (int t = 0; t < TT; ++t)
+        for (int r = 0; r < NR; ++r) acc[r][t] = fcorrect(acc[r][t], c[r], bx[t] + sb * 16);
+    }
+  } else {
+    const int32_t* init[TT];
+    for (int t = 0; t < TT; ++t) init[t] = a.init.data() + int64_t(slots[t]) * kp / 4;
+    const int64_t blocks = k / 32;
+    for (int64_t b = 0; b < blocks; b += kBlocksAUnit) {
+      const bool second = b + 1 < blocks;
+      UV u[NR];
+      FU f[NR];
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* block = rows[r] + b * L.bytes;
+        u[r] = block_unit<Q>(block, second);
+        f[r] = block_lanes(block_scale<Q>(block), kBlocksAUnit == 2 && second ? block_scale<Q>(block + L.bytes) : 0.0f);
+      }
+      const int64_t at = b * 32;
+      for (int t = 0; t < TT; ++t) {
+        const UV x = uload(xq[t] + at);
+        const UV start = uload32(init[t] + at / 4);
+        const FU dx = fload(dxe[t] + at / 4);
+        for (int r = 0; r < NR; ++r) acc[r][t] = ffma(fcvt(dot<Q>(start, u[r], x)), fmul(f[r], dx), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < TT; ++t) res[r][t] = fsum(acc[r][t]);
+}
+
+// Float weights: W floats a vector.
+template <QType Q>
+inline Vec load_weights(const uint8_t* row, int64_t i) {
+#if defined(__AVX512F__)
+  if constexpr (Q == QType::F32) return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + i);
+  else if constexpr (Q == QType::F16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * i)));
+  else return load_bf16(reinterpret_cast<const uint16_t*>(row) + i);
+#else
+  if constexpr (Q == QType::F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
+  else if constexpr (Q == QType::F16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i)));
+  else return load_bf16(reinterpret_cast<const uint16_t*>(row) + i);
+#endif
+}
+
+template <QType Q, int NR, int TT>
+void tile_float(const uint8_t* const* rows, const Acts& a, const int32_t* slots, float (*res)[TT]) {
+  const int64_t k = a.k, kp = a.kp, whole = k / W * W;
+  Vec acc[NR][TT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = vzero();
+  const float* x[TT];
+  for (int t = 0; t < TT; ++t) x[t] = a.xf.data() + int64_t(slots[t]) * kp;
+  for (int64_t i = 0; i < whole; i += W) {
+    Vec w[NR];
+    for (int r = 0; r < NR; ++r) w[r] = load_weights<Q>(rows[r], i);
+    for (int t = 0; t < TT; ++t) {
+      const Vec xv = vload(x[t] + i);
+      for (int r = 0; r < NR; ++r) acc[r][t] = vfma(w[r], xv, acc[r][t]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < TT; ++t) {
+      float total = vsum(acc[r][t]);
+      for (int64_t i = whole; i < k; ++i) {
+        float wi;
+        decode_block<Q>(rows[r] + i * layout_of(Q).bytes, &wi);
+        total += wi * x[t][i];
+      }
+      res[r][t] = total;
+    }
+}
+
+template <QType Q, int NR, int TT>
+inline void tile(const uint8_t* const* rows, const Acts& a, const int32_t* slots, float (*res)[TT]) {
+  if constexpr (layout_of(Q).is_float) tile_float<Q, NR, TT>(rows, a, slots, res);
+  else tile_quant<Q, NR, TT>(rows, a, slots, res);
+}
+
+#if defined(TOKENWAY_EXPERTS_512)
+constexpr int kMaxTile = 8;
+template <int TT> constexpr int rows_at_once() { return TT == 1 ? 4 : 2; }
+#else
+constexpr int kMaxTile = 4;
+template <int TT> constexpr int rows_at_once() { return TT == 4 ? 1 : 2; }
+#endif
+
+#else  // the plain path: a decoded row against float activations
+
+constexpr int kMaxTile = 4;
+template <int TT> constexpr int rows_at_once() { return 1; }
+
+template <QType Q, int NR, int TT>
+inline void tile(const uint8_t* const* rows, const Acts& a, const int32_t* slots, float (*res)[TT]) {
+  static thread_local std::vector<float> weights;
+  weights.resize(a.k);
+  for (int r = 0; r < NR; ++r) {
+    decode_row<Q>(rows[r], a.k, weights.data());
+    for (int t = 0; t < TT; ++t) {
+      const float* x = a.xf.data() + int64_t(slots[t]) * a.kp;
+      float total = 0.0f;
+      for (int64_t i = 0; i < a.k; ++i) total += weights[i] * x[i];
+      res[r][t] = total;
+    }
+  }
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Rows [r0, r1) of one matrix times n tokens (rows slots[i] of a): y[i * ldy + r - r0].
+
+template <QType Q, int TT>
+void rows_tile(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts& a, const int32_t* slots,
+               float* y, int64_t ldy) {
+  constexpr int NR = rows_at_once<TT>();
+  for (int64_t r = r0; r < r1; r += NR) {
+    const uint8_t* rows[NR];
+    for (int i = 0; i < NR; ++i) rows[i] = w + std::min(r + i, r1 - 1) * row_bytes;
+    float res[NR][TT];
+    tile<Q, NR, TT>(rows, a, slots, res);
+    for (int i = 0; i < NR && r + i < r1; ++i)
+      for (int t = 0; t < TT; ++t) y[t * ldy + r + i - r0] = res[i][t];
+  }
+}
+
+template <QType Q>
+void rows_times_tokens(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts& a,
+                       const int32_t* slots, int64_t n, float* y, int64_t ldy) {
+  for (int64_t i = 0; i < n;) {
+    const int64_t left = n - i;
+    if (kMaxTile >= 8 && left >= 8) {
+      rows_tile<Q, (kMaxTile >= 8 ? 8 : 4)>(w, row_bytes, r0, r1, a, slots + i, y + i * ldy, ldy);
+      i += kMaxTile >= 8 ? 8 : 4;
+    } else if (left >= 4) {
+      rows_tile<Q, 4>(w, row_bytes, r0, r1, a, slots + i, y + i * ldy, ldy);
+      i += 4;
+    } else if (left >= 2) {
+      rows_tile<Q, 2>(w, row_bytes, r0, r1, a, slots + i, y + i * ldy, ldy);
+      i += 2;
+    } else {
+      rows_tile<Q, 1>(w, row_bytes, r0, r1, a, slots + i, y + i * ldy, ldy);
+      i += 1;
+    }
+  }
+}
+
+void matmul_rows(QType q, const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts& a,
+                 const int32_t* slots, int64_t n, float* y, int64_t ldy) {
+  with_qtype(q, [&](auto qt) {
+    constexpr QType Q = decltype(qt)::value;
+    rows_times_tokens<Q>(w, row_bytes, r0, r1, a, slots, n, y, ldy);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Activation of gate and up, in place into g (n values).
+
+enum Activation : int64_t { kSilu = 0, kSwigluOai = 1 };
+
+void activate(float* g, const float* u, int64_t n, int64_t activation, float alpha, float limit) {
+  int64_t i = 0;
+  const Vec one = vset(1.0f);
+  if (activation == kSilu) {
+    for (; i + W <= n; i += W) {
+      const Vec gv = vload(g + i);
+      vstore(g + i, vmul(vdiv(gv, vadd(one, vexp(vsub(vzero(), gv)))), vload(u + i)));
+    }
+    for (; i < n; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    return;
+  }
+  const Vec lim = vset(limit), neg = vset(-limit), slope = vset(-alpha);
+  for (; i + W <= n; i += W) {
+    const Vec gv = vmin(vload(g + i), lim), uv = vmax(vmin(vload(u + i), lim), neg);
+    vstore(g + i, vmul(vadd(uv, one), vdiv(gv, vadd(one, vexp(vmul(gv, slope))))));
+  }
+  for (; i < n; ++i) {
+    const float gv = std::min(g[i], limit), uv = std::max(std::min(u[i], limit), -limit);
+    g[i] = (uv + 1.0f) * (gv / (1.0f + std::exp(-alpha * gv)));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The operators.
+
+struct Matrix {  // E matrices of `rows` rows of blocks
+  const uint8_t* data;
+  QType qtype;
+  int64_t rows, k, row_bytes;
+  const uint8_t* expert(int64_t e) const { return data + e * rows * row_bytes; }
+};
+
+int64_t row_bytes_of(QType q, int64_t k) {
+  const Layout L = layout_of(q);
+  return k / L.block * L.bytes;
+}
+
+Matrix checked_matrix(const at::Tensor& blocks, int64_t qtype, int64_t experts, int64_t rows, int64_t k,
+                      const char* what) {
+  TORCH_CHECK(known_qtype(qtype), what, ": qtype ", qtype, " is not a type these kernels read");
+  const QType q = QType(qtype);
+  const Layout L = layout_of(q);
+  TORCH_CHECK(k % L.block == 0, what, ": in_features ", k, " is not a multiple of the block size ", L.block);
+  const int64_t row_bytes = row_bytes_of(q, k);
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              what, ": contiguous uint8 blocks on the CPU");
+  TORCH_CHECK(blocks.numel() == experts * rows * row_bytes, what, ": ", experts * rows * row_bytes,
+              " bytes expected for ", experts, " x ", rows, " rows of ", k, " features, got ", blocks.numel());
+  return {blocks.data_ptr<uint8_t>(), q, rows, k, row_bytes};
+}
+
+const float* checked_bias(const c10::optional<at::Tensor>& bias, int64_t experts, int64_t rows, at::Tensor& keep,
+                          const char* what) {
+  if (!bias.has_value() || !bias->defined() || bias->numel() == 0) return nullptr;
+  TORCH_CHECK(bias->numel() == experts * rows, what, ": ", experts * rows, " values expected, got ", bias->numel());
+  keep = bias->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+
+// Rows a work item takes: about kChunkBytes of weights, in whole tiles of 4, at least `items`
+// items over all (the pool hands them out one at a time, so a late thread holds up at most one).
+constexpr int64_t kChunkBytes = 64 * 1024;
+
+int64_t chunk_rows(int64_t rows, int64_t bytes_a_row, int64_t matrices, int64_t want_items) {
+  int64_t chunk = std::max<int64_t>(4, kChunkBytes / std::max<int64_t>(1, bytes_a_row));
+  const int64_t per_matrix = std::max<int64_t>(1, (want_items + matrices - 1) / matrices);
+  chunk = std::min(chunk, std::max<int64_t>(4, (rows + per_matrix - 1) / per_matrix));
+  chunk = (chunk + 3) / 4 * 4;
+  return std::min(chunk, rows);
+}
+
+at::Tensor experts_forward(const at::Tensor& x_in, const at::Tensor& topk_ids_in, const at::Tensor& topk_weights_in,
+                           const at::Tensor& gate_blocks, int64_t gate_qtype, const at::Tensor& up_blocks,
+                           int64_t up_qtype, const at::Tensor& down_blocks, int64_t down_qtype, int64_t num_experts,
+                           int64_t inter, const c10::optional<at::Tensor>& gate_bias_in,
+                           const c10::optional<at::Tensor>& up_bias_in, const c10::optional<at::Tensor>& down_bias_in,
+                           int64_t activation, double alpha, double limit) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2, "x: (T, hidden) on the CPU");
+  TORCH_CHECK(activation == kSilu || activation == kSwigluOai, "activation: 0 (silu) or 1 (swiglu_oai)");
+  const int64_t tokens = x_in.size(0), hidden = x_in.size(1);
+  TORCH_CHECK(topk_ids_in.dim() == 2 && topk_ids_in.size(0) == tokens && topk_weights_in.sizes() == topk_ids_in.sizes(),
+              "topk_ids, topk_weights: (T, k)");
+  const int64_t k = topk_ids_in.size(1), pairs = tokens * k;
+  const Matrix gate = checked_matrix(gate_blocks, gate_qtype, num_experts, inter, hidden, "gate");
+  const Matrix up = checked_matrix(up_blocks, up_qtype, num_experts, inter, hidden, "up");
+  const Matrix down = checked_matrix(down_blocks, down_qtype, num_experts, hidden, inter, "down");
+  at::Tensor keep_gb, keep_ub, keep_db;
+  const float* gate_bias = checked_bias(gate_bias_in, num_experts, inter, keep_gb, "gate_bias");
+  const float* up_bias = checked_bias(up_bias_in, num_experts, inter, keep_ub, "up_bias");
+  const float* down_bias = checked_bias(down_bias_in, num_experts, hidden, keep_db, "down_bias");
+  at::Tensor out = at::zeros({tokens, hidden}, x_in.options().dtype(at::kFloat));
+  if (tokens == 0 || k == 0) return out;
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor ids = topk_ids_in.to(at::kLong).contiguous();
+  const at::Tensor weights = topk_weights_in.to(at::kFloat).contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const float* weight = weights.data_ptr<float>();
+
+  // Pairs grouped by expert (a counting sort): pair p of the sorted order is flat pair order[p].
+  std::vector<int64_t> start(num_experts + 1, 0);
+  for (int64_t i = 0; i < pairs; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < num_experts, "topk_ids: ", id[i], " out of range for ", num_experts, " experts");
+    ++start[id[i] + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) start[e + 1] += start[e];
+  std::vector<int32_t> token_of(pairs), pair_at(pairs);  // sorted pair -> token; flat pair -> sorted pair
+  {
+    std::vector<int64_t> next(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < pairs; ++i) {
+      const int64_t p = next[id[i]]++;
+      token_of[p] = int32_t(i / k);
+      pair_at[i] = int32_t(p);
+    }
+  }
+  std::vector<int32_t> pair_ids(pairs);
+  for (int64_t p = 0; p < pairs; ++p) pair_ids[p] = int32_t(p);
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < num_experts; ++e)
+    if (start[e + 1] > start[e]) active.push_back(e);
+
+  const int threads = at::get_num_threads();
+  const int64_t want_items = 8 * int64_t(threads);
+  Acts xg, xu;
+  quantize_acts(x.data_ptr<float>(), tokens, hidden, hidden, act_kind(gate.qtype), xg);
+  const bool shared = act_kind(up.qtype) == act_kind(gate.qtype);
+  if (!shared) quantize_acts(x.data_ptr<float>(), tokens, hidden, hidden, act_kind(up.qtype), xu);
+  const Acts& x_up = shared ? xg : xu;
+
+  // gate and up, the activation: h (pairs, inter) in sorted pair order.
+  std::vector<float> h(pairs * inter);
+  {
+    const int64_t rows = chunk_rows(inter, gate.row_bytes + up.row_bytes, int64_t(active.size()), want_items);
+    const int64_t per_expert = (inter + rows - 1) / rows;
+    const int64_t items = int64_t(active.size()) * per_expert;
+    auto run = [&](int64_t item) {
+      const int64_t e = active[item / per_expert], r0 = item % per_expert * rows, r1 = std::min(inter, r0 + rows);
+      const int64_t first = start[e], n = start[e + 1] - first, width = r1 - r0;
+      static thread_local std::vector<float> g, u;
+      g.resize(n * width);
+      u.resize(n * width);
+      matmul_rows(gate.qtype, gate.expert(e) + r0 * gate.row_bytes, gate.row_bytes, 0, width, xg,
+                  token_of.data() + first, n, g.data(), width);
+      matmul_rows(up.qtype, up.expert(e) + r0 * up.row_bytes, up.row_bytes, 0, width, x_up,
+                  token_of.data() + first, n, u.data(), width);
+      for (int64_t i = 0; i < n; ++i) {
+        float* gi = g.data() + i * width;
+        float* ui = u.data() + i * width;
+        if (gate_bias != nullptr)
+          for (int64_t r = 0; r < width; ++r) gi[r] += gate_bias[e * inter + r0 + r];
+        if (up_bias != nullptr)
+          for (int64_t r = 0; r < width; ++r) ui[r] += up_bias[e * inter + r0 + r];
+        activate(gi, ui, width, activation, float(alpha), float(limit));
+        std::memcpy(h.data() + (first + i) * inter + r0, gi, width * sizeof(float));
+      }
+    };
+    pool().run(items, threads, run);
+  }
+
+  Acts hq;
+  quantize_acts(h.data(), pairs, inter, inter, act_kind(down.qtype), hq);
+
+  // down: y (pairs, hidden), bias added.
+  std::vector<float> y(pairs * hidden);
+  {
+    const int64_t rows = chunk_rows(hidden, down.row_bytes, int64_t(active.size()), want_items);
+    const int64_t per_expert = (hidden + rows - 1) / rows;
+    const int64_t items = int64_t(active.size()) * per_expert;
+    auto run = [&](int64_t item) {
+      const int64_t e = active[item / per_expert], r0 = item % per_expert * rows, r1 = std::min(hidden, r0 + rows);
+      const int64_t first = start[e], n = start[e + 1] - first;
+      float* yp = y.data() + first * hidden + r0;
+      matmul_rows(down.qtype, down.expert(e), down.row_bytes, r0, r1, hq, pair_ids.data() + first, n, yp, hidden);
+      if (down_bias != nullptr)
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t r = r0; r < r1; ++r) yp[i * hidden + r - r0] += down_bias[e * hidden + r];
+    };
+    pool().run(items, threads, run);
+  }
+
+  // out[t] = sum_j w_tj y[pair (t, j)]
+  float* o = out.data_ptr<float>();
+  tokenway_native::parallel_for(0, tokens, std::max<int64_t>(1, 4096 / hidden), [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      float* ot = o + t * hidden;
+      for (int64_t j = 0; j < k; ++j) {
+        const float wj = weight[t * k + j];
+        const float* yp = y.data() + int64_t(pair_at[t * k + j]) * hidden;
+        for (int64_t r = 0; r < hidden; ++r) ot[r] += wj * yp[r];
+      }
+    }
+  });
+  return out;
+}
+
+// y (T, N) = x @ W.T (+ bias) for a dense weight (N, bytes a row) of raw blocks, into out.
+void raw_linear_out(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype,
+                    const c10::optional<at::Tensor>& bias_in, at::Tensor out) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2, "x: (T, K) on the CPU");
+  const int64_t tokens = x_in.size(0), in_features = x_in.size(1);
+  TORCH_CHECK(blocks.dim() == 2, "weight: (N, bytes a row)");
+  const int64_t n = blocks.size(0);
+  const Matrix w = checked_matrix(blocks, qtype, 1, n, in_features, "weight");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == tokens && out.size(1) == n &&
+                  (n <= 1 || out.stride(1) == 1) && (tokens <= 1 || out.stride(0) >= n),
+              "out: float32 (", tokens, ", ", n, ") with unit column stride");
+  at::Tensor keep;
+  const float* bias = checked_bias(bias_in, 1, n, keep, "bias");
+  if (tokens == 0 || n == 0) return;
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  Acts a;
+  quantize_acts(x.data_ptr<float>(), tokens, in_features, in_features, act_kind(w.qtype), a);
+  std::vector<int32_t> slots(tokens);
+  for (int64_t t = 0; t < tokens; ++t) slots[t] = int32_t(t);
+  const int threads = at::get_num_threads();
+  const int64_t rows = chunk_rows(n, w.row_bytes, 1, 4 * int64_t(threads));
+  const int64_t items = (n + rows - 1) / rows, ldy = out.stride(0);
+  float* y = out.data_ptr<float>();
+  auto run = [&](int64_t item) {
+    const int64_t r0 = item * rows, r1 = std::min(n, r0 + rows);
+    matmul_rows(w.qtype, w.data, w.row_bytes, r0, r1, a, slots.data(), tokens, y + r0, ldy);
+    if (bias != nullptr)
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t r = r0; r < r1; ++r) y[t * ldy + r] += bias[r];
+  };
+  pool().run(items, threads, run);
+}
+
+at::Tensor raw_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2, "x: (T, K), weight: (N, bytes a row)");
+  at::Tensor out = at::empty({x.size(0), blocks.size(0)}, x.options().dtype(at::kFloat));
+  raw_linear_out(x, blocks, qtype, bias, out);
+  return out;
+}
+
+// Rows `ids` of a dense weight decoded to float32 (len(ids), K) by this build's plain decoder.
+at::Tensor decode_rows(const at::Tensor& blocks, int64_t qtype, int64_t in_features, const at::Tensor& ids) {
+  TORCH_CHECK(blocks.dim() == 2, "weight: (N, bytes a row)");
+  const Matrix w = checked_matrix(blocks, qtype, 1, blocks.size(0), in_features, "weight");
+  const at::Tensor rows = ids.to(at::kLong).contiguous();
+  const int64_t* row = rows.data_ptr<int64_t>();
+  at::Tensor out = at::empty({rows.numel(), in_features}, blocks.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < rows.numel(); ++i) {
+    TORCH_CHECK(row[i] >= 0 && row[i] < w.rows, "ids: ", row[i], " out of range for ", w.rows, " rows");
+    with_qtype(w.qtype, [&](auto qt) {
+      constexpr QType Q = decltype(qt)::value;
+      decode_row<Q>(w.data + row[i] * w.row_bytes, in_features, o + i * in_features);
+    });
+  }
+  return out;
+}
+
+bool reads(int64_t qtype) { return known_qtype(qtype); }
+std::string isa() { return kIsa; }
+bool fast() { return kVector; }
+
+}  // namespace
+
+// TORCH_LIBRARY stringizes its argument: one more expansion makes it the macro's value.
+#define TOKENWAY_DEFINE_LIBRARY(name, m) TORCH_LIBRARY(name, m)
+TOKENWAY_DEFINE_LIBRARY(TOKENWAY_LIBRARY, m) {
+  m.def("experts_forward(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate, int gate_qtype, Tensor up, "
+        "int up_qtype, Tensor down, int down_qtype, int num_experts, int intermediate, Tensor? gate_bias, "
+        "Tensor? up_bias, Tensor? down_bias, int activation, float alpha, float limit) -> Tensor",
+        &experts_forward);
+  m.def("raw_linear(Tensor x, Tensor weight, int qtype, Tensor? bias) -> Tensor", &raw_linear);
+  m.def("raw_linear_out(Tensor x, Tensor weight, int qtype, Tensor? bias, Tensor(a!) out) -> ()", &raw_linear_out);
+  m.def("decode_rows(Tensor weight, int qtype, int in_features, Tensor ids) -> Tensor", &decode_rows);
+  m.def("reads(int qtype) -> bool", &reads);
+  m.def("isa() -> str", &isa);
+  m.def("fast() -> bool", &fast);
+}
