@@ -11,6 +11,10 @@
 //   window         int                          > 0: each row attends to its last `window` positions only
 //                                               (a sliding-window layer); a row past its window reads
 //                                               no shared prefix
+//   sinks          (heads,) float32, optional   a learned logit per head (gpt-oss's attention sinks): one
+//                                               more softmax column whose value is zero, so it only takes
+//                                               probability from the keys: out = sum_i p_i v_i with
+//                                               p = softmax([scores..., sink])
 //   -> out         (B, heads, D)                q's dtype
 //
 // The work is cut into segments: runs of context positions, each read through one block table and
@@ -25,6 +29,12 @@
 // instruction, float32 sums): a 16-token key tile is transposed so that scores land one token
 // per lane, and values are interleaved in token pairs against bfloat16 probabilities. Elsewhere
 // keys and values are converted to float32 and go through FMAs.
+//
+// A sink needs no work of its own: it is a term exp(sink - max) in the denominator where a row's
+// softmax is normalised (its only segment written out, or its segments merged).
+//
+// TOKENWAY_LIBRARY names the operator library: native.py builds variants of this file for other
+// instruction sets under their own names, so they load beside this one.
 //
 // Vectors are 16 floats (AVX512), 8 (AVX2) or 1 (anything else): whatever -march=native allows.
 // No state survives a call: unlike a torch matmul (oneDNN caches a primitive per shape), context
@@ -49,6 +59,10 @@
 #include <vector>
 
 #include "pool.h"
+
+#ifndef TOKENWAY_LIBRARY
+#define TOKENWAY_LIBRARY tokenway_attention
+#endif
 
 namespace {
 
@@ -431,7 +445,8 @@ constexpr int kMinChunk = 64;
 constexpr int64_t kMaxScores = 1 << 16;
 
 template <typename T>
-void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, const int32_t* prefix_lens, int window) {
+void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, const int32_t* prefix_lens, int window,
+         const float* sinks) {
   const int group = p.group, head_dim = p.head_dim;
   auto cost = [](int64_t positions, int64_t queries) { return positions * (queries + kPositionCost); };
   // Rows sharing a prefix, by leader.
@@ -496,6 +511,12 @@ void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, co
   Attend attend = attend_float<T>;
   if constexpr (std::is_same_v<T, uint16_t>)
     if (kDotProducts && head_dim % 32 == 0) attend = attend_dot;
+  // The sink's share of a softmax whose largest score is max_score (0 without sinks): with the
+  // probabilities' sum it normalises the row. exp may overflow to inf (a sink far above every
+  // score), which rightly leaves the row ~0.
+  auto sink_term = [&](int head, float max_score) {
+    return sinks == nullptr ? 0.0f : std::exp(sinks[head] - max_score);
+  };
   std::atomic<int64_t> next{0};
   auto work = [&](int64_t) {
     Scratch scratch(max_queries, head_dim, max_positions);
@@ -514,7 +535,8 @@ void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, co
       if (seg.partial >= 0) continue;
       for (int g = 0; g < group; ++g) {
         T* dst = p.out + (int64_t(seg.table_row) * p.heads + kv_head * group + g) * head_dim;
-        store_row(acc + g * head_dim, 1.0f / sum_out[g], dst, head_dim);
+        const float total_sum = sum_out[g] + sink_term(kv_head * group + g, max_out[g]);
+        store_row(acc + g * head_dim, 1.0f / total_sum, dst, head_dim);
       }
     }
   };
@@ -550,6 +572,7 @@ void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, co
           const float* src = part_acc.data() + slot * head_dim;
           for (int i = 0; i < head_dim; i += W) vstore(&merged[i], vfma(vset(weight), vload(src + i), vload(&merged[i])));
         }
+        total_sum += sink_term(kv_head * group + g, max_score);
         T* dst = p.out + (int64_t(row) * p.heads + kv_head * group + g) * head_dim;
         store_row(merged.data(), 1.0f / total_sum, dst, head_dim);
       }
@@ -560,7 +583,8 @@ void run(const Problem<T>& p, int batch, float scale, const int32_t* leaders, co
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
                                   double scale, const std::optional<at::Tensor>& prefix_leaders,
-                                  const std::optional<at::Tensor>& prefix_lens, int64_t window) {
+                                  const std::optional<at::Tensor>& prefix_lens, int64_t window,
+                                  const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "q (B, heads, head_dim), k_cache and v_cache (num_slots, kv_heads, head_dim)");
@@ -610,6 +634,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                     "row ", row, " does not hold its leader's prefix block ", b);
     }
   }
+  const float* sink_logits = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                    sinks->size(0) == heads && sinks->is_contiguous(),
+                "sinks (heads,) float32");
+    sink_logits = sinks->data_ptr<float>();
+  }
   // Every row with a context is written whole by run(); an empty context reads nothing, so its row
   // is zeros. at::zeros would fill the whole output on OpenMP's team, whose threads then contend
   // for the cores with the pool's helpers: with (16, 32, 128) outputs (an 8B at 16 streams) that
@@ -626,17 +657,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                       heads, kv_heads, heads / kv_heads, head_dim, int(block_size)};
   };
   if (q.scalar_type() == at::kFloat)
-    run(problem(static_cast<float*>(nullptr)), batch, float(scale), leaders, shared, int(window));
+    run(problem(static_cast<float*>(nullptr)), batch, float(scale), leaders, shared, int(window), sink_logits);
   else
-    run(problem(static_cast<uint16_t*>(nullptr)), batch, float(scale), leaders, shared, int(window));
+    run(problem(static_cast<uint16_t*>(nullptr)), batch, float(scale), leaders, shared, int(window), sink_logits);
   return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY(tokenway_attention, m) {
+// TORCH_LIBRARY stringizes its argument: one more expansion makes it the macro's value.
+#define TOKENWAY_DEFINE_LIBRARY(name, m) TORCH_LIBRARY(name, m)
+TOKENWAY_DEFINE_LIBRARY(TOKENWAY_LIBRARY, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, int block_size, float scale, Tensor? prefix_leaders=None, "
-        "Tensor? prefix_lens=None, int window=0) -> Tensor",
+        "Tensor? prefix_lens=None, int window=0, Tensor? sinks=None) -> Tensor",
         &paged_decode_attention);
 }
