@@ -24,6 +24,14 @@ at once usually is) are read as a view, with no copy at all.
 
 Prefill chunks attend one by one: a whole prompt to itself (causal), a later chunk or the tail
 after a prefix-cache hit to its cached context too.
+
+Attention sinks (gpt-oss): a learned logit per query head that joins every query's softmax as one
+more column whose value is zero, p = softmax([q.k_1 * scale, ..., q.k_n * scale, sink]), so it only
+takes probability from the keys. Given sinks, every path above keeps its layout: the native kernel
+adds the sink to each row's denominator; torch's SDPA has no sinks, so on the CPU its fused kernel
+also returns each row's logsumexp (lse) and out * sigmoid(lse - sink) is the answer (the keys'
+share of the probability, exactly); elsewhere scores are computed explicitly, in float32, a block
+of queries at a time.
 """
 
 from __future__ import annotations
@@ -37,6 +45,10 @@ import torch.nn.functional as F
 from tokenway import native
 
 DecodeKernel = Callable[..., torch.Tensor]
+
+# Queries per block where scores are computed explicitly: (heads, block, keys) float32 stays
+# within this many elements (64 MiB), a 2k-token prompt's 64 heads included.
+MAX_EXPLICIT_SCORES = 1 << 24
 
 
 @dataclass(slots=True)
@@ -136,39 +148,53 @@ def decode_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sinks: torch.Tensor | None = None,  # (heads,) float32 logits, one more softmax column each (None: none)
 ) -> torch.Tensor:
     """(Bd, heads, head_dim) in q's dtype."""
+    if sinks is not None:
+        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
     if meta.decode_kernel is not None:
         return meta.decode_kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                                   meta.block_size, scale, meta.decode_prefix_leaders, meta.decode_prefix_lens,
-                                  meta.window or 0)
+                                  meta.window or 0, sinks)
     num_decodes, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = num_heads // kv_heads
     # GQA without copying K/V: the query heads sharing a KV head act as that head's query
     # "positions", none of them causal. (Bd, kv_heads, group, head_dim)
     dq = q.view(num_decodes, kv_heads, group, head_dim)
+    # The sinks as the scores lay heads out: (kv_heads, group), broadcast over rows.
+    head_sinks = None if sinks is None else sinks.view(kv_heads, group)
+    mask: torch.Tensor | None = None
     if meta.decode_context is not None:  # one row, consecutive blocks: no copy, no mask
         length = meta.decode_context_len
         own_k = meta.decode_context.read(k_cache, meta.block_size)[:length].transpose(0, 1).unsqueeze(0)
         own_v = meta.decode_context.read(v_cache, meta.block_size)[:length].transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(dq, own_k, own_v, scale=scale)
-        return out.reshape(num_decodes, num_heads, head_dim)
-    table, mask = meta.decode_block_table, meta.decode_mask
-    assert table is not None and mask is not None, "the torch path's layout (runner._decode_layout)"
-    own_k = gather_blocks(k_cache, table, meta.block_size).transpose(1, 2)  # (Bd, kv_heads, L, head_dim)
-    own_v = gather_blocks(v_cache, table, meta.block_size).transpose(1, 2)
+    else:
+        table, mask = meta.decode_block_table, meta.decode_mask
+        assert table is not None and mask is not None, "the torch path's layout (runner._decode_layout)"
+        own_k = gather_blocks(k_cache, table, meta.block_size).transpose(1, 2)  # (Bd, kv_heads, L, head_dim)
+        own_v = gather_blocks(v_cache, table, meta.block_size).transpose(1, 2)
     if not meta.shared_prefixes:
-        out = F.scaled_dot_product_attention(dq, own_k, own_v, attn_mask=mask, scale=scale)
+        if head_sinks is None:
+            out = F.scaled_dot_product_attention(dq, own_k, own_v, attn_mask=mask, scale=scale)
+        else:
+            out = attention_with_sinks(dq, own_k, own_v, mask, False, scale, head_sinks.unsqueeze(0))
         return out.reshape(num_decodes, num_heads, head_dim)
+    assert mask is not None, "rows sharing a prefix are laid out in a padded table"
 
     # Scores in float32 whatever the cache holds (a bf16 matmul would round them to bf16).
     dq32 = dq.float() * scale
     own = torch.matmul(dq32, own_k.float().transpose(-1, -2))  # (Bd, kv_heads, group, L)
     own.masked_fill_(~mask, float("-inf"))
     shared_len = max(p.blocks.num_blocks for p in meta.shared_prefixes) * meta.block_size
-    scores = torch.full((num_decodes, kv_heads, group, shared_len + own.shape[-1]), float("-inf"), device=q.device)
-    scores[..., shared_len:] = own
+    own_len = own.shape[-1]
+    # [shared prefix (padded with -inf) | own keys | the sink, if any]
+    width = shared_len + own_len + (head_sinks is not None)
+    scores = torch.full((num_decodes, kv_heads, group, width), float("-inf"), device=q.device)
+    scores[..., shared_len : shared_len + own_len] = own
+    if head_sinks is not None:
+        scores[..., -1] = head_sinks
     prefix_values = []
     for prefix in meta.shared_prefixes:
         rows, num_rows = prefix.rows, len(prefix.rows)
@@ -181,7 +207,7 @@ def decode_attention(
         scores[rows, :, :, :length] = prefix_scores.view(kv_heads, num_rows, group, length).transpose(0, 1)
         prefix_values.append(pv)
     probs = scores.softmax(dim=-1)
-    out = torch.matmul(probs[..., shared_len:], own_v.float())  # (Bd, kv_heads, group, head_dim)
+    out = torch.matmul(probs[..., shared_len : shared_len + own_len], own_v.float())  # (Bd, kv_heads, group, head_dim)
     for prefix, pv in zip(meta.shared_prefixes, prefix_values):
         rows, num_rows, length = prefix.rows, len(prefix.rows), pv.shape[0]
         pp = probs[rows, :, :, :length].transpose(0, 1).reshape(kv_heads, num_rows * group, length)
@@ -199,6 +225,7 @@ def prefill_attention(
     chunk: PrefillChunk,
     block_size: int,
     scale: float,
+    sinks: torch.Tensor | None = None,  # (heads,) float32 logits, one more softmax column each (None: none)
 ) -> torch.Tensor:
     """(n, heads, head_dim)."""
     if chunk.context is None:
@@ -206,13 +233,76 @@ def prefill_attention(
     else:
         pk = chunk.context.read(k_cache, block_size)[: chunk.context_len]
         pv = chunk.context.read(v_cache, block_size)[: chunk.context_len]
-    attn = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),  # (1, heads, n, head_dim)
-        pk.transpose(0, 1).unsqueeze(0),  # (1, kv_heads, ctx, head_dim)
-        pv.transpose(0, 1).unsqueeze(0),
-        attn_mask=chunk.attn_mask,
-        is_causal=chunk.attn_mask is None,
-        scale=scale,
-        enable_gqa=True,
-    )
+    bq = q.transpose(0, 1).unsqueeze(0)  # (1, heads, n, head_dim)
+    bk = pk.transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx, head_dim)
+    bv = pv.transpose(0, 1).unsqueeze(0)
+    causal = chunk.attn_mask is None
+    if sinks is None:
+        attn = F.scaled_dot_product_attention(bq, bk, bv, attn_mask=chunk.attn_mask, is_causal=causal, scale=scale,
+                                              enable_gqa=True)
+    else:
+        head_sinks = sinks.to(device=q.device, dtype=torch.float32).view(1, -1, 1)  # (1, heads, 1)
+        attn = attention_with_sinks(bq, bk, bv, chunk.attn_mask, causal, scale, head_sinks)
     return attn.squeeze(0).transpose(0, 1)
+
+
+def attention_with_sinks(
+    q: torch.Tensor,  # (B, heads, n, head_dim)
+    k: torch.Tensor,  # (B, kv_heads, ctx, head_dim); heads a multiple of kv_heads (GQA)
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # bool, broadcast to (B, heads, n, ctx), True = may attend; None: see is_causal
+    is_causal: bool,  # query i sees keys 0..i (n == ctx)
+    scale: float,
+    sinks: torch.Tensor,  # float32, broadcast to (B, heads, n)
+) -> torch.Tensor:
+    """SDPA whose every softmax has one more column, a sink: its logit, and a value of zero.
+    (B, heads, n, head_dim) in q's dtype."""
+    if q.device.type == "cpu":
+        # The fused kernel F.scaled_dot_product_attention runs on the CPU, which also returns each
+        # row's logsumexp of its scaled scores (float32). With Z = exp(lse), the keys' share of
+        # the probability is Z / (Z + exp(sink)) = sigmoid(lse - sink). It takes a float mask.
+        float_mask = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, attn_mask=float_mask, scale=scale)
+        return (out.float() * torch.sigmoid(lse - sinks).unsqueeze(-1)).to(q.dtype)
+    return explicit_attention_with_sinks(q, k, v, mask, is_causal, scale, sinks)
+
+
+def explicit_attention_with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    sinks: torch.Tensor,
+    max_scores: int = MAX_EXPLICIT_SCORES,
+) -> torch.Tensor:
+    """attention_with_sinks from explicit float32 scores, blocks of queries whose scores stay
+    within max_scores elements (any device)."""
+    batch, num_heads, num_queries, head_dim = q.shape
+    kv_heads, num_keys = k.shape[1], k.shape[2]
+    group = num_heads // kv_heads
+    k32 = k.float().unsqueeze(2).transpose(-1, -2)  # (B, kv_heads, 1, head_dim, ctx)
+    v32 = v.float().unsqueeze(2)  # (B, kv_heads, 1, ctx, head_dim)
+    sinks = sinks.expand(batch, num_heads, num_queries).reshape(batch, kv_heads, group, num_queries)
+    if is_causal:
+        mask = torch.arange(num_keys, device=q.device) <= torch.arange(num_queries, device=q.device).unsqueeze(1)
+    if mask is not None:  # as the scores lay heads out: (B or 1, kv_heads or 1, group or 1, n or 1, ctx)
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        mask = mask.unflatten(1, (kv_heads, group) if mask.shape[1] > 1 else (1, 1))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    block = max(1, max_scores // (batch * num_heads * max(1, num_keys)))
+    for start in range(0, num_queries, block):
+        rows = slice(start, min(num_queries, start + block))
+        bq = q[:, :, rows].float().unflatten(1, (kv_heads, group)) * scale  # (B, kv_heads, group, rows, head_dim)
+        scores = torch.matmul(bq, k32)  # (B, kv_heads, group, rows, ctx)
+        if mask is not None:
+            scores.masked_fill_(~(mask[..., rows, :] if mask.shape[-2] > 1 else mask), float("-inf"))
+        sink = sinks[..., rows].unsqueeze(-1)  # (B, kv_heads, group, rows, 1)
+        top = torch.maximum(scores.amax(-1, keepdim=True), sink)  # finite: a row with no key keeps its sink
+        probs = torch.exp(scores - top)
+        total = probs.sum(-1, keepdim=True) + torch.exp(sink - top)
+        block_out = torch.matmul(probs, v32) / total  # (B, kv_heads, group, rows, head_dim)
+        out[:, :, rows] = block_out.flatten(1, 2).to(q.dtype)
+    return out
