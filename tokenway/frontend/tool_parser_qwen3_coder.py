@@ -111,11 +111,10 @@ def parameter_value(text: str, kind: str) -> Any:
         value = ast.literal_eval(text)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return text
-    try:
-        json.dumps(value, allow_nan=False)
+    try:  # as JSON has it: a tuple is a list
+        return json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError, RecursionError):
         return text
-    return value
 
 
 def _no_constant(name: str) -> Any:
@@ -298,7 +297,6 @@ class Qwen3CoderParser(_Tagged):
         return delta
 
     def _flush(self) -> None:
-        if self.mode == "function_name" and not self.wrapped:  # a bare <function= never named: text
-            self.mode = "text"
-            self.held = self.blanks + FUNCTION + "".join(self.name)
+        if self.mode == "function_name" and not self.wrapped:  # a call cut before its name: no text
+            self.mode, self.name = "text", []
         super()._flush()
