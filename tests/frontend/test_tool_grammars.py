@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import tokenizers
@@ -16,7 +17,8 @@ from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.output import RequestState
 from tokenway.frontend.structured_output import StructuredOutputManager, allowed_tokens
 from tokenway.frontend.tokenizer import Tokenizer
-from tokenway.frontend.tool_parsers import MARKERS
+from tokenway.frontend.tool_grammars import native_call_grammar
+from tokenway.frontend.tool_parsers import MARKERS, ReplyFormat
 from tokenway.protocol.outputs import EngineOutput
 from tokenway.protocol.sampling import SamplingParams, StructuredOutputSpec
 
@@ -143,3 +145,43 @@ def test_auto_calls_are_read_whatever_their_markers_are(models, fmt, kind):
     for bad in ('{"name": "get_weather", "arguments": {"city": 21}}', '{"name": "get_stock", "arguments": {}}'):
         bad_ids = reply_ids(tokenizer, fmt, kind, f"<tool_call>\n{bad}\n</tool_call>")
         assert not walk(manager, prompt.grammar, bad_ids), bad
+
+
+# Qwen3-Coder's XML calls: its markers are Hermes's (<tool_call>, </tool_call>), so the Hermes
+# vocabularies serve; the grammar is asked for directly (the format the template picks is chat.py's).
+TYPED = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string", "enum": ["Rome", "Paris"]}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+    "note": {"type": "string"}, "where": {"type": "object", "properties": {"lat": {"type": "number"}},
+                                          "required": ["lat"]}},
+    "required": ["city", "days"]}}}
+QWEN3_CODER_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>\n3\n"
+                    "</parameter>\n<parameter=note>\nif a < b:\n    return '<p>'\n</parameter>\n<parameter=where>\n"
+                    '{"lat": 41.9}\n</parameter>\n</function>\n</tool_call>')
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_qwen3_coder_forced_calls_hold_each_value_to_its_type(models, kind):
+    tokenizer, manager = models["hermes", kind]
+    eos = [tokenizer.eos_token_id]
+    token_ids = reply_ids(tokenizer, "qwen3_coder", kind, QWEN3_CODER_CALL)
+    reply_format = ReplyFormat("qwen3_coder", keeps_special_tokens=kind == "control", tools=(TYPED, TIME))
+    want = [("get_weather", {"city": "Rome", "days": 3, "note": "if a < b:\n    return '<p>'", "where": {"lat": 41.9}})]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        one = native_call_grammar(tokenizer, "qwen3_coder", [TYPED, TIME], choice, parallel_tool_calls=False)
+        assert walk(manager, one, token_ids), choice
+        matcher = manager.new_matcher(StructuredOutputSpec(kind="grammar", grammar=one))
+        assert all(matcher.accept_token(token_id) for token_id in token_ids) and matcher.is_finished
+        assert read(tokenizer, SimpleNamespace(reply_format=reply_format), token_ids) == ("", want)
+    grammar = native_call_grammar(tokenizer, "qwen3_coder", [TYPED, TIME], "required", parallel_tool_calls=True)
+    second = "\n<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n</function>\n</tool_call>"
+    assert walk(manager, grammar, token_ids + reply_ids(tokenizer, "qwen3_coder", kind, second) + eos)
+    for bad in (QWEN3_CODER_CALL.replace("\n3\n", "\nthree\n"),  # an integer
+                QWEN3_CODER_CALL.replace("Rome", "Oslo"),  # not in the enum
+                QWEN3_CODER_CALL.replace("<parameter=city>\nRome\n</parameter>\n", ""),  # a required one left out
+                QWEN3_CODER_CALL.replace('"lat": 41.9', '"lat": "N"'),  # the object's schema
+                QWEN3_CODER_CALL.replace("return '<p>'", "</function>"),  # a tag that would end the value
+                QWEN3_CODER_CALL.replace("get_weather", "get_stock")):
+        assert not walk(manager, grammar, reply_ids(tokenizer, "qwen3_coder", kind, bad) + eos), bad
+    named = native_call_grammar(tokenizer, "qwen3_coder", [TYPED, TIME], {"type": "function", "function": {
+        "name": "get_time"}}, parallel_tool_calls=False)
+    assert not walk(manager, named, token_ids)  # a named function allows that one only
