@@ -13,6 +13,9 @@ A reasoning model (a template that thinks, or serve --reasoning-parser): the cal
 ThinkingRequest sets the template's own switch (enable_thinking) and, with a budget, the
 engine's ReasoningBudget; the rendered prompt says whether the reply starts inside its thinking
 (reasoning_parsers.py reads it).
+
+gpt-oss (a template that writes Harmony): the prompt is rendered by harmony.py, not by its
+template, and the reply is read by harmony_parser.py, its thinking, content and calls at once.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from typing import Any
 
 from tokenway.frontend import special_text
 from tokenway.frontend import tools as generic_tools
+from tokenway.frontend.harmony import HARMONY, HarmonySystem, is_harmony_template, render_prompt
+from tokenway.frontend.harmony_grammar import call_grammar, final_json_grammar
 from tokenway.frontend.reasoning_parsers import (
     ReasoningFormat,
     check_reasoning_parser,
@@ -175,6 +180,10 @@ def build_chat_prompt(
         (messages, rendered_tools, kwargs), escaped = special_text.escape(tokenizer, [messages, tools, kwargs])
     messages = normalize_messages(messages)
     prompt = ChatPrompt(prompt_token_ids=[])
+    if is_harmony_template(tokenizer.chat_template) and not tokenizer.chat_template_is_fallback:
+        text = _harmony(prompt, tokenizer, messages, tools, rendered_tools, tool_choice, parallel_tool_calls,
+                        response_format, continue_final_message, thinking, kwargs)
+        return _encoded(prompt, tokenizer, text, escaped, max_num_tokens)
     fmt = tool_format(tokenizer, tool_parser)
     if parallel_tool_calls is None:
         parallel_tool_calls = fmt != "generic"
@@ -212,11 +221,44 @@ def build_chat_prompt(
     name = reasoning_parser_name(tokenizer, reasoning_parser)
     if name is not None:
         _reasoning(prompt, tokenizer, name, text, kwargs, thinking, continues)
+    return _encoded(prompt, tokenizer, text, escaped, max_num_tokens)
+
+
+def _encoded(prompt: ChatPrompt, tokenizer: Tokenizer, text: str, escaped: special_text.Escaped | None,
+             max_num_tokens: int | None) -> ChatPrompt:
     if escaped is None:
         prompt.prompt_token_ids = tokenizer.encode(text, add_special_tokens=False, max_num_tokens=max_num_tokens)
     else:
         prompt.prompt_token_ids = special_text.encode(tokenizer, text, escaped, max_num_tokens)
     return prompt
+
+
+def _harmony(prompt: ChatPrompt, tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None,
+             rendered_tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: bool | None,
+             response_format: dict | None, continue_final_message: bool, thinking: ThinkingRequest | None,
+             kwargs: Mapping[str, Any]) -> str:
+    """A Harmony prompt's text, and how its reply is read: always with special tokens kept (its
+    channels are special tokens), calls only where tools are offered (a call to none is read and
+    dropped), a grammar where the call forces a tool or a JSON answer."""
+    offered = bool(tools) and tool_choice != "none"
+    continues = continue_final_message and bool(messages) and messages[-1].get("role") == "assistant" \
+        and bool(messages[-1]["content"])
+    if continue_final_message and not continues:  # an empty reply begun is no reply begun
+        messages = messages[:-1]
+    text = render_prompt(messages, rendered_tools if offered else None, HarmonySystem.for_call(thinking, kwargs),
+                         continue_final_message=continues)
+    prompt.reply_format = ReplyFormat(HARMONY, max_calls=(None if parallel_tool_calls is not False else 1)
+                                      if offered else 0, keeps_special_tokens=True)
+    prompt.reasoning = ReasoningFormat(HARMONY, "<|channel|>analysis<|message|>", "<|end|>",
+                                       open_channel="final" if continues else None)
+    if offered and (tool_choice == "required" or isinstance(tool_choice, dict)):
+        assert tools is not None  # offered
+        prompt.grammar = call_grammar(tokenizer, tools, tool_choice, thinking)
+    elif response_format is not None and response_format.get("type") in ("json_schema", "json_object"):
+        schema = (response_format.get("json_schema") or {}).get("schema") or {} \
+            if response_format["type"] == "json_schema" else {"type": "object"}
+        prompt.grammar = final_json_grammar(tokenizer, schema, thinking)
+    return text
 
 
 def _marks_with_special_tokens(tokenizer: Tokenizer, fmt: str) -> bool:

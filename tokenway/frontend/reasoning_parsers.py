@@ -86,6 +86,9 @@ class ReasoningFormat:
     start: str
     end: str
     starts_open: bool = False
+    # Harmony (harmony_parser.py reads the reply, not ReasoningParser): the channel whose message
+    # the prompt left open (a final answer the caller began); None: the reply starts with a header.
+    open_channel: str | None = None
 
     def parser(self, token_text: Callable[[int], str] | None = None) -> ReasoningParser:
         """A parser for one choice; token_text (the tokenizer's) places the tokens of a delta

@@ -11,7 +11,8 @@ replayed from the entry instead of a replica's; a miss keeps its replica's event
 
 Each delta from the replica is read in order: a reasoning model's thinking split off its text
 (reasoning_parsers.py: `reasoning`, and the tokens spent thinking), the content's tool calls
-(tool_parsers.py), then the safety stage's output check, of both parts.
+(tool_parsers.py), then the safety stage's output check, of both parts. A Harmony reply
+(gpt-oss) is split into all three by one parser (harmony_parser.py).
 
 The API modules (openai_render.py, anthropic_api.py) only render: deltas into their API's
 events, results into their API's body. framed_stream frames any API's events the same way.
@@ -23,6 +24,7 @@ import dataclasses
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -30,6 +32,10 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tokenway.frontend.harmony import HARMONY
+from tokenway.frontend.harmony_parser import HarmonyParser
+from tokenway.frontend.reasoning_parsers import ReasoningFormat
+from tokenway.frontend.tool_parsers import ReplyFormat
 from tokenway.gateway.admission import admit
 from tokenway.gateway.call import Call, CallOutcome
 from tokenway.json_codec import dumps
@@ -113,14 +119,22 @@ class Generation:
         self.reasoning_tokens = [0] * job.n  # of completion_tokens, those spent thinking
         # A reasoning model's reply is split as it streams (before its tool calls are read: they
         # are in the content); a replica that splits it itself (an upstream) sends `reasoning`.
-        reasoning = prepared.reasoning
+        reasoning, reply_format = prepared.reasoning, prepared.reply_format
+        # A Harmony reply: one parser a choice reads its thinking, content and calls at once.
+        self.harmony = _harmony_parsers(reasoning, reply_format, job.n) \
+            if reasoning is not None and reasoning.name == HARMONY else None
+        if self.harmony is not None:
+            reasoning = None
         token_text = self.frontend.tokenizer.token_text if self.frontend is not None else None
         self.reasoning_parsers = [reasoning.parser(token_text) for _ in range(job.n)] \
             if reasoning is not None else None
         # A reply in a tool-call format is read as it streams: its deltas carry content and
         # call pieces (ToolCallDelta), as a replica that makes calls itself (an upstream) sends.
-        reply_format = prepared.reply_format
-        self.parsers = [reply_format.parser() for _ in range(job.n)] if reply_format is not None else None
+        if self.harmony is not None:  # its calls are the tool-call format's where tools are offered
+            calls_offered = reply_format is not None and reply_format.max_calls != 0
+            self.parsers: list | None = self.harmony if calls_offered else None
+        else:
+            self.parsers = [reply_format.parser() for _ in range(job.n)] if reply_format is not None else None
         # The safety stage's output check, per choice, on the content (after the tool-call parser).
         policy = self.policy = prepared.policy
         self.screens = [ReplyScreen(policy) for _ in range(job.n)] if policy.output != "off" else None
@@ -210,12 +224,14 @@ class Generation:
                         observer.on_tokens(self.model, num_new, gap)
                         last_token_times[index] = now
                     self.completion_tokens[index] += num_new
-                    if self.reasoning_parsers is not None:
+                    if self.harmony is not None:
+                        event = self._harmony_split(event)
+                    elif self.reasoning_parsers is not None:
                         event = self._split(event)
                     elif event.reasoning:  # split by the replica: its tokens where it says, else an estimate
                         self.reasoning_tokens[index] += num_new if num_new and not event.text \
                             else estimate_tokens(event.reasoning)
-                    if self.parsers is not None:
+                    if self.parsers is not None and self.harmony is None:
                         event = self._parsed(event)
                     if self.screens is not None:
                         event = self._screened(event)
@@ -254,6 +270,23 @@ class Generation:
             reasoning, content = reasoning + rest.reasoning, content + rest.content
         self.reasoning_tokens[event.index] = parser.num_reasoning_tokens
         return dataclasses.replace(event, text=content, reasoning=event.reasoning + reasoning)
+
+    def _harmony_split(self, event: ChoiceDelta) -> ChoiceDelta:
+        """A Harmony reply's delta as thinking, content and call pieces (the reply's end ends its
+        last message); a reply that completed calls ends with tool_calls, as _parsed says."""
+        assert self.harmony is not None, "only a Harmony reply is split so"
+        parser = self.harmony[event.index]
+        parsed = parser.feed(event.text, event.token_ids)
+        reasoning, content, calls = parsed.reasoning, parsed.content, parsed.calls
+        finish_reason = event.finish_reason
+        if finish_reason is not None:
+            rest = parser.finish()
+            reasoning, content, calls = reasoning + rest.reasoning, content + rest.content, calls + rest.calls
+            if finish_reason == "stop" and parser.tool_calls():
+                finish_reason = "tool_calls"
+        self.reasoning_tokens[event.index] = parser.num_reasoning_tokens
+        return dataclasses.replace(event, text=content, reasoning=event.reasoning + reasoning,
+                                   tool_calls=event.tool_calls + calls, finish_reason=finish_reason)
 
     def _parsed(self, event: ChoiceDelta) -> ChoiceDelta:
         """A delta of a tool-call format's reply as content and call pieces. At the reply's end
@@ -457,6 +490,16 @@ class Generation:
         if recorded is not None and cache is not None and status == 200 and all(self.finish_reasons) \
                 and "content_filter" not in self.finish_reasons and self.services.response_cache is not None:
             self.services.response_cache.keep(cache, recorded)
+
+
+def _harmony_parsers(reasoning: ReasoningFormat, reply_format: ReplyFormat | None, num_choices: int
+                     ) -> list[HarmonyParser]:
+    """A Harmony parser a choice: call ids in the API's prefix, at most the calls the call allows
+    (none where it offers no tools), from the channel the prompt left open."""
+    prefix = reply_format.id_prefix if reply_format is not None else "call_"
+    max_calls = reply_format.max_calls if reply_format is not None else 0
+    return [HarmonyParser(lambda: f"{prefix}{uuid.uuid4().hex[:24]}", max_calls, starts_in=reasoning.open_channel)
+            for _ in range(num_choices)]
 
 
 async def _replayed(events: tuple[ReplicaEvent, ...]) -> AsyncGenerator[ReplicaEvent, None]:
