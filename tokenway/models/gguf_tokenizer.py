@@ -19,7 +19,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
-SUPPORTED_PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama-bpe", "llama3", "qwen2")
+SUPPORTED_PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama-bpe", "llama3", "qwen2", "gpt-4o")
 
 # llama.cpp's split regexes (llama-vocab.cpp), as HF tokenizer.json files spell them.
 _LLAMA3_SPLIT = (
@@ -30,6 +30,13 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k's (gpt-oss, GPT-4o; llama.cpp's "gpt-4o"): words split at case changes, numbers in threes.
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {"qwen2": _QWEN2_SPLIT, "gpt-4o": _GPT4O_SPLIT}
 # llama_token_type in llama.h
 _TOKEN_TYPE_NORMAL = 1
 _TOKEN_TYPE_UNKNOWN = 2
@@ -123,7 +130,7 @@ def _byte_level_bpe(fields: Mapping[str, Any], source: str, vocab: dict[str, int
             ]
         )
     else:
-        split = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
+        split = _SPLITS.get(pre, _LLAMA3_SPLIT)
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [
                 pre_tokenizers.Split(Regex(split), behavior="isolated"),
