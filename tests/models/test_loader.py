@@ -245,7 +245,8 @@ def test_tiny_gguf_round_trips_to_the_hf_weights(tmp_path):
     ("kwargs", "message"),
     [
         ({"arch": "gpt2"}, r"unsupported GGUF architecture 'gpt2'; expected one of "
-                           r"\['gemma3', 'llama', 'phi3', 'qwen2', 'qwen3'\]"),
+                           r"\['gemma3', 'gpt-oss', 'llama', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', "
+                           r"'qwen3moe'\]"),
         ({"tokenizer_model": "bert"}, r"unsupported tokenizer.ggml.model 'bert'"),
         ({"pre": "deepseek-llm"}, r"unsupported tokenizer.ggml.pre 'deepseek-llm'"),
         ({"rope_scaling_type": gguf.RopeScalingType.LONGROPE, "rope_scaling_factor": 4.0},

@@ -39,7 +39,7 @@ from tokenway.models.decoder import DecoderForCausalLM
 from tokenway.models.interjection import Interjection
 from tokenway.models.linear import select_kernels
 from tokenway.models.loader import resolve_model
-from tokenway.models.weights import KernelCache, iter_weights, quantized_weights
+from tokenway.models.weights import KernelCache, expert_weights, iter_weights, quantized_weights
 from tokenway.protocol.job import SERVICE_CLASSES, ServiceClass
 from tokenway.protocol.outputs import EngineOutput
 from tokenway.protocol.sampling import SamplingParams
@@ -125,6 +125,8 @@ class EngineCore:
                 kernels = model.relaid_weights()
                 if kernels.keys() - relaid.keys():
                     kernel_cache.save(kernels)
+        # A mixture's experts computed on the file's 3-D tensors as stored, whatever else is quantized.
+        quantized |= model.use_experts(expert_weights(model_dir))
         model.load_weights(iter_weights(model_dir, skip=quantized))
         self.model = model.to(self.device).eval()
         fused = model.use_fused_kernels()

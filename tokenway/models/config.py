@@ -40,6 +40,16 @@ class ModelConfig:
     local_rope: Rope | None = None  # the rotation of sliding layers; None: `rope`
     attention_scale: float | None = None  # None: head_dim ** -0.5
     final_logit_softcapping: float | None = None
+    # Mixture of experts (arch.experts says how they route): experts a layer, experts a token,
+    # each routed expert's and the shared expert's intermediate size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the chosen experts' weights renormalised to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers whose MLP is dense (Qwen-MoE's mlp_only_layers)
+    swiglu_alpha: float = 1.702  # gpt-oss's clamped SwiGLU (expert_kernels.ExpertSpec)
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -54,6 +64,15 @@ class ModelConfig:
                              f"the model has {self.num_hidden_layers}")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a sliding_window")
+        if self.arch.experts is not None:
+            if self.num_experts < 1 or not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"{self.architecture}: a mixture of experts needs num_experts >= 1 and "
+                                 f"1 <= num_experts_per_tok <= num_experts, got {self.num_experts} and "
+                                 f"{self.num_experts_per_tok}")
+            if self.moe_intermediate_size < 1:
+                raise ValueError(f"{self.architecture}: moe_intermediate_size must be >= 1")
+            if self.arch.experts.shared_expert and self.shared_expert_intermediate_size < 1:
+                raise ValueError(f"{self.architecture}: the shared expert needs shared_expert_intermediate_size >= 1")
 
     @cached_property
     def arch(self) -> Architecture:
@@ -65,6 +84,10 @@ class ModelConfig:
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == SLIDING
+
+    def is_sparse(self, layer: int) -> bool:
+        """Layer `layer`'s MLP is a mixture of experts."""
+        return self.arch.experts is not None and layer not in self.dense_layers
 
     def window(self, layer: int) -> int | None:
         """Keys layer `layer` attends to (its own token included), or None: the whole context."""
@@ -114,6 +137,8 @@ class ModelConfig:
                 if scaling is not None and hf.get("original_max_position_embeddings"):
                     scaling = {"original_max_position_embeddings": hf["original_max_position_embeddings"], **scaling}
                 fields["rope"] = Rope.from_hf(theta, scaling, source)
+            if arch.experts is not None:
+                fields.update(_expert_fields(hf, num_layers))
             fields.update(arch.hf_fields(hf, num_layers))
             config = cls(**fields)
         except KeyError as exc:
@@ -134,6 +159,20 @@ class ModelConfig:
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: not valid JSON ({exc})") from None
         return cls.from_dict(hf, source=str(path))
+
+
+def _expert_fields(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields, by the names the MoE families' config.json use."""
+    step = int(hf.get("decoder_sparse_step") or 1)
+    mlp_only = {int(i) for i in hf.get("mlp_only_layers") or ()}
+    return {
+        "num_experts": int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
+        "num_experts_per_tok": int(hf.get("num_experts_per_tok") or 0),
+        "moe_intermediate_size": int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
+        "shared_expert_intermediate_size": int(hf.get("shared_expert_intermediate_size") or 0),
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "dense_layers": tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step),
+    }
 
 
 def _check_activation(hf: dict[str, Any], arch: Architecture, source: str) -> None:

@@ -14,7 +14,7 @@ Activations and the residual stream stay float32; linear weights and the KV cach
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias, cast
 
@@ -27,6 +27,8 @@ from tokenway import native
 from tokenway.models.attention import AttentionMetadata, decode_attention, prefill_attention
 from tokenway.models.config import ModelConfig
 from tokenway.models.decode_stack import DecodeStack
+from tokenway.models.expert_kernels import ExpertWeights
+from tokenway.models.experts import PROJECTIONS, SparseMoe, per_expert, weight_targets
 from tokenway.models.interjection import Interjection
 from tokenway.models.linear import LinearKernel
 from tokenway.models.weights import QuantizedTensor
@@ -91,8 +93,13 @@ class Attention(nn.Module):
             else None
         )
         self.o_weight = nn.Parameter(torch.empty(config.hidden_size, self.q_size, dtype=dtype), requires_grad=False)
+        self.o_bias = (nn.Parameter(torch.zeros(config.hidden_size, dtype=dtype), requires_grad=False)
+                       if config.arch.output_bias else None)
         self.qkv: Matmul = LinearKernel(self.qkv_weight, self.qkv_bias)
-        self.o: Matmul = LinearKernel(self.o_weight)
+        self.o: Matmul = LinearKernel(self.o_weight, self.o_bias)
+        # gpt-oss: each head's learned logit, one more column of every softmax (its value zero).
+        self.sinks = (nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
+                      if config.arch.attention_sinks else None)
         # QK-norm (Qwen3, Gemma 3): each head of q and k RMS-normed before RoPE.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.arch.qk_norm else None
@@ -159,32 +166,32 @@ class Attention(nn.Module):
         values k, v) through prefill attention, then o, in this layer's layout (layout()).
         q, k, v: (T, heads, head_dim) in the cache's dtype."""
         num_tokens = q.shape[0]
+        sinks = () if self.sinks is None else (self.sinks,)
         if not meta.prefills:
-            return self.o(decode_attention(q, k_cache, v_cache, meta, self.scale).reshape(num_tokens, self.q_size))
+            return self.o(decode_attention(q, k_cache, v_cache, meta, self.scale, *sinks).reshape(num_tokens,
+                                                                                                 self.q_size))
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = meta.num_decode_tokens
         if num_decodes:
-            out[:num_decodes] = decode_attention(q[:num_decodes], k_cache, v_cache, meta, self.scale)
+            out[:num_decodes] = decode_attention(q[:num_decodes], k_cache, v_cache, meta, self.scale, *sinks)
         assert k is not None and v is not None, "prompt chunks come with their new keys and values"
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, meta.block_size,
-                                          self.scale)
+                                          self.scale, *sinks)
         return self.o(out.view(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, intermediate_size: int | None = None) -> None:
+        """intermediate_size: the config's unless given (a mixture's shared expert has its own)."""
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        inter = self.intermediate_size = intermediate_size or config.intermediate_size
         self.activation = config.arch.activation
         # gate and up fused: (2 * intermediate, hidden)
-        self.gate_up_weight = nn.Parameter(
-            torch.empty(2 * config.intermediate_size, config.hidden_size, dtype=dtype), requires_grad=False
-        )
-        self.down_weight = nn.Parameter(
-            torch.empty(config.hidden_size, config.intermediate_size, dtype=dtype), requires_grad=False
-        )
+        self.gate_up_weight = nn.Parameter(torch.empty(2 * inter, config.hidden_size, dtype=dtype),
+                                           requires_grad=False)
+        self.down_weight = nn.Parameter(torch.empty(config.hidden_size, inter, dtype=dtype), requires_grad=False)
         self.gate_up: Matmul = LinearKernel(self.gate_up_weight)
         self.down: Matmul = LinearKernel(self.down_weight)
 
@@ -209,7 +216,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.self_attn = Attention(config, layer, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-        self.mlp = MLP(config, dtype)
+        self.mlp: MLP | SparseMoe
+        if config.is_sparse(layer):
+            shared = (MLP(config, dtype, config.shared_expert_intermediate_size)
+                      if config.shared_expert_intermediate_size else None)
+            self.mlp = SparseMoe(config, dtype, shared)
+        else:
+            self.mlp = MLP(config, dtype)
         sandwich = config.arch.sandwich_norms
         self.attn_out_norm = RMSNorm(config.hidden_size, eps) if sandwich else None
         self.mlp_out_norm = RMSNorm(config.hidden_size, eps) if sandwich else None
@@ -312,7 +325,8 @@ class DecoderForCausalLM(nn.Module):
         QK-norm or sandwich norms, silu, unscaled embeddings."""
         arch = self.config.arch
         return (not arch.qk_norm and not arch.sandwich_norms and arch.activation == "silu"
-                and not self.config.layer_types and self.config.local_rope is None)
+                and not self.config.layer_types and self.config.local_rope is None
+                and arch.experts is None and not arch.attention_sinks and not arch.output_bias)
 
     def forward(
         self,
@@ -379,9 +393,14 @@ class DecoderForCausalLM(nn.Module):
         for index, layer in enumerate(self.decoder_layers):
             prefix = f"layers.{index}"
             out += [(f"{prefix}.self_attn.qkv_weight", layer.self_attn, "qkv"),
-                    (f"{prefix}.self_attn.o_weight", layer.self_attn, "o"),
-                    (f"{prefix}.mlp.gate_up_weight", layer.mlp, "gate_up"),
-                    (f"{prefix}.mlp.down_weight", layer.mlp, "down")]
+                    (f"{prefix}.self_attn.o_weight", layer.self_attn, "o")]
+            # A mixture's experts are not matmuls of their own (experts.py); its shared expert is one.
+            mlp, mlp_prefix = layer.mlp, f"{prefix}.mlp"
+            if isinstance(mlp, SparseMoe):
+                if mlp.shared is None:
+                    continue
+                mlp, mlp_prefix = mlp.shared, f"{prefix}.mlp.shared"
+            out += [(f"{mlp_prefix}.gate_up_weight", mlp, "gate_up"), (f"{mlp_prefix}.down_weight", mlp, "down")]
         return out
 
     def linear_kernels(self) -> list[LinearKernel]:
@@ -471,7 +490,10 @@ class DecoderForCausalLM(nn.Module):
                 names = ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
             else:
                 index = param_name.split(".")[1]
-                candidates = [[f"model.layers.{index}.{part}.weight" for part in option] for option in parts[attr]]
+                options = parts[attr]
+                if ".mlp.shared." in param_name:  # a mixture's shared expert, by the checkpoint's name
+                    options = [tuple(p.replace("mlp.", "mlp.shared_expert.") for p in option) for option in options]
+                candidates = [[f"model.layers.{index}.{part}.weight" for part in option] for option in options]
                 names = next((option for option in candidates if option[0] in tensors), candidates[0])
             found = [t for name in names if (t := tensors.get(name)) is not None]
             if len(found) < len(names) or not all(supports(t.qtype, t.shape[1]) for t in found):
@@ -486,6 +508,30 @@ class DecoderForCausalLM(nn.Module):
             self._quantized_params.add(param_name)
             if attr != "head" or not config.tie_word_embeddings:
                 used.update(names)
+        return used
+
+    def use_experts(self, tensors: dict[str, ExpertWeights]) -> set[str]:
+        """Run each mixture's experts on the file's 3-D tensors as stored (mapped in place, in any
+        type the expert kernels read: never expanded to float). Returns the HF names used, which
+        load_weights then skips."""
+        from tokenway.models import dequant
+
+        used: set[str] = set()
+        for index, layer in enumerate(self.decoder_layers):
+            if not isinstance(layer.mlp, SparseMoe):
+                continue
+            names = [f"model.layers.{index}.mlp.experts.{proj}_proj.weight" for proj in PROJECTIONS]
+            found = [tensors.get(name) for name in names]
+            stored = [t for t in found if t is not None]
+            if len(stored) < len(names):
+                continue
+            for name, weights in zip(names, stored):
+                if weights.qtype not in dequant.QTYPES:  # every type the kernels read, torch's included
+                    raise ValueError(f"{name}: experts stored as {weights.qtype}, a type tokenway cannot "
+                                     f"compute on (it reads {', '.join(dequant.QTYPES)})")
+            layer.mlp.use_stored(*stored)
+            self._quantized_params.update(f"layers.{index}.mlp.{proj}_weight" for proj in PROJECTIONS)
+            used.update(names)
         return used
 
     def relaid_weights(self) -> dict[str, torch.Tensor]:
@@ -526,6 +572,8 @@ class DecoderForCausalLM(nn.Module):
             "mlp.up_proj.weight": ("mlp.gate_up_weight", inter, inter),
             "mlp.gate_up_proj.weight": ("mlp.gate_up_weight", 0, 2 * inter),
             "self_attn.o_proj.weight": ("self_attn.o_weight", 0, hidden),
+            "self_attn.o_proj.bias": ("self_attn.o_bias", 0, hidden),
+            "self_attn.sinks.weight": ("self_attn.sinks", 0, config.num_attention_heads),
             "mlp.down_proj.weight": ("mlp.down_weight", 0, hidden),
             "input_layernorm.weight": ("input_layernorm.weight", 0, hidden),
             "post_attention_layernorm.weight": ("post_attention_layernorm.weight", 0, hidden),
@@ -539,10 +587,11 @@ class DecoderForCausalLM(nn.Module):
                 "post_feedforward_layernorm.weight": ("mlp_out_norm.weight", 0, hidden),
             })
         norm_offset = config.arch.norm_offset
+        experts = weight_targets(config) if config.arch.experts is not None else {}
         params = dict(self.named_parameters())
         # target -> {row offset: rows}; a tied lm_head may arrive twice, which is fine.
         filled: dict[str, dict[int, int]] = {}
-        for name, tensor in weights:
+        for name, tensor in self._family_names(weights):
             if name == "model.embed_tokens.weight":
                 vocab = config.vocab_size
                 targets = [("embed_tokens", 0, vocab)] + ([("lm_head", 0, vocab)] if config.tie_word_embeddings else [])
@@ -552,12 +601,20 @@ class DecoderForCausalLM(nn.Module):
                 targets = [("norm.weight", 0, hidden)]
             elif name.startswith("model.layers."):
                 _, _, index, suffix = name.split(".", 3)
-                if suffix not in fused or (suffix in self._QK_NORMS and not config.arch.qk_norm):
+                one_expert = per_expert(suffix, tensor) if experts else None
+                if one_expert is not None:  # one expert's projection: one row of the stacked parameter
+                    target, expert, tensor = one_expert
+                    targets = [(f"layers.{index}.{target}", expert, 1)]
+                elif suffix in experts and config.is_sparse(int(index)):
+                    target, offset, rows = experts[suffix]
+                    targets = [(f"layers.{index}.{target}", offset, rows)]
+                elif suffix not in fused or (suffix in self._QK_NORMS and not config.arch.qk_norm):
                     if "rotary_emb" in suffix:
                         continue
                     raise ValueError(f"unexpected weight {name!r} in checkpoint")
-                target, offset, rows = fused[suffix]
-                targets = [(f"layers.{index}.{target}", offset, rows)]
+                else:
+                    target, offset, rows = fused[suffix]
+                    targets = [(f"layers.{index}.{target}", offset, rows)]
             else:
                 continue  # e.g. rotary inv_freq buffers some checkpoints carry
             if norm_offset and name.endswith("norm.weight"):
@@ -577,3 +634,21 @@ class DecoderForCausalLM(nn.Module):
                    if n not in self._quantized_params and sum(filled.get(n, {}).values()) != p.shape[0]]
         if missing:
             raise ValueError(f"checkpoint is missing weights for {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        for layer in self.decoder_layers:
+            if isinstance(layer.mlp, SparseMoe):
+                layer.mlp.finish()
+
+    def _family_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """A checkpoint's layer tensors under the decoder's names and layouts, where the family
+        spells them its own way (arch.hf_renames, arch.hf_split)."""
+        arch = self.config.arch
+        for name, tensor in weights:
+            if not name.startswith("model.layers.") or not (arch.hf_renames or arch.hf_split):
+                yield name, tensor
+                continue
+            _, _, index, suffix = name.split(".", 3)
+            for old, new in arch.hf_renames.items():
+                suffix = suffix.replace(old, new)
+            parts = arch.hf_split(suffix, tensor) if arch.hf_split is not None else [(suffix, tensor)]
+            for part, part_tensor in parts:
+                yield f"model.layers.{index}.{part}", part_tensor

@@ -29,7 +29,7 @@ from tokenway.models.config import ModelConfig
 from tokenway.models.gguf_tokenizer import tokenizer_from_gguf
 
 # Bump whenever the output for the same GGUF changes: it is part of the cache key.
-CONVERTER_VERSION = 5
+CONVERTER_VERSION = 6
 # Where each tensor of the GGUF lies and how to read it (TensorEntry), beside config.json.
 TENSOR_TABLE = "gguf-tensors.json"
 
@@ -89,7 +89,8 @@ class _Metadata:
         self.path = path
         field = self._fields.get("general.architecture")
         self.arch = "" if field is None else field.contents()
-        self.family: Architecture = architectures.from_gguf(self.arch, str(path))
+        self.num_experts = int(self.get("{arch}.expert_count", 0) or 0)
+        self.family: Architecture = architectures.from_gguf(self.arch, str(path), self.num_experts)
 
     def get(self, key: str, default: Any = None) -> Any:
         field = self._fields.get(key.format(arch=self.arch))
@@ -139,9 +140,23 @@ def _hf_config(meta: _Metadata, reader: gguf.GGUFReader) -> dict[str, Any]:
     rope_scaling = _rope_scaling(meta, tensors.get("rope_freqs.weight"), head_dim)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
+    if family.experts is not None:
+        config.update(_expert_config(meta, tensors, config["intermediate_size"]))
     config.update(family.gguf_fields(meta))
     return config
 
+
+def _expert_config(meta: _Metadata, tensors: dict[str, gguf.ReaderTensor], intermediate_size: int) -> dict[str, Any]:
+    """config.json's mixture-of-experts fields (config._expert_fields reads them back). A layer
+    without a router (ffn_gate_inp) is a dense one."""
+    num_layers = int(meta.require("{arch}.block_count"))
+    return {
+        "num_experts": meta.num_experts,
+        "num_experts_per_tok": int(meta.require("{arch}.expert_used_count")),
+        "moe_intermediate_size": int(meta.get("{arch}.expert_feed_forward_length", intermediate_size)),
+        "shared_expert_intermediate_size": int(meta.get("{arch}.expert_shared_feed_forward_length", 0)),
+        "mlp_only_layers": [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors],
+    }
 
 # Tokens llama.cpp ends generation on wherever a vocabulary has them (llama-vocab.cpp's EOG list),
 # beside the eos/eot/eom ids the metadata names: a chat model's end of turn (Gemma's
@@ -194,6 +209,8 @@ def _tensor_plans(reader: gguf.GGUFReader, hf_config: dict[str, Any], meta: _Met
         if hf_name is None:
             raise ValueError(f"{meta.path}: unexpected tensor {tensor.name!r} for architecture {meta.arch!r}")
         hf_shape = tuple(int(d) for d in reversed(tensor.shape))
+        if len(hf_shape) == 3 or ".mlp.gate." in hf_name:
+            _check_experts(meta, tensor.name, hf_name, hf_shape, hf_config)
         num_heads = None
         # llama.cpp reorders llama's q/k rows (and biases) so its RoPE can rotate adjacent pairs;
         # its other converters leave them alone.
@@ -207,6 +224,21 @@ def _tensor_plans(reader: gguf.GGUFReader, hf_config: dict[str, Any], meta: _Met
         offset = family.norm_offset if hf_name.endswith("norm.weight") else 0.0
         plans.append(_TensorPlan(tensor, hf_name, hf_shape, num_heads, offset))
     return plans
+
+
+def _check_experts(meta: _Metadata, name: str, hf_name: str, shape: tuple[int, ...], hf_config: dict[str, Any]) -> None:
+    """An expert tensor or a router whose expert count or shape disagrees with the metadata is
+    refused here, at load, not met as a crash mid-request."""
+    num_experts = hf_config.get("num_experts", 0)
+    hidden = hf_config["hidden_size"]
+    inter = hf_config.get("moe_intermediate_size", 0)
+    kind = hf_name.split(".")[-2]
+    expected = {"gate": (num_experts, hidden), "gate_proj": (num_experts, inter, hidden),
+                "up_proj": (num_experts, inter, hidden), "down_proj": (num_experts, hidden, inter)}.get(kind)
+    if not num_experts or (expected is not None and hf_name.endswith(".weight") and shape != expected):
+        raise ValueError(f"{meta.path}: {name} has shape {list(reversed(shape))} (GGUF order), which does not fit "
+                         f"{meta.arch}.expert_count = {num_experts} experts of hidden {hidden}, intermediate "
+                         f"{inter} (expected {list(reversed(expected)) if expected else '?'})")
 
 
 def _hf_tensor_name(name: str, family: Architecture) -> str | None:

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from tokenway.models import dequant
+from tokenway.models.expert_kernels import ExpertWeights
 from tokenway.models.gguf import TENSOR_TABLE, unpermute
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -101,6 +102,22 @@ def quantized_weights(model_dir: Path) -> dict[str, QuantizedTensor]:
             for e in entries if e.quantized}
 
 
+def expert_weights(model_dir: Path) -> dict[str, ExpertWeights]:
+    """A GGUF's 3-D expert tensors (experts, rows, in_features), any type, by HF name, mapped in
+    place from the file; empty for a HuggingFace directory (its experts load as floats)."""
+    table = gguf_table(model_dir)
+    if table is None:
+        return {}
+    gguf_path, entries = table
+    out = {}
+    for entry in entries:
+        if len(entry.shape) == 3 and entry.unpermute_heads is None and not entry.value_offset:
+            num_experts, rows, cols = entry.shape
+            blocks = torch.from_numpy(_mapped(gguf_path, entry).reshape(num_experts, rows, -1))
+            out[entry.name] = ExpertWeights(entry.type, blocks, (num_experts, rows, cols))
+    return out
+
+
 def iter_weights(model_dir: Path, skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF tensor name, tensor) for every tensor of the model but those in `skip`, in the
     file's dtype (a GGUF's blocks decoded to float32)."""
@@ -138,10 +155,10 @@ def _gguf_floats(gguf_path: Path, entries: list[TensorEntry],
                 tensor = torch.from_numpy(raw.reshape(entry.shape))
                 if entry.type == "BF16":
                     tensor = tensor.view(torch.bfloat16)
-            else:
-                rows = entry.shape[0] if len(entry.shape) == 2 else 1
+            else:  # a 1-D tensor is one row, a 3-D one (experts) its experts' rows stacked
+                rows = int(np.prod(entry.shape[:-1]))
                 blocks = QuantizedTensor(entry.type, _blocks(gguf_path, entry) if len(entry.shape) == 2
-                                         else torch.from_numpy(_mapped(gguf_path, entry).reshape(1, -1)),
+                                         else torch.from_numpy(_mapped(gguf_path, entry).reshape(rows, -1)),
                                          (rows, entry.shape[-1]))
                 tensor = blocks.dequantize().reshape(entry.shape)
             if entry.value_offset:
