@@ -261,10 +261,12 @@ def attention_with_sinks(
         # The fused kernel F.scaled_dot_product_attention runs on the CPU, which also returns each
         # row's logsumexp of its scaled scores (float32). With Z = exp(lse), the keys' share of
         # the probability is Z / (Z + exp(sink)) = sigmoid(lse - sink). It takes a float mask.
+        # The factor is rounded to the output's dtype: a bfloat16 output converted to float32 and
+        # back costs 10x the multiply (55 ms against 5.6 for a 2k-token prompt's 64 heads).
         float_mask = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=float_mask, scale=scale)
-        return (out.float() * torch.sigmoid(lse - sinks).unsqueeze(-1)).to(q.dtype)
+        return out.mul_(torch.sigmoid(lse - sinks).unsqueeze(-1).to(out.dtype))
     return explicit_attention_with_sinks(q, k, v, mask, is_causal, scale, sinks)
 
 
