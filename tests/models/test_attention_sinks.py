@@ -46,8 +46,8 @@ def reference_decode(q, k_cache, v_cache, tables, context_lens, scale, block_siz
     out = []
     for row, (table, length) in enumerate(zip(tables, context_lens)):
         first = 0 if window is None else max(0, length - window)
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(first, length)],
-                             dtype=torch.long)
+        positions = torch.arange(first, length)
+        slots = torch.tensor(table, dtype=torch.long)[positions // block_size] * block_size + positions % block_size
         k = k_cache[slots].double().repeat_interleave(group, dim=1)  # (L, heads, d)
         v = v_cache[slots].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[row].double(), k) * scale
