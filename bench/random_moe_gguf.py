@@ -35,6 +35,7 @@ e2m1 values up to 6). Norms are 1, biases and sinks ~0.01, routers std 0.02 in F
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import sys
 import time
@@ -204,7 +205,7 @@ def tokenizer_fields(reader: gguf.GGUFReader, vocab: int | None, harmony: bool) 
         types += [TOKEN_NORMAL] * (vocab - start)
         if harmony:
             for token_id, text in HARMONY_TOKENS.items():
-                if text not in tokens:
+                if token_id < vocab and text not in tokens:
                     tokens[token_id], types[token_id] = text, TOKEN_CONTROL
     if "tokenizer.ggml.scores" in fields and len(tokens) != len(fields["tokenizer.ggml.scores"]):  # type: ignore[arg-type]
         raise ValueError("a source with tokenizer.ggml.scores cannot be padded: use --vocab source")
@@ -279,18 +280,16 @@ def check(seed: int) -> None:
               f"finite {np.isfinite(w).all()}")
 
 
-def write(shape_name: str, out: Path, layers: int | None, vocab_mode: str, source: Path | None,
-          context: int, seed: int) -> None:
-    full = SHAPES[shape_name]
-    s = MoeShape(**{**full.__dict__, "layers": layers or full.layers})
+def write(s: MoeShape, out: Path, name: str, pad_vocab: bool, source: Path | None, context: int, seed: int) -> None:
+    """Writes the model `s` (named `name` in general.name) to `out`, a tensor at a time."""
     reader = gguf.GGUFReader(source or default_source())
-    vocab = s.vocab if vocab_mode == "real" else None
+    vocab = s.vocab if pad_vocab else None
     tok = tokenizer_fields(reader, vocab, harmony=s.arch == "gpt-oss")
     n_vocab = len(tok["tokenizer.ggml.tokens"])  # type: ignore[arg-type]
     specs = TENSORS[s.arch](s, n_vocab)
     writer = gguf.GGUFWriter(str(out), s.arch)
     writer.add_type("model")
-    writer.add_name(f"random {shape_name}" + (f" ({s.layers} layers)" if layers else ""))
+    writer.add_name(f"random {name}")
     for key, (value, kind) in metadata(s, context).items():
         writer.add_key_value(key, value, kind)
     for key, value in tok.items():
@@ -316,7 +315,7 @@ def write(shape_name: str, out: Path, layers: int | None, vocab_mode: str, sourc
     counts: dict[str, int] = {}
     for spec in specs:
         counts[spec.qtype.name] = counts.get(spec.qtype.name, 0) + 1
-    print(f"\n{out}: random {shape_name}, {s.layers} layers, vocab {n_vocab}, {len(specs)} tensors "
+    print(f"\n{out}: random {name}, {s.layers} layers, vocab {n_vocab}, {len(specs)} tensors "
           f"({', '.join(f'{k} {v}' for k, v in counts.items())}), {out.stat().st_size / 1e9:.2f} GB "
           f"in {time.monotonic() - started:.0f} s")
 
@@ -340,9 +339,12 @@ def main() -> None:
         ap.error("OUT is required unless --check")
     if args.layers is not None and not 1 <= args.layers <= SHAPES[args.shape].layers:
         ap.error(f"--layers must be 1..{SHAPES[args.shape].layers}")
-    context = args.context or {"gpt-oss": 131072, "qwen3moe": 40960}[SHAPES[args.shape].arch]
+    full = SHAPES[args.shape]
+    shape = dataclasses.replace(full, layers=args.layers or full.layers)
+    context = args.context or {"gpt-oss": 131072, "qwen3moe": 40960}[full.arch]
     tmp = args.out.with_name(args.out.name + ".tmp")
-    write(args.shape, tmp, args.layers, args.vocab, args.source, context, args.seed)
+    name = args.shape + (f" ({args.layers} layers)" if args.layers else "")
+    write(shape, tmp, name, args.vocab == "real", args.source, context, args.seed)
     tmp.replace(args.out)
 
 
