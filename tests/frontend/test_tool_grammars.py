@@ -17,7 +17,7 @@ from tokenway.frontend.chat import build_chat_prompt
 from tokenway.frontend.output import RequestState
 from tokenway.frontend.structured_output import StructuredOutputManager, allowed_tokens
 from tokenway.frontend.tokenizer import Tokenizer
-from tokenway.frontend.tool_grammars import native_call_grammar
+from tokenway.frontend.tool_grammars import native_call_grammar, qwen3_coder_auto_grammar
 from tokenway.frontend.tool_parsers import MARKERS, ReplyFormat
 from tokenway.protocol.outputs import EngineOutput
 from tokenway.protocol.sampling import SamplingParams, StructuredOutputSpec
@@ -185,3 +185,19 @@ def test_qwen3_coder_forced_calls_hold_each_value_to_its_type(models, kind):
     named = native_call_grammar(tokenizer, "qwen3_coder", [TYPED, TIME], {"type": "function", "function": {
         "name": "get_time"}}, parallel_tool_calls=False)
     assert not walk(manager, named, token_ids)  # a named function allows that one only
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_qwen3_coder_auto_calls_are_held_to_the_tools_text_is_free(models, kind):
+    tokenizer, manager = models["hermes", kind]
+    grammar = qwen3_coder_auto_grammar(tokenizer, [TYPED, TIME])
+    reply_format = ReplyFormat("qwen3_coder", keeps_special_tokens=kind == "control", tools=(TYPED, TIME))
+    token_ids = tokenizer.encode("Let me check.\n", add_special_tokens=False) + \
+        reply_ids(tokenizer, "qwen3_coder", kind, QWEN3_CODER_CALL)
+    assert walk(manager, grammar, token_ids)
+    assert read(tokenizer, SimpleNamespace(reply_format=reply_format), token_ids) == ("Let me check.", [
+        ("get_weather", {"city": "Rome", "days": 3, "note": "if a < b:\n    return '<p>'", "where": {"lat": 41.9}})])
+    assert walk(manager, grammar, tokenizer.encode("Sunny, 21 °C <b>{not a call}</b> <function=x>.",
+                                                   add_special_tokens=False))
+    for bad in (QWEN3_CODER_CALL.replace("\n3\n", "\nthree\n"), QWEN3_CODER_CALL.replace("get_weather", "get_stock")):
+        assert not walk(manager, grammar, reply_ids(tokenizer, "qwen3_coder", kind, bad)), bad

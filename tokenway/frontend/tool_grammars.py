@@ -6,6 +6,8 @@
                                                   on the call held to the tools' schemas
     qwen3_coder, "required" or named              qwen3_coder_call_grammar: the XML call, each value
                                                   held to its parameter's type
+    qwen3_coder, "auto"                           qwen3_coder_auto_grammar: free text, and from
+                                                  <tool_call> on the call held so
 
 A format's markers are written as the model's tokenizer has them. A marker that is an added token
 (Qwen2.5's <tool_call>, user-defined; Mistral's [TOOL_CALLS], a control token) is that token, by id
@@ -105,6 +107,29 @@ def qwen3_coder_call_grammar(tokenizer: Tokenizer, tools: list[dict], tool_choic
     if isinstance(tool_choice, dict):
         wanted = tool_choice.get("function", tool_choice).get("name")
         tools = [tool for tool in tools if tool.get("function", tool)["name"] == wanted]
+    function, rules = _qwen3_coder_functions(tools)
+    call = f'call: {marker(tokenizer, "<tool_call>")} "\\n" {function} "\\n" {marker(tokenizer, "</tool_call>")}'
+    start = 'start: call ("\\n" call)*' if parallel_tool_calls else "start: call"
+    return "\n".join([start, call, *rules]) + "\n"
+
+
+def qwen3_coder_auto_grammar(tokenizer: Tokenizer, tools: list[dict]) -> str:
+    """tool_choice "auto" in the qwen3_coder format, as hermes_auto_grammar is for Hermes: free
+    text, and from <tool_call> on the call held to the tools, each value to its type."""
+    function, rules = _qwen3_coder_functions(tools)
+    if tokenizer.added_token_id("<tool_call>") is None:  # spelled in pieces: llguidance's lazy trigger
+        body = "\n".join([f"start: {function}", *rules]) + "\n"
+        tag = llguidance.StructTag(trigger="<tool_call>", begin="<tool_call>\n", end="\n</tool_call>", grammar=body)
+        return llguidance.StructTag.to_grammar([tag], assume_special=False)
+    return "\n".join([
+        "%llguidance {}", "start: call* TEXT",
+        f'call: TEXT {marker(tokenizer, "<tool_call>")} "\\n" {function} "\\n" {marker(tokenizer, "</tool_call>")}',
+        "TEXT: /(.|\\n)*/", *rules]) + "\n"
+
+
+def _qwen3_coder_functions(tools: list[dict]) -> tuple[str, list[str]]:
+    """(the grammar term of one function call, the rules it uses): f0 | f1 .., each
+    <function=NAME>\\n, its parameters, </function>."""
     rules, functions = [], []
     for position, tool in enumerate(tools):
         function = tool.get("function", tool)
@@ -119,10 +144,7 @@ def qwen3_coder_call_grammar(tokenizer: Tokenizer, tools: list[dict], tool_choic
         opening = json.dumps(f"<function={function['name']}>\n", ensure_ascii=False)
         rules.append(f'f{position}: {opening} {" ".join(items)} "</function>"')
         functions.append(f"f{position}")
-    call = (f'call: {marker(tokenizer, "<tool_call>")} "\\n" ({" | ".join(functions)}) "\\n" '
-            f'{marker(tokenizer, "</tool_call>")}')
-    start = 'start: call ("\\n" call)*' if parallel_tool_calls else "start: call"
-    return "\n".join([start, call, *rules]) + "\n"
+    return f"({' | '.join(functions)})", rules
 
 
 def _value(rule: str, schema: Any, parameters: dict, rules: list[str]) -> str:
