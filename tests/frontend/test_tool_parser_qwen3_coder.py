@@ -14,7 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenway.frontend.tokenizer import Tokenizer
-from tokenway.frontend.tool_parser_qwen3_coder import parameter_types, parameter_value, schema_type
+from tokenway.frontend.tool_parser_qwen3_coder import (
+    parameter_types,
+    parameter_value,
+    schema_type,
+    writes_qwen3_coder_calls,
+)
 from tokenway.frontend.tool_parsers import ReplyFormat, ToolCallParser
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "fixtures" / "chat_templates" / \
@@ -71,6 +76,13 @@ def rendered_calls(tokenizer: Tokenizer, calls: list[tuple[str, dict]], content:
         for i, (name, arguments) in enumerate(calls)]}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=list(TOOLS))
     return text.split("<|im_start|>assistant", 1)[1].rsplit("<|im_end|>", 1)[0]
+
+
+def test_the_format_is_known_by_its_template():
+    templates = TEMPLATE.parent
+    assert writes_qwen3_coder_calls(TEMPLATE.read_text())
+    # Hermes's <tool_call> JSON (Qwen2.5, Qwen3, Hermes 3) and the other formats are not it.
+    assert not any(writes_qwen3_coder_calls(path.read_text()) for path in templates.glob("*.jinja") if path != TEMPLATE)
 
 
 def test_the_template_shows_the_tools_and_the_format(tokenizer):

@@ -49,6 +49,13 @@ _JSON_TYPES = frozenset({"object", "array", "arr"})
 _JSON_PREFIXES = ("dict", "list")
 
 
+def writes_qwen3_coder_calls(template: str) -> bool:
+    """Whether a chat template writes its calls in this format (Qwen3-Coder's, Qwen3.5's, Nemotron
+    Nano 3's): <function= and <parameter= inside <tool_call>. It holds <tool_call>, so it must be
+    asked before Hermes is."""
+    return all(tag in template for tag in (TOOL_CALL, FUNCTION, PARAMETER))
+
+
 def schema_type(schema: Any) -> str:
     """A parameter's type as the parser reads it: its schema's "type" in lower case, the first
     non-null one of a list (["integer", "null"]; vLLM reads the list's Python text, which
