@@ -149,3 +149,7 @@ def test_a_begun_final_answer_goes_on(harmony_tokenizer):
     text = harmony_tokenizer.decode(prompt.prompt_token_ids, skip_special_tokens=False)
     assert text.endswith("<|start|>assistant<|channel|>final<|message|>It is")
     assert prompt.reasoning is not None and prompt.reasoning.open_channel == "final"
+    empty = build_chat_prompt(harmony_tokenizer, [*ASK, {"role": "assistant", "content": ""}],
+                              continue_final_message=True)
+    assert empty.prompt_token_ids == build_chat_prompt(harmony_tokenizer, ASK).prompt_token_ids
+    assert empty.reasoning is not None and empty.reasoning.open_channel is None

@@ -241,9 +241,9 @@ def _harmony(prompt: ChatPrompt, tokenizer: Tokenizer, messages: list[dict], too
     channels are special tokens), calls only where tools are offered (a call to none is read and
     dropped), a grammar where the call forces a tool or a JSON answer."""
     offered = bool(tools) and tool_choice != "none"
-    continues = continue_final_message and bool(messages) and messages[-1].get("role") == "assistant" \
-        and bool(messages[-1]["content"])
-    if continue_final_message and not continues:  # an empty reply begun is no reply begun
+    begun = continue_final_message and bool(messages) and messages[-1].get("role") == "assistant"
+    continues = begun and bool(messages[-1]["content"])
+    if begun and not continues:  # an empty reply begun is no reply begun
         messages = messages[:-1]
     text = render_prompt(messages, rendered_tools if offered else None, HarmonySystem.for_call(thinking, kwargs),
                          continue_final_message=continues)
