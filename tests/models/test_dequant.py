@@ -10,11 +10,12 @@ import torch
 from tokenway.models.dequant import dequantize, dequantize_rows
 
 # Types gguf-py can quantize: their blocks come from real floats.
-QUANTIZABLE = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+QUANTIZABLE = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"]
 # Byte offsets of each block's float16 fields (scales, mins): random bytes elsewhere, valid
 # float16s there, as a real file has.
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-              "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+              "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+              "IQ4_NL": (0,), "IQ4_XS": (0,), "MXFP4": ()}
 DEVICES = [
     "cpu",
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")),
@@ -34,6 +35,9 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray
     for offset in F16_FIELDS[qtype]:
         scales = (rng.standard_normal((rows, cols // block_size)) * 0.05).astype(np.float16)
         blocks[..., offset:offset + 2] = scales.view(np.uint8).reshape(rows, -1, 2)
+    if qtype == "MXFP4":  # every E8M0 scale that keeps 12 x 2^(e - 128) finite: the subnormal ones too
+        blocks[..., 0] = rng.integers(0, 250, (rows, cols // block_size), dtype=np.uint8)
+        blocks[0, :2, 0] = (0, 1)
     return blocks.reshape(rows, -1)
 
 

@@ -46,6 +46,16 @@ def dequantize_rows(blocks: torch.Tensor, qtype: str, shape: tuple[int, int], id
     return dequantize(picked, qtype, (picked.shape[0], cols)).view(*ids.shape, cols)
 
 
+def block_size(qtype: str) -> int:
+    """The weights one block of `qtype` holds (1 for the float types)."""
+    return _sizes(qtype)[0]
+
+
+def block_sizes(qtype: str) -> tuple[int, int]:
+    """(weights a block, bytes a block) of `qtype`."""
+    return _sizes(qtype)
+
+
 def _sizes(qtype: str) -> tuple[int, int]:
     if qtype not in _DEQUANTIZE:
         raise ValueError(f"unsupported GGUF type {qtype!r}; expected one of {', '.join(_DEQUANTIZE)}")

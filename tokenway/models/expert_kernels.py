@@ -21,6 +21,10 @@ type the kernels read; a safetensors checkpoint's float experts are the same wit
 The activations (ACTIVATIONS): "silu": silu(gate) * up (Qwen, Mixtral); "swiglu_oai": gpt-oss's
 clamped variant: gate clamped above at `limit`, up to [-limit, limit], then
 (up + 1) * gate * sigmoid(alpha * gate).
+
+Two kernels: NativeExpertKernel (csrc/experts.cpp: the blocks read in place, int8 products on
+the CPU, all of a step's experts in one call) where it builds and reads every type, else
+TorchExpertKernel. `build` picks.
 """
 
 from __future__ import annotations
@@ -30,10 +34,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenway import native
 from tokenway.models import dequant
 
 ACTIVATIONS = ("silu", "swiglu_oai")
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# The block types csrc/experts.cpp reads, by GGML type id (its qtype argument).
+NATIVE_QTYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
+                    "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30, "MXFP4": 39}
+_ACTIVATION_IDS = {"silu": 0, "swiglu_oai": 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +137,54 @@ class TorchExpertKernel:
         return out
 
 
+class NativeExpertKernel:
+    """The experts in one native call a step (csrc/experts.cpp experts_forward): the step's
+    (token, expert) pairs grouped by expert, each token's activations quantized to int8 once,
+    each active expert's rows read once against all its tokens, work over (expert, rows) on all
+    cores. The same call as TorchExpertKernel; CPU tensors only.
+    isa: a build for another instruction set (native.ISA_FLAGS; tests and benchmarks)."""
+
+    __slots__ = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias", "spec", "_ops", "_activation")
+
+    def __init__(self, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, spec: ExpertSpec,
+                 gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
+                 down_bias: torch.Tensor | None = None, isa: str | None = None) -> None:
+        check_shapes(gate, up, down)
+        for weights in (gate, up, down):
+            if not supports(weights.qtype, weights.shape[2]):
+                raise ValueError(f"no native expert kernel for {weights.qtype} with {weights.shape[2]} input features")
+            if weights.blocks.device.type != "cpu":
+                raise ValueError(f"native experts run on the CPU, got blocks on {weights.blocks.device}")
+        ops = native.load("experts", isa)
+        if ops is None:
+            raise RuntimeError("the native experts kernel is not built on this machine")
+        # Mapped GGUF tensors are contiguous already: contiguous() keeps them in place.
+        self.gate, self.up, self.down = (ExpertWeights(w.qtype, w.blocks.contiguous(), w.shape)
+                                         for w in (gate, up, down))
+        self.gate_bias, self.up_bias, self.down_bias = gate_bias, up_bias, down_bias  # (E, rows) or None
+        self.spec = spec
+        self._ops = ops
+        self._activation = _ACTIVATION_IDS[spec.activation]
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        num_experts, inter, _ = self.gate.shape
+        return self._ops.experts_forward(
+            x, topk_ids, topk_weights,
+            self.gate.blocks, NATIVE_QTYPE_IDS[self.gate.qtype], self.up.blocks, NATIVE_QTYPE_IDS[self.up.qtype],
+            self.down.blocks, NATIVE_QTYPE_IDS[self.down.qtype], num_experts, inter,
+            self.gate_bias, self.up_bias, self.down_bias, self._activation, self.spec.alpha, self.spec.limit)
+
+
+ExpertKernel = TorchExpertKernel | NativeExpertKernel
+
+
+def supports(qtype: str, in_features: int | None = None) -> bool:
+    """Whether the native kernel reads `qtype` blocks (with rows of in_features, when given)."""
+    if qtype not in NATIVE_QTYPE_IDS:
+        return False
+    return in_features is None or in_features % dequant.block_size(qtype) == 0
+
+
 def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
     return None if bias is None else bias[expert].float()
 
@@ -141,7 +198,11 @@ def check_shapes(gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights) ->
 
 def build(gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, spec: ExpertSpec,
           gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
-          down_bias: torch.Tensor | None = None, torch_device: torch.device | None = None) -> TorchExpertKernel:
+          down_bias: torch.Tensor | None = None, torch_device: torch.device | None = None) -> ExpertKernel:
     """The fastest kernel that runs these experts here: the native one where it builds and reads
     their types on the CPU, else torch's."""
+    on_cpu = (torch_device is None or torch_device.type == "cpu") and all(
+        w.blocks.device.type == "cpu" for w in (gate, up, down))
+    if on_cpu and all(supports(w.qtype, w.shape[2]) for w in (gate, up, down)) and native.load("experts") is not None:
+        return NativeExpertKernel(gate, up, down, spec, gate_bias, up_bias, down_bias)
     return TorchExpertKernel(gate, up, down, spec, gate_bias, up_bias, down_bias)

@@ -1,0 +1,93 @@
+"""Dense matmuls on GGUF blocks as the file stores them (csrc/experts.cpp raw_linear).
+
+models/quant.QuantKernel relays a weight once at load for its 16-row tiles and reads Q4_0 to
+Q6_K. This kernel reads llama.cpp's blocks in place, rows as the file maps them, with the same
+int8 products the expert kernel uses, and so covers the types that kernel does not: Q2_K, Q3_K,
+IQ4_NL, IQ4_XS and MXFP4 (and Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16 as well).
+Activations are quantized to int8 per block of 32 (per super-block of 256 for the K-quants and
+IQ4_XS), as llama.cpp pairs them; float weights meet float32 activations.
+
+    blocks  uint8 (N, bytes a row)   a 2-D GGUF weight as stored
+    x       (T, in_features) float   ->   y (T, N) float32
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenway import native
+from tokenway.models import dequant
+from tokenway.models.expert_kernels import FLOAT_DTYPES, NATIVE_QTYPE_IDS
+
+QTYPES = tuple(NATIVE_QTYPE_IDS)
+
+
+def _ops(isa: str | None = None):
+    return native.load("experts", isa)
+
+
+def available(isa: str | None = None) -> bool:
+    """The kernel built here (any path: the plain one is slow but exact)."""
+    return _ops(isa) is not None
+
+
+def supports(qtype: str, in_features: int) -> bool:
+    return qtype in NATIVE_QTYPE_IDS and in_features % dequant.block_size(qtype) == 0
+
+
+class RawQuantKernel:
+    """y = x @ weight.T (+ bias), float32 out, for x (T, in_features), on the GGUF blocks in place.
+    The call models/quant.QuantKernel has. isa: a build for another instruction set (tests)."""
+
+    __slots__ = ("_ops", "bias", "in_features", "out_features", "products", "qtype", "qtype_id", "weight")
+
+    def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int, bias: torch.Tensor | None = None,
+                 isa: str | None = None) -> None:
+        if not supports(qtype, in_features):
+            raise ValueError(f"no raw-block kernel for {qtype} with {in_features} input features")
+        block_size, type_size = dequant.block_sizes(qtype)
+        row_bytes = in_features // block_size * type_size
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes:
+            raise ValueError(f"{qtype} weight of {in_features} input features: expected uint8 blocks (N, {row_bytes}), "
+                             f"got {blocks.dtype} {tuple(blocks.shape)}")
+        ops = _ops(isa)
+        if ops is None:
+            raise RuntimeError("the native experts kernel is not built on this machine")
+        self.qtype = qtype
+        self.qtype_id = NATIVE_QTYPE_IDS[qtype]
+        self.in_features = in_features
+        self.out_features = blocks.shape[0]
+        self.weight = blocks.contiguous()  # a mapped GGUF tensor is contiguous: no copy
+        self.bias = bias  # the module's Parameter: loading may fill it after this kernel exists
+        self.products = "float32" if qtype in FLOAT_DTYPES else "int8"
+        self._ops = ops
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    @property
+    def bias_or_none(self) -> torch.Tensor | None:
+        return self.bias if self.bias is not None and self.bias.numel() else None
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out: a float32 (T, out_features) view to write into (rows may be further apart: a column
+        slice of a wider output), returned."""
+        if out is None:
+            return self._ops.raw_linear(x, self.weight, self.qtype_id, self.bias_or_none)
+        self._ops.raw_linear_out(x, self.weight, self.qtype_id, self.bias_or_none, out)
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight (out_features, in_features), exactly as gguf-py dequantizes it."""
+        return dequant.dequantize(self.weight, self.qtype, (self.out_features, self.in_features))
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (1-D integers) of the weight as float32 (len(ids), in_features), decoded from
+        their blocks alone (models/dequant.py, bit-equal to gguf-py)."""
+        ids = torch.as_tensor(ids)
+        if ids.dim() != 1 or ids.is_floating_point():
+            raise ValueError(f"ids: a 1-D integer tensor, got {tuple(ids.shape)} {ids.dtype}")
+        if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < self.out_features):
+            raise ValueError(f"ids: out of range for {self.out_features} rows")
+        return dequant.dequantize_rows(self.weight, self.qtype, (self.out_features, self.in_features), ids)
