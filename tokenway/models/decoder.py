@@ -166,19 +166,19 @@ class Attention(nn.Module):
         values k, v) through prefill attention, then o, in this layer's layout (layout()).
         q, k, v: (T, heads, head_dim) in the cache's dtype."""
         num_tokens = q.shape[0]
-        sinks = () if self.sinks is None else (self.sinks,)
+        sinks = self.sinks
         if not meta.prefills:
-            return self.o(decode_attention(q, k_cache, v_cache, meta, self.scale, *sinks).reshape(num_tokens,
+            return self.o(decode_attention(q, k_cache, v_cache, meta, self.scale, sinks).reshape(num_tokens,
                                                                                                  self.q_size))
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = meta.num_decode_tokens
         if num_decodes:
-            out[:num_decodes] = decode_attention(q[:num_decodes], k_cache, v_cache, meta, self.scale, *sinks)
+            out[:num_decodes] = decode_attention(q[:num_decodes], k_cache, v_cache, meta, self.scale, sinks)
         assert k is not None and v is not None, "prompt chunks come with their new keys and values"
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, meta.block_size,
-                                          self.scale, *sinks)
+                                          self.scale, sinks)
         return self.o(out.view(num_tokens, self.q_size))
 
 

@@ -53,6 +53,8 @@ def _split(name: str, tensor: Any) -> list[tuple[str, Any]]:
         return [("mlp.experts.gate_proj.bias", tensor[..., ::2]), ("mlp.experts.up_proj.bias", tensor[..., 1::2])]
     if name == "mlp.experts.down_proj":  # (E, inter, hidden)
         return [("mlp.experts.down_proj.weight", tensor.transpose(1, 2))]
+    if name == "self_attn.sinks":  # a parameter of its own in HF, a weight in a GGUF
+        return [("self_attn.sinks.weight", tensor)]
     if name == "mlp.experts.down_proj_bias":
         return [("mlp.experts.down_proj.bias", tensor)]
     if name.endswith(("_blocks", "_scales")):
@@ -70,7 +72,7 @@ GPT_OSS = Architecture(
     attention_sinks=True,
     experts=Experts(routing="topk_softmax", router_bias=True, expert_bias=True, activation="swiglu_oai"),
     hf_fields=_hf_fields,
-    hf_renames={"mlp.router.": "mlp.gate.", "self_attn.sinks": "self_attn.sinks.weight"},
+    hf_renames={"mlp.router.": "mlp.gate."},
     hf_split=_split,
     gguf_tensors={**LLAMA_GGUF_TENSORS, **MOE_GGUF_TENSORS, "post_attention_norm": "post_attention_layernorm",
                   "attn_sinks": "self_attn.sinks"},

@@ -1,0 +1,201 @@
+"""The mixture-of-experts families end to end: a tiny random model built with transformers' own
+class (gpt-oss, Qwen3-MoE, Qwen2-MoE, Mixtral), served from its safetensors directory and from the
+GGUF llama.cpp's converter makes of it: greedy tokens equal transformers', alone, in a batch of 8
+and again on prefix-cache hits (gpt-oss's prompts run past its sliding window), and the experts
+each token is routed to equal transformers' router's. Then the files a user must be told about:
+an unknown family with experts, expert counts that disagree with the metadata, experts in a type
+nothing computes on."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tokenway.engine.llm import LLM  # noqa: E402
+from tokenway.models.config import ModelConfig  # noqa: E402
+from tokenway.models.decoder import DecoderForCausalLM  # noqa: E402
+from tokenway.models.expert_kernels import ExpertWeights  # noqa: E402
+from tokenway.models.experts import SparseMoe  # noqa: E402
+from tokenway.models.loader import resolve_model  # noqa: E402
+from tokenway.protocol.sampling import SamplingParams  # noqa: E402
+
+VOCAB = 49152  # the default model's tokenizer, copied in (the converter needs a real one)
+WINDOW = 8  # gpt-oss's sliding layers: the longer prompts and their replies slide past it
+MAX_TOKENS = 12
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+
+
+def family_config(kind: str):
+    if kind == "gpt_oss":  # layer 0 slides, layer 1 attends to everything
+        return transformers.GptOssConfig(**{**COMMON, "intermediate_size": 32}, num_local_experts=8,
+                                         num_experts_per_tok=4, head_dim=16, sliding_window=WINDOW)
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**COMMON, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+                                           head_dim=32, norm_topk_prob=True)
+    if kind == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(**COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=48)
+    if kind == "mixtral":
+        return transformers.MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2)
+    raise AssertionError(kind)
+
+
+FAMILIES = ["gpt_oss", "qwen3_moe", "qwen2_moe", "mixtral"]
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    lengths = [3, 6, 8, 9, 14, 20, 27, 33]  # below, at and past the window
+    return [torch.randint(100, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def build(kind: str, out: Path, tokenizer_dir: Path) -> Path:
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(family_config(kind), dtype=torch.float32).eval()
+    with torch.no_grad():  # uneven norms, biases and sinks, so a forgotten one shows
+        for name, p in hf.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                p.normal_(0, 0.5)
+            elif "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+            elif "router" in name or name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)  # routers far from uniform: routing ties would make the comparison luck
+    hf.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+class Family:
+    """One family's tiny model, its GGUF and transformers' greedy tokens, made once a session."""
+
+    def __init__(self, kind: str, root: Path, tokenizer_dir: Path, converter: Path) -> None:
+        self.kind = kind
+        self.model_dir = build(kind, root / kind, tokenizer_dir)
+        self.gguf = root / f"{kind}.gguf"
+        converted = subprocess.run([sys.executable, str(converter), str(self.model_dir), "--outtype", "f32",
+                                    "--outfile", str(self.gguf)], capture_output=True, text=True, timeout=300)
+        assert converted.returncode == 0, converted.stderr[-2000:]
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+        self.expected = []
+        with torch.inference_mode():
+            for ids in prompts():
+                out = self.hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                       do_sample=False, pad_token_id=0)
+                self.expected.append(out[0, len(ids):].tolist())
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory, tokenizer_dir, converter) -> dict[str, Family]:
+    root = tmp_path_factory.mktemp("moe")
+    return {kind: Family(kind, root, tokenizer_dir, converter) for kind in FAMILIES}
+
+
+def engine(model: str, cache_dir: Path) -> LLM:
+    return LLM(model, dtype="float32", block_size=4, kv_cache_memory=64 * 2**20, max_model_len=128,
+               linear_kernels="default", cache_dir=str(cache_dir), show_progress=False)
+
+
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_greedy_tokens_equal_transformers_alone_batched_and_cached(families, kind, source, tmp_path):
+    family = families[kind]
+    llm = engine(str(family.model_dir if source == "safetensors" else family.gguf), tmp_path / "cache")
+    assert llm.engine.model_config.arch.experts is not None
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    batch = [{"prompt_token_ids": ids} for ids in prompts()]
+    alone = llm.generate(batch[-1:], params)[0]
+    assert list(alone.outputs[0].token_ids) == family.expected[-1], "alone"
+    for attempt in ("batch of 8", "prefix-cache hits"):
+        outputs = llm.generate(batch, params)
+        for index, output in enumerate(outputs):
+            assert list(output.outputs[0].token_ids) == family.expected[index], f"{attempt}: prompt {index}"
+    assert llm.engine.kv_manager.num_hit_tokens > 0
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_tokens_go_to_the_experts_transformers_routes_them_to(families, kind, tmp_path):
+    family = families[kind]
+    prompt = prompts()[-1]
+    theirs: list[torch.Tensor] = []
+
+    def record_hf(module, args, output):
+        theirs.append(next(t for t in output if not t.is_floating_point()))
+
+    hooks = [layer.mlp.router.register_forward_hook(record_hf) if kind == "gpt_oss"
+             else layer.mlp.gate.register_forward_hook(record_hf) for layer in family.hf.model.layers]
+    try:
+        with torch.inference_mode():
+            family.hf(torch.tensor([prompt]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+    llm = engine(str(family.gguf), tmp_path / "cache")
+    ours: list[torch.Tensor] = []
+    for layer in llm.engine.model.decoder_layers:
+        moe = layer.mlp
+        assert isinstance(moe, SparseMoe)
+        route = moe.route
+
+        def recording(hidden, route=route):
+            ids, weights = route(hidden)
+            ours.append(ids)
+            return ids, weights
+
+        moe.route = recording  # type: ignore[method-assign]
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1))
+    assert len(ours) == len(theirs) == COMMON["num_hidden_layers"]  # the prompt's one prefill step
+    for layer, (mine, reference) in enumerate(zip(ours, theirs)):
+        assert mine.shape == (len(prompt), family_config(kind).num_experts_per_tok)
+        assert torch.equal(mine.sort(dim=-1).values, reference.reshape(mine.shape).sort(dim=-1).values), layer
+
+
+def patched(source: Path, out: Path, replacements: list[tuple[bytes, bytes]]) -> Path:
+    """A copy of a GGUF with byte strings of its header replaced (same lengths)."""
+    data = bytearray(source.read_bytes())
+    for old, new in replacements:
+        assert len(old) == len(new) and old in data
+        data = data.replace(old, new)
+    out.write_bytes(bytes(data))
+    return out
+
+
+def test_an_unknown_family_with_experts_is_named_with_the_supported_list(families, tmp_path):
+    path = patched(families["qwen3_moe"].gguf, tmp_path / "other.gguf", [(b"qwen3moe", b"qwen9moe")])
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'qwen9moe' \(a mixture of 16 experts\); "
+                                         r"expected one of \[.*'gpt-oss'.*'qwen3moe'\]") as exc:
+        resolve_model(str(path), cache_dir=tmp_path / "cache")
+    assert str(path) in str(exc.value)
+
+
+def test_expert_counts_that_disagree_with_the_metadata_are_refused_at_load(families, tmp_path):
+    key = b"qwen3moe.expert_count"
+    uint32 = struct.pack("<I", 4)  # GGUF value type 4: uint32
+    path = patched(families["qwen3_moe"].gguf, tmp_path / "miscounted.gguf",
+                   [(key + uint32 + struct.pack("<I", 16), key + uint32 + struct.pack("<I", 12))])
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_\w+\.weight has shape \[[0-9, ]*16\] \(GGUF order\), "
+                                         r"which does not fit qwen3moe\.expert_count = 12 experts"):
+        resolve_model(str(path), cache_dir=tmp_path / "cache")
+
+
+def test_experts_in_a_type_nothing_computes_on_name_the_tensor_and_its_type(families):
+    config = ModelConfig.from_dir(families["mixtral"].model_dir)
+    model = DecoderForCausalLM(config)
+    num_experts, inter, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    tensors = {f"model.layers.0.mlp.experts.{proj}_proj.weight":
+               ExpertWeights("IQ2_XXS", torch.zeros(num_experts, rows, 66 * cols // 256, dtype=torch.uint8),
+                             (num_experts, rows, cols))
+               for proj, rows, cols in (("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter))}
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.gate_proj\.weight: experts stored as "
+                                         r"IQ2_XXS, a type tokenway cannot compute on"):
+        model.use_experts(tensors)
