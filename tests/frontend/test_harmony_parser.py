@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.frontend.test_harmony_reference import o200k_dir
+from tests.fixtures.o200k import o200k_dir
 from tokenway.frontend.harmony_parser import HarmonyParser, parse_header
 
 ANALYSIS = "<|channel|>analysis<|message|>User asks the weather. Call get_weather.<|end|>"

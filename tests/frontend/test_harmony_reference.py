@@ -3,73 +3,25 @@ conversation with system and developer messages, tools, a tool result and passed
 then conversations drawn at random (hypothesis) from those parts, the library given the same
 messages as Harmony messages.
 
-openai-harmony renders to o200k token ids, and loads the o200k_base vocabulary from the network
-unless TIKTOKEN_ENCODINGS_BASE names a folder that holds it. The vocabulary is built once into
-the test cache from the npm package js-tiktoken (its ranks, checked against tiktoken's published
-SHA-256); where neither npm nor a copy is at hand, these tests are skipped, saying so.
+openai-harmony renders to o200k token ids; its vocabulary comes from tests/fixtures/o200k.py
+(npm's js-tiktoken, hash-checked). Where neither npm nor a copy is at hand, these tests are
+skipped, saying so.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
-import subprocess
-import tarfile
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.fixtures.o200k import JS_TIKTOKEN, o200k_dir
 from tokenway.frontend.harmony import HarmonySystem, render_prompt
 
 harmony = pytest.importorskip("openai_harmony")
 
-O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"  # tiktoken's own check
-JS_TIKTOKEN = "js-tiktoken@1.0.21"
 TODAY = "2026-12-02"
-
-
-def o200k_dir(cache_dir: Path) -> Path | None:
-    """A folder holding o200k_base.tiktoken: TIKTOKEN_ENCODINGS_BASE's, or the test cache's,
-    made from js-tiktoken's ranks where npm can fetch it. None: not to be had."""
-    given_dir = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
-    if given_dir and (Path(given_dir) / "o200k_base.tiktoken").is_file():
-        return Path(given_dir)
-    folder = cache_dir / "tiktoken"
-    path = folder / "o200k_base.tiktoken"
-    if path.is_file():
-        return folder
-    npm = shutil.which("npm")
-    if npm is None:
-        return None
-    work = cache_dir / "tiktoken-build"
-    work.mkdir(parents=True, exist_ok=True)
-    packed = subprocess.run([npm, "pack", JS_TIKTOKEN, "--silent"], cwd=work, capture_output=True, text=True,
-                            timeout=120)
-    if packed.returncode != 0:
-        return None
-    with tarfile.open(work / packed.stdout.strip().splitlines()[-1]) as archive:
-        member = archive.extractfile("package/dist/ranks/o200k_base.js")
-        assert member is not None
-        source = member.read().decode()
-    # `export default {"pat_str": .., "bpe_ranks": "! 0 IQ== Ig== ..\n..."}`: each line a first
-    # rank and the tokens (base64) that take the ranks from it on.
-    ranks = json.loads(source.removeprefix("export default").strip().rstrip(";"))["bpe_ranks"]
-    rank_to_token: dict[int, str] = {}
-    for line in ranks.split("\n"):
-        if line:
-            _, first, *tokens = line.split(" ")
-            rank_to_token.update((int(first) + i, token) for i, token in enumerate(tokens))
-    text = "".join(f"{rank_to_token[rank]} {rank}\n" for rank in sorted(rank_to_token))
-    assert hashlib.sha256(text.encode()).hexdigest() == O200K_SHA256, "js-tiktoken's o200k ranks are not tiktoken's"
-    folder.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.partial")
-    partial.write_text(text)
-    partial.rename(path)
-    return folder
 
 
 @pytest.fixture(scope="module")

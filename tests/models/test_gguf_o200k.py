@@ -12,7 +12,7 @@ import base64
 import pytest
 from tokenizers import pre_tokenizers
 
-from tests.frontend.test_harmony_reference import o200k_dir
+from tests.fixtures.o200k import o200k_dir
 from tokenway.models.gguf_tokenizer import tokenizer_from_gguf
 
 CONTROL, NORMAL = 3, 1
