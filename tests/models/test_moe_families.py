@@ -199,3 +199,17 @@ def test_experts_in_a_type_nothing_computes_on_name_the_tensor_and_its_type(fami
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.gate_proj\.weight: experts stored as "
                                          r"IQ2_XXS, a type tokenway cannot compute on"):
         model.use_experts(tensors)
+
+
+def test_a_harmony_vocabulary_ends_generation_on_return_and_call_not_on_end():
+    from tokenway.models.gguf import _end_of_generation
+
+    tokens = ["a"] * 8 + ["<|endoftext|>", "<|return|>", "<|end|>", "<|call|>", "<|message|>"]
+
+    class Meta:
+        def get(self, key, default=None):
+            return {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.eot_token_id": 10}.get(key, default)
+
+    assert _end_of_generation(Meta(), 9) == [9, 8, 11]  # eos <|return|>, <|endoftext|>, <|call|>; no <|end|>
+    tokens[9] = "b"  # no <|return|>: a vocabulary where <|end|> does end a turn (Phi-3's) keeps it
+    assert 10 in _end_of_generation(Meta(), None)

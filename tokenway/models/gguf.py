@@ -29,7 +29,7 @@ from tokenway.models.config import ModelConfig
 from tokenway.models.gguf_tokenizer import tokenizer_from_gguf
 
 # Bump whenever the output for the same GGUF changes: it is part of the cache key.
-CONVERTER_VERSION = 6
+CONVERTER_VERSION = 7
 # Where each tensor of the GGUF lies and how to read it (TensorEntry), beside config.json.
 TENSOR_TABLE = "gguf-tensors.json"
 
@@ -162,7 +162,10 @@ def _expert_config(meta: _Metadata, tensors: dict[str, gguf.ReaderTensor], inter
 # beside the eos/eot/eom ids the metadata names: a chat model's end of turn (Gemma's
 # <end_of_turn>, ChatML's <|im_end|>) is often not its eos.
 _EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
-                        "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>"})
+                        "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|call|>"})
+# Harmony (gpt-oss) ends a message with <|end|> and the turn with <|return|> or <|call|>: where a
+# vocabulary has both, <|end|> is not an end of generation (llama.cpp's rule too).
+_HARMONY_TURN_ENDS = ("<|return|>", "<|call|>")
 
 
 def _end_of_generation(meta: _Metadata, eos: Any) -> int | list[int] | None:
@@ -170,6 +173,8 @@ def _end_of_generation(meta: _Metadata, eos: Any) -> int | list[int] | None:
            if i is not None]
     tokens = meta.get("tokenizer.ggml.tokens") or []
     ids += [i for i, text in enumerate(tokens) if text in _EOG_TEXTS]
+    if all(text in tokens for text in _HARMONY_TURN_ENDS):
+        ids = [i for i in ids if tokens[i] != "<|end|>"]
     ids = list(dict.fromkeys(ids))  # in order, once each
     return None if not ids else ids[0] if len(ids) == 1 else ids
 
