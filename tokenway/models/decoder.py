@@ -31,6 +31,7 @@ from tokenway.models.expert_kernels import ExpertWeights
 from tokenway.models.experts import PROJECTIONS, SparseMoe, per_expert, weight_targets
 from tokenway.models.interjection import Interjection
 from tokenway.models.linear import LinearKernel
+from tokenway.models.quant_raw import RawQuantKernel
 from tokenway.models.weights import QuantizedTensor
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from tokenway.models.quant_torch import TorchQuantKernel
 
     # What a matmul runs on: its float weight until use_quantized puts its blocks' kernel in place.
-    Matmul: TypeAlias = "LinearKernel | QuantKernel | TorchQuantKernel | ConcatKernel"
+    Matmul: TypeAlias = "LinearKernel | QuantKernel | TorchQuantKernel | RawQuantKernel | ConcatKernel"
 
 GLOBAL, LOCAL = "global", "local"  # which RoPE tables a layer reads (ModelConfig.rope, .local_rope)
 
@@ -257,7 +258,7 @@ class ConcatKernel:
 
     __slots__ = ("parts", "columns", "out_features", "in_features")
 
-    def __init__(self, parts: list[QuantKernel | TorchQuantKernel]) -> None:
+    def __init__(self, parts: list[QuantKernel | TorchQuantKernel | RawQuantKernel]) -> None:
         self.parts = parts
         self.columns: list[slice] = []  # of the output, each part's
         start = 0
@@ -293,7 +294,7 @@ class DecoderForCausalLM(nn.Module):
         # The embedding is a lookup, not a matmul: keep it float32 for the residual stream.
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
         # Lookups from the GGUF's blocks instead (use_quantized).
-        self.embedding: QuantKernel | TorchQuantKernel | None = None
+        self.embedding: QuantKernel | TorchQuantKernel | RawQuantKernel | None = None
         # Gemma multiplies embeddings by sqrt(hidden_size), rounded to the embedding's dtype.
         self.embed_scale = torch.tensor(math.sqrt(config.hidden_size)) if arch.scale_embeddings else None
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
@@ -408,10 +409,10 @@ class DecoderForCausalLM(nn.Module):
         kernels = (getattr(module, attr) for _, module, attr in self._matmuls())
         return [kernel for kernel in kernels if isinstance(kernel, LinearKernel)]
 
-    def quant_kernels(self) -> list[QuantKernel | TorchQuantKernel]:
+    def quant_kernels(self) -> list[QuantKernel | TorchQuantKernel | RawQuantKernel]:
         """Every matmul on GGUF blocks (models/quant.py), a ConcatKernel's parts each."""
         kernels = (getattr(module, attr) for _, module, attr in self._matmuls())
-        out: list[QuantKernel | TorchQuantKernel] = []
+        out: list[QuantKernel | TorchQuantKernel | RawQuantKernel] = []
         for kernel in kernels:
             if isinstance(kernel, ConcatKernel):
                 out += kernel.parts
@@ -434,7 +435,7 @@ class DecoderForCausalLM(nn.Module):
         relaid: kernels' weights relaid by an earlier start (relaid_weights()), by parameter name.
         torch_device: run the blocks through torch operators on this device instead (quant_torch.py:
         a GPU, where the native kernels do not run)."""
-        from tokenway.models import dequant
+        from tokenway.models import dequant, quant_raw
         from tokenway.models.quant import QuantKernel
         from tokenway.models.quant import supports as native_supports
         from tokenway.models.quant_torch import TorchQuantKernel
@@ -445,15 +446,27 @@ class DecoderForCausalLM(nn.Module):
         on_torch = torch_device is not None
 
         def supports(qtype: str, in_features: int) -> bool:
-            return qtype in dequant.QTYPES if on_torch else native_supports(qtype, in_features)
+            if on_torch:
+                return qtype in dequant.QTYPES
+            return native_supports(qtype, in_features) or on_raw_blocks(qtype, in_features)
+
+        def on_raw_blocks(qtype: str, in_features: int) -> bool:
+            """A type the relaid kernel does not read (Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4), on the
+            file's blocks in place (models/quant_raw.py)."""
+            return (not native_supports(qtype, in_features) and quant_raw.supports(qtype, in_features)
+                    and quant_raw.available())
 
         def kernel_for(name: str, parts: list[QuantizedTensor],
-                       bias: torch.Tensor | None) -> QuantKernel | TorchQuantKernel | ConcatKernel:
+                       bias: torch.Tensor | None) -> QuantKernel | TorchQuantKernel | RawQuantKernel | ConcatKernel:
             qtypes = {t.qtype for t in parts}
+            if torch_device is None and len(parts) == 1 and on_raw_blocks(parts[0].qtype, parts[0].shape[1]):
+                return RawQuantKernel(parts[0].blocks, parts[0].qtype, parts[0].shape[1], bias)
             if torch_device is not None and len(qtypes) == 1:  # rows of blocks concatenate as they are
                 blocks = torch.cat([t.blocks for t in parts]) if len(parts) > 1 else parts[0].blocks
                 return TorchQuantKernel(blocks, parts[0].qtype, parts[0].shape[1], bias, self.dtype, torch_device)
-            if len(qtypes) == 1 and (len(parts) == 1 or all(t.shape[0] % QuantKernel.ROWS == 0 for t in parts)):
+            one_kernel = not any(on_raw_blocks(t.qtype, t.shape[1]) for t in parts)
+            if one_kernel and len(qtypes) == 1 and (len(parts) == 1 or
+                                                    all(t.shape[0] % QuantKernel.ROWS == 0 for t in parts)):
                 # One kernel: relaid parts whose rows fill whole lane groups concatenate as relaid whole.
                 weight = relaid.get(name)
                 if weight is None:
@@ -461,7 +474,7 @@ class DecoderForCausalLM(nn.Module):
                 return QuantKernel(parts[0].blocks if weight is None else None, parts[0].qtype, parts[0].shape[1],
                                    bias=bias, dtype=self.dtype, activations=activations, relaid=weight,
                                    out_features=sum(t.shape[0] for t in parts))
-            kernels: list[QuantKernel | TorchQuantKernel] = []
+            kernels: list[QuantKernel | TorchQuantKernel | RawQuantKernel] = []
             start = 0
             for index, part in enumerate(parts):
                 rows = slice(start, start + part.shape[0])
@@ -544,9 +557,11 @@ class DecoderForCausalLM(nn.Module):
             if kernel is None or isinstance(kernel, LinearKernel) or id(kernel) in seen:
                 continue
             seen.add(id(kernel))
+            # Kernels on the file's blocks as stored (quant_raw.py) map the GGUF: nothing to keep.
             if isinstance(kernel, ConcatKernel):
-                out.update((f"{name}.{index}", part.weight) for index, part in enumerate(kernel.parts))
-            else:
+                out.update((f"{name}.{index}", part.weight) for index, part in enumerate(kernel.parts)
+                           if not isinstance(part, RawQuantKernel))
+            elif not isinstance(kernel, RawQuantKernel):
                 out[name] = kernel.weight
         return out
 

@@ -53,7 +53,7 @@ class SparseMoe(nn.Module):
                                    if shared is not None else None)
         self.spec = ExpertSpec(spec.activation, config.swiglu_alpha, config.swiglu_limit)
         self.stored: tuple[ExpertWeights, ExpertWeights, ExpertWeights] | None = None  # the file's (use_stored)
-        self.kernel: expert_kernels.TorchExpertKernel | None = None
+        self.kernel: expert_kernels.ExpertKernel | None = None
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, hidden) -> the chosen experts (T, k) int64 and their weights (T, k) float32."""
