@@ -445,6 +445,21 @@ inline __m256i decode32(const uint8_t* b, int i) {
   return _mm256_setzero_si256();
 }
 
+// out[0..16) = d x the 16 bytes of v (unsigned, or signed with Signed).
+template <bool Signed>
+inline void scaled16(__m128i v, float d, float* out) {
+#if defined(TOKENWAY_EXPERTS_512)
+  const __m512i wide = Signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(wide), _mm512_set1_ps(d)));
+#else
+  const __m128i high = _mm_srli_si128(v, 8);
+  const __m256i lo = Signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+  const __m256i hi = Signed ? _mm256_cvtepi8_epi32(high) : _mm256_cvtepu8_epi32(high);
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(d)));
+  _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(d)));
+#endif
+}
+
 // A super-block's per-16 scales s and corrections c = offset s + m (w = s (u - offset) - m).
 template <QType Q>
 inline void super_scales(const uint8_t* b, float* s, float* c) {
@@ -452,35 +467,44 @@ inline void super_scales(const uint8_t* b, float* s, float* c) {
   if constexpr (Q == QType::Q4_K || Q == QType::Q5_K) {
     const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
     const float dmin = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 2));
-    for (int j = 0; j < 8; ++j) {
-      int sc, m;
-      scale_min_k4(j, b + 4, sc, m);
-      s[2 * j] = s[2 * j + 1] = d * float(sc);
-      c[2 * j] = c[2 * j + 1] = dmin * float(m);
-    }
+    // The 12 packed bytes -> 8 scales, then 8 mins, a byte each (llama.cpp's utmp unpacking).
+    uint32_t w[4];
+    std::memcpy(w, b + 4, 12);
+    constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+    w[3] = ((w[2] >> 4) & kLow4) | (((w[1] >> 6) & kLow2) << 4);
+    const uint32_t mins_low = w[1] & kLow6;
+    w[1] = (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4);
+    w[2] = mins_low;
+    w[0] &= kLow6;
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // a byte per 16 weights
+    scaled16<false>(_mm_shuffle_epi8(packed, twice), d, s);
+    scaled16<false>(_mm_shuffle_epi8(packed, _mm_add_epi8(twice, _mm_set1_epi8(8))), dmin, c);
   } else if constexpr (Q == QType::Q6_K) {
     const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 208));
-#if defined(TOKENWAY_EXPERTS_512)
-    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
-    const __m512 sv = _mm512_mul_ps(sc, _mm512_set1_ps(d));
-    _mm512_storeu_ps(s, sv);
-    _mm512_storeu_ps(c, _mm512_mul_ps(sv, _mm512_set1_ps(off)));
-#else
-    for (int h = 0; h < 16; ++h) s[h] = d * float(int8_t(b[192 + h])), c[h] = off * s[h];
-#endif
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    scaled16<true>(sc, d, s);
+    scaled16<true>(sc, d * off, c);
   } else if constexpr (Q == QType::Q2_K) {
     const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 80));
     const float dmin = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 82));
-    for (int h = 0; h < 16; ++h) s[h] = d * float(b[h] & 0xF), c[h] = dmin * float(b[h] >> 4);
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    scaled16<false>(_mm_and_si128(v, _mm_set1_epi8(0x0F)), d, s);
+    scaled16<false>(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)), dmin, c);
   } else if constexpr (Q == QType::Q3_K) {
     const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 108));
-    for (int h = 0; h < 16; ++h) s[h] = d * float(q3k_scale(b + 96, h)), c[h] = off * s[h];
+    alignas(16) int8_t sc[16];
+    for (int h = 0; h < 16; ++h) sc[h] = int8_t(q3k_scale(b + 96, h));
+    const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(sc));
+    scaled16<true>(v, d, s);
+    scaled16<true>(v, d * off, c);
   } else if constexpr (Q == QType::IQ4_XS) {
     const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
-    for (int i = 0; i < 8; ++i) {
-      s[2 * i] = s[2 * i + 1] = d * float(iq4xs_scale(b, i));
-      c[2 * i] = c[2 * i + 1] = off * s[2 * i];
-    }
+    alignas(16) int8_t sc[16];
+    for (int i = 0; i < 8; ++i) sc[2 * i] = sc[2 * i + 1] = int8_t(iq4xs_scale(b, i));
+    const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(sc));
+    scaled16<true>(v, d, s);
+    scaled16<true>(v, d * off, c);
   }
 }
 
@@ -501,6 +525,7 @@ inline UV uzero() { return _mm512_setzero_si512(); }
 inline UV udot(UV acc, UV u, UV x) { return _mm512_dpbusd_epi32(acc, u, x); }
 inline UV sdot(UV acc, UV q, UV x) { return udot(acc, q, x); }  // never used: VNNI has offsets
 inline FU fzero() { return _mm512_setzero_ps(); }
+inline FU fset(float v) { return _mm512_set1_ps(v); }
 inline FU fload(const float* p) { return _mm512_loadu_ps(p); }
 inline FU fmul(FU a, FU b) { return _mm512_mul_ps(a, b); }
 inline FU ffma(FU a, FU b, FU c) { return _mm512_fmadd_ps(a, b, c); }
@@ -519,8 +544,33 @@ inline FU super_lanes(const float* s, int unit) {
 inline FU block_lanes(float d0, float d1) {
   return _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
 }
+// Each 64-bit quarter of v shifted right by its own count: lanes 0-3 by lo, 4-7 by hi.
+inline UV shr64x2(UV v, int lo, int hi) { return _mm512_srlv_epi64(v, _mm512_set_epi64(hi, hi, hi, hi, lo, lo, lo, lo)); }
+inline UV broadcast256(const uint8_t* p) {
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 template <QType Q>
-inline UV super_unit(const uint8_t* b, int unit) { return join(decode32<Q>(b, 2 * unit), decode32<Q>(b, 2 * unit + 1)); }
+inline UV super_unit(const uint8_t* b, int unit) {
+  if constexpr (Q == QType::Q4_K || Q == QType::Q5_K) {
+    // Sub-blocks 2u, 2u + 1 are the low and high nibbles of the same 32 bytes: both halves.
+    const UV low4 = _mm512_set1_epi8(0x0F);
+    UV u = _mm512_and_si512(shr64x2(broadcast256(b + (Q == QType::Q5_K ? 48 : 16) + 32 * unit), 0, 4), low4);
+    if constexpr (Q == QType::Q5_K) {
+      const UV high = _mm512_and_si512(shr64x2(broadcast256(b + 16), 2 * unit, 2 * unit + 1), _mm512_set1_epi8(1));
+      u = _mm512_or_si512(u, _mm512_slli_epi16(high, 4));
+    }
+    return u;
+  } else if constexpr (Q == QType::Q6_K) {
+    // Chunks 2u, 2u + 1: ql's 64 bytes of their half, one nibble; qh's 32 bytes, two bit pairs.
+    const int n = unit / 2, shift = 4 * (unit % 2);
+    const UV ql = _mm512_loadu_si512(b + 64 * n);
+    const UV low = _mm512_and_si512(_mm512_srl_epi16(ql, _mm_cvtsi32_si128(shift)), _mm512_set1_epi8(0x0F));
+    const UV high = _mm512_and_si512(shr64x2(broadcast256(b + 128 + 32 * n), shift, shift + 2), _mm512_set1_epi8(3));
+    return _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
+  } else {
+    return join(decode32<Q>(b, 2 * unit), decode32<Q>(b, 2 * unit + 1));
+  }
+}
 template <QType Q>
 inline UV block_unit(const uint8_t* b, bool second) {
   return join(decode32<Q>(b, 0), second ? decode32<Q>(b + layout_of(Q).bytes, 0) : _mm256_setzero_si256());
@@ -545,6 +595,7 @@ inline UV sdot(UV acc, UV q, UV x) {
                                                  _mm256_set1_epi16(1)));
 }
 inline FU fzero() { return _mm256_setzero_ps(); }
+inline FU fset(float v) { return _mm256_set1_ps(v); }
 inline FU fload(const float* p) { return _mm256_loadu_ps(p); }
 inline FU fmul(FU a, FU b) { return _mm256_mul_ps(a, b); }
 inline FU ffma(FU a, FU b, FU c) { return _mm256_fmadd_ps(a, b, c); }
@@ -572,8 +623,16 @@ inline UV dot(UV acc, UV u, UV x) {
 }
 
 // NR rows (pointers to their blocks) times TT tokens (rows of a): res[r][t].
+// The cache lines of [p, p + bytes) into L1, ahead of their use (a prefetch never faults: the
+// address may lie past the weight's end).
+inline void prefetch(const uint8_t* p, int bytes) {
+  for (int at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(p + at), _MM_HINT_T0);
+}
+
+// ahead: prefetch the rows that many bytes further on as these are read (the next tile's, on a
+// chunk's first token tile: its weights come from memory), or 0.
 template <QType Q, int NR, int TT>
-void tile_quant(const uint8_t* const* rows, const Acts& a, const int32_t* slots, float (*res)[TT]) {
+void tile_quant(const uint8_t* const* rows, const Acts& a, const int32_t* slots, float (*res)[TT], int64_t ahead) {
   constexpr Layout L = layout_of(Q);
   const int64_t k = a.k, kp = a.kp;
   FU acc[NR][TT];
@@ -586,11 +645,17 @@ void tile_quant(const uint8_t* const* rows, const Acts& a, const int32_t* slots,
     dxe[t] = a.dxe.data() + int64_t(slots[t]) * kp / 4;
   }
   if constexpr (L.super) {
+    // A super-block's sums apart (its tokens' dx are one each): dx meets them once.
     const float* bx[TT];
     for (int t = 0; t < TT; ++t) bx[t] = a.bx.data() + int64_t(slots[t]) * kp / 16;
     for (int64_t sb = 0; sb < k / 256; ++sb) {
+      if (ahead)
+        for (int r = 0; r < NR; ++r) prefetch(rows[r] + ahead + sb * L.bytes, L.bytes);
       alignas(64) float s[NR][16], c[NR][16];
       for (int r = 0; r < NR; ++r) super_scales<Q>(rows[r] + sb * L.bytes, s[r], c[r]);
+      FU sums[NR][TT];
+      for (int r = 0; r < NR; ++r)
+        for (int t = 0; t < TT; ++t) sums[r][t] = fzero();
 #pragma GCC unroll 4
       for (int unit = 0; unit < 256 / kUnit; ++unit) {
         UV u[NR];
@@ -602,12 +667,13 @@ void tile_quant(const uint8_t* const* rows, const Acts& a, const int32_t* slots,
         const int64_t at = sb * 256 + unit * kUnit;
         for (int t = 0; t < TT; ++t) {
           const UV x = uload(xq[t] + at);
-          const FU dx = fload(dxe[t] + at / 4);
-          for (int r = 0; r < NR; ++r) acc[r][t] = ffma(fcvt(dot<Q>(uzero(), u[r], x)), fmul(f[r], dx), acc[r][t]);
+          for (int r = 0; r < NR; ++r) sums[r][t] = ffma(fcvt(dot<Q>(uzero(), u[r], x)), f[r], sums[r][t]);
         }
       }
-      for (int t = 0; t < TT; ++t)
-        for (int r = 0; r < NR; ++r) acc[r][t] = fcorrect(acc[r][t], c[r], bx[t] + sb * 16);
+      for (int t = 0; t < TT; ++t) {
+        const FU dx = fset(dxe[t][sb * 64]);
+        for (int r = 0; r < NR; ++r) acc[r][t] = fcorrect(ffma(sums[r][t], dx, acc[r][t]), c[r], bx[t] + sb * 16);
+      }
     }
   } else {
     const int32_t* init[TT];
@@ -615,6 +681,8 @@ void tile_quant(const uint8_t* const* rows, const Acts& a, const int32_t* slots,
     const int64_t blocks = k / 32;
     for (int64_t b = 0; b < blocks; b += kBlocksAUnit) {
       const bool second = b + 1 < blocks;
+      if (ahead && (b * L.bytes) % 64 < kBlocksAUnit * L.bytes)  // a new cache line begins in this unit
+        for (int r = 0; r < NR; ++r) prefetch(rows[r] + ahead + (b * L.bytes) / 64 * 64 + 64, 64);
       UV u[NR];
       FU f[NR];
       for (int r = 0; r < NR; ++r) {
@@ -650,7 +718,7 @@ inline Vec load_weights(const uint8_t* row, int64_t i) {
 }
 
 template <QType Q, int NR, int TT>
-void tile_float(const uint8_t* const* rows, const Acts& a, const int32_t* slots, float (*res)[TT]) {
+void tile_float(const uint8_t* const* rows, const Acts& a, const int32_t* slots, float (*res)[TT], int64_t) {
   const int64_t k = a.k, kp = a.kp, whole = k / W * W;
   Vec acc[NR][TT];
   for (int r = 0; r < NR; ++r)
@@ -678,14 +746,16 @@ void tile_float(const uint8_t* const* rows, const Acts& a, const int32_t* slots,
 }
 
 template <QType Q, int NR, int TT>
-inline void tile(const uint8_t* const* rows, const Acts& a, const int32_t* slots, float (*res)[TT]) {
-  if constexpr (layout_of(Q).is_float) tile_float<Q, NR, TT>(rows, a, slots, res);
-  else tile_quant<Q, NR, TT>(rows, a, slots, res);
+inline void tile(const uint8_t* const* rows, const Acts& a, const int32_t* slots, float (*res)[TT], int64_t ahead) {
+  if constexpr (layout_of(Q).is_float) tile_float<Q, NR, TT>(rows, a, slots, res, ahead);
+  else tile_quant<Q, NR, TT>(rows, a, slots, res, ahead);
 }
 
+// Rows a tile takes with TT tokens: their accumulators (and a super-block's sums beside them) in
+// registers, 32 with AVX512, 16 with AVX2.
 #if defined(TOKENWAY_EXPERTS_512)
 constexpr int kMaxTile = 8;
-template <int TT> constexpr int rows_at_once() { return TT == 1 ? 4 : 2; }
+template <int TT> constexpr int rows_at_once() { return TT == 1 ? 4 : TT == 8 ? 1 : 2; }
 #else
 constexpr int kMaxTile = 4;
 template <int TT> constexpr int rows_at_once() { return TT == 4 ? 1 : 2; }
@@ -697,7 +767,7 @@ constexpr int kMaxTile = 4;
 template <int TT> constexpr int rows_at_once() { return 1; }
 
 template <QType Q, int NR, int TT>
-inline void tile(const uint8_t* const* rows, const Acts& a, const int32_t* slots, float (*res)[TT]) {
+inline void tile(const uint8_t* const* rows, const Acts& a, const int32_t* slots, float (*res)[TT], int64_t) {
   static thread_local std::vector<float> weights;
   weights.resize(a.k);
   for (int r = 0; r < NR; ++r) {
@@ -717,13 +787,13 @@ inline void tile(const uint8_t* const* rows, const Acts& a, const int32_t* slots
 
 template <QType Q, int TT>
 void rows_tile(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts& a, const int32_t* slots,
-               float* y, int64_t ldy) {
+               float* y, int64_t ldy, bool first) {
   constexpr int NR = rows_at_once<TT>();
   for (int64_t r = r0; r < r1; r += NR) {
     const uint8_t* rows[NR];
     for (int i = 0; i < NR; ++i) rows[i] = w + std::min(r + i, r1 - 1) * row_bytes;
     float res[NR][TT];
-    tile<Q, NR, TT>(rows, a, slots, res);
+    tile<Q, NR, TT>(rows, a, slots, res, first && r + NR < r1 ? 2 * NR * row_bytes : 0);
     for (int i = 0; i < NR && r + i < r1; ++i)
       for (int t = 0; t < TT; ++t) y[t * ldy + r + i - r0] = res[i][t];
   }
@@ -734,17 +804,18 @@ void rows_times_tokens(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t 
                        const int32_t* slots, int64_t n, float* y, int64_t ldy) {
   for (int64_t i = 0; i < n;) {
     const int64_t left = n - i;
+    const bool first = i == 0;  // later tiles find the chunk's rows in L2
     if (kMaxTile >= 8 && left >= 8) {
-      rows_tile<Q, (kMaxTile >= 8 ? 8 : 4)>(w, row_bytes, r0, r1, a, slots + i, y + i * ldy, ldy);
+      rows_tile<Q, (kMaxTile >= 8 ? 8 : 4)>(w, row_bytes, r0, r1, a, slots + i, y + i * ldy, ldy, first);
       i += kMaxTile >= 8 ? 8 : 4;
     } else if (left >= 4) {
-      rows_tile<Q, 4>(w, row_bytes, r0, r1, a, slots + i, y + i * ldy, ldy);
+      rows_tile<Q, 4>(w, row_bytes, r0, r1, a, slots + i, y + i * ldy, ldy, first);
       i += 4;
     } else if (left >= 2) {
-      rows_tile<Q, 2>(w, row_bytes, r0, r1, a, slots + i, y + i * ldy, ldy);
+      rows_tile<Q, 2>(w, row_bytes, r0, r1, a, slots + i, y + i * ldy, ldy, first);
       i += 2;
     } else {
-      rows_tile<Q, 1>(w, row_bytes, r0, r1, a, slots + i, y + i * ldy, ldy);
+      rows_tile<Q, 1>(w, row_bytes, r0, r1, a, slots + i, y + i * ldy, ldy, first);
       i += 1;
     }
   }
