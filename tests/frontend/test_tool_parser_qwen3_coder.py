@@ -117,7 +117,7 @@ _PIECES = [*'ab <>/=\n"\\nul☕parmetfunciol_', "null", "NULL", "</p", "<para", 
 _TEXT = st.lists(st.sampled_from(_PIECES), max_size=20).map("".join).filter(
     lambda text: not any(tag in text for tag in TAGS))
 _VALUES = {
-    "path": _TEXT, "code": _TEXT, "owner": _TEXT,
+    "path": _TEXT, "code": _TEXT, "owner": _TEXT | st.sampled_from(["null", "NULL", "nul"]),
     "line": st.integers(-10**12, 10**12), "scale": st.floats(-1e6, 1e6, allow_nan=False).filter(lambda x: x != int(x)),
     "dry_run": st.booleans(), "lines": st.lists(st.integers(0, 9), max_size=3),
     "options": st.dictionaries(st.sampled_from(["a", "é", "<b>"]), st.integers(0, 9) | st.text(max_size=3), max_size=2),
