@@ -27,6 +27,7 @@ FORMATS = {
     "meta-llama-Llama-3.1-8B-Instruct.jinja": "llama3_json",
     "meta-llama-Llama-3.2-3B-Instruct.jinja": "llama3_json",
     "mistralai-Mistral-Nemo-Instruct-2407.jinja": "mistral",
+    "Qwen-Qwen3-Coder-30B-A3B-Instruct.jinja": "qwen3_coder",
 }
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -81,16 +82,24 @@ def test_tools_calls_and_results_render_as_the_template_writes_them(base, name):
     fmt = FORMATS[name]
     prompt = build_chat_prompt(tokenizer, conversation(), [WEATHER, TIME], "auto")
     text = tokenizer.decode(prompt.prompt_token_ids, skip_special_tokens=False)
-    assert prompt.reply_format == ReplyFormat(fmt) and prompt.json_schema is None
-    assert (prompt.grammar is not None) == (fmt == "hermes")  # auto: only Hermes calls are held to the schemas
-    assert '"get_weather"' in text and '"get_time"' in text and "The weather in a city" in text  # the tools
+    # Qwen3-Coder's parser types each value by its tool's schema.
+    assert prompt.reply_format == ReplyFormat(fmt, tools=(WEATHER, TIME) if fmt == "qwen3_coder" else ())
+    assert prompt.json_schema is None
+    # auto: only Hermes's and Qwen3-Coder's calls are held to the schemas
+    assert (prompt.grammar is not None) == (fmt in ("hermes", "qwen3_coder"))
+    names = ("<name>get_weather</name>", "<name>get_time</name>") if fmt == "qwen3_coder" else \
+        ('"get_weather"', '"get_time"')
+    assert all(name in text for name in names) and "The weather in a city" in text  # the tools
     assert RESULT in text  # the result, as the tool gave it
     call = {"hermes": '{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}',
             "llama3_json": '{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}',
             "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}, '
-                       f'"id": "{mistral_id("call_4f1c2a9b8e7d6c5b4a3f2e1d")}"}}]'}[fmt]
+                       f'"id": "{mistral_id("call_4f1c2a9b8e7d6c5b4a3f2e1d")}"}}]',
+            "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n"
+                           "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"}[fmt]
     assert call in text  # the earlier call in the model's own format, its arguments an object
-    marks = {"hermes": ["<tool_response>"], "llama3_json": ["ipython"], "mistral": ["[TOOL_RESULTS]"]}[fmt]
+    marks = {"hermes": ["<tool_response>"], "llama3_json": ["ipython"], "mistral": ["[TOOL_RESULTS]"],
+             "qwen3_coder": ["<tool_response>"]}[fmt]
     assert all(mark in text for mark in marks)  # the result as a result, not as a user turn
     # As transformers renders the same messages with the same template.
     transformers = pytest.importorskip("transformers")

@@ -38,7 +38,8 @@ from tokenway.frontend.reasoning_parsers import (
     thinking_budget,
 )
 from tokenway.frontend.tokenizer import Tokenizer
-from tokenway.frontend.tool_grammars import hermes_auto_grammar, native_call_grammar
+from tokenway.frontend.tool_grammars import hermes_auto_grammar, native_call_grammar, qwen3_coder_auto_grammar
+from tokenway.frontend.tool_parser_qwen3_coder import writes_qwen3_coder_calls
 from tokenway.frontend.tool_parsers import FORMATS, MARKERS, ReplyFormat
 from tokenway.protocol.errors import FieldError
 from tokenway.protocol.sampling import ReasoningBudget, ThinkingRequest
@@ -100,6 +101,8 @@ def tool_format(tokenizer: Tokenizer, override: str | None = None) -> str:
     template = tokenizer.chat_template or ""
     if not tokenizer.template_supports_tools:
         return "generic"
+    if writes_qwen3_coder_calls(template):  # it holds <tool_call> too
+        return "qwen3_coder"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
@@ -203,8 +206,11 @@ def build_chat_prompt(
                 prompt.grammar = native_call_grammar(tokenizer, fmt, tools, tool_choice, parallel_tool_calls)
             elif fmt == "hermes":
                 prompt.grammar = hermes_auto_grammar(tokenizer, tools)
+            elif fmt == "qwen3_coder":
+                prompt.grammar = qwen3_coder_auto_grammar(tokenizer, tools)
         prompt.reply_format = ReplyFormat(fmt, max_calls=None if parallel_tool_calls else 1,
-                                          keeps_special_tokens=_marks_with_special_tokens(tokenizer, fmt))
+                                          keeps_special_tokens=_marks_with_special_tokens(tokenizer, fmt),
+                                          tools=tuple(tools) if fmt == "qwen3_coder" else ())  # its values' types
     elif response_format is not None:
         kind = response_format.get("type", "text")
         if kind == "json_schema":
