@@ -10,7 +10,8 @@ Per file:
   the head; one row of token_embd), plus each expert tensor (ne[2] = expert_count) times
   expert_used_count / expert_count: the experts one token routes to.
 - a plain read of that many bytes by torch's 2 threads (torch.sum over a float32 buffer, best of
-  5): GB/s, and the tok/s one stream would reach if a token cost only that read (the floor).
+  20, the quietest moment of a shared machine): GB/s, and the tok/s one stream would reach if a
+  token cost only that read (the floor).
 - llama.cpp's llama-bench: pp512 and tg64 (one stream), for each weight-repack setting that runs
   (--repack 1 is its default; AMX builds crash on some types), each under /usr/bin/time -v for its
   peak RSS (the mapped file counts once touched; a repacked copy counts again).
@@ -83,7 +84,7 @@ def token_bytes(path: Path) -> TokenBytes:
     return TokenBytes(dense, experts, head, embedding_row, path.stat().st_size)
 
 
-def plain_read_seconds(num_bytes: int, threads: int, repeats: int = 5) -> float:
+def plain_read_seconds(num_bytes: int, threads: int, repeats: int = 20) -> float:
     """The fastest of `repeats` sums over a float32 buffer of num_bytes by `threads` threads."""
     import torch
 
@@ -99,6 +100,16 @@ def plain_read_seconds(num_bytes: int, threads: int, repeats: int = 5) -> float:
     return best
 
 
+def wait_quiet(limit: float | None, max_wait_s: float = 900) -> float:
+    """Waits (at most max_wait_s) until the 1-minute load average is under `limit`; returns it.
+    On a shared machine llama.cpp's 2-thread decode loses 5x when a third process wants a core
+    (its threads spin at barriers): measure in quiet spells, and print the load with each figure."""
+    deadline = time.monotonic() + max_wait_s
+    while limit is not None and os.getloadavg()[0] >= limit and time.monotonic() < deadline:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
 def timed_run(cmd: list[str], log: Path) -> tuple[int, str, int]:
     """(exit status, stdout, peak RSS KiB) of cmd under /usr/bin/time -v; stderr goes to log."""
     proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
@@ -107,10 +118,13 @@ def timed_run(cmd: list[str], log: Path) -> tuple[int, str, int]:
     return proc.returncode, proc.stdout, int(m.group(1)) if m else 0
 
 
-def llama_bench(path: Path, out: Path, threads: int, repeats: int, prompt: int, gen: int) -> list[dict]:
-    """One row per (repack, test): avg tok/s, the test, and the run's peak RSS."""
+def llama_bench(path: Path, out: Path, threads: int, repeats: int, prompt: int, gen: int,
+                quiet: float | None) -> list[dict]:
+    """One row per (repack, test): avg tok/s, the test, the run's peak RSS and the load average
+    it started at."""
     rows = []
     for repack in (1, 0):
+        load = wait_quiet(quiet)
         cmd = [str(PEERS_DIR / "bin" / "llama-bench"), "-m", str(path), "-t", str(threads), "-p", str(prompt),
                "-n", str(gen), "-r", str(repeats), "--repack", str(repack), "-o", "json"]
         print("$", shlex.join(cmd), flush=True)
@@ -121,9 +135,9 @@ def llama_bench(path: Path, out: Path, threads: int, repeats: int, prompt: int, 
         for r in json.loads(stdout):
             test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
             rows.append({"repack": repack, "test": test, "tok_s": r["avg_ts"], "stddev": r["stddev_ts"],
-                         "peak_rss_mib": rss_kib / 1024})
+                         "peak_rss_mib": rss_kib / 1024, "load": load})
             print(f"  llama.cpp repack {repack} {test}: {r['avg_ts']:.2f} tok/s (± {r['stddev_ts']:.2f}), "
-                  f"peak RSS {rss_kib / 1024:.0f} MiB", flush=True)
+                  f"peak RSS {rss_kib / 1024:.0f} MiB, load {load:.1f} at start", flush=True)
     (out / "llama_bench.json").write_text(json.dumps(rows, indent=1))
     return rows
 
@@ -232,6 +246,8 @@ def main() -> None:
     ap.add_argument("--llama-args", default="--no-repack", help="llama-server flags (peers.sh LLAMA_ARGS)")
     ap.add_argument("--llama-ctx", type=int, default=16 * 1024, help="llama-server -c, over its 16 slots")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--quiet", type=float, default=None,
+                    help="wait (up to 15 min) for a 1-minute load average under this before each measurement")
     args = ap.parse_args()
     path = args.gguf.expanduser().resolve()
     out = args.out or PEERS_DIR / "results" / f"moe-{time.strftime('%Y%m%d-%H%M%S')}" / path.stem
@@ -241,19 +257,21 @@ def main() -> None:
         raise ValueError(f"--serve: unknown {sorted(unknown)}; expected llama-server, tokenway")
 
     tb = token_bytes(path)
+    load = wait_quiet(args.quiet)
     seconds = plain_read_seconds(tb.total, args.threads)
     plain_gbs, floor = tb.total / seconds / 1e9, 1 / seconds
     summary: dict = {"file": str(path), "token_bytes": asdict(tb) | {"total": tb.total},
-                     "plain_read_gbs": plain_gbs, "floor_tok_s": floor, "threads": args.threads,
+                     "plain_read_gbs": plain_gbs, "floor_tok_s": floor, "threads": args.threads, "load": load,
                      "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
                      "tokenway": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                                                 capture_output=True, text=True).stdout.strip()}
     print(f"{path.name}: {tb.file / 1e9:.2f} GB; a token reads {tb.total / 1e9:.3f} GB (dense {tb.dense / 1e9:.3f}, "
           f"active experts {tb.experts / 1e9:.3f}, head {tb.head / 1e9:.3f}); plain {args.threads}-thread read "
-          f"{plain_gbs:.1f} GB/s -> floor {floor:.1f} tok/s", flush=True)
+          f"{plain_gbs:.1f} GB/s -> floor {floor:.1f} tok/s (load {load:.1f})", flush=True)
     if not args.no_llama_bench:
-        summary["llama_bench"] = llama_bench(path, out, args.threads, args.repeats, 512, 64)
+        summary["llama_bench"] = llama_bench(path, out, args.threads, args.repeats, 512, 64, args.quiet)
     if peers:
+        wait_quiet(args.quiet)
         summary["serve"] = serve(path, out, peers, args.threads, args.time_limit, args.tokenway_args,
                                  args.llama_args, args.llama_ctx)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
