@@ -1,21 +1,31 @@
 // A decode step's decoder layers in one native call.
 //
 // A decode-only step at one token is ~8 operator calls a layer (qkv, RoPE + cache writes,
-// attention, o, two residual norms, gate_up, silu * up, down): 240 for SmolLM2's 30 layers,
+// attention, o, two residual norms, gate_up, silu * up, down; a mixture's router, top-k and
+// experts instead of the MLP, QK-norm where the family norms heads): 240 for SmolLM2's 30 layers,
 // each a Python call and a dispatch of a few microseconds around kernels that, at one token,
 // run little longer. This loop makes those calls from C++ through the dispatcher (well under a
 // microsecond each), to the same operators the Python path calls (quant.cpp, fused.cpp,
 // attention.cpp), in the same order with the same arguments, so its output is the Python
-// path's bit for bit.
+// path's bit for bit. A mixture's routing runs the ATen operators experts.py's route() runs.
 //
-//   Stack(tensors, ints, eps, scale, products)   built once per model and KV cache:
+//   Stack(tensors, ints, floats, products)   built once per model and KV cache:
 //     tensors: cos_table, sin_table, then per layer
-//              input_norm, post_norm, k_cache, v_cache, and for each part of qkv, o, gate_up, down
-//              weight (quant.cpp's tiles), bias (an empty tensor: no bias)
-//     ints:    heads, kv_heads, head_dim, block_size, then per layer and matmul its number of
-//              parts, then per part (n, qtype: its GGML type id): each matmul may be of its own
-//              block type, and a fused one of several (a Q4_K_M file's Q6_K v beside Q4_K q and
-//              k), each part writing its columns of one output as models/decoder.ConcatKernel does
+//              input_norm, post_norm, k_cache, v_cache, q_norm, k_norm (empty tensors: no QK-norm),
+//              then for each part of qkv and of o its weight (quant.cpp's tiles), bias (empty: none);
+//              a mixture layer then router_weight (E, hidden) float32, router_bias (empty: none),
+//              the experts' gate, up, down blocks, gate_bias, up_bias, down_bias (empty: none),
+//              shared_gate (1, hidden) float32 (empty: no shared expert);
+//              then, for a dense layer or a mixture's shared expert, each part of gate_up and down
+//     ints:    heads, kv_heads, head_dim, block_size, then per layer qkv's and o's number of parts
+//              and per part (n, qtype: its GGML type id), then the MLP's kind (0 dense, 1 mixture);
+//              a mixture then routing (0 softmax then top-k, 1 top-k then softmax), normalize,
+//              top_k, num_experts, intermediate, gate_qtype, up_qtype, down_qtype, activation
+//              (experts.cpp's ids); then gate_up's and down's parts as qkv's (dense or shared).
+//              Each matmul may be of its own block type, and a fused one of several (a Q4_K_M
+//              file's Q6_K v beside Q4_K q and k), each part writing its columns of one output as
+//              models/decoder.ConcatKernel does
+//     floats:  eps, scale, then per mixture layer the experts' alpha and limit (swiglu_oai)
 //   decode(stack, x, positions, slot_mapping, block_tables, context_lens, prefix_leaders?, prefix_lens?,
 //          h?, first_layer, wake_fd) -> (h, next_layer)
 //     x (T, hidden) float32 embeddings of T decode tokens -> (T, hidden) float32 hidden states
@@ -44,9 +54,12 @@
 
 namespace {
 
-constexpr int kMatmuls = 4;  // qkv, o, gate_up, down
-constexpr int kPerLayer = 4;  // input_norm, post_norm, k_cache, v_cache; then the matmuls' parts
+constexpr int kPerLayer = 6;  // input_norm, post_norm, k_cache, v_cache, q_norm, k_norm; then the matmuls' parts
 constexpr int kHeader = 4;    // heads, kv_heads, head_dim, block_size
+constexpr int kExpertTensors = 9;  // router_weight, router_bias, gate, up, down, their biases, shared_gate
+constexpr int kExpertInts = 9;     // routing, normalize, top_k, num_experts, inter, 3 qtypes, activation
+enum MlpKind : int64_t { kDense = 0, kMixture = 1 };
+enum Routing : int64_t { kSoftmaxTopk = 0, kTopkSoftmax = 1 };
 
 struct Part {
   at::Tensor weight;
@@ -60,10 +73,28 @@ struct Matmul {
   int64_t n = 0;  // all parts' columns
 };
 
+// A mixture-of-experts MLP (models/experts.py SparseMoe): the router, then experts.cpp's op.
+struct Experts {
+  at::Tensor router_weight;  // (E, hidden) float32
+  std::optional<at::Tensor> router_bias;
+  at::Tensor gate, up, down;  // uint8 blocks (E, rows, bytes a row), as NativeExpertKernel passes them
+  std::optional<at::Tensor> gate_bias, up_bias, down_bias, shared_gate;
+  int64_t routing = 0, normalize = 0, top_k = 0, num_experts = 0, inter = 0;
+  int64_t gate_qtype = 0, up_qtype = 0, down_qtype = 0, activation = 0;
+  double alpha = 0.0, limit = 0.0;
+};
+
 struct Layer {
   at::Tensor input_norm, post_norm, k_cache, v_cache;
-  Matmul qkv, o, gate_up, down;
+  std::optional<at::Tensor> q_norm, k_norm;  // (head_dim,) each, QK-norm's
+  Matmul qkv, o;
+  Matmul gate_up, down;  // the dense MLP, or a mixture's shared expert (no parts: none)
+  std::optional<Experts> experts;
 };
+
+std::optional<at::Tensor> unless_empty(const at::Tensor& t) {
+  return t.numel() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
 
 struct Stack : torch::CustomClassHolder {
   at::Tensor cos_table, sin_table;
@@ -72,34 +103,67 @@ struct Stack : torch::CustomClassHolder {
   double eps = 0.0, scale = 0.0;
   std::string products;
 
-  Stack(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, double eps, double scale, std::string products)
-      : eps(eps), scale(scale), products(std::move(products)) {
-    TORCH_CHECK(tensors.size() >= 2 && ints.size() >= kHeader,
+  Stack(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, std::vector<double> floats, std::string products)
+      : products(std::move(products)) {
+    TORCH_CHECK(tensors.size() >= 2 && ints.size() >= kHeader && floats.size() >= 2,
                 "tensors: cos_table, sin_table, then per layer; ints: heads, kv_heads, head_dim, block_size, then "
-                "per layer");
+                "per layer; floats: eps, scale, then per mixture layer");
     cos_table = tensors[0], sin_table = tensors[1];
     heads = ints[0], kv_heads = ints[1], head_dim = ints[2], block_size = ints[3];
+    eps = floats[0], scale = floats[1];
     TORCH_CHECK(heads > 0 && kv_heads > 0 && head_dim > 0 && block_size > 0, "positive shapes");
-    size_t t = 2, i = kHeader;  // the next tensor and int
+    size_t t = 2, i = kHeader, f = 2;  // the next tensor, int and float
+    auto read_matmul = [&](Matmul& matmul) {
+      TORCH_CHECK(i < ints.size() && ints[i] > 0, "ints: each matmul's number of parts (at least one)");
+      const int64_t num_parts = ints[i++];
+      TORCH_CHECK(i + 2 * num_parts <= ints.size() && t + 2 * num_parts <= tensors.size(),
+                  "a (weight, bias) tensor pair and an (n, qtype) int pair per part");
+      for (int64_t p = 0; p < num_parts; ++p, t += 2, i += 2) {
+        matmul.parts.push_back(Part{tensors[t], unless_empty(tensors[t + 1]), ints[i], ints[i + 1]});
+        matmul.n += ints[i];
+      }
+    };
     while (t < tensors.size()) {
       TORCH_CHECK(t + kPerLayer <= tensors.size(), "tensors: ", kPerLayer, " per layer before its matmuls");
-      Layer layer{tensors[t], tensors[t + 1], tensors[t + 2], tensors[t + 3], {}, {}, {}, {}};
+      Layer layer;
+      layer.input_norm = tensors[t], layer.post_norm = tensors[t + 1];
+      layer.k_cache = tensors[t + 2], layer.v_cache = tensors[t + 3];
+      layer.q_norm = unless_empty(tensors[t + 4]), layer.k_norm = unless_empty(tensors[t + 5]);
+      TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(), "QK-norm: both q_norm and k_norm, or neither");
       t += kPerLayer;
-      for (Matmul* matmul : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
-        TORCH_CHECK(i < ints.size() && ints[i] > 0, "ints: each matmul's number of parts (at least one)");
-        const int64_t num_parts = ints[i++];
-        TORCH_CHECK(i + 2 * num_parts <= ints.size() && t + 2 * num_parts <= tensors.size(),
-                    "a (weight, bias) tensor pair and an (n, qtype) int pair per part");
-        for (int64_t p = 0; p < num_parts; ++p, t += 2, i += 2) {
-          const at::Tensor& bias = tensors[t + 1];
-          matmul->parts.push_back(
-              Part{tensors[t], bias.numel() ? std::optional<at::Tensor>(bias) : std::nullopt, ints[i], ints[i + 1]});
-          matmul->n += ints[i];
-        }
+      read_matmul(layer.qkv);
+      read_matmul(layer.o);
+      TORCH_CHECK(i < ints.size() && (ints[i] == kDense || ints[i] == kMixture), "ints: each layer's MLP kind");
+      bool shared = true;  // a dense layer's MLP, or a mixture's shared expert
+      if (ints[i++] == kMixture) {
+        TORCH_CHECK(t + kExpertTensors <= tensors.size() && i + kExpertInts <= ints.size() && f + 2 <= floats.size(),
+                    "a mixture layer's ", kExpertTensors, " tensors, ", kExpertInts, " ints and 2 floats");
+        Experts e;
+        e.router_weight = tensors[t], e.router_bias = unless_empty(tensors[t + 1]);
+        e.gate = tensors[t + 2], e.up = tensors[t + 3], e.down = tensors[t + 4];
+        e.gate_bias = unless_empty(tensors[t + 5]), e.up_bias = unless_empty(tensors[t + 6]);
+        e.down_bias = unless_empty(tensors[t + 7]), e.shared_gate = unless_empty(tensors[t + 8]);
+        e.routing = ints[i], e.normalize = ints[i + 1], e.top_k = ints[i + 2], e.num_experts = ints[i + 3];
+        e.inter = ints[i + 4], e.gate_qtype = ints[i + 5], e.up_qtype = ints[i + 6], e.down_qtype = ints[i + 7];
+        e.activation = ints[i + 8];
+        e.alpha = floats[f], e.limit = floats[f + 1];
+        TORCH_CHECK(e.routing == kSoftmaxTopk || e.routing == kTopkSoftmax, "routing: 0 or 1");
+        TORCH_CHECK(e.top_k > 0 && e.top_k <= e.num_experts, "0 < top_k <= num_experts");
+        TORCH_CHECK(e.router_weight.scalar_type() == at::kFloat && e.router_weight.dim() == 2 &&
+                        e.router_weight.size(0) == e.num_experts,
+                    "router_weight (E, hidden) float32");
+        t += kExpertTensors, i += kExpertInts, f += 2;
+        shared = e.shared_gate.has_value();
+        layer.experts = std::move(e);
+      }
+      if (shared) {
+        read_matmul(layer.gate_up);
+        read_matmul(layer.down);
       }
       layers.push_back(std::move(layer));
     }
-    TORCH_CHECK(!layers.empty() && i == ints.size(), "ints: ", ints.size() - i, " left over after the last layer");
+    TORCH_CHECK(!layers.empty() && i == ints.size() && f == floats.size(), "ints: ", ints.size() - i,
+                " and floats: ", floats.size() - f, " left over after the last layer");
   }
 };
 
@@ -119,7 +183,7 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, int64_t, double, const std::optional<at::Tensor>&,
-                                      const std::optional<at::Tensor>&, int64_t)>
+                                      const std::optional<at::Tensor>&, int64_t, const std::optional<at::Tensor>&)>
       attention;
 
   static const Ops& get() {
@@ -143,12 +207,24 @@ struct Ops {
           d.findSchemaOrThrow("tokenway_attention::paged_decode_attention", "")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, int64_t, double, const std::optional<at::Tensor>&,
-                                const std::optional<at::Tensor>&, int64_t)>(),
+                                const std::optional<at::Tensor>&, int64_t, const std::optional<at::Tensor>&)>(),
       };
     }();
     return ops;
   }
 };
+
+using ExpertsForward = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  int64_t, const at::Tensor&, int64_t, const at::Tensor&, int64_t, int64_t, int64_t,
+                                  const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                  const std::optional<at::Tensor>&, int64_t, double, double);
+
+// experts.cpp's op, found on a mixture's first step (its library is loaded only for mixtures).
+const c10::TypedOperatorHandle<ExpertsForward>& experts_forward() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("tokenway_experts::experts_forward", "").typed<ExpertsForward>();
+  return op;
+}
 
 // Whether fd has something to read (or was closed): poll(2) without waiting, ~1 us.
 bool readable(int64_t fd) {
@@ -193,14 +269,46 @@ std::tuple<at::Tensor, int64_t> decode(const c10::intrusive_ptr<Stack>& s, const
       h = ops.rms_norm.call(residual, layer.input_norm, s->eps);
     else
       ops.add_rms_norm_.call(h, residual, layer.input_norm, s->eps);
-    const at::Tensor q = ops.rope_and_cache.call(linear(h, layer.qkv), s->cos_table, s->sin_table, positions,
-                                                 layer.k_cache, layer.v_cache, slot_mapping, s->heads, s->kv_heads);
+    at::Tensor qkv = linear(h, layer.qkv);
+    if (layer.q_norm) {  // each head of q and k RMS-normed, as Attention.project writes them back
+      const int64_t kv_size = s->kv_heads * s->head_dim;
+      for (auto [first, size, weight] : {std::tuple{int64_t(0), q_size, &*layer.q_norm},
+                                         std::tuple{q_size, kv_size, &*layer.k_norm}}) {
+        at::Tensor heads = qkv.narrow(1, first, size);
+        heads.copy_(at::rms_norm(heads.reshape({tokens, -1, s->head_dim}), {s->head_dim}, *weight, s->eps)
+                        .view({tokens, size}));
+      }
+    }
+    const at::Tensor q = ops.rope_and_cache.call(qkv, s->cos_table, s->sin_table, positions, layer.k_cache,
+                                                 layer.v_cache, slot_mapping, s->heads, s->kv_heads);
     const at::Tensor attended = ops.attention.call(q, layer.k_cache, layer.v_cache, block_tables, context_lens,
                                                    s->block_size, s->scale, prefix_leaders, prefix_lens,
-                                                   /*window=*/0);
+                                                   /*window=*/0, /*sinks=*/std::nullopt);
     h = linear(attended.reshape({tokens, q_size}), layer.o);
     ops.add_rms_norm_.call(h, residual, layer.post_norm, s->eps);
-    h = linear(ops.silu_and_mul.call(linear(h, layer.gate_up)), layer.down);
+    if (!layer.experts) {
+      h = linear(ops.silu_and_mul.call(linear(h, layer.gate_up)), layer.down);
+      continue;
+    }
+    // SparseMoe.forward: route(), the experts, then the shared expert gated by sigmoid(shared_gate(x)).
+    const Experts& e = *layer.experts;
+    const at::Tensor logits = at::linear(h, e.router_weight, e.router_bias);  // (T, E)
+    at::Tensor ids, weights;
+    if (e.routing == kTopkSoftmax) {
+      auto [values, chosen] = at::topk(logits, e.top_k, -1);
+      ids = chosen, weights = at::softmax(values, -1);
+    } else {
+      std::tie(weights, ids) = at::topk(at::softmax(logits, -1), e.top_k, -1);
+      if (e.normalize) weights = weights / weights.sum(-1, /*keepdim=*/true);
+    }
+    at::Tensor out = experts_forward().call(h, ids, weights, e.gate, e.gate_qtype, e.up, e.up_qtype, e.down,
+                                            e.down_qtype, e.num_experts, e.inter, e.gate_bias, e.up_bias,
+                                            e.down_bias, e.activation, e.alpha, e.limit);
+    if (e.shared_gate) {
+      const at::Tensor gate = at::sigmoid(at::linear(h, *e.shared_gate));  // (T, 1)
+      out += gate * linear(ops.silu_and_mul.call(linear(h, layer.gate_up)), layer.down);
+    }
+    h = out;
   }
   // h += residual on the pool's helpers (pool.h): an ATen add would wake OpenMP's team, whose
   // threads then contend for the cores with the pool's (see attention.cpp's output).
@@ -217,7 +325,7 @@ std::tuple<at::Tensor, int64_t> decode(const c10::intrusive_ptr<Stack>& s, const
 
 TORCH_LIBRARY(tokenway_layers, m) {
   m.class_<Stack>("Stack").def(
-      torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, double, std::string>());
+      torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>, std::string>());
   m.def("decode(__torch__.torch.classes.tokenway_layers.Stack stack, Tensor(a!) x, Tensor positions, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, Tensor? prefix_leaders=None, "
         "Tensor? prefix_lens=None, Tensor? h=None, int first_layer=0, int wake_fd=-1) -> (Tensor, int)",

@@ -6,6 +6,11 @@ SmolLM2's 30 layers) is a real share of the step. The stack holds every layer's 
 KV cache once and makes the same calls, in the same order, from C++: the output is the Python
 loop's (LlamaForCausalLM.forward with the fused kernels) bit for bit.
 
+A layer's MLP may be a mixture of experts (models/experts.py SparseMoe): the stack runs its
+router, top-k and softmax as route() does (the same ATen operators), then csrc/experts.cpp's op
+with the arguments NativeExpertKernel passes, and the shared expert where the family has one;
+QK-norm (Qwen3) as Attention.project does.
+
 It serves steps where every token is a decode (prompt chunks take the Python loop, whose
 prefill attention is torch's) and every layer's matmuls read GGUF blocks (models/quant.py)
 with one kind of products (each matmul of any block type the kernel reads, a fused one of
@@ -24,60 +29,100 @@ from tokenway.models.interjection import Interjection
 
 if TYPE_CHECKING:
     from tokenway.models.decoder import DecoderForCausalLM
+    from tokenway.models.experts import SparseMoe
     from tokenway.models.quant import QuantKernel
 
 
 class DecodeStack:
     __slots__ = ("_decode", "_stack", "kernels", "kv_caches", "matmuls", "num_layers")
 
-    def __init__(self, model: DecoderForCausalLM, matmuls: list[list[QuantKernel]],
+    def __init__(self, model: DecoderForCausalLM, matmuls: list[list[list[QuantKernel]]],
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, ops) -> None:
-        """matmuls: every layer's matmuls in call order (qkv, o, gate_up, down), each as the
-        kernels of its parts (one, or a ConcatKernel's), all on blocks."""
+        """matmuls: per layer its matmuls in call order (qkv, o, then gate_up, down of the dense
+        MLP or of a mixture's shared expert, none for a mixture without one), each as the kernels
+        of its parts (one, or a ConcatKernel's), all on blocks."""
+        from tokenway.models.experts import SparseMoe
+
         config = model.config
         self.kv_caches = kv_caches
         self.num_layers = len(kv_caches)
-        self.matmuls = matmuls
-        self.kernels = [kernel for parts in matmuls for kernel in parts]
+        self.matmuls = [parts for layer in matmuls for parts in layer]
+        self.kernels = [kernel for parts in self.matmuls for kernel in parts]
         tensors = [model.rope_cos, model.rope_sin]
         ints = [config.num_attention_heads, config.num_key_value_heads, config.head_dim, block_size]
+        floats = [config.rms_norm_eps, model.decoder_layers[0].self_attn.scale]
         empty = torch.empty(0)
-        for index, (layer, (k_cache, v_cache)) in enumerate(zip(model.decoder_layers, kv_caches)):
-            tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, k_cache, v_cache]
-            for parts in matmuls[4 * index:4 * index + 4]:
-                ints.append(len(parts))
-                for kernel in parts:
-                    bias = kernel.bias_or_none
-                    tensors += [kernel.weight, empty if bias is None else bias]
-                    ints += [kernel.out_features, kernel.qtype_id]
-        scale = model.decoder_layers[0].self_attn.scale
-        self._stack = torch.classes.tokenway_layers.Stack(tensors, ints, config.rms_norm_eps, scale,
-                                                          self.kernels[0].products)
+
+        def add_matmul(parts: list[QuantKernel]) -> None:
+            ints.append(len(parts))
+            for kernel in parts:
+                bias = kernel.bias_or_none
+                tensors.extend([kernel.weight, empty if bias is None else bias])
+                ints.extend([kernel.out_features, kernel.qtype_id])
+
+        for layer, layer_matmuls, (k_cache, v_cache) in zip(model.decoder_layers, matmuls, kv_caches):
+            attn = layer.self_attn
+            q_norm = empty if attn.q_norm is None else attn.q_norm.weight
+            k_norm = empty if attn.k_norm is None else attn.k_norm.weight
+            tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, k_cache, v_cache,
+                        q_norm, k_norm]
+            add_matmul(layer_matmuls[0])
+            add_matmul(layer_matmuls[1])
+            mlp = layer.mlp
+            if isinstance(mlp, SparseMoe):
+                tensors += _mixture_tensors(mlp, empty)
+                ints += [1, *_mixture_ints(mlp)]
+                floats += [mlp.spec.alpha, mlp.spec.limit]
+            else:
+                ints.append(0)
+            for parts in layer_matmuls[2:]:
+                add_matmul(parts)
+        self._stack = torch.classes.tokenway_layers.Stack(tensors, ints, floats, self.kernels[0].products)
         self._decode = ops.decode
 
     @classmethod
     def build(cls, model: DecoderForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
               block_size: int) -> DecodeStack | None:
         """The stack for these caches, or None when a layer cannot run in it (a float weight,
-        mixed products, the fused kernels off) or the native kernels are not built."""
+        mixed products, experts off the native kernel, the fused kernels off) or the native
+        kernels are not built."""
         from tokenway.models.decoder import ConcatKernel
+        from tokenway.models.experts import SparseMoe
         from tokenway.models.quant import QuantKernel
 
         layers = model.decoder_layers
         if model.fused is None or len(kv_caches) != len(layers):
             return None
-        matmuls: list[list[QuantKernel]] = []
+        matmuls: list[list[list[QuantKernel]]] = []
+        mixture = False
         for layer in layers:
-            for kernel in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down):
+            mlp = layer.mlp
+            if isinstance(mlp, SparseMoe):
+                if not _native_experts(mlp):
+                    return None
+                mixture = True
+                dense = mlp.shared
+            else:
+                dense = mlp
+            kernels = [layer.self_attn.qkv, layer.self_attn.o]
+            if dense is not None:
+                if dense.activation != "silu":
+                    return None
+                kernels += [dense.gate_up, dense.down]
+            layer_matmuls: list[list[QuantKernel]] = []
+            for kernel in kernels:
                 parts = kernel.parts if isinstance(kernel, ConcatKernel) else [kernel]
                 on_blocks = [part for part in parts if isinstance(part, QuantKernel)]
                 if len(on_blocks) < len(parts):  # a float weight, or blocks through torch operators
                     return None
-                matmuls.append(on_blocks)
-        if len({kernel.products for parts in matmuls for kernel in parts}) != 1:
+                layer_matmuls.append(on_blocks)
+            matmuls.append(layer_matmuls)
+        if len({kernel.products for layer in matmuls for parts in layer for kernel in parts}) != 1:
             return None
         # The operators the stack calls must be registered before it looks them up.
         if native.load("quant") is None or native.load("attention") is None:
+            return None
+        if mixture and native.load("experts") is None:
             return None
         ops = native.load("layers")
         return None if ops is None else cls(model, matmuls, kv_caches, block_size, ops)
@@ -104,3 +149,40 @@ class DecodeStack:
             interjection.run()
             h, layer = self._decode(self._stack, *args, h, layer, interjection.wake_fd)
         return h
+
+
+def _native_experts(mlp: SparseMoe) -> bool:
+    """Whether the mixture's experts run on csrc/experts.cpp's op as this process builds it (the
+    library the stack looks the op up in), its router and shared gate float32 as route() reads them."""
+    from tokenway.models.expert_kernels import NativeExpertKernel
+
+    kernel = mlp.kernel
+    return (isinstance(kernel, NativeExpertKernel) and kernel._ops is native.load("experts")
+            and mlp.router_weight.dtype == torch.float32
+            and (mlp.shared_gate_weight is None or mlp.shared_gate_weight.dtype == torch.float32))
+
+
+def _mixture_tensors(mlp: SparseMoe, empty: torch.Tensor) -> list[torch.Tensor]:
+    """router_weight, router_bias, the experts' gate, up, down blocks and biases, shared_gate, as
+    csrc/layers.cpp reads them (empty: none) and NativeExpertKernel passes them."""
+    from tokenway.models.expert_kernels import NativeExpertKernel
+
+    kernel = mlp.kernel
+    assert isinstance(kernel, NativeExpertKernel)  # build() checked
+    optional = [mlp.router_bias, kernel.gate_bias, kernel.up_bias, kernel.down_bias, mlp.shared_gate_weight]
+    router_bias, gate_bias, up_bias, down_bias, shared_gate = (empty if t is None else t for t in optional)
+    return [mlp.router_weight, router_bias, kernel.gate.blocks, kernel.up.blocks, kernel.down.blocks,
+            gate_bias, up_bias, down_bias, shared_gate]
+
+
+def _mixture_ints(mlp: SparseMoe) -> list[int]:
+    """routing (0 softmax then top-k, 1 top-k then softmax), normalize, top_k, num_experts,
+    intermediate, the experts' qtype ids and activation id (expert_kernels' ids)."""
+    from tokenway.models.expert_kernels import NATIVE_QTYPE_IDS, NativeExpertKernel
+
+    kernel = mlp.kernel
+    assert isinstance(kernel, NativeExpertKernel)
+    num_experts, inter, _ = kernel.gate.shape
+    return [int(mlp.routing == "topk_softmax"), int(bool(mlp.normalize)), mlp.top_k, num_experts, inter,
+            NATIVE_QTYPE_IDS[kernel.gate.qtype], NATIVE_QTYPE_IDS[kernel.up.qtype],
+            NATIVE_QTYPE_IDS[kernel.down.qtype], kernel._activation]

@@ -322,12 +322,14 @@ class DecoderForCausalLM(nn.Module):
 
     @property
     def plain_layers(self) -> bool:
-        """Every layer is Llama's (what the native decode stack runs): one RoPE, no window, no
-        QK-norm or sandwich norms, silu, unscaled embeddings."""
+        """Every layer is one the native decode stack runs: Llama's (one RoPE, no window, no
+        sandwich norms, silu), with QK-norm where the family norms heads (Qwen3) and a mixture
+        of experts for its MLP where the family routes them (Qwen3-MoE, Qwen2-MoE, Mixtral);
+        no attention sinks or output bias (gpt-oss)."""
         arch = self.config.arch
-        return (not arch.qk_norm and not arch.sandwich_norms and arch.activation == "silu"
+        return (not arch.sandwich_norms and arch.activation == "silu"
                 and not self.config.layer_types and self.config.local_rope is None
-                and arch.experts is None and not arch.attention_sinks and not arch.output_bias)
+                and not arch.attention_sinks and not arch.output_bias)
 
     def forward(
         self,
