@@ -207,3 +207,80 @@ def test_no_stack_where_a_mixture_cannot_run_in_it():
     assert shared is not None
     shared.down = LinearKernel(torch.nn.Parameter(torch.zeros(64, 64), requires_grad=False))
     assert not model.use_decode_stack(caches, BLOCK_SIZE)
+
+
+def tiny_gpt_oss() -> DecoderForCausalLM:
+    """A tiny gpt-oss: layers 0 and 2 slide (a window of 8), layer 1 attends to everything; sinks,
+    q/k/v and output biases, router and expert biases, swiglu_oai. Its attention matmuls on Q8_0
+    blocks, its experts float (the native kernel's F32 path)."""
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(**{**COMMON, "intermediate_size": 32}, num_local_experts=8,
+                                    num_experts_per_tok=2, head_dim=16, sliding_window=8)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    state = {name: p.detach().clone() for name, p in hf.state_dict().items()}
+    for name, p in state.items():
+        if name.endswith(("bias", "sinks")):
+            p.normal_(0, 0.5)
+        elif "norm" in name:
+            p.add_(torch.randn_like(p) * 0.3)
+        elif "router" in name:
+            p.normal_(0, 0.5)
+    config = ModelConfig.from_dict(cfg.to_dict())
+    assert [config.is_sliding(layer) for layer in range(3)] == [True, False, True]
+    blocks = {name: QuantizedTensor("Q8_0", q8_0(weight), tuple(weight.shape)) for name, weight in state.items()
+              if name.startswith("model.layers.") and name.endswith("proj.weight") and weight.dim() == 2}
+    model = DecoderForCausalLM(config, torch.float32)
+    used = model.use_quantized(blocks, "dtype")
+    assert used == set(blocks)
+    model.load_weights((name, p) for name, p in state.items() if name not in used)
+    if not model.use_fused_kernels():
+        pytest.skip("the fused kernels do not build here")
+    for layer in model.decoder_layers:
+        assert isinstance(layer.mlp, SparseMoe)
+        if not isinstance(layer.mlp.kernel, NativeExpertKernel):
+            pytest.skip("the native experts kernel does not build here")
+    return model.eval()
+
+
+def test_gpt_oss_decode_steps_past_the_window_equal_the_python_loop(monkeypatch):
+    """Sliding layers in blocks of their own (the runner's second KV cache group), full layers in
+    theirs, attention sinks and biases: the stack's logits are the Python loop's, also once the
+    contexts run past the window."""
+    model = tiny_gpt_oss()
+    runner = ModelRunner(model, num_blocks=32, block_size=BLOCK_SIZE, device=torch.device("cpu"),
+                         num_sliding_blocks=40)
+    if runner.decode_kernel is None:
+        pytest.skip("the native attention kernel does not build here")
+    assert runner.mixed_layers and isinstance(model.decode_stack, DecodeStack) and model.decode_stack.sliding
+    calls = []
+    native_call = DecodeStack.__call__
+    monkeypatch.setattr(DecodeStack, "__call__", lambda self, *args: calls.append(1) or native_call(self, *args))
+
+    def run(requests, chunks, native: bool) -> torch.Tensor:
+        stack = model.decode_stack
+        model.decode_stack = stack if native else None
+        try:
+            return runner.execute(SchedulerOutput(list(requests), list(chunks), [list(t) for t in tables],
+                                                  sliding_block_tables=[list(t) for t in sliding_tables]))
+        finally:
+            model.decode_stack = stack
+
+    torch.manual_seed(3)
+    requests = [Request(f"r{i}", torch.randint(0, VOCAB, (n,)).tolist(), SamplingParams(temperature=0))
+                for i, n in enumerate((5, 9))]
+    tables = [[0, 1, 2, 3, 4, 5], [10, 11, 12, 13, 14, 15]]
+    sliding_tables = [[21, 22, 23, 24, 25, 26], [31, 32, 33, 34, 35, 36]]  # other ids: a mix-up shows
+    prompt_lens = [len(r.prompt_token_ids) for r in requests]
+    run(requests, prompt_lens, native=True)
+    for request, n in zip(requests, prompt_lens):
+        request.num_computed_tokens += n
+    assert calls == []
+    for position in range(8):  # contexts of 6..13 and 10..17 keys: past the window of 8
+        for request in requests:
+            request.append_output_token_ids((position * 13 + 7 * len(request.prompt_token_ids)) % VOCAB)
+        got = run(requests, [1, 1], native=True)
+        want = run(requests, [1, 1], native=False)
+        assert len(calls) == position + 1
+        assert torch.equal(got, want), f"decode step {position}"
+        for request in requests:
+            request.num_computed_tokens += 1

@@ -12,12 +12,14 @@
 //   Stack(tensors, ints, floats, products)   built once per model and KV cache:
 //     tensors: cos_table, sin_table, then per layer
 //              input_norm, post_norm, k_cache, v_cache, q_norm, k_norm (empty tensors: no QK-norm),
+//              sinks (heads,) float32 (empty: none; gpt-oss's),
 //              then for each part of qkv and of o its weight (quant.cpp's tiles), bias (empty: none);
 //              a mixture layer then router_weight (E, hidden) float32, router_bias (empty: none),
 //              the experts' gate, up, down blocks, gate_bias, up_bias, down_bias (empty: none),
 //              shared_gate (1, hidden) float32 (empty: no shared expert);
 //              then, for a dense layer or a mixture's shared expert, each part of gate_up and down
-//     ints:    heads, kv_heads, head_dim, block_size, then per layer qkv's and o's number of parts
+//     ints:    heads, kv_heads, head_dim, block_size, then per layer whether it slides (reads the
+//              sliding layout: its own slots, tables and window), qkv's and o's number of parts
 //              and per part (n, qtype: its GGML type id), then the MLP's kind (0 dense, 1 mixture);
 //              a mixture then routing (0 softmax then top-k, 1 top-k then softmax), normalize,
 //              top_k, num_experts, intermediate, gate_qtype, up_qtype, down_qtype, activation
@@ -27,7 +29,8 @@
 //              models/decoder.ConcatKernel does
 //     floats:  eps, scale, then per mixture layer the experts' alpha and limit (swiglu_oai)
 //   decode(stack, x, positions, slot_mapping, block_tables, context_lens, prefix_leaders?, prefix_lens?,
-//          h?, first_layer, wake_fd) -> (h, next_layer)
+//          h?, first_layer, wake_fd, window, sliding layout (slot_mapping, block_tables, context_lens,
+//          prefix_leaders?, prefix_lens?, window)?) -> (h, next_layer)
 //     x (T, hidden) float32 embeddings of T decode tokens -> (T, hidden) float32 hidden states
 //     before the final norm (x + residual of the last layer), as LlamaForCausalLM.forward, when
 //     next_layer is the number of layers. With wake_fd >= 0 the loop stops early, between two
@@ -35,7 +38,8 @@
 //     run a step of its own before this one goes on): next_layer is then the first layer not
 //     run, x holds the residual stream and h the last layer's output; pass both back, with
 //     first_layer = next_layer, to go on. The layers run and their order are the same either
-//     way, so the output is too.
+//     way, so the output is too. Layers that slide read the sliding layout (AttentionMetadata.sliding)
+//     for their cache writes and attention, the others the first; each layout has its window (0: none).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -54,7 +58,7 @@
 
 namespace {
 
-constexpr int kPerLayer = 6;  // input_norm, post_norm, k_cache, v_cache, q_norm, k_norm; then the matmuls' parts
+constexpr int kPerLayer = 7;  // input_norm, post_norm, k_cache, v_cache, q_norm, k_norm, sinks; then matmuls
 constexpr int kHeader = 4;    // heads, kv_heads, head_dim, block_size
 constexpr int kExpertTensors = 9;  // router_weight, router_bias, gate, up, down, their biases, shared_gate
 constexpr int kExpertInts = 9;     // routing, normalize, top_k, num_experts, inter, 3 qtypes, activation
@@ -87,6 +91,8 @@ struct Experts {
 struct Layer {
   at::Tensor input_norm, post_norm, k_cache, v_cache;
   std::optional<at::Tensor> q_norm, k_norm;  // (head_dim,) each, QK-norm's
+  std::optional<at::Tensor> sinks;           // (heads,) float32 logits, one more softmax column each
+  bool sliding = false;                      // reads the sliding layout
   Matmul qkv, o;
   Matmul gate_up, down;  // the dense MLP, or a mixture's shared expert (no parts: none)
   std::optional<Experts> experts;
@@ -129,8 +135,11 @@ struct Stack : torch::CustomClassHolder {
       layer.input_norm = tensors[t], layer.post_norm = tensors[t + 1];
       layer.k_cache = tensors[t + 2], layer.v_cache = tensors[t + 3];
       layer.q_norm = unless_empty(tensors[t + 4]), layer.k_norm = unless_empty(tensors[t + 5]);
+      layer.sinks = unless_empty(tensors[t + 6]);
       TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(), "QK-norm: both q_norm and k_norm, or neither");
       t += kPerLayer;
+      TORCH_CHECK(i < ints.size() && (ints[i] == 0 || ints[i] == 1), "ints: whether each layer slides (0 or 1)");
+      layer.sliding = ints[i++] == 1;
       read_matmul(layer.qkv);
       read_matmul(layer.o);
       TORCH_CHECK(i < ints.size() && (ints[i] == kDense || ints[i] == kMixture), "ints: each layer's MLP kind");
@@ -237,11 +246,19 @@ std::tuple<at::Tensor, int64_t> decode(const c10::intrusive_ptr<Stack>& s, const
                                        const at::Tensor& block_tables, const at::Tensor& context_lens,
                                        const std::optional<at::Tensor>& prefix_leaders,
                                        const std::optional<at::Tensor>& prefix_lens,
-                                       const std::optional<at::Tensor>& h_in, int64_t first_layer, int64_t wake_fd) {
+                                       const std::optional<at::Tensor>& h_in, int64_t first_layer, int64_t wake_fd,
+                                       int64_t window, const std::optional<at::Tensor>& sliding_slot_mapping,
+                                       const std::optional<at::Tensor>& sliding_block_tables,
+                                       const std::optional<at::Tensor>& sliding_context_lens,
+                                       const std::optional<at::Tensor>& sliding_prefix_leaders,
+                                       const std::optional<at::Tensor>& sliding_prefix_lens, int64_t sliding_window) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x (T, hidden) float32");
   const int64_t num_layers = static_cast<int64_t>(s->layers.size());
   TORCH_CHECK(first_layer >= 0 && first_layer < num_layers, "first_layer out of range");
   TORCH_CHECK(first_layer == 0 || h_in.has_value(), "going on from a layer takes the h it stopped with");
+  const bool has_sliding = sliding_slot_mapping && sliding_block_tables && sliding_context_lens;
+  for (const Layer& layer : s->layers)
+    TORCH_CHECK(!layer.sliding || has_sliding, "a sliding layer takes the sliding layout's slots, tables and lengths");
   const Ops& ops = Ops::get();
   const int64_t tokens = x.size(0), q_size = s->heads * s->head_dim;
   const c10::string_view products(s->products);
@@ -279,11 +296,16 @@ std::tuple<at::Tensor, int64_t> decode(const c10::intrusive_ptr<Stack>& s, const
                         .view({tokens, size}));
       }
     }
-    const at::Tensor q = ops.rope_and_cache.call(qkv, s->cos_table, s->sin_table, positions, layer.k_cache,
-                                                 layer.v_cache, slot_mapping, s->heads, s->kv_heads);
-    const at::Tensor attended = ops.attention.call(q, layer.k_cache, layer.v_cache, block_tables, context_lens,
-                                                   s->block_size, s->scale, prefix_leaders, prefix_lens,
-                                                   /*window=*/0, /*sinks=*/std::nullopt);
+    // This layer's layout (Attention.layout): a sliding layer's slots and tables are its group's.
+    const bool slides = layer.sliding;
+    const at::Tensor q =
+        ops.rope_and_cache.call(qkv, s->cos_table, s->sin_table, positions, layer.k_cache, layer.v_cache,
+                                slides ? *sliding_slot_mapping : slot_mapping, s->heads, s->kv_heads);
+    const at::Tensor attended = ops.attention.call(
+        q, layer.k_cache, layer.v_cache, slides ? *sliding_block_tables : block_tables,
+        slides ? *sliding_context_lens : context_lens, s->block_size, s->scale,
+        slides ? sliding_prefix_leaders : prefix_leaders, slides ? sliding_prefix_lens : prefix_lens,
+        slides ? sliding_window : window, layer.sinks);
     h = linear(attended.reshape({tokens, q_size}), layer.o);
     ops.add_rms_norm_.call(h, residual, layer.post_norm, s->eps);
     if (!layer.experts) {
@@ -328,6 +350,8 @@ TORCH_LIBRARY(tokenway_layers, m) {
       torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>, std::string>());
   m.def("decode(__torch__.torch.classes.tokenway_layers.Stack stack, Tensor(a!) x, Tensor positions, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, Tensor? prefix_leaders=None, "
-        "Tensor? prefix_lens=None, Tensor? h=None, int first_layer=0, int wake_fd=-1) -> (Tensor, int)",
+        "Tensor? prefix_lens=None, Tensor? h=None, int first_layer=0, int wake_fd=-1, int window=0, "
+        "Tensor? sliding_slot_mapping=None, Tensor? sliding_block_tables=None, Tensor? sliding_context_lens=None, "
+        "Tensor? sliding_prefix_leaders=None, Tensor? sliding_prefix_lens=None, int sliding_window=0) -> (Tensor, int)",
         &decode);
 }

@@ -9,7 +9,9 @@ loop's (LlamaForCausalLM.forward with the fused kernels) bit for bit.
 A layer's MLP may be a mixture of experts (models/experts.py SparseMoe): the stack runs its
 router, top-k and softmax as route() does (the same ATen operators), then csrc/experts.cpp's op
 with the arguments NativeExpertKernel passes, and the shared expert where the family has one;
-QK-norm (Qwen3) as Attention.project does.
+QK-norm (Qwen3) as Attention.project does. Sliding-window layers (gpt-oss's every other layer,
+Mistral's all) write and read their own layout (AttentionMetadata.sliding: slots, tables,
+window) as Attention.layout picks it, with gpt-oss's attention sinks and output bias.
 
 It serves steps where every token is a decode (prompt chunks take the Python loop, whose
 prefill attention is torch's) and every layer's matmuls read GGUF blocks (models/quant.py)
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
 
 
 class DecodeStack:
-    __slots__ = ("_decode", "_stack", "kernels", "kv_caches", "matmuls", "num_layers")
+    __slots__ = ("_decode", "_stack", "kernels", "kv_caches", "matmuls", "num_layers", "sliding")
 
     def __init__(self, model: DecoderForCausalLM, matmuls: list[list[list[QuantKernel]]],
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, ops) -> None:
@@ -48,6 +50,7 @@ class DecodeStack:
         self.num_layers = len(kv_caches)
         self.matmuls = [parts for layer in matmuls for parts in layer]
         self.kernels = [kernel for parts in self.matmuls for kernel in parts]
+        self.sliding = any(layer.self_attn.sliding for layer in model.decoder_layers)  # reads meta.sliding
         tensors = [model.rope_cos, model.rope_sin]
         ints = [config.num_attention_heads, config.num_key_value_heads, config.head_dim, block_size]
         floats = [config.rms_norm_eps, model.decoder_layers[0].self_attn.scale]
@@ -64,8 +67,10 @@ class DecodeStack:
             attn = layer.self_attn
             q_norm = empty if attn.q_norm is None else attn.q_norm.weight
             k_norm = empty if attn.k_norm is None else attn.k_norm.weight
+            sinks = empty if attn.sinks is None else attn.sinks  # float32 (build checked), as decode_attention
             tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, k_cache, v_cache,
-                        q_norm, k_norm]
+                        q_norm, k_norm, sinks]
+            ints.append(int(attn.sliding))
             add_matmul(layer_matmuls[0])
             add_matmul(layer_matmuls[1])
             mlp = layer.mlp
@@ -96,6 +101,9 @@ class DecodeStack:
         matmuls: list[list[list[QuantKernel]]] = []
         mixture = False
         for layer in layers:
+            sinks = layer.self_attn.sinks
+            if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()):
+                return None  # decode_attention would pass a float32 copy
             mlp = layer.mlp
             if isinstance(mlp, SparseMoe):
                 if not _native_experts(mlp):
@@ -131,8 +139,11 @@ class DecodeStack:
               meta: AttentionMetadata) -> bool:
         """A decode-only step on these caches through the native attention kernel, at a token
         count every matmul runs on its blocks (as the Python loop would)."""
+        sliding = meta.sliding
         return (not meta.prefills and meta.decode_kernel is not None and kv_caches is self.kv_caches
                 and num_tokens == meta.num_decode_tokens
+                and (not self.sliding or (sliding is not None and sliding.decode_kernel is not None
+                                          and not sliding.prefills))
                 and self.kernels[0].reads_blocks(num_tokens))  # one products: one answer
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -142,12 +153,18 @@ class DecodeStack:
         layer boundary after its wake_fd turns readable; its run() goes, then the loop goes on."""
         args = (x, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
                 meta.decode_prefix_leaders, meta.decode_prefix_lens)
-        if interjection is None:
-            return self._decode(self._stack, *args)[0]
-        h, layer = self._decode(self._stack, *args, None, 0, interjection.wake_fd)
+        # Each layout's window, and the sliding layers' own layout (Attention.layout), after the loop's state.
+        layouts: tuple = (meta.window or 0,)
+        sliding = meta.sliding
+        if self.sliding and sliding is not None:
+            layouts += (sliding.slot_mapping, sliding.decode_block_tables, sliding.decode_context_lens,
+                        sliding.decode_prefix_leaders, sliding.decode_prefix_lens, sliding.window or 0)
+        wake_fd = -1 if interjection is None else interjection.wake_fd
+        h, layer = self._decode(self._stack, *args, None, 0, wake_fd, *layouts)
         while layer < self.num_layers:
+            assert interjection is not None  # the loop stops early only when woken
             interjection.run()
-            h, layer = self._decode(self._stack, *args, h, layer, interjection.wake_fd)
+            h, layer = self._decode(self._stack, *args, h, layer, wake_fd, *layouts)
         return h
 
 

@@ -322,14 +322,12 @@ class DecoderForCausalLM(nn.Module):
 
     @property
     def plain_layers(self) -> bool:
-        """Every layer is one the native decode stack runs: Llama's (one RoPE, no window, no
-        sandwich norms, silu), with QK-norm where the family norms heads (Qwen3) and a mixture
-        of experts for its MLP where the family routes them (Qwen3-MoE, Qwen2-MoE, Mixtral);
-        no attention sinks or output bias (gpt-oss)."""
+        """Every layer is one the native decode stack runs: Llama's (one RoPE table, no sandwich
+        norms, silu) with, where the family has them, QK-norm (Qwen3), sliding windows (each
+        layer in its own layout), attention sinks and an output bias (gpt-oss), and a mixture of
+        experts for its MLP (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss)."""
         arch = self.config.arch
-        return (not arch.sandwich_norms and arch.activation == "silu"
-                and not self.config.layer_types and self.config.local_rope is None
-                and not arch.attention_sinks and not arch.output_bias)
+        return not arch.sandwich_norms and arch.activation == "silu" and self.config.local_rope is None
 
     def forward(
         self,
