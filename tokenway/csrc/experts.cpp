@@ -313,14 +313,33 @@ constexpr int offset_of(QType q) {
 struct ActKind {
   int block;  // 0: float activations
   int offset;
-  bool operator==(const ActKind& o) const { return block == o.block && offset == o.offset; }
+  bool interleaved;  // pairs of blocks as interleaved_position lays them
+  bool operator==(const ActKind& o) const {
+    return block == o.block && offset == o.offset && interleaved == o.interleaved;
+  }
 };
+
+// With AVX512 a vector holds two 32-weight blocks. The nibble types' 16 bytes a block decode
+// cheapest as [low nibbles of block 0 | of block 1 | high nibbles of block 0 | of block 1] (one
+// broadcast, one shift, one table lookup): their activations are laid out to match.
+constexpr bool interleaved(QType q) {
+#if defined(TOKENWAY_EXPERTS_512)
+  return q == QType::Q4_0 || q == QType::IQ4_NL || q == QType::MXFP4;
+#else
+  return q != q;  // AVX2 and plain: one block a vector, in order
+#endif
+}
+
+// Where element i (of 32) of the block starting at b0 goes in its pair of blocks.
+inline int64_t interleaved_position(int64_t b0, int i) {
+  return b0 / 64 * 64 + ((i / 16) * 2 + (b0 / 32) % 2) * 16 + i % 16;
+}
 
 ActKind act_kind(QType q) {
   const Layout L = layout_of(q);
-  if (L.is_float) return {0, 0};
-  if (L.super) return {256, 0};
-  return {32, offset_of(q)};
+  if (L.is_float) return {0, 0, false};
+  if (L.super) return {256, 0, false};
+  return {32, offset_of(q), interleaved(q)};
 }
 
 // x (n rows, ldx apart, of k floats) -> a, for matrices of kind `kind`. Rows in parallel.
@@ -355,11 +374,12 @@ void quantize_acts(const float* x, int64_t n, int64_t ldx, int64_t k, ActKind ki
           for (int i = 0; i < block; ++i) a.xf[t * kp + b0 + i] = dx * float(q[i]);
           continue;
         }
-        std::memcpy(a.xq.data() + t * kp + b0, q, block);
-        for (int i = 0; i < block; i += 4) {
+        for (int i = 0; i < block; i += 4) {  // 4 neighbours stay neighbours, interleaved or not
+          const int64_t at = t * kp + (kind.interleaved ? interleaved_position(b0, i) : b0 + i);
+          std::memcpy(a.xq.data() + at, q + i, 4);
           const int32_t sum4 = q[i] + q[i + 1] + q[i + 2] + q[i + 3];
-          a.dxe[(t * kp + b0 + i) / 4] = dx;
-          if (block == 32) a.init[(t * kp + b0 + i) / 4] = -kind.offset * sum4;
+          a.dxe[at / 4] = dx;
+          if (block == 32) a.init[at / 4] = -kind.offset * sum4;
         }
         if (block == 256)
           for (int h = 0; h < 16; ++h) {
@@ -541,7 +561,12 @@ inline FU super_lanes(const float* s, int unit) {
                                          _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0));
   return _mm512_permutexvar_ps(index, _mm512_loadu_ps(s));
 }
+template <QType Q>
 inline FU block_lanes(float d0, float d1) {
+  if constexpr (interleaved(Q)) {  // [d0 x 4, d1 x 4] twice
+    const __m256 pair = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(d0)), _mm_set1_ps(d1), 1);
+    return _mm512_broadcast_f32x8(pair);
+  }
   return _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
 }
 // Each 64-bit quarter of v shifted right by its own count: lanes 0-3 by lo, 4-7 by hi.
@@ -573,6 +598,17 @@ inline UV super_unit(const uint8_t* b, int unit) {
 }
 template <QType Q>
 inline UV block_unit(const uint8_t* b, bool second) {
+  if constexpr (interleaved(Q)) {
+    constexpr int kAt = Q == QType::MXFP4 ? 1 : 2;  // the nibbles' offset in a block
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kAt));
+    const __m128i q1 = second ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + layout_of(Q).bytes + kAt))
+                              : _mm_setzero_si128();
+    const UV v = _mm512_broadcast_i64x4(_mm256_set_m128i(q1, q0));  // [q0, q1, q0, q1]
+    const UV codes = _mm512_and_si512(shr64x2(v, 0, 4), _mm512_set1_epi8(0x0F));
+    if constexpr (Q == QType::Q4_0) return codes;
+    const __m256i table = Q == QType::MXFP4 ? table16<12>(kMXFP4Values) : table16<128>(kIQ4Values);
+    return _mm512_shuffle_epi8(_mm512_broadcast_i64x4(table), codes);
+  }
   return join(decode32<Q>(b, 0), second ? decode32<Q>(b + layout_of(Q).bytes, 0) : _mm256_setzero_si256());
 }
 constexpr int kBlocksAUnit = 2;
@@ -608,6 +644,7 @@ inline FU fcorrect(FU acc, const float* c, const float* bx) {
 inline FU super_lanes(const float* s, int unit) {  // sub-blocks 2u, 2u + 1
   return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(s + 2 * unit)), _mm_broadcast_ss(s + 2 * unit + 1), 1);
 }
+template <QType Q>
 inline FU block_lanes(float d0, float) { return _mm256_set1_ps(d0); }
 template <QType Q>
 inline UV super_unit(const uint8_t* b, int unit) { return decode32<Q>(b, unit); }
@@ -688,7 +725,7 @@ void tile_quant(const uint8_t* const* rows, const Acts& a, const int32_t* slots,
       for (int r = 0; r < NR; ++r) {
         const uint8_t* block = rows[r] + b * L.bytes;
         u[r] = block_unit<Q>(block, second);
-        f[r] = block_lanes(block_scale<Q>(block), kBlocksAUnit == 2 && second ? block_scale<Q>(block + L.bytes) : 0.0f);
+        f[r] = block_lanes<Q>(block_scale<Q>(block), kBlocksAUnit == 2 && second ? block_scale<Q>(block + L.bytes) : 0.0f);
       }
       const int64_t at = b * 32;
       for (int t = 0; t < TT; ++t) {
@@ -1086,6 +1123,31 @@ at::Tensor decode_rows(const at::Tensor& blocks, int64_t qtype, int64_t in_featu
   return out;
 }
 
+// A plain read of a buffer by the same threads and pool, every byte once (their sum, so nothing
+// is optimized away): the memory speed the benchmarks hold the kernels to.
+int64_t plain_read(const at::Tensor& buffer) {
+  TORCH_CHECK(buffer.device().is_cpu() && buffer.is_contiguous(), "buffer: contiguous on the CPU");
+  const uint8_t* data = static_cast<const uint8_t*>(buffer.data_ptr());
+  const int64_t words = buffer.nbytes() / 8;
+  constexpr int64_t kWords = 32 * 1024;  // 256 KiB a work item
+  const int64_t items = (words + kWords - 1) / kWords;
+  std::vector<uint64_t> sums(items);
+  auto run = [&](int64_t item) {
+    const int64_t first = item * kWords, last = std::min(words, first + kWords);
+    uint64_t total = 0;
+    for (int64_t i = first; i < last; ++i) {
+      uint64_t word;
+      std::memcpy(&word, data + 8 * i, 8);
+      total += word;
+    }
+    sums[item] = total;
+  };
+  pool().run(items, at::get_num_threads(), run);
+  uint64_t total = 0;
+  for (const uint64_t sum : sums) total += sum;
+  return int64_t(total);
+}
+
 bool reads(int64_t qtype) { return known_qtype(qtype); }
 std::string isa() { return kIsa; }
 bool fast() { return kVector; }
@@ -1103,6 +1165,7 @@ TOKENWAY_DEFINE_LIBRARY(TOKENWAY_LIBRARY, m) {
   m.def("raw_linear_out(Tensor x, Tensor weight, int qtype, Tensor? bias, Tensor(a!) out) -> ()", &raw_linear_out);
   m.def("decode_rows(Tensor weight, int qtype, int in_features, Tensor ids) -> Tensor", &decode_rows);
   m.def("reads(int qtype) -> bool", &reads);
+  m.def("plain_read(Tensor buffer) -> int", &plain_read);
   m.def("isa() -> str", &isa);
   m.def("fast() -> bool", &fast);
 }
