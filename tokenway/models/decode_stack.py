@@ -77,7 +77,7 @@ class DecodeStack:
             if isinstance(mlp, SparseMoe):
                 tensors += _mixture_tensors(mlp, empty)
                 ints += [1, *_mixture_ints(mlp)]
-                floats += [mlp.spec.alpha, mlp.spec.limit]
+                floats += _mixture_floats(mlp)
             else:
                 ints.append(0)
             for parts in layer_matmuls[2:]:
@@ -174,7 +174,9 @@ def _native_experts(mlp: SparseMoe) -> bool:
     from tokenway.models.expert_kernels import NativeExpertKernel
 
     kernel = mlp.kernel
-    return (isinstance(kernel, NativeExpertKernel) and kernel._ops is native.load("experts")
+    # The kernel's own op and activation id (private to it: a kernel without them is not run here).
+    return (isinstance(kernel, NativeExpertKernel) and getattr(kernel, "_ops", None) is native.load("experts")
+            and isinstance(getattr(kernel, "_activation", None), int)
             and mlp.router_weight.dtype == torch.float32
             and (mlp.shared_gate_weight is None or mlp.shared_gate_weight.dtype == torch.float32))
 
@@ -203,3 +205,12 @@ def _mixture_ints(mlp: SparseMoe) -> list[int]:
     return [int(mlp.routing == "topk_softmax"), int(bool(mlp.normalize)), mlp.top_k, num_experts, inter,
             NATIVE_QTYPE_IDS[kernel.gate.qtype], NATIVE_QTYPE_IDS[kernel.up.qtype],
             NATIVE_QTYPE_IDS[kernel.down.qtype], kernel._activation]
+
+
+def _mixture_floats(mlp: SparseMoe) -> list[float]:
+    """The experts' alpha and limit (swiglu_oai), as NativeExpertKernel passes them."""
+    from tokenway.models.expert_kernels import NativeExpertKernel
+
+    kernel = mlp.kernel
+    assert isinstance(kernel, NativeExpertKernel)
+    return [kernel.spec.alpha, kernel.spec.limit]
