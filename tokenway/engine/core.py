@@ -129,6 +129,8 @@ class EngineCore:
         quantized |= model.use_experts(expert_weights(model_dir))
         model.load_weights(iter_weights(model_dir, skip=quantized))
         self.model = model.to(self.device).eval()
+        if self.device.type != "cpu":
+            model.place_experts(self.device)
         fused = model.use_fused_kernels()
         backends = select_kernels(model.linear_kernels(), config.linear_kernels)
         packed = sum(backend == "onednn" for backend in backends.values())

@@ -653,6 +653,12 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(layer.mlp, SparseMoe):
                 layer.mlp.finish()
 
+    def place_experts(self, torch_device: torch.device) -> None:
+        """After the model moved to torch_device (a GPU): the experts' kernels with their blocks there."""
+        for layer in self.decoder_layers:
+            if isinstance(layer.mlp, SparseMoe):
+                layer.mlp.finish(torch_device)
+
     def _family_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """A checkpoint's layer tensors under the decoder's names and layouts, where the family
         spells them its own way (arch.hf_renames, arch.hf_split)."""

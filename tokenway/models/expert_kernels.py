@@ -205,4 +205,8 @@ def build(gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, spec: Exp
         w.blocks.device.type == "cpu" for w in (gate, up, down))
     if on_cpu and all(supports(w.qtype, w.shape[2]) for w in (gate, up, down)) and native.load("experts") is not None:
         return NativeExpertKernel(gate, up, down, spec, gate_bias, up_bias, down_bias)
+    if torch_device is not None:  # the blocks as stored, on the device (a GPU): decoded there per call
+        gate, up, down = (ExpertWeights(w.qtype, w.blocks.to(torch_device), w.shape) for w in (gate, up, down))
+        gate_bias, up_bias, down_bias = (None if b is None else b.to(torch_device)
+                                         for b in (gate_bias, up_bias, down_bias))
     return TorchExpertKernel(gate, up, down, spec, gate_bias, up_bias, down_bias)
