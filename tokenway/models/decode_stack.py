@@ -174,9 +174,9 @@ def _native_experts(mlp: SparseMoe) -> bool:
     from tokenway.models.expert_kernels import NativeExpertKernel
 
     kernel = mlp.kernel
-    # The kernel's own op and activation id (private to it: a kernel without them is not run here).
-    return (isinstance(kernel, NativeExpertKernel) and getattr(kernel, "_ops", None) is native.load("experts")
-            and isinstance(getattr(kernel, "_activation", None), int)
+    # The op the kernel calls is the one the stack looks up: the same library, the same activation id.
+    return (isinstance(kernel, NativeExpertKernel) and kernel.ops is native.load("experts")
+            and isinstance(kernel.activation_id, int)
             and mlp.router_weight.dtype == torch.float32
             and (mlp.shared_gate_weight is None or mlp.shared_gate_weight.dtype == torch.float32))
 
@@ -204,7 +204,7 @@ def _mixture_ints(mlp: SparseMoe) -> list[int]:
     num_experts, inter, _ = kernel.gate.shape
     return [int(mlp.routing == "topk_softmax"), int(bool(mlp.normalize)), mlp.top_k, num_experts, inter,
             NATIVE_QTYPE_IDS[kernel.gate.qtype], NATIVE_QTYPE_IDS[kernel.up.qtype],
-            NATIVE_QTYPE_IDS[kernel.down.qtype], kernel._activation]
+            NATIVE_QTYPE_IDS[kernel.down.qtype], kernel.activation_id]
 
 
 def _mixture_floats(mlp: SparseMoe) -> list[float]:

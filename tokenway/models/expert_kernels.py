@@ -144,7 +144,7 @@ class NativeExpertKernel:
     cores. The same call as TorchExpertKernel; CPU tensors only.
     isa: a build for another instruction set (native.ISA_FLAGS; tests and benchmarks)."""
 
-    __slots__ = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias", "spec", "_ops", "_activation")
+    __slots__ = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias", "spec", "ops", "activation_id")
 
     def __init__(self, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, spec: ExpertSpec,
                  gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
@@ -163,16 +163,16 @@ class NativeExpertKernel:
                                          for w in (gate, up, down))
         self.gate_bias, self.up_bias, self.down_bias = gate_bias, up_bias, down_bias  # (E, rows) or None
         self.spec = spec
-        self._ops = ops
-        self._activation = _ACTIVATION_IDS[spec.activation]
+        self.ops = ops  # the experts library this kernel calls (the decode stack calls the same op)
+        self.activation_id = _ACTIVATION_IDS[spec.activation]  # the op's activation argument
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         num_experts, inter, _ = self.gate.shape
-        return self._ops.experts_forward(
+        return self.ops.experts_forward(
             x, topk_ids, topk_weights,
             self.gate.blocks, NATIVE_QTYPE_IDS[self.gate.qtype], self.up.blocks, NATIVE_QTYPE_IDS[self.up.qtype],
             self.down.blocks, NATIVE_QTYPE_IDS[self.down.qtype], num_experts, inter,
-            self.gate_bias, self.up_bias, self.down_bias, self._activation, self.spec.alpha, self.spec.limit)
+            self.gate_bias, self.up_bias, self.down_bias, self.activation_id, self.spec.alpha, self.spec.limit)
 
 
 ExpertKernel = TorchExpertKernel | NativeExpertKernel
