@@ -223,6 +223,15 @@ def test_experts_are_what_the_torch_kernel_computes(case, tokens, isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("case", ["gptoss-mxfp4", "q8-q4", "iq4"])
+def test_many_tokens_meet_decoded_rows(case, isa):
+    """200 tokens: every expert chosen has >= 64 (expert 1 all 200), so the 32-weight types' rows
+    are decoded to float32 (csrc/experts.cpp decoded_rows_times_tokens) rather than met as int8
+    tiles: the same answers, to the same tolerances."""
+    test_experts_are_what_the_torch_kernel_computes(case, 200, isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", ["F32", "BF16", "F16"])
 def test_float_experts_are_the_torch_kernels_exactly(qtype, isa):
     """Float experts meet float32 activations: the same sums as torch's up to float32 rounding,

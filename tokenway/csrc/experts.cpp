@@ -26,6 +26,10 @@
 // maddubs's int16 pairs saturate past 32767: codes above 128 (Q8_0, IQ4's) stay signed there and
 // meet x through the sign trick (|q| . sign(x, q)) with no offset.
 //
+// An expert (or dense matmul) of a 32-weight type with many tokens (kDecodedMinTokens) has its rows
+// decoded to float32 once and met by a float kernel on the same int8-rounded activations instead
+// (decoded_rows_times_tokens).
+//
 // Paths (compile time, as native.py's isa builds choose): AVX512 with VNNI (64 weights a vector),
 // AVX2 (32, VNNI where present), and plain C++ (float products of decoded rows: the reference
 // the tests hold the others to).
@@ -858,10 +862,193 @@ void rows_times_tokens(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t 
   }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Many tokens against one matrix (an expert chosen by many of a prompt chunk's tokens, a dense
+// matmul over a chunk): each row is decoded once to float32 (in the layout of a.xq, zeros past
+// k) and meets the tokens' dx qx (a.xf, the same int8-rounded activations as the int8 path, so
+// the same answer up to float32 sums) in a register-blocked FMA kernel: NR rows x TT tokens of
+// accumulators, one load per row and per token for NR x TT multiply-adds of W lanes, the rows'
+// decode spread over the tokens. Columns go in slices (kSlice) so that the rows' slice and a
+// token tile's stay in L1.
+
+// Tokens a matrix (an expert's) needs for its rows to be decoded rather than met block by block,
+// and only the 32-weight types: their int8 tiles spend a convert, two scale products and three
+// loads on each 64 products (a scale per block and token), the decoded rows one load and a
+// W-lane FMA per 16 products; the super-block types' int8 tiles (one convert and FMA a unit) measure faster
+// than decoded rows at every token count (bench/expert_kernel_bench.py: Qwen3-30B-A3B's Q4_K,
+// Q6_K at T = 128, 512), so they keep them.
+constexpr int64_t kDecodedMinTokens = 16;
+// Rows decoded at once: 16 x kp floats (180 KiB at k = 2880) stay in L2 while all tokens pass.
+constexpr int64_t kDecodedRows = 16;
+
+bool decoded_path(QType q, int64_t tokens) {
+  const Layout L = layout_of(q);
+  return tokens >= kDecodedMinTokens && !L.is_float && !L.super;
+}
+
+// a.xf for the vector builds (the plain one has it already): dx qx in a.xq's layout, (n, kp).
+void float_acts(Acts& a) {
+  if (!kVector || !a.xf.empty() || a.kp == 0) return;
+  const int64_t kp = a.kp, n = int64_t(a.xq.size()) / kp;
+  a.xf.resize(n * kp);
+  tokenway_native::parallel_for(0, n, std::max<int64_t>(1, (int64_t(1) << 16) / kp), [&](int64_t first, int64_t last) {
+    for (int64_t i = first * kp; i < last * kp; ++i) a.xf[i] = a.dxe[i / 4] * float(a.xq[i]);
+  });
+}
+
+#if defined(TOKENWAY_EXPERTS_VECTOR)
+inline void ustore(uint8_t* p, UV v) {
+#if defined(TOKENWAY_EXPERTS_512)
+  _mm512_storeu_si512(p, v);
+#else
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
+#endif
+}
+
+// out[0..16) = s u - c for the 16 codes at p (unsigned, or signed with Signed).
+template <bool Signed>
+inline void affine16(const uint8_t* p, float s, float c, float* out) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+#if defined(TOKENWAY_EXPERTS_512)
+  const __m512 u = _mm512_cvtepi32_ps(Signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+  _mm512_storeu_ps(out, _mm512_fmsub_ps(u, _mm512_set1_ps(s), _mm512_set1_ps(c)));
+#else
+  const __m128i high = _mm_srli_si128(v, 8);
+  const __m256 lo = _mm256_cvtepi32_ps(Signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+  const __m256 hi = _mm256_cvtepi32_ps(Signed ? _mm256_cvtepi8_epi32(high) : _mm256_cvtepu8_epi32(high));
+  _mm256_storeu_ps(out, _mm256_fmsub_ps(lo, _mm256_set1_ps(s), _mm256_set1_ps(c)));
+  _mm256_storeu_ps(out + 8, _mm256_fmsub_ps(hi, _mm256_set1_ps(s), _mm256_set1_ps(c)));
+#endif
+}
+#endif
+
+// One row -> kp floats in a.xq's layout: the weights the int8 path's codes, scales and offsets
+// stand for (w = s (u - offset) - m), zeros past k.
+template <QType Q>
+void decode_for_dot(const uint8_t* row, int64_t k, int64_t kp, float* out) {
+  constexpr Layout L = layout_of(Q);
+#if defined(TOKENWAY_EXPERTS_VECTOR)
+  constexpr bool kSigned = signed_codes(Q);
+  alignas(64) uint8_t codes[kUnit];
+  std::fill(out + k, out + kp, 0.0f);
+  if constexpr (L.super) {
+    for (int64_t sb = 0; sb < k / 256; ++sb) {
+      const uint8_t* b = row + sb * L.bytes;
+      alignas(64) float s[16], c[16];
+      super_scales<Q>(b, s, c);
+      for (int unit = 0; unit < 256 / kUnit; ++unit) {
+        ustore(codes, super_unit<Q>(b, unit));
+        for (int g = 0; g < kUnit / 16; ++g) {
+          const int h = unit * (kUnit / 16) + g;
+          affine16<kSigned>(codes + 16 * g, s[h], c[h], out + sb * 256 + 16 * h);
+        }
+      }
+    }
+  } else {
+    constexpr float off = float(offset_of(Q));
+    const int64_t blocks = k / 32;
+    for (int64_t b = 0; b < blocks; b += kBlocksAUnit) {
+      const uint8_t* block = row + b * L.bytes;
+      const bool second = b + 1 < blocks;
+      ustore(codes, block_unit<Q>(block, second));
+      const float d[2] = {block_scale<Q>(block), kBlocksAUnit == 2 && second ? block_scale<Q>(block + L.bytes) : 0.0f};
+      for (int g = 0; g < kUnit / 16; ++g) {
+        // AVX512's pair of blocks: [lo 0, lo 1, hi 0, hi 1] interleaved, else [block 0, block 1].
+        const int which = kBlocksAUnit == 1 ? 0 : interleaved(Q) ? g % 2 : g / 2;
+        affine16<kSigned>(codes + 16 * g, d[which], d[which] * off, out + b * 32 + 16 * g);
+      }
+    }
+  }
+#else
+  decode_row<Q>(row, k, out);
+  std::fill(out + k, out + kp, 0.0f);
+#endif
+}
+
+#if defined(TOKENWAY_EXPERTS_512)
+constexpr int kFloatRows = 4, kFloatTokens = 6;  // 24 accumulators of 32 registers
+#elif defined(TOKENWAY_EXPERTS_VECTOR)
+constexpr int kFloatRows = 4, kFloatTokens = 3;  // 12 of 16
+#else
+constexpr int kFloatRows = 2, kFloatTokens = 4;
+#endif
+
+// Columns of the decoded rows a pass takes: kDecodedRows x kSlice floats (16 KiB) and a token
+// tile's kSlice floats of x stay in L1 while every token tile passes the rows.
+constexpr int64_t kSlice = 256;
+
+// acc[r][t] += rows w[r] . tokens x[t] over len floats (a multiple of W), partial sums in part
+// (vectors: summed once, after the last slice).
+template <int NR, int TT>
+inline void float_tile(const float* const* w, const float* const* x, int64_t len, Vec* part, int64_t ldp) {
+  Vec acc[NR][TT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = part[t * ldp + r];
+  for (int64_t i = 0; i < len; i += W) {
+    Vec wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = vload(w[r] + i);
+    for (int t = 0; t < TT; ++t) {
+      const Vec xv = vload(x[t] + i);
+      for (int r = 0; r < NR; ++r) acc[r][t] = vfma(wv[r], xv, acc[r][t]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < TT; ++t) part[t * ldp + r] = acc[r][t];
+}
+
+// Columns [s0, s0 + len) of `rows` decoded rows (a multiple of kFloatRows) against TT tokens.
+template <int TT>
+inline void float_rows_tile(const float* decoded, int64_t rows, int64_t kp, int64_t s0, int64_t len, const float* xf,
+                            const int32_t* slots, Vec* part, int64_t ldp) {
+  constexpr int NR = kFloatRows;
+  const float* x[TT];
+  for (int t = 0; t < TT; ++t) x[t] = xf + int64_t(slots[t]) * kp + s0;
+  for (int64_t r = 0; r < rows; r += NR) {
+    const float* w[NR];
+    for (int i = 0; i < NR; ++i) w[i] = decoded + (r + i) * kp + s0;
+    float_tile<NR, TT>(w, x, len, part + r, ldp);
+  }
+}
+
+// Rows [r0, r1) of one matrix times n tokens (rows slots[i] of a, a.xf filled: float_acts):
+// y[i * ldy + r - r0], as matmul_rows.
+template <QType Q>
+void decoded_rows_times_tokens(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts& a,
+                               const int32_t* slots, int64_t n, float* y, int64_t ldy) {
+  const int64_t k = a.k, kp = a.kp;
+  constexpr int64_t kRows = (kDecodedRows + kFloatRows - 1) / kFloatRows * kFloatRows;
+  static thread_local std::vector<float> decoded;
+  static thread_local std::vector<Vec> part;  // (n, kRows) partial sums
+  decoded.assign(kRows * kp, 0.0f);
+  part.resize(n * kRows);
+  for (int64_t c0 = r0; c0 < r1; c0 += kRows) {
+    const int64_t rows = std::min(r1 - c0, kRows), padded = (rows + kFloatRows - 1) / kFloatRows * kFloatRows;
+    for (int64_t r = 0; r < rows; ++r) decode_for_dot<Q>(w + (c0 + r) * row_bytes, k, kp, decoded.data() + r * kp);
+    std::fill(part.begin(), part.end(), vzero());
+    for (int64_t s0 = 0; s0 < kp; s0 += kSlice) {
+      const int64_t len = std::min(kSlice, kp - s0);
+      int64_t i = 0;
+      for (; i + kFloatTokens <= n; i += kFloatTokens)
+        float_rows_tile<kFloatTokens>(decoded.data(), padded, kp, s0, len, a.xf.data(), slots + i,
+                                      part.data() + i * kRows, kRows);
+      for (; i < n; ++i)
+        float_rows_tile<1>(decoded.data(), padded, kp, s0, len, a.xf.data(), slots + i, part.data() + i * kRows, kRows);
+    }
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t r = 0; r < rows; ++r) y[i * ldy + c0 - r0 + r] = vsum(part[i * kRows + r]);
+  }
+}
+
+// The decoded path where n is large enough (decoded_path) and a.xf is filled (float_acts), else
+// the int8 (or float) tiles.
 void matmul_rows(QType q, const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts& a,
                  const int32_t* slots, int64_t n, float* y, int64_t ldy) {
   with_qtype(q, [&](auto qt) {
     constexpr QType Q = decltype(qt)::value;
+    if constexpr (!layout_of(Q).is_float) {
+      if (decoded_path(Q, n) && !a.xf.empty()) return decoded_rows_times_tokens<Q>(w, row_bytes, r0, r1, a, slots, n, y, ldy);
+    }
     rows_times_tokens<Q>(w, row_bytes, r0, r1, a, slots, n, y, ldy);
   });
 }
@@ -998,6 +1185,10 @@ at::Tensor experts_forward(const at::Tensor& x_in, const at::Tensor& topk_ids_in
   const bool shared = act_kind(up.qtype) == act_kind(gate.qtype);
   if (!shared) quantize_acts(x.data_ptr<float>(), tokens, hidden, hidden, act_kind(up.qtype), xu);
   const Acts& x_up = shared ? xg : xu;
+  int64_t most = 0;  // the most tokens an expert has: whether any takes the decoded path
+  for (const int64_t e : active) most = std::max(most, start[e + 1] - start[e]);
+  if (decoded_path(gate.qtype, most)) float_acts(xg);
+  if (!shared && decoded_path(up.qtype, most)) float_acts(xu);
 
   // gate and up, the activation: h (pairs, inter) in sorted pair order.
   std::vector<float> h(pairs * inter);
@@ -1031,6 +1222,7 @@ at::Tensor experts_forward(const at::Tensor& x_in, const at::Tensor& topk_ids_in
 
   Acts hq;
   quantize_acts(h.data(), pairs, inter, inter, act_kind(down.qtype), hq);
+  if (decoded_path(down.qtype, most)) float_acts(hq);
 
   // down: y (pairs, hidden), bias added.
   std::vector<float> y(pairs * hidden);
@@ -1082,6 +1274,7 @@ void raw_linear_out(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qt
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   Acts a;
   quantize_acts(x.data_ptr<float>(), tokens, in_features, in_features, act_kind(w.qtype), a);
+  if (decoded_path(w.qtype, tokens)) float_acts(a);
   std::vector<int32_t> slots(tokens);
   for (int64_t t = 0; t < tokens; ++t) slots[t] = int32_t(t);
   const int threads = at::get_num_threads();
