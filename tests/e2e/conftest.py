@@ -98,3 +98,15 @@ def server(default_model_dir):
     server = Server()
     yield server
     assert server.stop() == 0, server.read_log()[-3000:]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def native_kernels_built(model_cache_dir) -> None:
+    """Every native extension built into this run's cache before any server starts: a server that
+    builds one itself (the experts kernel, first met by the first MoE model's server) can spend
+    the minutes of a cold 2-core build inside its readiness deadline. Builds are under a file
+    lock, so pytest-xdist's workers build each once."""
+    from tokenway import native
+
+    for source in sorted(native.SOURCE_DIR.glob("*.cpp")):
+        native.load(source.stem)
