@@ -1,0 +1,58 @@
+"""One stream and pp512, llama.cpp's llama-bench beside tokenway's engine on the same GGUF,
+alternated round by round (a shared machine drifts; compare within a round).
+
+    python bench/moe_ab.py FILE.gguf [ROUNDS]
+
+tokenway: LLM, one 16-token prompt, then 33 tokens greedy with ignore_eos (its prefill
+counted in: slightly pessimistic), and a fresh 512-token prompt to one token. llama.cpp:
+llama-bench -t 2 -p 512 -n 32 --repack 0 (its AMX repack dies of SIGILL on VMs that list AMX
+without its tile state). The random-weight files come from bench/random_moe_gguf.py."""
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tokenway.engine.llm import LLM
+from tokenway.protocol.sampling import SamplingParams
+
+path = sys.argv[1]
+rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "tokenway-peers"))
+LB = str(PEERS_DIR / "bin" / "llama-bench")
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def tokenway_round(llm: LLM, rng: random.Random) -> tuple[float, float]:
+    prompt = [rng.randrange(1000, 40000) for _ in range(16)]
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4, **GREEDY))  # warm
+    started = time.time()
+    llm.generate([{"prompt_token_ids": prompt[::-1]}], SamplingParams(max_tokens=33, **GREEDY))
+    decode = 32 / (time.time() - started)  # one 16-token prefill + 33 steps
+    prompt = [rng.randrange(1000, 40000) for _ in range(512)]
+    started = time.time()
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, **GREEDY))
+    return decode, 512 / (time.time() - started)
+
+
+def llama_cpp_round() -> tuple[float, float]:
+    cmd = [LB, "-m", path, "-t", "2", "-p", "512", "-n", "32", "-r", "1", "--repack", "0", "-o", "json"]
+    rows = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    prefill = next(r["avg_ts"] for r in rows if r["n_prompt"] == 512)
+    decode = next(r["avg_ts"] for r in rows if r["n_gen"] == 32)
+    return decode, prefill
+
+
+def main() -> None:
+    llm = LLM(path, kv_cache_memory=512 * 2**20, max_model_len=2048, show_progress=False)
+    rng = random.Random(0)
+    for index in range(rounds):
+        ours, theirs = tokenway_round(llm, rng), llama_cpp_round()
+        print(f"round {index}: tokenway tg {ours[0]:.2f} pp512 {ours[1]:.1f} | llama.cpp tg {theirs[0]:.2f} "
+              f"pp512 {theirs[1]:.1f} | load {os.getloadavg()[0]:.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
