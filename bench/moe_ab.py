@@ -5,8 +5,10 @@ alternated round by round (a shared machine drifts; compare within a round).
 
 tokenway: LLM, one 16-token prompt, then 33 tokens greedy with ignore_eos (its prefill
 counted in: slightly pessimistic), and a fresh 512-token prompt to one token. llama.cpp:
-llama-bench -t 2 -p 512 -n 32 --repack 0 (its AMX repack dies of SIGILL on VMs that list AMX
-without its tile state). The random-weight files come from bench/random_moe_gguf.py."""
+llama-bench -t 2 -p 512 -n 32 with its weight repacking on (its default and its fastest), except
+where the CPU lists AMX: there its AMX repack dies of SIGILL on VMs without the tile state, so
+--repack 0. LLAMA_REPACK=0|1 overrides. The random-weight files come from
+bench/random_moe_gguf.py."""
 import json
 import os
 import random
@@ -25,6 +27,14 @@ LB = str(PEERS_DIR / "bin" / "llama-bench")
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
+def default_repack() -> str:
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    return "0" if "amx_tile" in flags.split() else "1"
+
+
+REPACK = os.environ.get("LLAMA_REPACK") or default_repack()
+
+
 def tokenway_round(llm: LLM, rng: random.Random) -> tuple[float, float]:
     prompt = [rng.randrange(1000, 40000) for _ in range(16)]
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4, **GREEDY))  # warm
@@ -38,7 +48,7 @@ def tokenway_round(llm: LLM, rng: random.Random) -> tuple[float, float]:
 
 
 def llama_cpp_round() -> tuple[float, float]:
-    cmd = [LB, "-m", path, "-t", "2", "-p", "512", "-n", "32", "-r", "1", "--repack", "0", "-o", "json"]
+    cmd = [LB, "-m", path, "-t", "2", "-p", "512", "-n", "32", "-r", "1", "--repack", REPACK, "-o", "json"]
     rows = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     prefill = next(r["avg_ts"] for r in rows if r["n_prompt"] == 512)
     decode = next(r["avg_ts"] for r in rows if r["n_gen"] == 32)
@@ -48,6 +58,7 @@ def llama_cpp_round() -> tuple[float, float]:
 def main() -> None:
     llm = LLM(path, kv_cache_memory=512 * 2**20, max_model_len=2048, show_progress=False)
     rng = random.Random(0)
+    print(f"llama-bench --repack {REPACK}", flush=True)
     for index in range(rounds):
         ours, theirs = tokenway_round(llm, rng), llama_cpp_round()
         print(f"round {index}: tokenway tg {ours[0]:.2f} pp512 {ours[1]:.1f} | llama.cpp tg {theirs[0]:.2f} "

@@ -51,6 +51,7 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "pool.h"
@@ -267,6 +268,7 @@ struct Acts {
   std::vector<float> dxe;       // (n, kp / 4) the scale dx of each 4 codes' block
   std::vector<int32_t> init;    // (n, kp / 4) -offset x the sum of each 4 codes (32-weight types)
   std::vector<float> bx;        // (n, kp / 16) dx x the sum of each 16 codes (super-block types)
+  std::vector<int16_t> bsum;    // (n, kp / 16) the sum of each 16 codes (super-block types)
   std::vector<float> xf;        // (n, kp) float: float weights' x, or the plain path's dx qx
 };
 
@@ -357,7 +359,10 @@ void quantize_acts(const float* x, int64_t n, int64_t ldx, int64_t k, ActKind ki
     a.xq.assign(n * kp, 0);
     a.dxe.assign(n * kp / 4, 0.0f);
     if (kind.block == 32) a.init.assign(n * kp / 4, 0);
-    else a.bx.assign(n * kp / 16, 0.0f);
+    else {
+      a.bx.assign(n * kp / 16, 0.0f);
+      a.bsum.assign(n * kp / 16, 0);
+    }
   }
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(k, 1));
   tokenway_native::parallel_for(0, n, grain, [&](int64_t first, int64_t last) {
@@ -390,6 +395,7 @@ void quantize_acts(const float* x, int64_t n, int64_t ldx, int64_t k, ActKind ki
             int32_t sum = 0;
             for (int i = 0; i < 16; ++i) sum += q[16 * h + i];
             a.bx[(t * kp + b0) / 16 + h] = dx * float(sum);
+            a.bsum[(t * kp + b0) / 16 + h] = int16_t(sum);  // |sum| <= 16 x 127
           }
       }
     }
@@ -484,9 +490,17 @@ inline void scaled16(__m128i v, float d, float* out) {
 #endif
 }
 
-// A super-block's per-16 scales s and corrections c = offset s + m (w = s (u - offset) - m).
+// A super-block's 16 scales and 16 corrections as signed bytes, one each per 16 weights, with their
+// multipliers: s = d sb, c = dm mb, where c = offset s + m (w = s (u - offset) - m). Every
+// K-quant scale and min fits a signed byte (Q4_K's 6 bits, Q6_K's int8, Q3_K's and IQ4_XS's
+// signed 6 bits); the types with no mins carry c as their scales times d offset.
+struct SuperBytes {
+  __m128i s, m;
+  float d, dm;
+};
+
 template <QType Q>
-inline void super_scales(const uint8_t* b, float* s, float* c) {
+inline SuperBytes super_bytes(const uint8_t* b) {
   constexpr float off = float(offset_of(Q));
   if constexpr (Q == QType::Q4_K || Q == QType::Q5_K) {
     const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
@@ -502,34 +516,38 @@ inline void super_scales(const uint8_t* b, float* s, float* c) {
     w[0] &= kLow6;
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
     const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // a byte per 16 weights
-    scaled16<false>(_mm_shuffle_epi8(packed, twice), d, s);
-    scaled16<false>(_mm_shuffle_epi8(packed, _mm_add_epi8(twice, _mm_set1_epi8(8))), dmin, c);
+    return {_mm_shuffle_epi8(packed, twice), _mm_shuffle_epi8(packed, _mm_add_epi8(twice, _mm_set1_epi8(8))), d, dmin};
   } else if constexpr (Q == QType::Q6_K) {
     const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 208));
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
-    scaled16<true>(sc, d, s);
-    scaled16<true>(sc, d * off, c);
+    return {sc, sc, d, d * off};
   } else if constexpr (Q == QType::Q2_K) {
     const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 80));
     const float dmin = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 82));
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-    scaled16<false>(_mm_and_si128(v, _mm_set1_epi8(0x0F)), d, s);
-    scaled16<false>(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)), dmin, c);
+    return {_mm_and_si128(v, _mm_set1_epi8(0x0F)), _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)), d, dmin};
   } else if constexpr (Q == QType::Q3_K) {
     const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 108));
     alignas(16) int8_t sc[16];
     for (int h = 0; h < 16; ++h) sc[h] = int8_t(q3k_scale(b + 96, h));
     const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(sc));
-    scaled16<true>(v, d, s);
-    scaled16<true>(v, d * off, c);
-  } else if constexpr (Q == QType::IQ4_XS) {
+    return {v, v, d, d * off};
+  } else {
+    static_assert(Q == QType::IQ4_XS, "a super-block type");
     const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
     alignas(16) int8_t sc[16];
     for (int i = 0; i < 8; ++i) sc[2 * i] = sc[2 * i + 1] = int8_t(iq4xs_scale(b, i));
     const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(sc));
-    scaled16<true>(v, d, s);
-    scaled16<true>(v, d * off, c);
+    return {v, v, d, d * off};
   }
+}
+
+// The same as floats: s and c per 16 weights.
+template <QType Q>
+inline void super_scales(const uint8_t* b, float* s, float* c) {
+  const SuperBytes q = super_bytes<Q>(b);
+  scaled16<true>(q.s, q.d, s);
+  scaled16<true>(q.m, q.dm, c);
 }
 
 template <QType Q>
@@ -663,6 +681,39 @@ inline UV dot(UV acc, UV u, UV x) {
   else return udot(acc, u, x);
 }
 
+#if !defined(TOKENWAY_EXPERTS_512)
+// Without VNNI a unit's products are int16 pairs (maddubs) first anyway: the second step, madd,
+// can take the sub-blocks' integer scales instead of ones, so that a super-block's int32 sums
+// carry its scales and meet d dx once (llama.cpp's AVX2 K-quant dots), not a convert and an FMA
+// a unit. Codes below 64 or signed (the sign trick), scales a signed byte: a lane's sum over a
+// super-block stays under 8 x 4 x 127 x 127 x 128 < 2^31.
+constexpr bool kIntScales = !kVnni;
+
+// Unit u's (sub-blocks 2u, 2u + 1) scales as int16 lanes, 8 each, from a super-block's 16 scale
+// bytes: one byte shuffle and a widening (the bytes stay one register a row).
+template <int U>
+inline __m256i unit_scales(__m128i bytes) {
+  const __m128i pick = _mm_setr_epi8(2 * U, 2 * U, 2 * U, 2 * U, 2 * U, 2 * U, 2 * U, 2 * U, 2 * U + 1, 2 * U + 1,
+                                     2 * U + 1, 2 * U + 1, 2 * U + 1, 2 * U + 1, 2 * U + 1, 2 * U + 1);
+  return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(bytes, pick));
+}
+
+template <int... U, typename Fn>
+inline void for_units(std::integer_sequence<int, U...>, Fn&& fn) {
+  (fn(std::integral_constant<int, U>{}), ...);
+}
+
+// acc + the unit's products, scaled: madd(maddubs(u, x), scales).
+template <QType Q>
+inline UV scaled_dot(UV acc, UV u, UV x, UV scales) {
+  const UV pairs = signed_codes(Q) ? _mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(x, u))
+                                   : _mm256_maddubs_epi16(u, x);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scales));
+}
+#else
+constexpr bool kIntScales = false;
+#endif
+
 // NR rows (pointers to their blocks) times TT tokens (rows of a): res[r][t].
 // The cache lines of [p, p + bytes) into L1, ahead of their use (a prefetch never faults: the
 // address may lie past the weight's end).
@@ -685,6 +736,48 @@ void tile_quant(const uint8_t* const* rows, const Acts& a, const int32_t* slots,
     xq[t] = a.xq.data() + int64_t(slots[t]) * kp;
     dxe[t] = a.dxe.data() + int64_t(slots[t]) * kp / 4;
   }
+#if !defined(TOKENWAY_EXPERTS_512)
+  if constexpr (L.super && kIntScales) {
+    // Each super-block: the units' int32 sums carry the rows' integer scales, the corrections
+    // (mins, or the offset's scales) meet the activations' integer sums per 16 in one madd, and
+    // the floats d dx and dm dx enter once.
+    const int16_t* bsum[TT];
+    for (int t = 0; t < TT; ++t) bsum[t] = a.bsum.data() + int64_t(slots[t]) * kp / 16;
+    for (int64_t sb = 0; sb < k / 256; ++sb) {
+      if (ahead)
+        for (int r = 0; r < NR; ++r) prefetch(rows[r] + ahead + sb * L.bytes, L.bytes);
+      const uint8_t* b[NR];
+      SuperBytes q[NR];
+      for (int r = 0; r < NR; ++r) {
+        b[r] = rows[r] + sb * L.bytes;
+        q[r] = super_bytes<Q>(b[r]);
+      }
+      UV sums[NR][TT];
+      for (int r = 0; r < NR; ++r)
+        for (int t = 0; t < TT; ++t) sums[r][t] = uzero();
+      for_units(std::make_integer_sequence<int, 8>{}, [&](auto U) {
+        UV u[NR], sc[NR];
+        for (int r = 0; r < NR; ++r) {
+          u[r] = super_unit<Q>(b[r], U);
+          sc[r] = unit_scales<U>(q[r].s);
+        }
+        const int64_t at = sb * 256 + U * kUnit;
+        for (int t = 0; t < TT; ++t) {
+          const UV x = uload(xq[t] + at);
+          for (int r = 0; r < NR; ++r) sums[r][t] = scaled_dot<Q>(sums[r][t], u[r], x, sc[r]);
+        }
+      });
+      for (int t = 0; t < TT; ++t) {
+        const float dx = dxe[t][sb * 64];
+        const UV bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum[t] + sb * 16));
+        for (int r = 0; r < NR; ++r) {
+          const FU corrections = fcvt(_mm256_madd_epi16(_mm256_cvtepi8_epi16(q[r].m), bs));
+          acc[r][t] = _mm256_fnmadd_ps(corrections, fset(q[r].dm * dx), ffma(fcvt(sums[r][t]), fset(q[r].d * dx), acc[r][t]));
+        }
+      }
+    }
+  } else
+#endif
   if constexpr (L.super) {
     // A super-block's sums apart (its tokens' dx are one each): dx meets them once.
     const float* bx[TT];
@@ -796,16 +889,16 @@ inline void tile(const uint8_t* const* rows, const Acts& a, const int32_t* slots
 // registers, 32 with AVX512, 16 with AVX2.
 #if defined(TOKENWAY_EXPERTS_512)
 constexpr int kMaxTile = 8;
-template <int TT> constexpr int rows_at_once() { return TT == 1 ? 4 : TT == 8 ? 1 : 2; }
+template <QType Q, int TT> constexpr int rows_at_once() { return TT == 1 ? 4 : TT == 8 ? 1 : 2; }
 #else
 constexpr int kMaxTile = 4;
-template <int TT> constexpr int rows_at_once() { return TT == 4 ? 1 : 2; }
+template <QType Q, int TT> constexpr int rows_at_once() { return TT == 4 ? 1 : 2; }
 #endif
 
 #else  // the plain path: a decoded row against float activations
 
 constexpr int kMaxTile = 4;
-template <int TT> constexpr int rows_at_once() { return 1; }
+template <QType Q, int TT> constexpr int rows_at_once() { return 1; }
 
 template <QType Q, int NR, int TT>
 inline void tile(const uint8_t* const* rows, const Acts& a, const int32_t* slots, float (*res)[TT], int64_t) {
@@ -829,7 +922,7 @@ inline void tile(const uint8_t* const* rows, const Acts& a, const int32_t* slots
 template <QType Q, int TT>
 void rows_tile(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts& a, const int32_t* slots,
                float* y, int64_t ldy, bool first) {
-  constexpr int NR = rows_at_once<TT>();
+  constexpr int NR = rows_at_once<Q, TT>();
   for (int64_t r = r0; r < r1; r += NR) {
     const uint8_t* rows[NR];
     for (int i = 0; i < NR; ++i) rows[i] = w + std::min(r + i, r1 - 1) * row_bytes;
