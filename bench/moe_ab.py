@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from tokenway.engine.llm import LLM
+from tokenway.native import cpu_flags
 from tokenway.protocol.sampling import SamplingParams
 
 path = sys.argv[1]
@@ -27,12 +28,7 @@ LB = str(PEERS_DIR / "bin" / "llama-bench")
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
-def default_repack() -> str:
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    return "0" if "amx_tile" in flags.split() else "1"
-
-
-REPACK = os.environ.get("LLAMA_REPACK") or default_repack()
+REPACK = os.environ.get("LLAMA_REPACK") or ("0" if "amx_tile" in cpu_flags() else "1")
 
 
 def tokenway_round(llm: LLM, rng: random.Random) -> tuple[float, float]:

@@ -267,8 +267,8 @@ struct Acts {
   std::vector<int8_t> xq;       // (n, kp) int8 codes
   std::vector<float> dxe;       // (n, kp / 4) the scale dx of each 4 codes' block
   std::vector<int32_t> init;    // (n, kp / 4) -offset x the sum of each 4 codes (32-weight types)
-  std::vector<float> bx;        // (n, kp / 16) dx x the sum of each 16 codes (super-block types)
-  std::vector<int16_t> bsum;    // (n, kp / 16) the sum of each 16 codes (super-block types)
+  std::vector<float> bx;        // (n, kp / 16) dx x the sum of each 16 codes (super-block types, float scales)
+  std::vector<int16_t> bsum;    // (n, kp / 16) the sum of each 16 codes (super-block types, kIntScales)
   std::vector<float> xf;        // (n, kp) float: float weights' x, or the plain path's dx qx
 };
 
@@ -295,6 +295,13 @@ constexpr bool kVector = true;
 #else
 constexpr bool kVector = false;
 #endif
+
+// Without VNNI a unit's products are int16 pairs (maddubs) first anyway: the second step, madd,
+// can take the sub-blocks' integer scales instead of ones, so that a super-block's int32 sums
+// carry its scales and meet d dx once (llama.cpp's AVX2 K-quant dots), not a convert and an FMA
+// a unit. Codes below 64 or signed (the sign trick), scales a signed byte: a lane's sum over a
+// super-block stays under 8 x 4 x 127 x 127 x 128 < 2^31.
+constexpr bool kIntScales = kVector && !kVnni;
 
 // Types whose codes meet x signed (no VNNI: maddubs would saturate on codes past 128).
 constexpr bool signed_codes(QType q) {
@@ -359,10 +366,8 @@ void quantize_acts(const float* x, int64_t n, int64_t ldx, int64_t k, ActKind ki
     a.xq.assign(n * kp, 0);
     a.dxe.assign(n * kp / 4, 0.0f);
     if (kind.block == 32) a.init.assign(n * kp / 4, 0);
-    else {
-      a.bx.assign(n * kp / 16, 0.0f);
-      a.bsum.assign(n * kp / 16, 0);
-    }
+    else if (kIntScales) a.bsum.assign(n * kp / 16, 0);
+    else a.bx.assign(n * kp / 16, 0.0f);
   }
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(k, 1));
   tokenway_native::parallel_for(0, n, grain, [&](int64_t first, int64_t last) {
@@ -394,8 +399,8 @@ void quantize_acts(const float* x, int64_t n, int64_t ldx, int64_t k, ActKind ki
           for (int h = 0; h < 16; ++h) {
             int32_t sum = 0;
             for (int i = 0; i < 16; ++i) sum += q[16 * h + i];
-            a.bx[(t * kp + b0) / 16 + h] = dx * float(sum);
-            a.bsum[(t * kp + b0) / 16 + h] = int16_t(sum);  // |sum| <= 16 x 127
+            if (kIntScales) a.bsum[(t * kp + b0) / 16 + h] = int16_t(sum);  // |sum| <= 16 x 127
+            else a.bx[(t * kp + b0) / 16 + h] = dx * float(sum);
           }
       }
     }
@@ -682,15 +687,8 @@ inline UV dot(UV acc, UV u, UV x) {
 }
 
 #if !defined(TOKENWAY_EXPERTS_512)
-// Without VNNI a unit's products are int16 pairs (maddubs) first anyway: the second step, madd,
-// can take the sub-blocks' integer scales instead of ones, so that a super-block's int32 sums
-// carry its scales and meet d dx once (llama.cpp's AVX2 K-quant dots), not a convert and an FMA
-// a unit. Codes below 64 or signed (the sign trick), scales a signed byte: a lane's sum over a
-// super-block stays under 8 x 4 x 127 x 127 x 128 < 2^31.
-constexpr bool kIntScales = !kVnni;
-
-// Unit u's (sub-blocks 2u, 2u + 1) scales as int16 lanes, 8 each, from a super-block's 16 scale
-// bytes: one byte shuffle and a widening (the bytes stay one register a row).
+// kIntScales's tiles. Unit u's (sub-blocks 2u, 2u + 1) scales as int16 lanes, 8 each, from a
+// super-block's 16 scale bytes: one byte shuffle and a widening (the bytes stay one register a row).
 template <int U>
 inline __m256i unit_scales(__m128i bytes) {
   const __m128i pick = _mm_setr_epi8(2 * U, 2 * U, 2 * U, 2 * U, 2 * U, 2 * U, 2 * U, 2 * U, 2 * U + 1, 2 * U + 1,
@@ -710,8 +708,6 @@ inline UV scaled_dot(UV acc, UV u, UV x, UV scales) {
                                    : _mm256_maddubs_epi16(u, x);
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scales));
 }
-#else
-constexpr bool kIntScales = false;
 #endif
 
 // NR rows (pointers to their blocks) times TT tokens (rows of a): res[r][t].
@@ -772,7 +768,8 @@ void tile_quant(const uint8_t* const* rows, const Acts& a, const int32_t* slots,
         const UV bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum[t] + sb * 16));
         for (int r = 0; r < NR; ++r) {
           const FU corrections = fcvt(_mm256_madd_epi16(_mm256_cvtepi8_epi16(q[r].m), bs));
-          acc[r][t] = _mm256_fnmadd_ps(corrections, fset(q[r].dm * dx), ffma(fcvt(sums[r][t]), fset(q[r].d * dx), acc[r][t]));
+          const FU scaled = ffma(fcvt(sums[r][t]), fset(q[r].d * dx), acc[r][t]);
+          acc[r][t] = _mm256_fnmadd_ps(corrections, fset(q[r].dm * dx), scaled);
         }
       }
     }
@@ -889,16 +886,16 @@ inline void tile(const uint8_t* const* rows, const Acts& a, const int32_t* slots
 // registers, 32 with AVX512, 16 with AVX2.
 #if defined(TOKENWAY_EXPERTS_512)
 constexpr int kMaxTile = 8;
-template <QType Q, int TT> constexpr int rows_at_once() { return TT == 1 ? 4 : TT == 8 ? 1 : 2; }
+template <int TT> constexpr int rows_at_once() { return TT == 1 ? 4 : TT == 8 ? 1 : 2; }
 #else
 constexpr int kMaxTile = 4;
-template <QType Q, int TT> constexpr int rows_at_once() { return TT == 4 ? 1 : 2; }
+template <int TT> constexpr int rows_at_once() { return TT == 4 ? 1 : 2; }
 #endif
 
 #else  // the plain path: a decoded row against float activations
 
 constexpr int kMaxTile = 4;
-template <QType Q, int TT> constexpr int rows_at_once() { return 1; }
+template <int TT> constexpr int rows_at_once() { return 1; }
 
 template <QType Q, int NR, int TT>
 inline void tile(const uint8_t* const* rows, const Acts& a, const int32_t* slots, float (*res)[TT], int64_t) {
@@ -922,7 +919,7 @@ inline void tile(const uint8_t* const* rows, const Acts& a, const int32_t* slots
 template <QType Q, int TT>
 void rows_tile(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts& a, const int32_t* slots,
                float* y, int64_t ldy, bool first) {
-  constexpr int NR = rows_at_once<Q, TT>();
+  constexpr int NR = rows_at_once<TT>();
   for (int64_t r = r0; r < r1; r += NR) {
     const uint8_t* rows[NR];
     for (int i = 0; i < NR; ++i) rows[i] = w + std::min(r + i, r1 - 1) * row_bytes;
