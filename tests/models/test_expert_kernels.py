@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tokenway import native
-from tokenway.models import dequant, expert_kernels, quant_raw
+from tokenway.models import dequant, quant_raw
 from tokenway.models.expert_kernels import (
     ExpertSpec,
     ExpertWeights,
@@ -26,7 +26,7 @@ from tokenway.models.expert_kernels import (
 # This CPU's build (None: AVX512 with VNNI here), AVX2 without AVX512 (and without VNNI: the
 # signed-code path), and the plain C++ one; each loads beside the others (native.load).
 ISAS = [None, "avx2", "scalar"]
-QTYPES = list(expert_kernels.NATIVE_QTYPE_IDS)
+QTYPES = list(quant_raw.QTYPES)  # a GGUF's types; MXFP4_HF (scales apart) has tests of its own below
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # Byte offsets of each type's float16 fields (scales, mins): valid small float16s there, as a
 # real file has, random bytes (every code and packed-scale pattern) elsewhere.
@@ -60,13 +60,24 @@ def valid_blocks(qtype: str, shape: tuple[int, ...], seed: int = 0) -> torch.Ten
     return torch.from_numpy(blocks.reshape(*lead, -1))
 
 
+def hf_mxfp4(shape: tuple[int, ...], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's safetensors layout of gguf-py's MXFP4 quantization of normal floats (*lead, cols):
+    blocks uint8 (*lead, cols / 32, 16), byte j of a block elements 2j (low nibble) and 2j + 1
+    (high), and scales uint8 (*lead, cols / 32)."""
+    ggml = valid_blocks("MXFP4", shape, seed).numpy().reshape(*shape[:-1], shape[-1] // 32, 17)
+    scales = ggml[..., 0].copy()
+    codes = np.concatenate([ggml[..., 1:] & 0x0F, ggml[..., 1:] >> 4], axis=-1)  # elements 0..31 in order
+    pairs = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return torch.from_numpy(pairs), torch.from_numpy(scales)
+
+
 def gguf_weight(blocks: torch.Tensor, qtype: str, rows: int, cols: int) -> torch.Tensor:
     values = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[qtype])
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(rows, cols))
 
 
 def int8_block(qtype: str) -> int:
-    return 256 if dequant.block_size(qtype) == 256 else 32
+    return 256 if qtype in dequant.QTYPES and dequant.block_size(qtype) == 256 else 32
 
 
 def as_products_see(x: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -110,6 +121,35 @@ def test_block_matmul_is_the_product_with_gguf_weights(qtype, isa):
         assert got.dtype == torch.float32 and got.shape == (tokens, 37)
         error = (got.double() - expected).abs().max() / expected.abs().max()
         assert error < 1e-5, f"{qtype} at {tokens} tokens: {error:.2e} of the largest output"
+
+
+def test_hf_mxfp4_dequantizes_as_transformers_does():
+    """gpt-oss's safetensors MXFP4 (blocks of nibble pairs, scales apart): dequant.mxfp4_pairs and
+    ExpertWeights.dequantize are transformers' own convert_moe_packed_tensors exactly, and the
+    same weights gguf-py reads from llama.cpp's layout of them."""
+    integration = pytest.importorskip("transformers.integrations.mxfp4")
+    blocks, scales = hf_mxfp4((3, 10, 96), seed=1)
+    expected = integration.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # (E, cols, rows)
+    weights = ExpertWeights("MXFP4_HF", blocks.reshape(3, 10, 48), (3, 10, 96), scales)
+    for e in range(3):
+        assert torch.equal(weights.dequantize(e), expected[e].T.float())
+        ggml = valid_blocks("MXFP4", (3, 10, 96), seed=1)[e]
+        assert torch.equal(weights.dequantize(e), gguf_weight(ggml, "MXFP4", 10, 96))
+    with pytest.raises(ValueError, match="scales are required"):
+        ExpertWeights("MXFP4_HF", blocks.reshape(3, 10, 48), (3, 10, 96))
+    with pytest.raises(ValueError, match="expected uint8 scales"):
+        ExpertWeights("MXFP4_HF", blocks.reshape(3, 10, 48), (3, 10, 96), scales[:, :, :2])
+
+
+def hf_experts(num_experts: int, hidden: int, inter: int, seed: int) -> list[ExpertWeights]:
+    """gpt-oss's safetensors experts as weights.expert_weights maps them: gate and up every other
+    row of one (E, 2 x inter, hidden) tensor (views: their rows two apart), down (E, hidden, inter)."""
+    blocks, scales = hf_mxfp4((num_experts, 2 * inter, hidden), seed)
+    fused = ExpertWeights("MXFP4_HF", blocks.reshape(num_experts, 2 * inter, -1), (num_experts, 2 * inter, hidden),
+                          scales)
+    blocks, scales = hf_mxfp4((num_experts, hidden, inter), seed + 1)
+    down = ExpertWeights("MXFP4_HF", blocks.reshape(num_experts, hidden, -1), (num_experts, hidden, inter), scales)
+    return [fused.every_other_row(0), fused.every_other_row(1), down]
 
 
 def test_raw_kernel_is_the_quant_kernel_call():
@@ -158,6 +198,7 @@ CASES = {  # (gate, up, down), activation, biased; hidden 512, intermediate 256 
     "q2k-q3k-mix": (("Q2_K", "Q3_K", "Q5_K"), "silu", False),
     "iq4": (("IQ4_XS", "IQ4_XS", "IQ4_NL"), "silu", False),
     "q8-q4": (("Q8_0", "Q4_0", "Q8_0"), "swiglu_oai", True),
+    "gptoss-safetensors": (("MXFP4_HF", "MXFP4_HF", "MXFP4_HF"), "swiglu_oai", True),  # hf_experts
 }
 
 
@@ -189,8 +230,11 @@ def case_of(case: str, tokens: int):
     for every build tested."""
     qtypes, activation, biased = CASES[case]
     num_experts, top_k, hidden = 12, 4, 512
-    inter = 256 if all(dequant.block_size(q) == 256 for q in qtypes) else 192
-    gate, up, down = experts_of(qtypes, num_experts, hidden, inter, seed=tokens)
+    inter = 256 if all(q in dequant.QTYPES and dequant.block_size(q) == 256 for q in qtypes) else 192
+    if qtypes[0] == "MXFP4_HF":
+        gate, up, down = hf_experts(num_experts, hidden, inter, seed=tokens)
+    else:
+        gate, up, down = experts_of(qtypes, num_experts, hidden, inter, seed=tokens)
     gen = torch.Generator().manual_seed(7)
     biases = ([torch.randn(num_experts, n, generator=gen) * 0.05 for n in (inter, inter, hidden)]
               if biased else [None, None, None])
@@ -223,7 +267,7 @@ def test_experts_are_what_the_torch_kernel_computes(case, tokens, isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("case", ["gptoss-mxfp4", "q8-q4", "iq4"])
+@pytest.mark.parametrize("case", ["gptoss-mxfp4", "gptoss-safetensors", "q8-q4", "iq4"])
 def test_many_tokens_meet_decoded_rows(case, isa):
     """200 tokens: every expert chosen has >= 64 (expert 1 all 200), so the 32-weight types' rows
     are decoded to float32 (csrc/experts.cpp decoded_rows_times_tokens) rather than met as int8
@@ -246,6 +290,27 @@ def test_float_experts_are_the_torch_kernels_exactly(qtype, isa):
     got = NativeExpertKernel(gate, up, down, spec, *biases, isa=isa)(x, ids, weights)
     expected = TorchExpertKernel(gate, up, down, spec, *biases)(x, ids, weights)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_hf_experts_are_read_in_place_at_their_strides():
+    """gpt-oss's gate and up (every other row of one tensor) and their scales stay views of the
+    mapped file: the kernel reads them where they lie; its decode stack tensors are those."""
+    ops_or_skip(None)
+    gate, up, down = hf_experts(8, 64, 32, seed=2)
+    kernel = NativeExpertKernel(gate, up, down, ExpertSpec("swiglu_oai"))
+    assert kernel.gate.blocks.data_ptr() == gate.blocks.data_ptr() and kernel.gate.blocks.stride(1) == 2 * 32
+    assert kernel.up.scales.data_ptr() == up.scales.data_ptr()
+    x = torch.randn(3, 64)
+    ids, weights = routing(3, 8, 2, seed=1)
+    got, expected = kernel(x, ids, weights), TorchExpertKernel(gate, up, down, kernel.spec)(x, ids, weights)
+    assert (got - expected).abs().max() < 0.15 * expected.abs().max()
+    blocks_only = ExpertWeights("MXFP4", valid_blocks("MXFP4", (8, 32, 64)), (8, 32, 64))
+    with pytest.raises(RuntimeError, match="scales are a tensor of their own"):
+        kernel.ops.experts_forward(x, ids, weights, gate.blocks, 1039, up.blocks, 1039, down.blocks, 1039, 8, 32,
+                                   None, None, None, 1, 1.702, 7.0, None, up.scales, down.scales)
+    with pytest.raises(RuntimeError, match="scales are in its blocks"):
+        kernel.ops.experts_forward(x, ids, weights, blocks_only.blocks, 39, up.blocks, 1039, down.blocks, 1039, 8, 32,
+                                   None, None, None, 1, 1.702, 7.0, gate.scales, up.scales, down.scales)
 
 
 def test_no_tokens_and_bad_routing():

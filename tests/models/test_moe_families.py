@@ -2,24 +2,29 @@
 class (gpt-oss, Qwen3-MoE, Qwen2-MoE, Mixtral), served from its safetensors directory and from the
 GGUF llama.cpp's converter makes of it: greedy tokens equal transformers', alone, in a batch of 8
 and again on prefix-cache hits (gpt-oss's prompts run past its sliding window), and the experts
-each token is routed to equal transformers' router's. Then the files a user must be told about:
+each token is routed to equal transformers' router's. gpt-oss also as OpenAI ships it: experts in
+MXFP4 in its safetensors, read in place. Then the files a user must be told about:
 an unknown family with experts, expert counts that disagree with the metadata, experts in a type
 nothing computes on."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 from tokenway.engine.llm import LLM  # noqa: E402
+from tokenway.models import expert_kernels  # noqa: E402
 from tokenway.models.config import ModelConfig  # noqa: E402
 from tokenway.models.decoder import DecoderForCausalLM  # noqa: E402
 from tokenway.models.expert_kernels import ExpertWeights  # noqa: E402
@@ -213,3 +218,101 @@ def test_a_harmony_vocabulary_ends_generation_on_return_and_call_not_on_end():
     assert _end_of_generation(Meta(), 9) == [9, 8, 11]  # eos <|return|>, <|endoftext|>, <|call|>; no <|end|>
     tokens[9] = "b"  # no <|return|>: a vocabulary where <|end|> does end a turn (Phi-3's) keeps it
     assert 10 in _end_of_generation(Meta(), None)
+
+
+def hf_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float (..., cols) -> gpt-oss's safetensors MXFP4 of it (gguf-py's quantization, relaid):
+    blocks uint8 (..., cols / 32, 16), byte j elements 2j (low nibble) and 2j + 1 (high), and
+    E8M0 scales uint8 (..., cols / 32)."""
+    *lead, cols = weight.shape
+    ggml = gguf.quants.quantize(weight.reshape(-1, cols).numpy().astype(np.float32), gguf.GGMLQuantizationType.MXFP4)
+    ggml = ggml.reshape(*lead, cols // 32, 17)
+    codes = np.concatenate([ggml[..., 1:] & 0x0F, ggml[..., 1:] >> 4], axis=-1)  # elements 0..31 in order
+    pairs = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return torch.from_numpy(pairs), torch.from_numpy(ggml[..., 0].copy())
+
+
+class Mxfp4GptOss:
+    """The tiny gpt-oss as OpenAI's checkpoints are: each layer's gate_up_proj and down_proj as
+    _blocks and _scales (rows the output features), config.json's quantization_config mxfp4; its
+    GGUF by llama.cpp's converter; transformers' greedy tokens (it dequantizes the experts)."""
+
+    def __init__(self, family: Family, root: Path, converter: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        self.model_dir = root / "gpt_oss_mxfp4"
+        self.model_dir.mkdir()
+        tensors = {}
+        for file in family.model_dir.glob("*.safetensors"):
+            for name, tensor in load_file(file).items():
+                if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):  # (E, in, out) in HF
+                    tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = hf_mxfp4(tensor.transpose(1, 2))
+                else:
+                    tensors[name] = tensor
+        save_file(tensors, self.model_dir / "model.safetensors", metadata={"format": "pt"})
+        config = json.loads((family.model_dir / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+        (self.model_dir / "config.json").write_text(json.dumps(config))
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            if (family.model_dir / name).is_file():
+                shutil.copy(family.model_dir / name, self.model_dir / name)
+        self.gguf = root / "gpt_oss_mxfp4.gguf"
+        converted = subprocess.run([sys.executable, str(converter), str(self.model_dir), "--outtype", "f32",
+                                    "--outfile", str(self.gguf)], capture_output=True, text=True, timeout=300)
+        assert converted.returncode == 0, converted.stderr[-2000:]
+        hf = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+        self.expected = []
+        with torch.inference_mode():
+            for ids in prompts():
+                out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                  do_sample=False, pad_token_id=0)
+                self.expected.append(out[0, len(ids):].tolist())
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(families, tmp_path_factory, converter) -> Mxfp4GptOss:
+    return Mxfp4GptOss(families["gpt_oss"], tmp_path_factory.mktemp("mxfp4"), converter)
+
+
+def greedy(llm: LLM, attempts: int = 2) -> list[list[list[int]]]:
+    """Each prompt's greedy tokens alone (the last), then the batch of 8 `attempts` times."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    batch = [{"prompt_token_ids": ids} for ids in prompts()]
+    runs = [[list(llm.generate(batch[-1:], params)[0].outputs[0].token_ids)]]
+    for _ in range(attempts):
+        runs.append([list(output.outputs[0].token_ids) for output in llm.generate(batch, params)])
+    return runs
+
+
+def stored_experts(llm: LLM) -> list[expert_kernels.ExpertWeights]:
+    return [weights for layer in llm.engine.model.decoder_layers for weights in layer.mlp.stored]
+
+
+def test_gpt_oss_mxfp4_safetensors_equal_transformers(gpt_oss_mxfp4, monkeypatch, tmp_path):
+    """OpenAI's layout read in place, its experts computed on the float weights they stand for
+    (the torch kernel: activations unrounded, as transformers computes): transformers' tokens,
+    alone, batched and on prefix hits."""
+    monkeypatch.setattr(expert_kernels, "supports", lambda qtype, in_features=None: False)
+    llm = engine(str(gpt_oss_mxfp4.model_dir), tmp_path / "cache")
+    stored = stored_experts(llm)
+    assert stored and all(w.qtype == "MXFP4_HF" and w.scales is not None for w in stored)
+    assert not stored[0].blocks.is_contiguous()  # the gate: every other row of the file's gate_up, in place
+    runs = greedy(llm)
+    assert runs[0] == [gpt_oss_mxfp4.expected[-1]]
+    for run in runs[1:]:
+        assert run == gpt_oss_mxfp4.expected
+    assert llm.engine.kv_manager.num_hit_tokens > 0
+
+
+def test_gpt_oss_mxfp4_safetensors_run_as_its_gguf_does(gpt_oss_mxfp4, tmp_path):
+    """The native kernel on the safetensors' blocks where they lie (nibble pairs, scales apart,
+    gate and up two rows apart) and on the GGUF llama.cpp's converter relays them into: the same
+    weights and the same int8 rounding, so the same greedy tokens."""
+    from_safetensors = engine(str(gpt_oss_mxfp4.model_dir), tmp_path / "a")
+    kernels = [layer.mlp.kernel for layer in from_safetensors.engine.model.decoder_layers]
+    assert all(isinstance(k, expert_kernels.NativeExpertKernel) and k.gate.qtype == "MXFP4_HF" for k in kernels)
+    assert kernels[0].gate.blocks.data_ptr() == stored_experts(from_safetensors)[0].blocks.data_ptr()
+    from_gguf = engine(str(gpt_oss_mxfp4.gguf), tmp_path / "b")
+    assert all(k.gate.qtype == "MXFP4" for k in (layer.mlp.kernel for layer in from_gguf.engine.model.decoder_layers))
+    assert greedy(from_safetensors) == greedy(from_gguf)

@@ -13,7 +13,11 @@
 // decode token's 8 experts keep every core busy.
 //
 // Block types: Q4_0, Q8_0, MXFP4, IQ4_NL (blocks of 32) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS
-// (super-blocks of 256) with int8 products; F32, F16, BF16 with float32 ones. Activations are
+// (super-blocks of 256) with int8 products; F32, F16, BF16 with float32 ones. MXFP4_HF is MXFP4 as
+// gpt-oss's safetensors store it: a block's 16 bytes hold its elements in pairs (2j low nibble,
+// 2j + 1 high), and the scales are a tensor of their own (E, rows, blocks a row), read beside.
+// A matrix's rows may lie further apart than a row's bytes (gpt-oss's gate rows are every other
+// row of its fused gate_up): rows and experts are read at their tensor's strides. Activations are
 // quantized as llama.cpp pairs them: per block of 32 (Q8_0) for the 32-weight types, per 256 (Q8_K)
 // for the others, x ~ dx qx, qx in [-127, 127].
 //
@@ -82,6 +86,7 @@ ChunkPool& pool() {
 enum class QType : int {
   F32 = 0, F16 = 1, Q4_0 = 2, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
   IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, MXFP4 = 39,
+  MXFP4_HF = 1039,  // not a GGML type: expert_kernels.NATIVE_QTYPE_IDS gives it this id
 };
 
 struct Layout {
@@ -100,6 +105,7 @@ constexpr Layout layout_of(QType q) {
     case QType::Q8_0: return {32, 34, false, false};
     case QType::IQ4_NL: return {32, 18, false, false};
     case QType::MXFP4: return {32, 17, false, false};
+    case QType::MXFP4_HF: return {32, 16, false, false};  // a block's nibbles; its scale apart
     case QType::Q2_K: return {256, 84, true, false};
     case QType::Q3_K: return {256, 110, true, false};
     case QType::Q4_K: return {256, 144, true, false};
@@ -113,8 +119,8 @@ constexpr Layout layout_of(QType q) {
 bool known_qtype(int64_t id) {
   switch (QType(id)) {
     case QType::F32: case QType::F16: case QType::BF16: case QType::Q4_0: case QType::Q8_0:
-    case QType::IQ4_NL: case QType::MXFP4: case QType::Q2_K: case QType::Q3_K: case QType::Q4_K:
-    case QType::Q5_K: case QType::Q6_K: case QType::IQ4_XS: return true;
+    case QType::IQ4_NL: case QType::MXFP4: case QType::MXFP4_HF: case QType::Q2_K: case QType::Q3_K:
+    case QType::Q4_K: case QType::Q5_K: case QType::Q6_K: case QType::IQ4_XS: return true;
   }
   return false;
 }
@@ -124,7 +130,7 @@ void with_qtype(QType q, Fn&& fn) {
   switch (q) {
 #define TOKENWAY_CASE(T) case QType::T: fn(std::integral_constant<QType, QType::T>{}); break;
     TOKENWAY_CASE(F32) TOKENWAY_CASE(F16) TOKENWAY_CASE(BF16) TOKENWAY_CASE(Q4_0) TOKENWAY_CASE(Q8_0)
-    TOKENWAY_CASE(IQ4_NL) TOKENWAY_CASE(MXFP4) TOKENWAY_CASE(Q2_K) TOKENWAY_CASE(Q3_K) TOKENWAY_CASE(Q4_K)
+    TOKENWAY_CASE(IQ4_NL) TOKENWAY_CASE(MXFP4) TOKENWAY_CASE(MXFP4_HF) TOKENWAY_CASE(Q2_K) TOKENWAY_CASE(Q3_K) TOKENWAY_CASE(Q4_K)
     TOKENWAY_CASE(Q5_K) TOKENWAY_CASE(Q6_K) TOKENWAY_CASE(IQ4_XS)
 #undef TOKENWAY_CASE
   }
@@ -249,11 +255,24 @@ void decode_block(const uint8_t* b, float* y) {
   }
 }
 
+// Whether a type's block scales lie in a tensor of their own (one byte a block, `scales`).
+constexpr bool split_scales(QType q) { return q == QType::MXFP4_HF; }
+
+// One row -> k floats; `scales` the row's scales where split_scales(Q), else unused.
 template <QType Q>
-void decode_row(const uint8_t* row, int64_t k, float* y) {
+void decode_row(const uint8_t* row, const uint8_t* scales, int64_t k, float* y) {
   constexpr Layout L = layout_of(Q);
   if constexpr (Q == QType::F32) {
     std::memcpy(y, row, k * 4);
+  } else if constexpr (split_scales(Q)) {
+    for (int64_t b = 0; b < k / 32; ++b) {
+      const float d = e8m0_half(scales[b]);
+      for (int j = 0; j < 16; ++j) {
+        const uint8_t q = row[16 * b + j];
+        y[32 * b + 2 * j] = d * float(kMXFP4Values[q & 0xF]);
+        y[32 * b + 2 * j + 1] = d * float(kMXFP4Values[q >> 4]);
+      }
+    }
   } else {
     for (int64_t b = 0; b < k / L.block; ++b) decode_block<Q>(row + b * L.bytes, y + b * L.block);
   }
@@ -314,7 +333,7 @@ constexpr int offset_of(QType q) {
   switch (q) {
     case QType::Q4_0: return 8;
     case QType::Q8_0: case QType::IQ4_NL: case QType::IQ4_XS: return 128;
-    case QType::MXFP4: return 12;
+    case QType::MXFP4: case QType::MXFP4_HF: return 12;
     case QType::Q6_K: return 32;
     case QType::Q3_K: return 4;
     default: return 0;
@@ -451,6 +470,11 @@ inline __m256i decode32(const uint8_t* b, int i) {
   } else if constexpr (Q == QType::MXFP4) {
     const __m256i table = table16<12>(kMXFP4Values);
     return _mm256_shuffle_epi8(table, nibbles32(b + 1));
+  } else if constexpr (Q == QType::MXFP4_HF) {  // pairs: byte j is elements 2j (low), 2j + 1 (high)
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+    const __m256i codes = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+    return _mm256_shuffle_epi8(table16<12>(kMXFP4Values), codes);
   } else if constexpr (Q == QType::Q4_K || Q == QType::Q5_K) {
     const uint8_t* qs = b + (Q == QType::Q5_K ? 48 : 16) + 32 * (i / 2);
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
@@ -555,10 +579,13 @@ inline void super_scales(const uint8_t* b, float* s, float* c) {
   scaled16<true>(q.m, q.dm, c);
 }
 
+// Block b's scale of a row: in the block, or (split_scales) at scales[b].
 template <QType Q>
-inline float block_scale(const uint8_t* b) {
-  if constexpr (Q == QType::MXFP4) return e8m0_half(b[0]);
-  else return _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
+inline float block_scale(const uint8_t* row, const uint8_t* scales, int64_t b) {
+  if constexpr (split_scales(Q)) return e8m0_half(scales[b]);
+  const uint8_t* block = row + b * layout_of(Q).bytes;
+  if constexpr (Q == QType::MXFP4) return e8m0_half(block[0]);
+  else return _cvtsh_ss(*reinterpret_cast<const uint16_t*>(block));
 }
 
 #if defined(TOKENWAY_EXPERTS_512)
@@ -720,7 +747,8 @@ inline void prefetch(const uint8_t* p, int bytes) {
 // ahead: prefetch the rows that many bytes further on as these are read (the next tile's, on a
 // chunk's first token tile: its weights come from memory), or 0.
 template <QType Q, int NR, int TT>
-void tile_quant(const uint8_t* const* rows, const Acts& a, const int32_t* slots, float (*res)[TT], int64_t ahead) {
+void tile_quant(const uint8_t* const* rows, const uint8_t* const* scales, const Acts& a, const int32_t* slots,
+                float (*res)[TT], int64_t ahead) {
   constexpr Layout L = layout_of(Q);
   const int64_t k = a.k, kp = a.kp;
   FU acc[NR][TT];
@@ -817,9 +845,9 @@ void tile_quant(const uint8_t* const* rows, const Acts& a, const int32_t* slots,
       UV u[NR];
       FU f[NR];
       for (int r = 0; r < NR; ++r) {
-        const uint8_t* block = rows[r] + b * L.bytes;
-        u[r] = block_unit<Q>(block, second);
-        f[r] = block_lanes<Q>(block_scale<Q>(block), kBlocksAUnit == 2 && second ? block_scale<Q>(block + L.bytes) : 0.0f);
+        u[r] = block_unit<Q>(rows[r] + b * L.bytes, second);
+        f[r] = block_lanes<Q>(block_scale<Q>(rows[r], scales[r], b),
+                              kBlocksAUnit == 2 && second ? block_scale<Q>(rows[r], scales[r], b + 1) : 0.0f);
       }
       const int64_t at = b * 32;
       for (int t = 0; t < TT; ++t) {
@@ -849,7 +877,8 @@ inline Vec load_weights(const uint8_t* row, int64_t i) {
 }
 
 template <QType Q, int NR, int TT>
-void tile_float(const uint8_t* const* rows, const Acts& a, const int32_t* slots, float (*res)[TT], int64_t) {
+void tile_float(const uint8_t* const* rows, const uint8_t* const*, const Acts& a, const int32_t* slots,
+                float (*res)[TT], int64_t) {
   const int64_t k = a.k, kp = a.kp, whole = k / W * W;
   Vec acc[NR][TT];
   for (int r = 0; r < NR; ++r)
@@ -877,9 +906,10 @@ void tile_float(const uint8_t* const* rows, const Acts& a, const int32_t* slots,
 }
 
 template <QType Q, int NR, int TT>
-inline void tile(const uint8_t* const* rows, const Acts& a, const int32_t* slots, float (*res)[TT], int64_t ahead) {
-  if constexpr (layout_of(Q).is_float) tile_float<Q, NR, TT>(rows, a, slots, res, ahead);
-  else tile_quant<Q, NR, TT>(rows, a, slots, res, ahead);
+inline void tile(const uint8_t* const* rows, const uint8_t* const* scales, const Acts& a, const int32_t* slots,
+                 float (*res)[TT], int64_t ahead) {
+  if constexpr (layout_of(Q).is_float) tile_float<Q, NR, TT>(rows, scales, a, slots, res, ahead);
+  else tile_quant<Q, NR, TT>(rows, scales, a, slots, res, ahead);
 }
 
 // Rows a tile takes with TT tokens: their accumulators (and a super-block's sums beside them) in
@@ -898,11 +928,12 @@ constexpr int kMaxTile = 4;
 template <int TT> constexpr int rows_at_once() { return 1; }
 
 template <QType Q, int NR, int TT>
-inline void tile(const uint8_t* const* rows, const Acts& a, const int32_t* slots, float (*res)[TT], int64_t) {
+inline void tile(const uint8_t* const* rows, const uint8_t* const* scales, const Acts& a, const int32_t* slots,
+                 float (*res)[TT], int64_t) {
   static thread_local std::vector<float> weights;
   weights.resize(a.k);
   for (int r = 0; r < NR; ++r) {
-    decode_row<Q>(rows[r], a.k, weights.data());
+    decode_row<Q>(rows[r], scales[r], a.k, weights.data());
     for (int t = 0; t < TT; ++t) {
       const float* x = a.xf.data() + int64_t(slots[t]) * a.kp;
       float total = 0.0f;
@@ -914,39 +945,56 @@ inline void tile(const uint8_t* const* rows, const Acts& a, const int32_t* slots
 #endif
 
 // ---------------------------------------------------------------------------------------------
+// One matrix's rows (one expert's, or a dense weight's): row r's blocks at data + r * stride, its
+// scales (split_scales types) at scales + r * scale_stride.
+
+struct Rows {
+  const uint8_t* data;
+  int64_t stride;
+  const uint8_t* scales = nullptr;
+  int64_t scale_stride = 0;
+  const uint8_t* row(int64_t r) const { return data + r * stride; }
+  const uint8_t* scale_row(int64_t r) const { return scales == nullptr ? nullptr : scales + r * scale_stride; }
+  Rows from(int64_t r) const { return {row(r), stride, scale_row(r), scale_stride}; }
+};
+
 // Rows [r0, r1) of one matrix times n tokens (rows slots[i] of a): y[i * ldy + r - r0].
 
 template <QType Q, int TT>
-void rows_tile(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts& a, const int32_t* slots,
-               float* y, int64_t ldy, bool first) {
+void rows_tile(const Rows& w, int64_t r0, int64_t r1, const Acts& a, const int32_t* slots, float* y, int64_t ldy,
+               bool first) {
   constexpr int NR = rows_at_once<TT>();
   for (int64_t r = r0; r < r1; r += NR) {
     const uint8_t* rows[NR];
-    for (int i = 0; i < NR; ++i) rows[i] = w + std::min(r + i, r1 - 1) * row_bytes;
+    const uint8_t* scales[NR];
+    for (int i = 0; i < NR; ++i) {
+      rows[i] = w.row(std::min(r + i, r1 - 1));
+      scales[i] = w.scale_row(std::min(r + i, r1 - 1));
+    }
     float res[NR][TT];
-    tile<Q, NR, TT>(rows, a, slots, res, first && r + NR < r1 ? 2 * NR * row_bytes : 0);
+    tile<Q, NR, TT>(rows, scales, a, slots, res, first && r + NR < r1 ? 2 * NR * w.stride : 0);
     for (int i = 0; i < NR && r + i < r1; ++i)
       for (int t = 0; t < TT; ++t) y[t * ldy + r + i - r0] = res[i][t];
   }
 }
 
 template <QType Q>
-void rows_times_tokens(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts& a,
-                       const int32_t* slots, int64_t n, float* y, int64_t ldy) {
+void rows_times_tokens(const Rows& w, int64_t r0, int64_t r1, const Acts& a, const int32_t* slots, int64_t n,
+                       float* y, int64_t ldy) {
   for (int64_t i = 0; i < n;) {
     const int64_t left = n - i;
     const bool first = i == 0;  // later tiles find the chunk's rows in L2
     if (kMaxTile >= 8 && left >= 8) {
-      rows_tile<Q, (kMaxTile >= 8 ? 8 : 4)>(w, row_bytes, r0, r1, a, slots + i, y + i * ldy, ldy, first);
+      rows_tile<Q, (kMaxTile >= 8 ? 8 : 4)>(w, r0, r1, a, slots + i, y + i * ldy, ldy, first);
       i += kMaxTile >= 8 ? 8 : 4;
     } else if (left >= 4) {
-      rows_tile<Q, 4>(w, row_bytes, r0, r1, a, slots + i, y + i * ldy, ldy, first);
+      rows_tile<Q, 4>(w, r0, r1, a, slots + i, y + i * ldy, ldy, first);
       i += 4;
     } else if (left >= 2) {
-      rows_tile<Q, 2>(w, row_bytes, r0, r1, a, slots + i, y + i * ldy, ldy, first);
+      rows_tile<Q, 2>(w, r0, r1, a, slots + i, y + i * ldy, ldy, first);
       i += 2;
     } else {
-      rows_tile<Q, 1>(w, row_bytes, r0, r1, a, slots + i, y + i * ldy, ldy, first);
+      rows_tile<Q, 1>(w, r0, r1, a, slots + i, y + i * ldy, ldy, first);
       i += 1;
     }
   }
@@ -1016,7 +1064,7 @@ inline void affine16(const uint8_t* p, float s, float c, float* out) {
 // One row -> kp floats in a.xq's layout: the weights the int8 path's codes, scales and offsets
 // stand for (w = s (u - offset) - m), zeros past k.
 template <QType Q>
-void decode_for_dot(const uint8_t* row, int64_t k, int64_t kp, float* out) {
+void decode_for_dot(const uint8_t* row, const uint8_t* scales, int64_t k, int64_t kp, float* out) {
   constexpr Layout L = layout_of(Q);
 #if defined(TOKENWAY_EXPERTS_VECTOR)
   constexpr bool kSigned = signed_codes(Q);
@@ -1039,10 +1087,10 @@ void decode_for_dot(const uint8_t* row, int64_t k, int64_t kp, float* out) {
     constexpr float off = float(offset_of(Q));
     const int64_t blocks = k / 32;
     for (int64_t b = 0; b < blocks; b += kBlocksAUnit) {
-      const uint8_t* block = row + b * L.bytes;
       const bool second = b + 1 < blocks;
-      ustore(codes, block_unit<Q>(block, second));
-      const float d[2] = {block_scale<Q>(block), kBlocksAUnit == 2 && second ? block_scale<Q>(block + L.bytes) : 0.0f};
+      ustore(codes, block_unit<Q>(row + b * L.bytes, second));
+      const float d[2] = {block_scale<Q>(row, scales, b),
+                          kBlocksAUnit == 2 && second ? block_scale<Q>(row, scales, b + 1) : 0.0f};
       for (int g = 0; g < kUnit / 16; ++g) {
         // AVX512's pair of blocks: [lo 0, lo 1, hi 0, hi 1] interleaved, else [block 0, block 1].
         const int which = kBlocksAUnit == 1 ? 0 : interleaved(Q) ? g % 2 : g / 2;
@@ -1051,7 +1099,7 @@ void decode_for_dot(const uint8_t* row, int64_t k, int64_t kp, float* out) {
     }
   }
 #else
-  decode_row<Q>(row, k, out);
+  decode_row<Q>(row, scales, k, out);
   std::fill(out + k, out + kp, 0.0f);
 #endif
 }
@@ -1104,8 +1152,8 @@ inline void float_rows_tile(const float* decoded, int64_t rows, int64_t kp, int6
 // Rows [r0, r1) of one matrix times n tokens (rows slots[i] of a, a.xf filled: float_acts):
 // y[i * ldy + r - r0], as matmul_rows.
 template <QType Q>
-void decoded_rows_times_tokens(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts& a,
-                               const int32_t* slots, int64_t n, float* y, int64_t ldy) {
+void decoded_rows_times_tokens(const Rows& w, int64_t r0, int64_t r1, const Acts& a, const int32_t* slots, int64_t n,
+                               float* y, int64_t ldy) {
   const int64_t k = a.k, kp = a.kp;
   constexpr int64_t kRows = (kDecodedRows + kFloatRows - 1) / kFloatRows * kFloatRows;
   static thread_local std::vector<float> decoded;
@@ -1114,7 +1162,7 @@ void decoded_rows_times_tokens(const uint8_t* w, int64_t row_bytes, int64_t r0, 
   part.resize(n * kRows);
   for (int64_t c0 = r0; c0 < r1; c0 += kRows) {
     const int64_t rows = std::min(r1 - c0, kRows), padded = (rows + kFloatRows - 1) / kFloatRows * kFloatRows;
-    for (int64_t r = 0; r < rows; ++r) decode_for_dot<Q>(w + (c0 + r) * row_bytes, k, kp, decoded.data() + r * kp);
+    for (int64_t r = 0; r < rows; ++r) decode_for_dot<Q>(w.row(c0 + r), w.scale_row(c0 + r), k, kp, decoded.data() + r * kp);
     std::fill(part.begin(), part.end(), vzero());
     for (int64_t s0 = 0; s0 < kp; s0 += kSlice) {
       const int64_t len = std::min(kSlice, kp - s0);
@@ -1132,14 +1180,14 @@ void decoded_rows_times_tokens(const uint8_t* w, int64_t row_bytes, int64_t r0, 
 
 // The decoded path where n is large enough (decoded_path) and a.xf is filled (float_acts), else
 // the int8 (or float) tiles.
-void matmul_rows(QType q, const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts& a,
-                 const int32_t* slots, int64_t n, float* y, int64_t ldy) {
+void matmul_rows(QType q, const Rows& w, int64_t r0, int64_t r1, const Acts& a, const int32_t* slots, int64_t n,
+                 float* y, int64_t ldy) {
   with_qtype(q, [&](auto qt) {
     constexpr QType Q = decltype(qt)::value;
     if constexpr (!layout_of(Q).is_float) {
-      if (decoded_path(Q, n) && !a.xf.empty()) return decoded_rows_times_tokens<Q>(w, row_bytes, r0, r1, a, slots, n, y, ldy);
+      if (decoded_path(Q, n) && !a.xf.empty()) return decoded_rows_times_tokens<Q>(w, r0, r1, a, slots, n, y, ldy);
     }
-    rows_times_tokens<Q>(w, row_bytes, r0, r1, a, slots, n, y, ldy);
+    rows_times_tokens<Q>(w, r0, r1, a, slots, n, y, ldy);
   });
 }
 
@@ -1173,11 +1221,17 @@ void activate(float* g, const float* u, int64_t n, int64_t activation, float alp
 // ---------------------------------------------------------------------------------------------
 // The operators.
 
-struct Matrix {  // E matrices of `rows` rows of blocks
-  const uint8_t* data;
+struct Matrix {  // E matrices of `rows` rows of blocks, at their tensor's strides
   QType qtype;
-  int64_t rows, k, row_bytes;
-  const uint8_t* expert(int64_t e) const { return data + e * rows * row_bytes; }
+  int64_t rows, k, row_bytes;  // row_bytes: the bytes of a row's blocks
+  const uint8_t* data;
+  int64_t row_stride, expert_stride;
+  const uint8_t* scales = nullptr;  // split_scales types: (E, rows, blocks a row) bytes
+  int64_t scale_row_stride = 0, scale_expert_stride = 0;
+  Rows expert(int64_t e) const {
+    return {data + e * expert_stride, row_stride, scales == nullptr ? nullptr : scales + e * scale_expert_stride,
+            scale_row_stride};
+  }
 };
 
 int64_t row_bytes_of(QType q, int64_t k) {
@@ -1185,18 +1239,37 @@ int64_t row_bytes_of(QType q, int64_t k) {
   return k / L.block * L.bytes;
 }
 
-Matrix checked_matrix(const at::Tensor& blocks, int64_t qtype, int64_t experts, int64_t rows, int64_t k,
-                      const char* what) {
+// t's (experts, rows, row_bytes) strides: a contiguous tensor of that many bytes in any shape, or
+// (E, rows, row_bytes) bytes with rows and experts at any strides, each row's bytes consecutive.
+std::pair<int64_t, int64_t> matrix_strides(const at::Tensor& t, int64_t experts, int64_t rows, int64_t row_bytes,
+                                           const char* what, const char* part) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kByte, what, ": uint8 ", part, " on the CPU");
+  if (t.is_contiguous() && t.numel() == experts * rows * row_bytes) return {row_bytes, rows * row_bytes};
+  const bool fits = (t.dim() == 3 && t.size(0) == experts) || (t.dim() == 2 && experts == 1);
+  TORCH_CHECK(fits && t.size(-2) == rows && t.size(-1) == row_bytes && (row_bytes <= 1 || t.stride(-1) == 1), what,
+              ": ", part, " (", experts, ", ", rows, ", ", row_bytes, ") with consecutive bytes a row expected for ",
+              experts, " x ", rows, " rows, got ", t.sizes(), " at strides ", t.strides());
+  TORCH_CHECK(t.stride(-2) >= 0 && (t.dim() == 2 || t.stride(0) >= 0), what, ": ", part, ": negative strides");
+  return {t.stride(-2), t.dim() == 3 ? t.stride(0) : 0};
+}
+
+Matrix checked_matrix(const at::Tensor& blocks, const c10::optional<at::Tensor>& scales, int64_t qtype,
+                      int64_t experts, int64_t rows, int64_t k, const char* what) {
   TORCH_CHECK(known_qtype(qtype), what, ": qtype ", qtype, " is not a type these kernels read");
   const QType q = QType(qtype);
   const Layout L = layout_of(q);
   TORCH_CHECK(k % L.block == 0, what, ": in_features ", k, " is not a multiple of the block size ", L.block);
   const int64_t row_bytes = row_bytes_of(q, k);
-  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
-              what, ": contiguous uint8 blocks on the CPU");
-  TORCH_CHECK(blocks.numel() == experts * rows * row_bytes, what, ": ", experts * rows * row_bytes,
-              " bytes expected for ", experts, " x ", rows, " rows of ", k, " features, got ", blocks.numel());
-  return {blocks.data_ptr<uint8_t>(), q, rows, k, row_bytes};
+  const auto [row_stride, expert_stride] = matrix_strides(blocks, experts, rows, row_bytes, what, "blocks");
+  Matrix m{q, rows, k, row_bytes, blocks.data_ptr<uint8_t>(), row_stride, expert_stride};
+  const bool has_scales = scales.has_value() && scales->defined() && scales->numel() > 0;
+  TORCH_CHECK(has_scales == split_scales(q), what, split_scales(q) ? ": this type's scales are a tensor of their own"
+                                                                    : ": this type's scales are in its blocks");
+  if (has_scales) {
+    std::tie(m.scale_row_stride, m.scale_expert_stride) = matrix_strides(*scales, experts, rows, k / 32, what, "scales");
+    m.scales = scales->data_ptr<uint8_t>();
+  }
+  return m;
 }
 
 const float* checked_bias(const c10::optional<at::Tensor>& bias, int64_t experts, int64_t rows, at::Tensor& keep,
@@ -1224,16 +1297,17 @@ at::Tensor experts_forward(const at::Tensor& x_in, const at::Tensor& topk_ids_in
                            int64_t up_qtype, const at::Tensor& down_blocks, int64_t down_qtype, int64_t num_experts,
                            int64_t inter, const c10::optional<at::Tensor>& gate_bias_in,
                            const c10::optional<at::Tensor>& up_bias_in, const c10::optional<at::Tensor>& down_bias_in,
-                           int64_t activation, double alpha, double limit) {
+                           int64_t activation, double alpha, double limit, const c10::optional<at::Tensor>& gate_scales,
+                           const c10::optional<at::Tensor>& up_scales, const c10::optional<at::Tensor>& down_scales) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2, "x: (T, hidden) on the CPU");
   TORCH_CHECK(activation == kSilu || activation == kSwigluOai, "activation: 0 (silu) or 1 (swiglu_oai)");
   const int64_t tokens = x_in.size(0), hidden = x_in.size(1);
   TORCH_CHECK(topk_ids_in.dim() == 2 && topk_ids_in.size(0) == tokens && topk_weights_in.sizes() == topk_ids_in.sizes(),
               "topk_ids, topk_weights: (T, k)");
   const int64_t k = topk_ids_in.size(1), pairs = tokens * k;
-  const Matrix gate = checked_matrix(gate_blocks, gate_qtype, num_experts, inter, hidden, "gate");
-  const Matrix up = checked_matrix(up_blocks, up_qtype, num_experts, inter, hidden, "up");
-  const Matrix down = checked_matrix(down_blocks, down_qtype, num_experts, hidden, inter, "down");
+  const Matrix gate = checked_matrix(gate_blocks, gate_scales, gate_qtype, num_experts, inter, hidden, "gate");
+  const Matrix up = checked_matrix(up_blocks, up_scales, up_qtype, num_experts, inter, hidden, "up");
+  const Matrix down = checked_matrix(down_blocks, down_scales, down_qtype, num_experts, hidden, inter, "down");
   at::Tensor keep_gb, keep_ub, keep_db;
   const float* gate_bias = checked_bias(gate_bias_in, num_experts, inter, keep_gb, "gate_bias");
   const float* up_bias = checked_bias(up_bias_in, num_experts, inter, keep_ub, "up_bias");
@@ -1292,10 +1366,8 @@ at::Tensor experts_forward(const at::Tensor& x_in, const at::Tensor& topk_ids_in
       static thread_local std::vector<float> g, u;
       g.resize(n * width);
       u.resize(n * width);
-      matmul_rows(gate.qtype, gate.expert(e) + r0 * gate.row_bytes, gate.row_bytes, 0, width, xg,
-                  token_of.data() + first, n, g.data(), width);
-      matmul_rows(up.qtype, up.expert(e) + r0 * up.row_bytes, up.row_bytes, 0, width, x_up,
-                  token_of.data() + first, n, u.data(), width);
+      matmul_rows(gate.qtype, gate.expert(e).from(r0), 0, width, xg, token_of.data() + first, n, g.data(), width);
+      matmul_rows(up.qtype, up.expert(e).from(r0), 0, width, x_up, token_of.data() + first, n, u.data(), width);
       for (int64_t i = 0; i < n; ++i) {
         float* gi = g.data() + i * width;
         float* ui = u.data() + i * width;
@@ -1324,7 +1396,7 @@ at::Tensor experts_forward(const at::Tensor& x_in, const at::Tensor& topk_ids_in
       const int64_t e = active[item / per_expert], r0 = item % per_expert * rows, r1 = std::min(hidden, r0 + rows);
       const int64_t first = start[e], n = start[e + 1] - first;
       float* yp = y.data() + first * hidden + r0;
-      matmul_rows(down.qtype, down.expert(e), down.row_bytes, r0, r1, hq, pair_ids.data() + first, n, yp, hidden);
+      matmul_rows(down.qtype, down.expert(e), r0, r1, hq, pair_ids.data() + first, n, yp, hidden);
       if (down_bias != nullptr)
         for (int64_t i = 0; i < n; ++i)
           for (int64_t r = r0; r < r1; ++r) yp[i * hidden + r - r0] += down_bias[e * hidden + r];
@@ -1354,7 +1426,7 @@ void raw_linear_out(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qt
   const int64_t tokens = x_in.size(0), in_features = x_in.size(1);
   TORCH_CHECK(blocks.dim() == 2, "weight: (N, bytes a row)");
   const int64_t n = blocks.size(0);
-  const Matrix w = checked_matrix(blocks, qtype, 1, n, in_features, "weight");
+  const Matrix w = checked_matrix(blocks, c10::nullopt, qtype, 1, n, in_features, "weight");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == tokens && out.size(1) == n &&
                   (n <= 1 || out.stride(1) == 1) && (tokens <= 1 || out.stride(0) >= n),
               "out: float32 (", tokens, ", ", n, ") with unit column stride");
@@ -1373,7 +1445,7 @@ void raw_linear_out(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qt
   float* y = out.data_ptr<float>();
   auto run = [&](int64_t item) {
     const int64_t r0 = item * rows, r1 = std::min(n, r0 + rows);
-    matmul_rows(w.qtype, w.data, w.row_bytes, r0, r1, a, slots.data(), tokens, y + r0, ldy);
+    matmul_rows(w.qtype, w.expert(0), r0, r1, a, slots.data(), tokens, y + r0, ldy);
     if (bias != nullptr)
       for (int64_t t = 0; t < tokens; ++t)
         for (int64_t r = r0; r < r1; ++r) y[t * ldy + r] += bias[r];
@@ -1391,7 +1463,7 @@ at::Tensor raw_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qty
 // Rows `ids` of a dense weight decoded to float32 (len(ids), K) by this build's plain decoder.
 at::Tensor decode_rows(const at::Tensor& blocks, int64_t qtype, int64_t in_features, const at::Tensor& ids) {
   TORCH_CHECK(blocks.dim() == 2, "weight: (N, bytes a row)");
-  const Matrix w = checked_matrix(blocks, qtype, 1, blocks.size(0), in_features, "weight");
+  const Matrix w = checked_matrix(blocks, c10::nullopt, qtype, 1, blocks.size(0), in_features, "weight");
   const at::Tensor rows = ids.to(at::kLong).contiguous();
   const int64_t* row = rows.data_ptr<int64_t>();
   at::Tensor out = at::empty({rows.numel(), in_features}, blocks.options().dtype(at::kFloat));
@@ -1400,7 +1472,7 @@ at::Tensor decode_rows(const at::Tensor& blocks, int64_t qtype, int64_t in_featu
     TORCH_CHECK(row[i] >= 0 && row[i] < w.rows, "ids: ", row[i], " out of range for ", w.rows, " rows");
     with_qtype(w.qtype, [&](auto qt) {
       constexpr QType Q = decltype(qt)::value;
-      decode_row<Q>(w.data + row[i] * w.row_bytes, in_features, o + i * in_features);
+      decode_row<Q>(w.expert(0).row(row[i]), nullptr, in_features, o + i * in_features);
     });
   }
   return out;
@@ -1442,7 +1514,8 @@ bool fast() { return kVector; }
 TOKENWAY_DEFINE_LIBRARY(TOKENWAY_LIBRARY, m) {
   m.def("experts_forward(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate, int gate_qtype, Tensor up, "
         "int up_qtype, Tensor down, int down_qtype, int num_experts, int intermediate, Tensor? gate_bias, "
-        "Tensor? up_bias, Tensor? down_bias, int activation, float alpha, float limit) -> Tensor",
+        "Tensor? up_bias, Tensor? down_bias, int activation, float alpha, float limit, Tensor? gate_scales=None, "
+        "Tensor? up_scales=None, Tensor? down_scales=None) -> Tensor",
         &experts_forward);
   m.def("raw_linear(Tensor x, Tensor weight, int qtype, Tensor? bias) -> Tensor", &raw_linear);
   m.def("raw_linear_out(Tensor x, Tensor weight, int qtype, Tensor? bias, Tensor(a!) out) -> ()", &raw_linear_out);

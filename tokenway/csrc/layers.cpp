@@ -16,7 +16,8 @@
 //              then for each part of qkv and of o its weight (quant.cpp's tiles), bias (empty: none);
 //              a mixture layer then router_weight (E, hidden) float32, router_bias (empty: none),
 //              the experts' gate, up, down blocks, gate_bias, up_bias, down_bias (empty: none),
-//              shared_gate (1, hidden) float32 (empty: no shared expert);
+//              shared_gate (1, hidden) float32 (empty: no shared expert), the gate's, up's and
+//              down's scales (split-scale types, experts.cpp's MXFP4_HF; empty: in the blocks);
 //              then, for a dense layer or a mixture's shared expert, each part of gate_up and down
 //     ints:    heads, kv_heads, head_dim, block_size, then per layer whether it slides (reads the
 //              sliding layout: its own slots, tables and window), qkv's and o's number of parts
@@ -60,7 +61,7 @@ namespace {
 
 constexpr int kPerLayer = 7;  // input_norm, post_norm, k_cache, v_cache, q_norm, k_norm, sinks; then matmuls
 constexpr int kHeader = 4;    // heads, kv_heads, head_dim, block_size
-constexpr int kExpertTensors = 9;  // router_weight, router_bias, gate, up, down, their biases, shared_gate
+constexpr int kExpertTensors = 12;  // router_weight, router_bias, gate, up, down, their biases, shared_gate, scales
 constexpr int kExpertInts = 9;     // routing, normalize, top_k, num_experts, inter, 3 qtypes, activation
 enum MlpKind : int64_t { kDense = 0, kMixture = 1 };
 enum Routing : int64_t { kSoftmaxTopk = 0, kTopkSoftmax = 1 };
@@ -83,6 +84,7 @@ struct Experts {
   std::optional<at::Tensor> router_bias;
   at::Tensor gate, up, down;  // uint8 blocks (E, rows, bytes a row), as NativeExpertKernel passes them
   std::optional<at::Tensor> gate_bias, up_bias, down_bias, shared_gate;
+  std::optional<at::Tensor> gate_scales, up_scales, down_scales;  // MXFP4_HF's
   int64_t routing = 0, normalize = 0, top_k = 0, num_experts = 0, inter = 0;
   int64_t gate_qtype = 0, up_qtype = 0, down_qtype = 0, activation = 0;
   double alpha = 0.0, limit = 0.0;
@@ -152,6 +154,8 @@ struct Stack : torch::CustomClassHolder {
         e.gate = tensors[t + 2], e.up = tensors[t + 3], e.down = tensors[t + 4];
         e.gate_bias = unless_empty(tensors[t + 5]), e.up_bias = unless_empty(tensors[t + 6]);
         e.down_bias = unless_empty(tensors[t + 7]), e.shared_gate = unless_empty(tensors[t + 8]);
+        e.gate_scales = unless_empty(tensors[t + 9]), e.up_scales = unless_empty(tensors[t + 10]);
+        e.down_scales = unless_empty(tensors[t + 11]);
         e.routing = ints[i], e.normalize = ints[i + 1], e.top_k = ints[i + 2], e.num_experts = ints[i + 3];
         e.inter = ints[i + 4], e.gate_qtype = ints[i + 5], e.up_qtype = ints[i + 6], e.down_qtype = ints[i + 7];
         e.activation = ints[i + 8];
@@ -226,7 +230,9 @@ struct Ops {
 using ExpertsForward = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                   int64_t, const at::Tensor&, int64_t, const at::Tensor&, int64_t, int64_t, int64_t,
                                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                                  const std::optional<at::Tensor>&, int64_t, double, double);
+                                  const std::optional<at::Tensor>&, int64_t, double, double,
+                                  const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                  const std::optional<at::Tensor>&);
 
 // experts.cpp's op, found on a mixture's first step (its library is loaded only for mixtures).
 const c10::TypedOperatorHandle<ExpertsForward>& experts_forward() {
@@ -325,7 +331,8 @@ std::tuple<at::Tensor, int64_t> decode(const c10::intrusive_ptr<Stack>& s, const
     }
     at::Tensor out = experts_forward().call(h, ids, weights, e.gate, e.gate_qtype, e.up, e.up_qtype, e.down,
                                             e.down_qtype, e.num_experts, e.inter, e.gate_bias, e.up_bias,
-                                            e.down_bias, e.activation, e.alpha, e.limit);
+                                            e.down_bias, e.activation, e.alpha, e.limit, e.gate_scales,
+                                            e.up_scales, e.down_scales);
     if (e.shared_gate) {
       const at::Tensor gate = at::sigmoid(at::linear(h, *e.shared_gate));  // (T, 1)
       out += gate * linear(ops.silu_and_mul.call(linear(h, layer.gate_up)), layer.down);

@@ -182,16 +182,18 @@ def _native_experts(mlp: SparseMoe) -> bool:
 
 
 def _mixture_tensors(mlp: SparseMoe, empty: torch.Tensor) -> list[torch.Tensor]:
-    """router_weight, router_bias, the experts' gate, up, down blocks and biases, shared_gate, as
-    csrc/layers.cpp reads them (empty: none) and NativeExpertKernel passes them."""
+    """router_weight, router_bias, the experts' gate, up, down blocks and biases, shared_gate, and
+    the experts' scales (split-scale types), as csrc/layers.cpp reads them (empty: none) and
+    NativeExpertKernel passes them."""
     from tokenway.models.expert_kernels import NativeExpertKernel
 
     kernel = mlp.kernel
     assert isinstance(kernel, NativeExpertKernel)  # build() checked
-    optional = [mlp.router_bias, kernel.gate_bias, kernel.up_bias, kernel.down_bias, mlp.shared_gate_weight]
-    router_bias, gate_bias, up_bias, down_bias, shared_gate = (empty if t is None else t for t in optional)
+    optional = [mlp.router_bias, kernel.gate_bias, kernel.up_bias, kernel.down_bias, mlp.shared_gate_weight,
+                kernel.gate.scales, kernel.up.scales, kernel.down.scales]
+    router_bias, gate_bias, up_bias, down_bias, shared_gate, *scales = (empty if t is None else t for t in optional)
     return [mlp.router_weight, router_bias, kernel.gate.blocks, kernel.up.blocks, kernel.down.blocks,
-            gate_bias, up_bias, down_bias, shared_gate]
+            gate_bias, up_bias, down_bias, shared_gate, *scales]
 
 
 def _mixture_ints(mlp: SparseMoe) -> list[int]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeAlias, cast
+from typing import TYPE_CHECKING, TypeAlias, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,9 @@ if TYPE_CHECKING:
     Matmul: TypeAlias = "LinearKernel | QuantKernel | TorchQuantKernel | RawQuantKernel | ConcatKernel"
 
 GLOBAL, LOCAL = "global", "local"  # which RoPE tables a layer reads (ModelConfig.rope, .local_rope)
+
+
+_Stored = TypeVar("_Stored", torch.Tensor, ExpertWeights)  # what a checkpoint name may hold
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -524,27 +527,32 @@ class DecoderForCausalLM(nn.Module):
         return used
 
     def use_experts(self, tensors: dict[str, ExpertWeights]) -> set[str]:
-        """Run each mixture's experts on the file's 3-D tensors as stored (mapped in place, in any
-        type the expert kernels read: never expanded to float). Returns the HF names used, which
+        """Run each mixture's experts on the file's tensors as stored (mapped in place, in any type
+        the expert kernels read: never expanded to float), named as the file names them (the
+        family's renames and splits apply, as to any weight). Returns the file's names used, which
         load_weights then skips."""
-        from tokenway.models import dequant
+        from tokenway.models.expert_kernels import STORED_QTYPES
 
+        named: dict[str, tuple[ExpertWeights, str]] = {}  # the decoder's name -> (experts, the file's name)
+        for source, weights in tensors.items():
+            for name, part in self._family_names([(source, weights)]):
+                named[name] = (part, source)
         used: set[str] = set()
         for index, layer in enumerate(self.decoder_layers):
             if not isinstance(layer.mlp, SparseMoe):
                 continue
             names = [f"model.layers.{index}.mlp.experts.{proj}_proj.weight" for proj in PROJECTIONS]
-            found = [tensors.get(name) for name in names]
+            found = [named.get(name) for name in names]
             stored = [t for t in found if t is not None]
             if len(stored) < len(names):
                 continue
-            for name, weights in zip(names, stored):
-                if weights.qtype not in dequant.QTYPES:  # every type the kernels read, torch's included
+            for name, (weights, _) in zip(names, stored):
+                if weights.qtype not in STORED_QTYPES:  # every type the kernels read, torch's included
                     raise ValueError(f"{name}: experts stored as {weights.qtype}, a type tokenway cannot "
-                                     f"compute on (it reads {', '.join(dequant.QTYPES)})")
-            layer.mlp.use_stored(*stored)
+                                     f"compute on (it reads {', '.join(STORED_QTYPES)})")
+            layer.mlp.use_stored(*(weights for weights, _ in stored))
             self._quantized_params.update(f"layers.{index}.mlp.{proj}_weight" for proj in PROJECTIONS)
-            used.update(names)
+            used.update(source for _, source in stored)
         return used
 
     def relaid_weights(self) -> dict[str, torch.Tensor]:
@@ -659,9 +667,9 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(layer.mlp, SparseMoe):
                 layer.mlp.finish(torch_device)
 
-    def _family_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """A checkpoint's layer tensors under the decoder's names and layouts, where the family
-        spells them its own way (arch.hf_renames, arch.hf_split)."""
+    def _family_names(self, weights: Iterable[tuple[str, _Stored]]) -> Iterator[tuple[str, _Stored]]:
+        """A checkpoint's layer tensors (or experts as stored) under the decoder's names and
+        layouts, where the family spells them its own way (arch.hf_renames, arch.hf_split)."""
         arch = self.config.arch
         for name, tensor in weights:
             if not name.startswith("model.layers.") or not (arch.hf_renames or arch.hf_split):

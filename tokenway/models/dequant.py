@@ -199,6 +199,16 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:  # e: E8M0 scale byte, qs: 16 bytes
     return _e8m0_half(b[:, :1]) * _lookup(q, MXFP4_VALUES)
 
 
+def mxfp4_pairs(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 (rows, 32 x blocks) of MXFP4 as gpt-oss's safetensors store it (transformers'
+    convert_moe_packed_tensors): blocks (rows, 16 x blocks) of nibble pairs (byte j holds elements
+    2j low, 2j + 1 high), scales (rows, blocks) E8M0 bytes, each its block's 2^(e - 127)."""
+    rows = blocks.shape[0]
+    pairs = blocks.reshape(rows, -1, 16)
+    codes = torch.stack((pairs & 0x0F, pairs >> 4), dim=-1).reshape(rows, -1, 32)
+    return (_e8m0_half(scales.reshape(rows, -1, 1)) * _lookup(codes, MXFP4_VALUES)).reshape(rows, -1)
+
+
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:  # d: f16, qs: 16 bytes of indices into IQ4_VALUES
     q = _unpack(b[:, 2:], 16, 4).reshape(b.shape[0], 32)
     return _f16(b) * _lookup(q, IQ4_VALUES)

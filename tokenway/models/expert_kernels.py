@@ -9,7 +9,10 @@ its token's row weighted by the router's weight.
 The weights stay as stored, never expanded to float at load: a GGUF's 3-D expert tensors are
 mapped in place (models/weights.py), E consecutive (rows, bytes a row) matrices of blocks in any
 type the kernels read; a safetensors checkpoint's float experts are the same with qtype "F32",
-"F16" or "BF16".
+"F16" or "BF16". gpt-oss's safetensors keep their experts in MXFP4 too, laid out their own way
+("MXFP4_HF": a block's 16 bytes hold its elements in pairs, 2j in the low nibble and 2j + 1 in
+the high, and the E8M0 scales are a tensor of their own), also mapped in place; their gate and up
+are every other row of one tensor, so rows may lie further apart than a row's bytes.
 
     x             (T, hidden) float32
     topk_ids      (T, k) int64     the experts each token chose
@@ -41,22 +44,36 @@ ACTIVATIONS = ("silu", "swiglu_oai")
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # The block types csrc/experts.cpp reads, by GGML type id (its qtype argument).
 NATIVE_QTYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
-                    "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30, "MXFP4": 39}
+                    "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30, "MXFP4": 39, "MXFP4_HF": 1039}
+# Types whose scales are a tensor of their own beside the blocks (ExpertWeights.scales), one byte a block of 32.
+SPLIT_SCALES = ("MXFP4_HF",)
+# Every type experts may be stored in: the GGUF types dequant reads, and the split-scale ones.
+STORED_QTYPES = (*dequant.QTYPES, *SPLIT_SCALES)
 _ACTIVATION_IDS = {"silu": 0, "swiglu_oai": 1}
 
 
 @dataclass(frozen=True, slots=True)
 class ExpertWeights:
-    """E matrices of one projection, as stored: uint8 blocks (E, rows, bytes a row)."""
+    """E matrices of one projection, as stored: uint8 blocks (E, rows, bytes a row), each row's
+    bytes consecutive (rows and experts may be further apart: a view of every other row)."""
 
-    qtype: str  # GGUF type name; "F32", "F16", "BF16" for float experts
+    qtype: str  # GGUF type name; "F32", "F16", "BF16" for float experts; or one of SPLIT_SCALES
     blocks: torch.Tensor  # uint8 (E, rows, bytes a row)
     shape: tuple[int, int, int]  # (E, rows, in_features)
+    scales: torch.Tensor | None = None  # SPLIT_SCALES types: uint8 (E, rows, in_features // 32)
 
     def __post_init__(self) -> None:
         if self.blocks.dim() != 3 or self.blocks.shape[:2] != self.shape[:2] or self.blocks.dtype != torch.uint8:
             raise ValueError(f"{self.qtype} experts {self.shape}: expected uint8 blocks (E, rows, bytes), "
                              f"got {self.blocks.dtype} {tuple(self.blocks.shape)}")
+        if (self.scales is not None) != (self.qtype in SPLIT_SCALES):
+            raise ValueError(f"{self.qtype} experts: scales are {'required' if self.scales is None else 'not read'} "
+                             f"beside the blocks")
+        if self.scales is not None:
+            expected = (*self.shape[:2], self.shape[2] // 32)
+            if self.scales.dtype != torch.uint8 or tuple(self.scales.shape) != expected:
+                raise ValueError(f"{self.qtype} experts {self.shape}: expected uint8 scales {expected}, "
+                                 f"got {self.scales.dtype} {tuple(self.scales.shape)}")
 
     @classmethod
     def of_float(cls, weight: torch.Tensor) -> ExpertWeights:
@@ -72,12 +89,26 @@ class ExpertWeights:
     def num_experts(self) -> int:
         return self.shape[0]
 
+    def every_other_row(self, first: int) -> ExpertWeights:
+        """Rows first, first + 2, ... of every expert: views, nothing copied (gpt-oss's gate and up,
+        interleaved by row in one tensor)."""
+        scales = None if self.scales is None else self.scales[:, first::2]
+        num_experts, rows, cols = self.shape
+        return ExpertWeights(self.qtype, self.blocks[:, first::2], (num_experts, len(range(first, rows, 2)), cols),
+                             scales)
+
+    def to(self, device: torch.device) -> ExpertWeights:
+        return ExpertWeights(self.qtype, self.blocks.to(device), self.shape,
+                             None if self.scales is None else self.scales.to(device))
+
     def dequantize(self, expert: int) -> torch.Tensor:
         """float32 (rows, in_features) of one expert."""
         _, rows, cols = self.shape
         blocks = self.blocks[expert]
         if self.qtype in FLOAT_DTYPES:
             return blocks.contiguous().view(FLOAT_DTYPES[self.qtype]).view(rows, cols).float()
+        if self.scales is not None:
+            return dequant.mxfp4_pairs(blocks, self.scales[expert])
         return dequant.dequantize(blocks, self.qtype, (rows, cols))
 
 
@@ -158,8 +189,9 @@ class NativeExpertKernel:
         ops = native.load("experts", isa)
         if ops is None:
             raise RuntimeError("the native experts kernel is not built on this machine")
-        # Mapped GGUF tensors are contiguous already: contiguous() keeps them in place.
-        self.gate, self.up, self.down = (ExpertWeights(w.qtype, w.blocks.contiguous(), w.shape)
+        # Mapped tensors stay in place: the op reads rows and experts at their strides.
+        self.gate, self.up, self.down = (ExpertWeights(w.qtype, _rows_consecutive(w.blocks), w.shape,
+                                                       None if w.scales is None else _rows_consecutive(w.scales))
                                          for w in (gate, up, down))
         self.gate_bias, self.up_bias, self.down_bias = gate_bias, up_bias, down_bias  # (E, rows) or None
         self.spec = spec
@@ -172,7 +204,8 @@ class NativeExpertKernel:
             x, topk_ids, topk_weights,
             self.gate.blocks, NATIVE_QTYPE_IDS[self.gate.qtype], self.up.blocks, NATIVE_QTYPE_IDS[self.up.qtype],
             self.down.blocks, NATIVE_QTYPE_IDS[self.down.qtype], num_experts, inter,
-            self.gate_bias, self.up_bias, self.down_bias, self.activation_id, self.spec.alpha, self.spec.limit)
+            self.gate_bias, self.up_bias, self.down_bias, self.activation_id, self.spec.alpha, self.spec.limit,
+            self.gate.scales, self.up.scales, self.down.scales)
 
 
 ExpertKernel = TorchExpertKernel | NativeExpertKernel
@@ -182,7 +215,13 @@ def supports(qtype: str, in_features: int | None = None) -> bool:
     """Whether the native kernel reads `qtype` blocks (with rows of in_features, when given)."""
     if qtype not in NATIVE_QTYPE_IDS:
         return False
-    return in_features is None or in_features % dequant.block_size(qtype) == 0
+    block = 32 if qtype in SPLIT_SCALES else dequant.block_size(qtype)
+    return in_features is None or in_features % block == 0
+
+
+def _rows_consecutive(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy where a row's bytes are not consecutive (what the op reads at any other stride)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
@@ -206,7 +245,7 @@ def build(gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, spec: Exp
     if on_cpu and all(supports(w.qtype, w.shape[2]) for w in (gate, up, down)) and native.load("experts") is not None:
         return NativeExpertKernel(gate, up, down, spec, gate_bias, up_bias, down_bias)
     if torch_device is not None:  # the blocks as stored, on the device (a GPU): decoded there per call
-        gate, up, down = (ExpertWeights(w.qtype, w.blocks.to(torch_device), w.shape) for w in (gate, up, down))
+        gate, up, down = (w.to(torch_device) for w in (gate, up, down))
         gate_bias, up_bias, down_bias = (None if b is None else b.to(torch_device)
                                          for b in (gate_bias, up_bias, down_bias))
     return TorchExpertKernel(gate, up, down, spec, gate_bias, up_bias, down_bias)

@@ -17,9 +17,9 @@ import torch
 
 from tokenway import native
 from tokenway.models import dequant
-from tokenway.models.expert_kernels import FLOAT_DTYPES, NATIVE_QTYPE_IDS
+from tokenway.models.expert_kernels import FLOAT_DTYPES, NATIVE_QTYPE_IDS, SPLIT_SCALES
 
-QTYPES = tuple(NATIVE_QTYPE_IDS)
+QTYPES = tuple(q for q in NATIVE_QTYPE_IDS if q not in SPLIT_SCALES)  # a GGUF's: scales in the blocks
 
 
 def _ops(isa: str | None = None):
@@ -32,7 +32,7 @@ def available(isa: str | None = None) -> bool:
 
 
 def supports(qtype: str, in_features: int) -> bool:
-    return qtype in NATIVE_QTYPE_IDS and in_features % dequant.block_size(qtype) == 0
+    return qtype in QTYPES and in_features % dequant.block_size(qtype) == 0
 
 
 class RawQuantKernel:

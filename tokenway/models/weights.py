@@ -1,6 +1,8 @@
 """Reading a model directory's weights: (HF tensor name, tensor), mapped in place where they can be.
 
-A HuggingFace directory's *.safetensors are read through safetensors (memory-mapped). A GGUF's
+A HuggingFace directory's *.safetensors are read through safetensors (memory-mapped), but for
+experts kept in MXFP4 (gpt-oss's `*_blocks` beside `*_scales`), mapped in place as stored
+(`expert_weights`). A GGUF's
 directory (loader.resolve_model, gguf.py) holds no weights, only gguf.TENSOR_TABLE: each tensor is
 mapped from the GGUF itself when the model loads, one mapping a tensor, so a tensor's pages are let
 go once the model has what it keeps of it. Quantized weights reach the model as their blocks
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import tempfile
 from collections.abc import Container, Iterator
 from dataclasses import dataclass
@@ -104,10 +107,11 @@ def quantized_weights(model_dir: Path) -> dict[str, QuantizedTensor]:
 
 def expert_weights(model_dir: Path) -> dict[str, ExpertWeights]:
     """A GGUF's 3-D expert tensors (experts, rows, in_features), any type, by HF name, mapped in
-    place from the file; empty for a HuggingFace directory (its experts load as floats)."""
+    place from the file; for a HuggingFace directory its MXFP4 experts, by the name their
+    `_blocks` and `_scales` share (its float experts load as floats)."""
     table = gguf_table(model_dir)
     if table is None:
-        return {}
+        return _mxfp4_experts(Path(model_dir))
     gguf_path, entries = table
     out = {}
     for entry in entries:
@@ -118,9 +122,71 @@ def expert_weights(model_dir: Path) -> dict[str, ExpertWeights]:
     return out
 
 
+# gpt-oss's MXFP4 experts in safetensors (transformers' Mxfp4 layout): NAME_blocks uint8 (E, rows,
+# blocks, 16) of nibble pairs and NAME_scales uint8 (E, rows, blocks) of E8M0 exponents.
+MXFP4_PARTS = ("_blocks", "_scales")
+
+
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    """A safetensors tensor's place: its file and absolute byte range, dtype, shape."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    def mapped(self, shape: tuple[int, ...]) -> torch.Tensor:
+        raw = np.memmap(self.file, dtype=np.uint8, mode="c", offset=self.start, shape=(self.end - self.start,))
+        return torch.from_numpy(raw.reshape(shape))
+
+
+def _safetensors_table(model_dir: Path) -> dict[str, _Stored]:
+    """Every tensor of the directory's *.safetensors, from their headers (8 bytes of length, JSON)."""
+    out: dict[str, _Stored] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                start, end = entry["data_offsets"]
+                out[name] = _Stored(file, entry["dtype"], tuple(entry["shape"]), 8 + size + start, 8 + size + end)
+    return out
+
+
+def _mxfp4_experts(model_dir: Path) -> dict[str, ExpertWeights]:
+    """Each NAME_blocks with its NAME_scales (either shard) as MXFP4_HF experts, mapped in place.
+    A pair of another shape is left to the checkpoint's reader, which names it."""
+    table = _safetensors_table(model_dir)
+    out = {}
+    for name, blocks in table.items():
+        if not name.endswith(MXFP4_PARTS[0]):
+            continue
+        stem = name.removesuffix(MXFP4_PARTS[0])
+        scales = table.get(stem + MXFP4_PARTS[1])
+        if (scales is None or blocks.dtype != "U8" or scales.dtype != "U8" or len(blocks.shape) != 4
+                or blocks.shape[3] != 16 or scales.shape != blocks.shape[:3]):
+            continue
+        num_experts, rows, num_blocks, _ = blocks.shape
+        out[stem] = ExpertWeights("MXFP4_HF", blocks.mapped((num_experts, rows, num_blocks * 16)),
+                                  (num_experts, rows, num_blocks * 32), scales.mapped(scales.shape))
+    return out
+
+
+def _stem(name: str) -> str:
+    """The name an MXFP4 part's pair shares (expert_weights' key), else the name itself."""
+    for part in MXFP4_PARTS:
+        if name.endswith(part):
+            return name.removesuffix(part)
+    return name
+
+
 def iter_weights(model_dir: Path, skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF tensor name, tensor) for every tensor of the model but those in `skip`, in the
-    file's dtype (a GGUF's blocks decoded to float32)."""
+    """Yield (HF tensor name, tensor) for every tensor of the model but those in `skip` (an MXFP4
+    pair skipped by the name expert_weights gives it), in the file's dtype (a GGUF's blocks
+    decoded to float32)."""
     table = gguf_table(model_dir)
     if table is not None:
         yield from _gguf_floats(*table, skip)
@@ -136,7 +202,7 @@ def iter_weights(model_dir: Path, skip: Container[str] = ()) -> Iterator[tuple[s
         for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118  (safe_open has keys() but is not iterable)
-                    if name not in skip:
+                    if name not in skip and _stem(name) not in skip:
                         yield name, f.get_tensor(name)
                     bar.update()
 

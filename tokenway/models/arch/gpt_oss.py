@@ -6,13 +6,18 @@ a clamped SwiGLU: (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g), g = min(gate, 7
 
 HF keeps each layer's experts as two 3-D tensors, gate and up interleaved by column in one
 (E, hidden, 2 * intermediate) and down as (E, intermediate, hidden); the decoder's are (E, rows,
-in_features), as a GGUF's are. llama.cpp's converter writes "gpt-oss", its experts split and
-transposed so, and alternates the window from layer 0 (set_swa_pattern(2))."""
+in_features), as a GGUF's are. OpenAI's own checkpoints keep the experts in MXFP4 instead
+(gate_up_proj_blocks (E, 2 * intermediate, hidden / 32, 16) and _scales, down likewise), rows
+already (E, rows, in_features) with gate and up interleaved by row: mapped in place, the gate
+and up are every other row of the one tensor (models/weights.py expert_weights).
+llama.cpp's converter writes "gpt-oss", its experts split and transposed so, and alternates the
+window from layer 0 (set_swa_pattern(2))."""
 
 from collections.abc import Mapping
 from typing import Any
 
 from tokenway.models.arch.base import FULL, LLAMA_GGUF_TENSORS, MOE_GGUF_TENSORS, SLIDING, Architecture, Experts
+from tokenway.models.expert_kernels import ExpertWeights
 
 
 def _hf_fields(hf: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
@@ -46,6 +51,13 @@ def _gguf_fields(meta: Any) -> dict[str, Any]:
 
 def _split(name: str, tensor: Any) -> list[tuple[str, Any]]:
     """HF's fused, transposed expert tensors -> the decoder's (E, rows, in_features) ones."""
+    if isinstance(tensor, ExpertWeights):  # MXFP4 as stored (weights.expert_weights): (E, rows, in_features)
+        if name == "mlp.experts.gate_up_proj":  # (E, 2 * inter, hidden), gate and up interleaved by row
+            return [("mlp.experts.gate_proj.weight", tensor.every_other_row(0)),
+                    ("mlp.experts.up_proj.weight", tensor.every_other_row(1))]
+        if name == "mlp.experts.down_proj":
+            return [("mlp.experts.down_proj.weight", tensor)]
+        return [(name, tensor)]
     if name == "mlp.experts.gate_up_proj":  # (E, hidden, 2 * inter), gate and up interleaved
         return [("mlp.experts.gate_proj.weight", tensor[..., ::2].transpose(1, 2)),
                 ("mlp.experts.up_proj.weight", tensor[..., 1::2].transpose(1, 2))]
@@ -57,9 +69,10 @@ def _split(name: str, tensor: Any) -> list[tuple[str, Any]]:
         return [("self_attn.sinks.weight", tensor)]
     if name == "mlp.experts.down_proj_bias":
         return [("mlp.experts.down_proj.bias", tensor)]
-    if name.endswith(("_blocks", "_scales")):
-        raise ValueError(f"{name}: gpt-oss's MXFP4 safetensors are not read yet; serve its GGUF "
-                         f"(ggml-org/gpt-oss-20b-GGUF), whose experts are the same MXFP4 blocks")
+    if name.endswith(("_blocks", "_scales")):  # weights.expert_weights pairs and maps every such pair
+        raise ValueError(f"{name}: MXFP4 {'blocks' if name.endswith('_blocks') else 'scales'} without their "
+                         f"{'scales' if name.endswith('_blocks') else 'blocks'} (or of a shape that is not "
+                         f"(experts, rows, blocks, 16) beside (experts, rows, blocks))")
     return [(name, tensor)]
 
 
