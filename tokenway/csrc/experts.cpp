@@ -130,8 +130,8 @@ void with_qtype(QType q, Fn&& fn) {
   switch (q) {
 #define TOKENWAY_CASE(T) case QType::T: fn(std::integral_constant<QType, QType::T>{}); break;
     TOKENWAY_CASE(F32) TOKENWAY_CASE(F16) TOKENWAY_CASE(BF16) TOKENWAY_CASE(Q4_0) TOKENWAY_CASE(Q8_0)
-    TOKENWAY_CASE(IQ4_NL) TOKENWAY_CASE(MXFP4) TOKENWAY_CASE(MXFP4_HF) TOKENWAY_CASE(Q2_K) TOKENWAY_CASE(Q3_K) TOKENWAY_CASE(Q4_K)
-    TOKENWAY_CASE(Q5_K) TOKENWAY_CASE(Q6_K) TOKENWAY_CASE(IQ4_XS)
+    TOKENWAY_CASE(IQ4_NL) TOKENWAY_CASE(MXFP4) TOKENWAY_CASE(MXFP4_HF) TOKENWAY_CASE(Q2_K) TOKENWAY_CASE(Q3_K)
+    TOKENWAY_CASE(Q4_K) TOKENWAY_CASE(Q5_K) TOKENWAY_CASE(Q6_K) TOKENWAY_CASE(IQ4_XS)
 #undef TOKENWAY_CASE
   }
 }
@@ -472,7 +472,8 @@ inline __m256i decode32(const uint8_t* b, int i) {
     return _mm256_shuffle_epi8(table, nibbles32(b + 1));
   } else if constexpr (Q == QType::MXFP4_HF) {  // pairs: byte j is elements 2j (low), 2j + 1 (high)
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-    const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+    const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
     const __m256i codes = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
     return _mm256_shuffle_epi8(table16<12>(kMXFP4Values), codes);
   } else if constexpr (Q == QType::Q4_K || Q == QType::Q5_K) {
