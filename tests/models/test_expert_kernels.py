@@ -152,6 +152,25 @@ def hf_experts(num_experts: int, hidden: int, inter: int, seed: int) -> list[Exp
     return [fused.every_other_row(0), fused.every_other_row(1), down]
 
 
+@pytest.mark.parametrize("qtype", ["BF16", "F16", "F32"])
+def test_float_weights_meet_a_prompt_chunk_through_torch_matmul(qtype):
+    """From quant_raw.FLOAT_MATMUL_TOKENS tokens a float weight's rows are converted a slice at a
+    time and meet x through torch's matmul: the same product as below it, written into out=."""
+    ops_or_skip(None)
+    rows, cols = 70, 96
+    blocks = valid_blocks(qtype, (rows, cols), seed=4)
+    bias = torch.randn(rows)
+    kernel = quant_raw.RawQuantKernel(blocks, qtype, cols, bias=bias)
+    weight = blocks.view(FLOATS[qtype]).float()
+    x = torch.randn(quant_raw.FLOAT_MATMUL_TOKENS + 3, cols)
+    expected = x.double() @ weight.double().T + bias.double()
+    wide = torch.zeros(x.shape[0], rows + 5)
+    got = kernel(x, out=wide[:, 5:])
+    assert got.data_ptr() == wide[:, 5:].data_ptr() and (wide[:, :5] == 0).all()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    torch.testing.assert_close(kernel(x[:9]), got[:9], rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 def test_raw_kernel_is_the_quant_kernel_call():
     """out= a column slice of a wider output, the bias read at call time, embedding rows exact."""
     ops_or_skip(None)

@@ -127,6 +127,27 @@ def test_family_from_safetensors_and_gguf_generates_as_transformers(kind, tmp_pa
     serve_and_compare(str(gguf_path), expected, tmp_path / "cache", max_tokens)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3", "phi3"])
+def test_bfloat16_checkpoints_are_computed_as_stored(kind, tmp_path, tokenizer_dir):
+    """A bfloat16 checkpoint served in float32: its matmuls and embedding on the file's bfloat16
+    rows in place (models/quant_raw.py), never expanded, and transformers' tokens (its float32
+    model of the same checkpoint: the same weights). Tied embeddings (llama, qwen3), Gemma's
+    scaled embeddings, Phi-3's fused projections."""
+    from tokenway.models.quant_raw import RawQuantKernel
+
+    model_dir = build(kind, tmp_path / kind, tokenizer_dir)
+    transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).save_pretrained(model_dir)
+    expected = transformers_greedy(model_dir, prompts(), 16)
+    llm = serve_and_compare(str(model_dir), expected, tmp_path / "cache", 16)
+    model = llm.engine.model
+    kernels = [model.embedding, model.head] + [k for layer in model.decoder_layers
+                                               for k in (layer.self_attn.qkv, layer.self_attn.o)]
+    for kernel in kernels:
+        parts = getattr(kernel, "parts", [kernel])
+        assert all(isinstance(p, RawQuantKernel) and p.qtype == "BF16" for p in parts), type(kernel).__name__
+    assert model.embed_tokens.numel() == 0  # no float copy of the table
+
+
 def test_blocks_behind_every_layers_window_go_back_to_the_pool(tmp_path, tokenizer_dir):
     """Mistral with a 12-key window on every layer: each request holds a few blocks, not its whole
     context, so 8 requests (285 tokens, 75 blocks of 4) run at once in a cache of 44 blocks."""

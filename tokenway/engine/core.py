@@ -121,7 +121,9 @@ class EngineCore:
                 # A GGUF's blocks, relaid for the kernels once and kept beside its description.
                 kernel_cache = KernelCache(model_dir, quant.LAYOUT_VERSION)
                 relaid = kernel_cache.load()
-                quantized = model.use_quantized(quantized_weights(model_dir), activations, relaid)
+                # A checkpoint's bfloat16 (float16) weights too, where the model computes in float32.
+                stored = quantized_weights(model_dir, floats_as_stored=self.dtype == torch.float32)
+                quantized = model.use_quantized(stored, activations, relaid)
                 kernels = model.relaid_weights()
                 if kernels.keys() - relaid.keys():
                     kernel_cache.save(kernels)

@@ -3,17 +3,20 @@
 models/quant.QuantKernel relays a weight once at load for its 16-row tiles and reads Q4_0 to
 Q6_K. This kernel reads llama.cpp's blocks in place, rows as the file maps them, with the same
 int8 products the expert kernel uses, and so covers the types that kernel does not: Q2_K, Q3_K,
-IQ4_NL, IQ4_XS and MXFP4 (and Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16 as well).
+IQ4_NL, IQ4_XS and MXFP4 (and Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16 as well), and a
+safetensors checkpoint's bfloat16 and float16 weights where the model computes in float32
+(models/weights.py quantized_weights(floats_as_stored)): mapped, never expanded.
 Activations are quantized to int8 per block of 32 (per super-block of 256 for the K-quants and
 IQ4_XS), as llama.cpp pairs them; float weights meet float32 activations.
 
-    blocks  uint8 (N, bytes a row)   a 2-D GGUF weight as stored
+    blocks  uint8 (N, bytes a row)   a 2-D GGUF weight as stored (a float one's bytes)
     x       (T, in_features) float   ->   y (T, N) float32
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tokenway import native
 from tokenway.models import dequant
@@ -33,6 +36,13 @@ def available(isa: str | None = None) -> bool:
 
 def supports(qtype: str, in_features: int) -> bool:
     return qtype in QTYPES and in_features % dequant.block_size(qtype) == 0
+
+
+# Tokens from which a float weight (BF16, F16, F32) meets x through torch's matmul instead, its
+# rows converted to float32 a slice at a time: at a prompt chunk's token counts the BLAS sgemm
+# outruns the raw kernel's register tiles, and the conversion is a small share of its work.
+FLOAT_MATMUL_TOKENS = 256
+_FLOAT_SLICE_BYTES = 64 * 2**20  # float32 bytes of rows converted at once
 
 
 class RawQuantKernel:
@@ -73,9 +83,23 @@ class RawQuantKernel:
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """out: a float32 (T, out_features) view to write into (rows may be further apart: a column
         slice of a wider output), returned."""
+        if self.qtype in FLOAT_DTYPES and x.shape[0] >= FLOAT_MATMUL_TOKENS:
+            return self._float_matmul(x, out)
         if out is None:
             return self._ops.raw_linear(x, self.weight, self.qtype_id, self.bias_or_none)
         self._ops.raw_linear_out(x, self.weight, self.qtype_id, self.bias_or_none, out)
+        return out
+
+    def _float_matmul(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        x = x.float()
+        weight = self.weight.view(FLOAT_DTYPES[self.qtype])  # (out_features, in_features)
+        bias = self.bias_or_none
+        step = max(1, _FLOAT_SLICE_BYTES // (4 * self.in_features))
+        for r0 in range(0, self.out_features, step):
+            rows = slice(r0, min(self.out_features, r0 + step))
+            out[:, rows] = F.linear(x, weight[rows].float(), None if bias is None else bias[rows].float())
         return out
 
     def dequantize(self) -> torch.Tensor:

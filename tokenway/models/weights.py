@@ -39,9 +39,10 @@ _ALIGN = 64  # bytes: each kernel tensor in KernelCache starts on a cache line
 
 @dataclass(frozen=True, slots=True)
 class QuantizedTensor:
-    """A weight kept as a GGUF stores it: rows of quantized blocks, in HF row order."""
+    """A weight kept as its file stores it: rows of quantized blocks (a GGUF's), or of a
+    checkpoint's bfloat16 or float16 values, in HF row order."""
 
-    qtype: str  # the GGUF type name: "Q4_K", "Q8_0", ...
+    qtype: str  # the GGUF type name: "Q4_K", "Q8_0", ..., "BF16", "F16"
     blocks: torch.Tensor  # uint8 (rows, bytes per row): mapped from the file unless rows were reordered
     shape: tuple[int, int]  # HF (rows, in_features)
 
@@ -94,12 +95,15 @@ def _blocks(gguf_path: Path, entry: TensorEntry) -> torch.Tensor:
     return torch.from_numpy(blocks)
 
 
-def quantized_weights(model_dir: Path) -> dict[str, QuantizedTensor]:
-    """A GGUF's block-quantized 2-D weights, by HF name, mapped from the file; empty for a
-    HuggingFace directory."""
+def quantized_weights(model_dir: Path, floats_as_stored: bool = False) -> dict[str, QuantizedTensor]:
+    """A GGUF's block-quantized 2-D weights, by HF name, mapped from the file. For a HuggingFace
+    directory, with floats_as_stored: its bfloat16 and float16 2-D weights (qtype "BF16", "F16",
+    their bytes), mapped in place for the raw kernels (models/quant_raw.py) to compute on as they
+    are (a model computing in float32 would otherwise hold them expanded: twice the memory, and
+    twice the bytes a token reads); else empty."""
     table = gguf_table(model_dir)
     if table is None:
-        return {}
+        return _stored_floats(Path(model_dir)) if floats_as_stored else {}
     gguf_path, entries = table
     return {e.name: QuantizedTensor(e.type, _blocks(gguf_path, e), (e.shape[0], e.shape[1]))
             for e in entries if e.quantized}
@@ -172,6 +176,15 @@ def _mxfp4_experts(model_dir: Path) -> dict[str, ExpertWeights]:
         num_experts, rows, num_blocks, _ = blocks.shape
         out[stem] = ExpertWeights("MXFP4_HF", blocks.mapped((num_experts, rows, num_blocks * 16)),
                                   (num_experts, rows, num_blocks * 32), scales.mapped(scales.shape))
+    return out
+
+
+def _stored_floats(model_dir: Path) -> dict[str, QuantizedTensor]:
+    out = {}
+    for name, stored in _safetensors_table(model_dir).items():
+        if stored.dtype in ("BF16", "F16") and len(stored.shape) == 2:
+            rows, cols = stored.shape
+            out[name] = QuantizedTensor(stored.dtype, stored.mapped((rows, 2 * cols)), (rows, cols))
     return out
 
 
