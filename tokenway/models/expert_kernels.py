@@ -92,10 +92,9 @@ class ExpertWeights:
     def every_other_row(self, first: int) -> ExpertWeights:
         """Rows first, first + 2, ... of every expert: views, nothing copied (gpt-oss's gate and up,
         interleaved by row in one tensor)."""
+        blocks = self.blocks[:, first::2]
         scales = None if self.scales is None else self.scales[:, first::2]
-        num_experts, rows, cols = self.shape
-        return ExpertWeights(self.qtype, self.blocks[:, first::2], (num_experts, len(range(first, rows, 2)), cols),
-                             scales)
+        return ExpertWeights(self.qtype, blocks, (*blocks.shape[:2], self.shape[2]), scales)
 
     def to(self, device: torch.device) -> ExpertWeights:
         return ExpertWeights(self.qtype, self.blocks.to(device), self.shape,

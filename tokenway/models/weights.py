@@ -82,9 +82,14 @@ def gguf_table(model_dir: Path) -> tuple[Path, list[TensorEntry]] | None:
     return Path(table["gguf"]), entries
 
 
+def _map_bytes(path: Path, offset: int, nbytes: int) -> np.ndarray:
+    """nbytes of the file from offset, mapped copy-on-write (writable for torch, never written to the file)."""
+    return np.memmap(path, dtype=np.uint8, mode="c", offset=offset, shape=(nbytes,))
+
+
 def _mapped(gguf_path: Path, entry: TensorEntry) -> np.ndarray:
-    """The tensor's bytes, mapped copy-on-write (writable for torch, never written to the file)."""
-    return np.memmap(gguf_path, dtype=np.uint8, mode="c", offset=entry.offset, shape=(entry.nbytes,))
+    """The tensor's bytes, mapped (_map_bytes)."""
+    return _map_bytes(gguf_path, entry.offset, entry.nbytes)
 
 
 def _blocks(gguf_path: Path, entry: TensorEntry) -> torch.Tensor:
@@ -142,8 +147,7 @@ class _Stored:
     end: int
 
     def mapped(self, shape: tuple[int, ...]) -> torch.Tensor:
-        raw = np.memmap(self.file, dtype=np.uint8, mode="c", offset=self.start, shape=(self.end - self.start,))
-        return torch.from_numpy(raw.reshape(shape))
+        return torch.from_numpy(_map_bytes(self.file, self.start, self.end - self.start).reshape(shape))
 
 
 def _safetensors_table(model_dir: Path) -> dict[str, _Stored]:

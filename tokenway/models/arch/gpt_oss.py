@@ -70,8 +70,8 @@ def _split(name: str, tensor: Any) -> list[tuple[str, Any]]:
     if name == "mlp.experts.down_proj_bias":
         return [("mlp.experts.down_proj.bias", tensor)]
     if name.endswith(("_blocks", "_scales")):  # weights.expert_weights pairs and maps every such pair
-        raise ValueError(f"{name}: MXFP4 {'blocks' if name.endswith('_blocks') else 'scales'} without their "
-                         f"{'scales' if name.endswith('_blocks') else 'blocks'} (or of a shape that is not "
+        part, other = ("blocks", "scales") if name.endswith("_blocks") else ("scales", "blocks")
+        raise ValueError(f"{name}: MXFP4 {part} without their {other} (or of a shape that is not "
                          f"(experts, rows, blocks, 16) beside (experts, rows, blocks))")
     return [(name, tensor)]
 
