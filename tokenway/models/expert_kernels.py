@@ -94,7 +94,7 @@ class ExpertWeights:
         interleaved by row in one tensor)."""
         blocks = self.blocks[:, first::2]
         scales = None if self.scales is None else self.scales[:, first::2]
-        return ExpertWeights(self.qtype, blocks, (*blocks.shape[:2], self.shape[2]), scales)
+        return ExpertWeights(self.qtype, blocks, (blocks.shape[0], blocks.shape[1], self.shape[2]), scales)
 
     def to(self, device: torch.device) -> ExpertWeights:
         return ExpertWeights(self.qtype, self.blocks.to(device), self.shape,
