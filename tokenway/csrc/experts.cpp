@@ -715,13 +715,24 @@ inline UV dot(UV acc, UV u, UV x) {
 }
 
 #if !defined(TOKENWAY_EXPERTS_512)
-// kIntScales's tiles. Unit u's (sub-blocks 2u, 2u + 1) scales as int16 lanes, 8 each, from a
-// super-block's 16 scale bytes: one byte shuffle and a widening (the bytes stay one register a row).
+// kIntScales's tiles. A super-block's 16 scale bytes widened once to int16, each half of them in
+// both 128-bit lanes (Scales16), then unit u's (sub-blocks 2u, 2u + 1) scales, 8 int16 lanes each,
+// by one in-lane byte shuffle (llama.cpp's AVX2 K-quant scale shuffle).
+struct Scales16 {
+  __m256i lo, hi;  // scales 0-7 and 8-15 as int16, in both lanes
+};
+
+inline Scales16 widen_scales(__m128i bytes) {
+  return {_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(bytes)),
+          _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(bytes, 8)))};
+}
+
 template <int U>
-inline __m256i unit_scales(__m128i bytes) {
-  const __m128i pick = _mm_setr_epi8(2 * U, 2 * U, 2 * U, 2 * U, 2 * U, 2 * U, 2 * U, 2 * U, 2 * U + 1, 2 * U + 1,
-                                     2 * U + 1, 2 * U + 1, 2 * U + 1, 2 * U + 1, 2 * U + 1, 2 * U + 1);
-  return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(bytes, pick));
+inline __m256i unit_scales(const Scales16& scales) {
+  constexpr char a = char(2 * (2 * U % 8)), b = char(2 * ((2 * U + 1) % 8));  // the int16's bytes in its half
+  const __m256i pick = _mm256_setr_epi8(a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1,
+                                        b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1);
+  return _mm256_shuffle_epi8(U < 4 ? scales.lo : scales.hi, pick);
 }
 
 template <int... U, typename Fn>
@@ -773,9 +784,11 @@ void tile_quant(const uint8_t* const* rows, const uint8_t* const* scales, const 
         for (int r = 0; r < NR; ++r) prefetch(rows[r] + ahead + sb * L.bytes, L.bytes);
       const uint8_t* b[NR];
       SuperBytes q[NR];
+      Scales16 scales[NR];
       for (int r = 0; r < NR; ++r) {
         b[r] = rows[r] + sb * L.bytes;
         q[r] = super_bytes<Q>(b[r]);
+        scales[r] = widen_scales(q[r].s);
       }
       UV sums[NR][TT];
       for (int r = 0; r < NR; ++r)
@@ -784,7 +797,7 @@ void tile_quant(const uint8_t* const* rows, const uint8_t* const* scales, const 
         UV u[NR], sc[NR];
         for (int r = 0; r < NR; ++r) {
           u[r] = super_unit<Q>(b[r], U);
-          sc[r] = unit_scales<U>(q[r].s);
+          sc[r] = unit_scales<U>(scales[r]);
         }
         const int64_t at = sb * 256 + U * kUnit;
         for (int t = 0; t < TT; ++t) {

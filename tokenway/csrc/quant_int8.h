@@ -10,8 +10,10 @@
 //   32-weight types, a float epilogue per block and token:
 //     w = s (q - c):  x . w = s dx (S - c sum(qx))       (Q4_0, Q5_0, Q8_0)
 //     w = s q + o:    x . w = s dx S + o dx sum(qx)      (Q4_1, Q5_1)
-//   K-quants: the sub-blocks' S meet their integer scales in int32 (vpmulld, and vpdpwssd for the
-//   offsets against the activation sums B), and floats enter once per super-block and token:
+//   K-quants: the sub-blocks' S meet their integer scales in int32 (vpmulld after VNNI's sums;
+//   without VNNI, madd takes maddubs's int16 sums with (sc, sc) pairs in place of ones, as
+//   llama.cpp's AVX2 dots do; vpdpwssd or madd for the offsets against the activation sums B),
+//   and floats enter once per super-block and token:
 //     Q4_K, Q5_K:  x . w = dx (d sum_j sc_j S_j - dmin sum_j min_j B_j)   (j: 8 sub-blocks of 32)
 //     Q6_K:        x . w = dx d sum_h sc_h (S_h - 32 B_h)                 (h: 16 halves of 16)
 //   Bounds, int32 (2^31 = 2147M): Q4_K, Q5_K: |sum_j sc_j S_j| <= 8 x 63 x (32 x 31 x 127) = 63.5M,
@@ -127,6 +129,8 @@ void tile_int8(const Weights& w, int64_t g, const Activations& a, int64_t t0, fl
   for (int t = 0; t < TT; ++t) fstore(y + (t0 + t) * ldy + g * kRows, acc[t], valid);
 }
 
+#define PFMODE 2
+#define PFD 4
 // Groups a K-quant tile takes at once: with AVX512's 32 registers two groups' sums fit, and each
 // activation broadcast meets both; AVX2's 16 hold one (two spill: slower than one).
 #if defined(__AVX512F__)
@@ -142,6 +146,12 @@ void tile_int8_k(const Weights& w, int64_t g, const Activations& a, int64_t t0, 
   constexpr Format F = format_of(Q);
   constexpr bool kQ6 = Q == QType::Q6_K;
   constexpr int kSums = kQ6 ? 16 : 8;
+  // Without VNNI: maddubs's int16 sums a quad adds per token (Q6_K's halves take one of their
+  // quads, the others both), and how many of them an int16 holds before madd must take them:
+  // each <= 2 (2^bits - 1) 127, so Q4_K 8 (a sub-block), Q5_K 4, Q6_K 2.
+  constexpr int kPerQuad = kQ6 ? 1 : 2;
+  constexpr int kPairsPerMadd = 32767 / (2 * ((1 << F.bits) - 1) * 127);
+  static_assert(kPairsPerMadd >= kPerQuad && 4 * kPerQuad % kPairsPerMadd == 0);
   const int64_t k = w.k, supers = k / F.super;
   const uint8_t* tiles[NG];
   for (int n = 0; n < NG; ++n) tiles[n] = w.group(g + n);
@@ -152,11 +162,6 @@ void tile_int8_k(const Weights& w, int64_t g, const Activations& a, int64_t t0, 
   alignas(64) float acc[NG][TT][kRows] = {};
   alignas(64) int32_t total[NG][TT][kRows];
   for (int64_t s = 0; s < supers; ++s, xq += 8 * TT * kSub, dx += TT, bsum += TT * kSums) {
-    // A chunk's first token tile streams its weights from memory (later ones find them in L2):
-    // the tile two ahead prefetched, so that its misses overlap these products.
-    if (t0 == 0)
-      for (int n = 0; n < NG; ++n)
-        for (int at = 0; at < F.tile_bytes(); at += 64) prefetch(tiles[n], 2 * F.tile_bytes() + at);
     FV d[NG], dmin[NG];  // loaded first: the tile's bytes are read in order
     for (int n = 0; n < NG; ++n) {
       d[n] = fhalves(tiles[n]);
@@ -165,14 +170,37 @@ void tile_int8_k(const Weights& w, int64_t g, const Activations& a, int64_t t0, 
     for (int n = 0; n < NG; ++n)
       for (int t = 0; t < TT; ++t) istore(total[n][t], izero());
     for (int j = 0; j < F.subs(); ++j) {
+      // A chunk's first token tile streams its weights from memory (later ones find them in L2):
+      // the tile two ahead prefetched, a sub-block's share of its lines at a time, so that its
+      // misses overlap these products. All of a tile's lines at once (53 for Q6_K) fill the
+      // core's miss buffers and the prefetches stall it: the head's Q6_K matmul took 11.2 ms a
+      // token that way on Zen 3, 8.7 spread.
+      if (t0 == 0) {
+        constexpr int kLines = (F.tile_bytes() + 64 * F.subs() - 1) / (64 * F.subs());
+        for (int n = 0; n < NG; ++n)
+          for (int l = 0; l < kLines; ++l) prefetch(tiles[n], 2 * F.tile_bytes() + (j * kLines + l) * 64);
+      }
       // The sub-block's sums of NG x TT, into total. Q6_K's halves have scales of their own: a pass
       // each (H), so that one half's sums fill the registers.
       auto pass = [&](auto H) {
         SubCodes<F.bits> codes[NG];
         for (int n = 0; n < NG; ++n) codes[n] = SubCodes<F.bits>(tiles[n] + F.header + j * F.sub_bytes());
-        IV sum[NG][TT];
+        IV sc[NG];  // the pass's scales: int32 (vpmulld after VNNI's sums), else (sc, sc) int16 pairs
+        for (int n = 0; n < NG; ++n) {
+          const IV s = kQ6 ? is8(tiles[n] + 64 + (2 * j + H) * kRows) : iu8(tiles[n] + 64 + j * kRows);
+          sc[n] = kWideDot ? s : ipairs(s, s);
+        }
+        IV sum[NG][TT];  // int32 with VNNI; else maddubs's int16 pairs, which madd scales into int32
         for (int n = 0; n < NG; ++n)
           for (int t = 0; t < TT; ++t) sum[n][t] = izero();
+        auto flush = [&] {
+          for (int n = 0; n < NG; ++n)
+            for (int t = 0; t < TT; ++t) {
+              const IV scaled = kWideDot ? imul32(sum[n][t], sc[n]) : imadd16(sum[n][t], sc[n]);
+              istore(total[n][t], iadd32(iload(total[n][t]), scaled));
+              sum[n][t] = izero();
+            }
+        };
         for_each_quad([&](auto P) {
           IV lo[NG], hi[NG];
           for (int n = 0; n < NG; ++n) {
@@ -184,17 +212,18 @@ void tile_int8_k(const Weights& w, int64_t g, const Activations& a, int64_t t0, 
             const int8_t* x = xq + (j * TT + t) * kSub + 4 * P;
             if constexpr (kQ6) {
               const IV xa = iquad(x + 16 * H);
-              for (int n = 0; n < NG; ++n) sum[n][t] = idot(sum[n][t], lo[n], xa);
+              for (int n = 0; n < NG; ++n)
+                sum[n][t] = kWideDot ? idot(sum[n][t], lo[n], xa) : iadd16(sum[n][t], imaddubs(lo[n], xa));
             } else {
               const IV xa = iquad(x), xb = iquad(x + 16);
-              for (int n = 0; n < NG; ++n) sum[n][t] = idot(idot(sum[n][t], lo[n], xa), hi[n], xb);
+              for (int n = 0; n < NG; ++n)
+                sum[n][t] = kWideDot ? idot(idot(sum[n][t], lo[n], xa), hi[n], xb)
+                                     : iadd16(sum[n][t], iadd16(imaddubs(lo[n], xa), imaddubs(hi[n], xb)));
             }
           }
+          if constexpr (!kWideDot && P < 3 && (P + 1) * kPerQuad % kPairsPerMadd == 0) flush();
         });
-        for (int n = 0; n < NG; ++n) {
-          const IV sc = kQ6 ? is8(tiles[n] + 64 + (2 * j + H) * kRows) : iu8(tiles[n] + 64 + j * kRows);
-          for (int t = 0; t < TT; ++t) istore(total[n][t], iadd32(iload(total[n][t]), imul32(sum[n][t], sc)));
-        }
+        flush();
       };
       pass(Const<0>{});
       if constexpr (kQ6) {

@@ -40,6 +40,11 @@ inline IV idot(IV acc, IV u, IV s) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
 #endif
 }
+// Without VNNI, the two steps of idot apart: u's unsigned bytes times s's signed ones, neighbours
+// summed into int16 (saturating past 32767), then int16 pairs' products summed into int32.
+inline IV imaddubs(IV u, IV s) { return _mm512_maddubs_epi16(u, s); }
+inline IV iadd16(IV a, IV b) { return _mm512_add_epi16(a, b); }
+inline IV imadd16(IV a, IV b) { return _mm512_madd_epi16(a, b); }
 // acc + the dot products of each dword's two int16 of a with those of b.
 inline IV idot16(IV acc, IV a, IV b) {
 #if defined(__AVX512VNNI__)
@@ -128,6 +133,9 @@ inline __m256i dot8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 inline IV idot(IV acc, IV u, IV s) { return {dot8(acc.a, u.a, s.a), dot8(acc.b, u.b, s.b)}; }
+inline IV imaddubs(IV u, IV s) { return {_mm256_maddubs_epi16(u.a, s.a), _mm256_maddubs_epi16(u.b, s.b)}; }
+inline IV iadd16(IV x, IV y) { return {_mm256_add_epi16(x.a, y.a), _mm256_add_epi16(x.b, y.b)}; }
+inline IV imadd16(IV x, IV y) { return {_mm256_madd_epi16(x.a, y.a), _mm256_madd_epi16(x.b, y.b)}; }
 inline __m256i dot16(__m256i acc, __m256i a, __m256i b) {
 #if defined(__AVXVNNI__)
   return _mm256_dpwssd_avx_epi32(acc, a, b);
