@@ -129,8 +129,6 @@ void tile_int8(const Weights& w, int64_t g, const Activations& a, int64_t t0, fl
   for (int t = 0; t < TT; ++t) fstore(y + (t0 + t) * ldy + g * kRows, acc[t], valid);
 }
 
-#define PFMODE 2
-#define PFD 4
 // Groups a K-quant tile takes at once: with AVX512's 32 registers two groups' sums fit, and each
 // activation broadcast meets both; AVX2's 16 hold one (two spill: slower than one).
 #if defined(__AVX512F__)
