@@ -61,10 +61,11 @@ def test_key_lifecycle_401_403_and_no_secret_in_logs(gated):
     assert chat(gated.base_url, None).json()["error"]["code"] == "no_api_keys"
     key = create_key(gated.db, "--name", "alice", "--models", MODEL)
     other_model_key = create_key(gated.db, "--name", "bob", "--models", "some-other-model")
-    # The CLI wrote to the same database: the server turns auth on within its 2 s refresh.
-    assert wait_for(lambda: chat(gated.base_url, None).status_code == 401)
+    # The CLI wrote to the same database: the server sees its keys within its 2 s refresh, and a
+    # call without one is then told to send one (before, every call heard that none exists yet).
+    assert wait_for(lambda: chat(gated.base_url, None).json()["error"]["code"] == "missing_api_key")
     response = chat(gated.base_url, None)
-    assert response.json()["error"]["type"] == "authentication_error"
+    assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
     assert chat(gated.base_url, key).status_code == 200
     assert chat(gated.base_url, key + "x").status_code == 401
     assert chat(gated.base_url, other_model_key).status_code == 403

@@ -5,6 +5,7 @@ no call."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import re
@@ -63,9 +64,15 @@ class _Upstream(BaseHTTPRequestHandler):
         pass
 
 
+class _WideBacklog(ThreadingHTTPServer):
+    # socketserver's default backlog of 5 drops connections from a 50-call burst on a busy
+    # machine, and the gateway then answers them 502: a failure of this stub, not of the limits.
+    request_queue_size = 256
+
+
 @pytest.fixture(scope="module")
 def upstream():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
+    server = _WideBacklog(("127.0.0.1", 0), _Upstream)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server.server_port
     server.shutdown()
@@ -120,7 +127,7 @@ def test_rpm_is_exact_across_workers_and_metrics_are_the_hosts(gateway):
 
     responses = asyncio.run(burst())
     statuses = [r.status_code for r in responses]
-    assert statuses.count(200) == 50 and statuses.count(429) == 150, statuses
+    assert statuses.count(200) == 50 and statuses.count(429) == 150, (collections.Counter(statuses), [r.text[:300] for r in responses if r.status_code not in (200, 429)])
     assert all(int(r.headers["retry-after"]) >= 1 for r in responses if r.status_code == 429)
 
     # Any worker answers for all of them: every call counted, and each worker's gauges there.
