@@ -490,8 +490,10 @@ inline __m256i decode32(const uint8_t* b, int i) {
     const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32 * (j % 2)));
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
     const __m256i low = _mm256_and_si256(j / 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
-    const __m256i high = _mm256_and_si256(shr16(qh, 2 * j), _mm256_set1_epi8(3));
-    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+    // qh's bits 2j, 2j + 1 of each byte to bits 4, 5 in one 16-bit shift (what crosses a byte
+    // lands outside bits 4, 5).
+    const __m256i moved = j == 2 ? qh : j == 3 ? _mm256_srli_epi16(qh, 2) : _mm256_slli_epi16(qh, 4 - 2 * j);
+    return _mm256_or_si256(low, _mm256_and_si256(moved, _mm256_set1_epi8(0x30)));
   } else if constexpr (Q == QType::Q2_K) {
     const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (i / 4)));
     return _mm256_and_si256(shr16(qs, 2 * (i % 4)), _mm256_set1_epi8(3));
@@ -535,16 +537,18 @@ inline SuperBytes super_bytes(const uint8_t* b) {
   if constexpr (Q == QType::Q4_K || Q == QType::Q5_K) {
     const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
     const float dmin = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 2));
-    // The 12 packed bytes -> 8 scales, then 8 mins, a byte each (llama.cpp's utmp unpacking).
-    uint32_t w[4];
-    std::memcpy(w, b + 4, 12);
-    constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
-    w[3] = ((w[2] >> 4) & kLow4) | (((w[1] >> 6) & kLow2) << 4);
-    const uint32_t mins_low = w[1] & kLow6;
-    w[1] = (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4);
-    w[2] = mins_low;
-    w[0] &= kLow6;
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    // The 12 packed bytes q -> 8 scales, then 8 mins, a byte each, in vector registers (a scalar
+    // unpack stored to memory and loaded back as a vector stalls on store forwarding):
+    // scale j < 4: q[j] & 63; j >= 4: (q[j + 4] & 15) | (q[j - 4] >> 6) << 4;
+    // min j < 4: q[j + 4] & 63; j >= 4: (q[j + 4] >> 4) | (q[j] >> 6) << 4.
+    // The 16-byte load runs 4 bytes into the codes that follow the scales.
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+    const __m128i low = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i high = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i packed = _mm_or_si128(
+        _mm_or_si128(_mm_and_si128(low, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
+                     _mm_and_si128(_mm_srli_epi16(low, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15))),
+        _mm_and_si128(_mm_srli_epi16(high, 2), _mm_set1_epi8(0x30)));
     const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // a byte per 16 weights
     return {_mm_shuffle_epi8(packed, twice), _mm_shuffle_epi8(packed, _mm_add_epi8(twice, _mm_set1_epi8(8))), d, dmin};
   } else if constexpr (Q == QType::Q6_K) {
