@@ -3,9 +3,10 @@ alternated round by round (a shared machine drifts; compare within a round).
 
     python bench/moe_ab.py FILE.gguf [ROUNDS]
 
-tokenway: LLM, one 16-token prompt, then 33 tokens greedy with ignore_eos (its prefill
-counted in: slightly pessimistic), and a fresh 512-token prompt to one token. llama.cpp:
-llama-bench -t 2 -p 512 -n 32 with its weight repacking on (its default and its fastest), except
+tokenway: LLM, greedy with ignore_eos: tg the decode of 64 tokens, as llama-bench's tg counts
+only decode steps: a fresh 16-token prompt to 65 tokens less another fresh 16-token prompt to one
+token (prefill and first token taken out); pp512 a fresh 512-token prompt to one token. llama.cpp:
+llama-bench -t 2 -p 512 -n 64 with its weight repacking on (its default and its fastest), except
 where the CPU lists AMX: there its AMX repack dies of SIGILL on VMs without the tile state, so
 --repack 0. LLAMA_REPACK=0|1 overrides. The random-weight files come from
 bench/random_moe_gguf.py."""
@@ -32,22 +33,22 @@ REPACK = os.environ.get("LLAMA_REPACK") or ("0" if "amx_tile" in cpu_flags() els
 
 
 def tokenway_round(llm: LLM, rng: random.Random) -> tuple[float, float]:
-    prompt = [rng.randrange(1000, 40000) for _ in range(16)]
-    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4, **GREEDY))  # warm
-    started = time.time()
-    llm.generate([{"prompt_token_ids": prompt[::-1]}], SamplingParams(max_tokens=33, **GREEDY))
-    decode = 32 / (time.time() - started)  # one 16-token prefill + 33 steps
-    prompt = [rng.randrange(1000, 40000) for _ in range(512)]
-    started = time.time()
-    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, **GREEDY))
-    return decode, 512 / (time.time() - started)
+    def timed(length: int, max_tokens: int) -> float:
+        prompt = [rng.randrange(1000, 40000) for _ in range(length)]  # fresh: no prefix-cache hit
+        started = time.time()
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=max_tokens, **GREEDY))
+        return time.time() - started
+
+    timed(16, 4)  # warm
+    decode = 64 / (timed(16, 65) - timed(16, 1))
+    return decode, 512 / timed(512, 1)
 
 
 def llama_cpp_round() -> tuple[float, float]:
-    cmd = [LB, "-m", path, "-t", "2", "-p", "512", "-n", "32", "-r", "1", "--repack", REPACK, "-o", "json"]
+    cmd = [LB, "-m", path, "-t", "2", "-p", "512", "-n", "64", "-r", "1", "--repack", REPACK, "-o", "json"]
     rows = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     prefill = next(r["avg_ts"] for r in rows if r["n_prompt"] == 512)
-    decode = next(r["avg_ts"] for r in rows if r["n_gen"] == 32)
+    decode = next(r["avg_ts"] for r in rows if r["n_gen"] == 64)
     return decode, prefill
 
 
