@@ -143,12 +143,22 @@ inline float half_at(const uint8_t* p) {
 }
 
 // MXFP4's E8M0 scale, halved (its codes are e2m1 values doubled): ggml_e8m0_to_fp32_half.
-inline float e8m0_half(uint8_t e) {
+constexpr float e8m0_half_of(uint8_t e) {
   const uint32_t bits = e < 2 ? uint32_t(0x00200000) << e : uint32_t(e - 1) << 23;
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
+  return __builtin_bit_cast(float, bits);
 }
+
+// All 256 of them: a block's scale is one load (a broadcast straight from the table in the tiles),
+// where the conversion took a compare, a shift and a move to the vector unit, per block and row.
+struct E8m0Table {
+  float v[256];
+  constexpr E8m0Table() : v() {
+    for (int e = 0; e < 256; ++e) v[e] = e8m0_half_of(uint8_t(e));
+  }
+};
+inline constexpr E8m0Table kE8m0Half{};
+
+inline float e8m0_half(uint8_t e) { return kE8m0Half.v[e]; }
 
 constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
