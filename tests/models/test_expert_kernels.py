@@ -171,6 +171,25 @@ def test_float_weights_meet_a_prompt_chunk_through_torch_matmul(qtype):
     torch.testing.assert_close(kernel(x[:9]), got[:9], rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
+def test_many_tokens_meet_a_row_in_groups(qtype, isa):
+    """The AVX2 builds meet 8 or more tokens a matrix in groups of 8 (csrc/expert_groups.h),
+    passes of up to 6 groups: one group, one padded, 5 in one pass, 6, 7 in two (4 + 3), 13 in
+    three; the same product to the same tolerance as the token tiles."""
+    ops_or_skip(isa)
+    blocks = valid_blocks(qtype, (37, 768), seed=3)
+    weight = gguf_weight(blocks, qtype, 37, 768).double()
+    kernel = quant_raw.RawQuantKernel(blocks, qtype, 768, isa=isa)
+    for tokens in (8, 15, 33, 48, 49, 100):
+        torch.manual_seed(tokens)
+        x = torch.randn(tokens, 768)
+        x[-1, 256:512] = 0.0  # a super-block of zeros: scale 0
+        expected = as_products_see(x, qtype) @ weight.T
+        error = (kernel(x).double() - expected).abs().max() / expected.abs().max()
+        assert error < 1e-5, f"{qtype} at {tokens} tokens: {error:.2e} of the largest output"
+
+
 def test_raw_kernel_is_the_quant_kernel_call():
     """out= a column slice of a wider output, the bias read at call time, embedding rows exact."""
     ops_or_skip(None)
@@ -291,6 +310,14 @@ def test_many_tokens_meet_decoded_rows(case, isa):
     """200 tokens: every expert chosen has >= 64 (expert 1 all 200), so the 32-weight types' rows
     are decoded to float32 (csrc/experts.cpp decoded_rows_times_tokens) rather than met as int8
     tiles: the same answers, to the same tolerances."""
+    test_experts_are_what_the_torch_kernel_computes(case, 200, isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("case", ["qwen3-q4k-q6k", "q2k-q3k-mix"])
+def test_many_tokens_meet_the_experts_rows_in_groups(case, isa):
+    """200 tokens: expert 1's 200 and the others' ~150 meet Q4_K's (gate, up) and Q5_K's (down)
+    rows in passes of token groups on the AVX2 builds: the same answers, to the same tolerances."""
     test_experts_are_what_the_torch_kernel_computes(case, 200, isa)
 
 

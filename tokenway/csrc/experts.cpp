@@ -32,7 +32,8 @@
 //
 // An expert (or dense matmul) of a 32-weight type with many tokens (kDecodedMinTokens) has its rows
 // decoded to float32 once and met by a float kernel on the same int8-rounded activations instead
-// (decoded_rows_times_tokens).
+// (decoded_rows_times_tokens). On AVX2, one of Q4_K or Q5_K with 8 or more tokens has them in
+// groups of 8 that a row's codes meet 8 tokens a maddubs (expert_groups.h).
 //
 // Paths (compile time, as native.py's isa builds choose): AVX512 with VNNI (64 weights a vector),
 // AVX2 (32, VNNI where present), and plain C++ (float products of decoded rows: the reference
@@ -1030,6 +1031,22 @@ void rows_times_tokens(const Rows& w, int64_t r0, int64_t r1, const Acts& a, con
 
 
 // ---------------------------------------------------------------------------------------------
+// Many tokens an expert on AVX2: its tokens in groups of 8 (expert_groups.h).
+
+#if defined(TOKENWAY_EXPERTS_VECTOR) && !defined(TOKENWAY_EXPERTS_512)
+#include "expert_groups.h"
+#else
+constexpr int64_t kGroupMinTokens = 8;
+constexpr bool grouped(QType) { return false; }
+struct Groups {
+  std::vector<int64_t> first;
+};
+void group_acts(const Acts&, const int64_t*, const int32_t*, int64_t, Groups&) {}
+template <QType Q>
+void grouped_rows_times_tokens(const Rows&, int64_t, int64_t, const Groups&, int64_t, int64_t, float*, int64_t) {}
+#endif
+
+// ---------------------------------------------------------------------------------------------
 // Many tokens against one matrix (an expert chosen by many of a prompt chunk's tokens, a dense
 // matmul over a chunk): each row is decoded once to float32 (in the layout of a.xq, zeros past
 // k) and meets the tokens' dx qx (a.xf, the same int8-rounded activations as the int8 path, so
@@ -1206,12 +1223,17 @@ void decoded_rows_times_tokens(const Rows& w, int64_t r0, int64_t r1, const Acts
   }
 }
 
-// The decoded path where n is large enough (decoded_path) and a.xf is filled (float_acts), else
-// the int8 (or float) tiles.
+// The grouped path where the expert's tokens are in groups (grouped, group_acts), the decoded
+// path where n is large enough (decoded_path) and a.xf is filled (float_acts), else the int8 (or
+// float) tiles.
 void matmul_rows(QType q, const Rows& w, int64_t r0, int64_t r1, const Acts& a, const int32_t* slots, int64_t n,
-                 float* y, int64_t ldy) {
+                 float* y, int64_t ldy, const Groups* groups = nullptr, int64_t expert = 0) {
   with_qtype(q, [&](auto qt) {
     constexpr QType Q = decltype(qt)::value;
+    if constexpr (grouped(Q)) {
+      if (groups != nullptr && !groups->first.empty() && groups->first[expert] >= 0)
+        return grouped_rows_times_tokens<Q>(w, r0, r1, *groups, groups->first[expert], n, y, ldy);
+    }
     if constexpr (!layout_of(Q).is_float) {
       if (decoded_path(Q, n) && !a.xf.empty()) return decoded_rows_times_tokens<Q>(w, r0, r1, a, slots, n, y, ldy);
     }
@@ -1381,6 +1403,12 @@ at::Tensor experts_forward(const at::Tensor& x_in, const at::Tensor& topk_ids_in
   for (const int64_t e : active) most = std::max(most, start[e + 1] - start[e]);
   if (decoded_path(gate.qtype, most)) float_acts(xg);
   if (!shared && decoded_path(up.qtype, most)) float_acts(xu);
+  Groups gg, gu;  // the experts with many tokens, their tokens in groups (grouped types)
+  const bool many = most >= kGroupMinTokens;
+  if (many && (grouped(gate.qtype) || (shared && grouped(up.qtype))))
+    group_acts(xg, start.data(), token_of.data(), num_experts, gg);
+  if (many && !shared && grouped(up.qtype)) group_acts(xu, start.data(), token_of.data(), num_experts, gu);
+  const Groups& g_up = shared ? gg : gu;
 
   // gate and up, the activation: h (pairs, inter) in sorted pair order.
   std::vector<float> h(pairs * inter);
@@ -1394,8 +1422,9 @@ at::Tensor experts_forward(const at::Tensor& x_in, const at::Tensor& topk_ids_in
       static thread_local std::vector<float> g, u;
       g.resize(n * width);
       u.resize(n * width);
-      matmul_rows(gate.qtype, gate.expert(e).from(r0), 0, width, xg, token_of.data() + first, n, g.data(), width);
-      matmul_rows(up.qtype, up.expert(e).from(r0), 0, width, x_up, token_of.data() + first, n, u.data(), width);
+      matmul_rows(gate.qtype, gate.expert(e).from(r0), 0, width, xg, token_of.data() + first, n, g.data(), width, &gg, e);
+      matmul_rows(up.qtype, up.expert(e).from(r0), 0, width, x_up, token_of.data() + first, n, u.data(), width, &g_up,
+                  e);
       for (int64_t i = 0; i < n; ++i) {
         float* gi = g.data() + i * width;
         float* ui = u.data() + i * width;
@@ -1413,6 +1442,8 @@ at::Tensor experts_forward(const at::Tensor& x_in, const at::Tensor& topk_ids_in
   Acts hq;
   quantize_acts(h.data(), pairs, inter, inter, act_kind(down.qtype), hq);
   if (decoded_path(down.qtype, most)) float_acts(hq);
+  Groups gh;
+  if (many && grouped(down.qtype)) group_acts(hq, start.data(), pair_ids.data(), num_experts, gh);
 
   // down: y (pairs, hidden), bias added.
   std::vector<float> y(pairs * hidden);
@@ -1424,7 +1455,7 @@ at::Tensor experts_forward(const at::Tensor& x_in, const at::Tensor& topk_ids_in
       const int64_t e = active[item / per_expert], r0 = item % per_expert * rows, r1 = std::min(hidden, r0 + rows);
       const int64_t first = start[e], n = start[e + 1] - first;
       float* yp = y.data() + first * hidden + r0;
-      matmul_rows(down.qtype, down.expert(e), r0, r1, hq, pair_ids.data() + first, n, yp, hidden);
+      matmul_rows(down.qtype, down.expert(e), r0, r1, hq, pair_ids.data() + first, n, yp, hidden, &gh, e);
       if (down_bias != nullptr)
         for (int64_t i = 0; i < n; ++i)
           for (int64_t r = r0; r < r1; ++r) yp[i * hidden + r - r0] += down_bias[e * hidden + r];
@@ -1467,13 +1498,16 @@ void raw_linear_out(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qt
   if (decoded_path(w.qtype, tokens)) float_acts(a);
   std::vector<int32_t> slots(tokens);
   for (int64_t t = 0; t < tokens; ++t) slots[t] = int32_t(t);
+  Groups groups;
+  const int64_t all[2] = {0, tokens};
+  if (grouped(w.qtype) && tokens >= kGroupMinTokens) group_acts(a, all, slots.data(), 1, groups);
   const int threads = at::get_num_threads();
   const int64_t rows = chunk_rows(n, w.row_bytes, 1, 4 * int64_t(threads));
   const int64_t items = (n + rows - 1) / rows, ldy = out.stride(0);
   float* y = out.data_ptr<float>();
   auto run = [&](int64_t item) {
     const int64_t r0 = item * rows, r1 = std::min(n, r0 + rows);
-    matmul_rows(w.qtype, w.expert(0), r0, r1, a, slots.data(), tokens, y + r0, ldy);
+    matmul_rows(w.qtype, w.expert(0), r0, r1, a, slots.data(), tokens, y + r0, ldy, &groups, 0);
     if (bias != nullptr)
       for (int64_t t = 0; t < tokens; ++t)
         for (int64_t r = r0; r < r1; ++r) y[t * ldy + r] += bias[r];
