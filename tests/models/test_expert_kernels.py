@@ -172,7 +172,7 @@ def test_float_weights_meet_a_prompt_chunk_through_torch_matmul(qtype):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "MXFP4", "Q4_0"])
 def test_many_tokens_meet_a_row_in_groups(qtype, isa):
     """The AVX2 builds meet 8 or more tokens a matrix in groups of 8 (csrc/expert_groups.h),
     passes of up to 6 groups: one group, one padded, 5 in one pass, 6, 7 in two (4 + 3), 13 in
@@ -309,7 +309,8 @@ def test_experts_are_what_the_torch_kernel_computes(case, tokens, isa):
 def test_many_tokens_meet_decoded_rows(case, isa):
     """200 tokens: every expert chosen has >= 64 (expert 1 all 200), so the 32-weight types' rows
     are decoded to float32 (csrc/experts.cpp decoded_rows_times_tokens) rather than met as int8
-    tiles: the same answers, to the same tolerances."""
+    tiles, or on AVX2 MXFP4's and Q4_0's met in token groups (expert_groups.h): the same answers,
+    to the same tolerances."""
     test_experts_are_what_the_torch_kernel_computes(case, 200, isa)
 
 

@@ -32,8 +32,8 @@
 //
 // An expert (or dense matmul) of a 32-weight type with many tokens (kDecodedMinTokens) has its rows
 // decoded to float32 once and met by a float kernel on the same int8-rounded activations instead
-// (decoded_rows_times_tokens). On AVX2, one of Q4_K or Q5_K with 8 or more tokens has them in
-// groups of 8 that a row's codes meet 8 tokens a maddubs (expert_groups.h).
+// (decoded_rows_times_tokens). On AVX2, one of Q4_K, Q5_K, MXFP4 or Q4_0 with 8 or more tokens
+// has them in groups of 8 that a row's codes meet 8 tokens a maddubs (expert_groups.h).
 //
 // Paths (compile time, as native.py's isa builds choose): AVX512 with VNNI (64 weights a vector),
 // AVX2 (32, VNNI where present), and plain C++ (float products of decoded rows: the reference
@@ -1067,7 +1067,7 @@ constexpr int64_t kDecodedRows = 16;
 
 bool decoded_path(QType q, int64_t tokens) {
   const Layout L = layout_of(q);
-  return tokens >= kDecodedMinTokens && !L.is_float && !L.super;
+  return tokens >= kDecodedMinTokens && !L.is_float && !L.super && !grouped(q);
 }
 
 // a.xf for the vector builds (the plain one has it already): dx qx in a.xq's layout, (n, kp).
