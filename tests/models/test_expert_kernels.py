@@ -174,14 +174,15 @@ def test_float_weights_meet_a_prompt_chunk_through_torch_matmul(qtype):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "MXFP4", "Q4_0"])
 def test_many_tokens_meet_a_row_in_groups(qtype, isa):
-    """The AVX2 builds meet 8 or more tokens a matrix in groups of 8 (csrc/expert_groups.h),
-    passes of up to 6 groups: one group, one padded, 5 in one pass, 6, 7 in two (4 + 3), 13 in
-    three; the same product to the same tolerance as the token tiles."""
+    """The AVX2 builds meet 8 (blocks of 32) or 16 (super-blocks) or more tokens a matrix in
+    groups of 8 (csrc/expert_groups.h), passes of up to 6 groups: one group, one padded, three
+    with the last padded, 5 in one pass, 6, 7 in two (4 + 3), 13 in three; the same product to
+    the same tolerance as the token tiles."""
     ops_or_skip(isa)
     blocks = valid_blocks(qtype, (37, 768), seed=3)
     weight = gguf_weight(blocks, qtype, 37, 768).double()
     kernel = quant_raw.RawQuantKernel(blocks, qtype, 768, isa=isa)
-    for tokens in (8, 15, 33, 48, 49, 100):
+    for tokens in (8, 15, 17, 33, 48, 49, 100):
         torch.manual_seed(tokens)
         x = torch.randn(tokens, 768)
         x[-1, 256:512] = 0.0  # a super-block of zeros: scale 0

@@ -1036,12 +1036,11 @@ void rows_times_tokens(const Rows& w, int64_t r0, int64_t r1, const Acts& a, con
 #if defined(TOKENWAY_EXPERTS_VECTOR) && !defined(TOKENWAY_EXPERTS_512)
 #include "expert_groups.h"
 #else
-constexpr int64_t kGroupMinTokens = 8;
 constexpr bool grouped(QType) { return false; }
 struct Groups {
   std::vector<int64_t> first;
 };
-void group_acts(const Acts&, const int64_t*, const int32_t*, int64_t, Groups&) {}
+void group_acts(const Acts&, QType, const int64_t*, const int32_t*, int64_t, Groups&) {}
 template <QType Q>
 void grouped_rows_times_tokens(const Rows&, int64_t, int64_t, const Groups&, int64_t, int64_t, float*, int64_t) {}
 #endif
@@ -1404,11 +1403,10 @@ at::Tensor experts_forward(const at::Tensor& x_in, const at::Tensor& topk_ids_in
   if (decoded_path(gate.qtype, most)) float_acts(xg);
   if (!shared && decoded_path(up.qtype, most)) float_acts(xu);
   Groups gg, gu;  // the experts with many tokens, their tokens in groups (grouped types)
-  const bool many = most >= kGroupMinTokens;
-  if (many && (grouped(gate.qtype) || (shared && grouped(up.qtype))))
-    group_acts(xg, start.data(), token_of.data(), num_experts, gg);
-  if (many && !shared && grouped(up.qtype)) group_acts(xu, start.data(), token_of.data(), num_experts, gu);
-  const Groups& g_up = shared ? gg : gu;
+  group_acts(xg, gate.qtype, start.data(), token_of.data(), num_experts, gg);
+  const bool same_groups = shared && grouped(up.qtype) == grouped(gate.qtype);  // up reads gate's
+  if (!same_groups) group_acts(x_up, up.qtype, start.data(), token_of.data(), num_experts, gu);
+  const Groups& g_up = same_groups ? gg : gu;
 
   // gate and up, the activation: h (pairs, inter) in sorted pair order.
   std::vector<float> h(pairs * inter);
@@ -1443,7 +1441,7 @@ at::Tensor experts_forward(const at::Tensor& x_in, const at::Tensor& topk_ids_in
   quantize_acts(h.data(), pairs, inter, inter, act_kind(down.qtype), hq);
   if (decoded_path(down.qtype, most)) float_acts(hq);
   Groups gh;
-  if (many && grouped(down.qtype)) group_acts(hq, start.data(), pair_ids.data(), num_experts, gh);
+  group_acts(hq, down.qtype, start.data(), pair_ids.data(), num_experts, gh);
 
   // down: y (pairs, hidden), bias added.
   std::vector<float> y(pairs * hidden);
@@ -1500,7 +1498,7 @@ void raw_linear_out(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qt
   for (int64_t t = 0; t < tokens; ++t) slots[t] = int32_t(t);
   Groups groups;
   const int64_t all[2] = {0, tokens};
-  if (grouped(w.qtype) && tokens >= kGroupMinTokens) group_acts(a, all, slots.data(), 1, groups);
+  group_acts(a, w.qtype, all, slots.data(), 1, groups);
   const int threads = at::get_num_threads();
   const int64_t rows = chunk_rows(n, w.row_bytes, 1, 4 * int64_t(threads));
   const int64_t items = (n + rows - 1) / rows, ldy = out.stride(0);
